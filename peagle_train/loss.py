@@ -1,0 +1,195 @@
+"""Chunked KL / cross-entropy over the draft vocab, and per-depth metrics (spec §3 "Loss and metrics").
+
+Shape legend: ``E`` grid elements, ``c`` a chunk of elements, ``H`` drafter
+hidden, ``T`` target hidden, ``Vd`` draft vocab, ``N`` tokens.
+
+The ``[E, Vd]`` fp32 logits never exist at once: each chunk's lm_head + loss runs
+under activation checkpointing, so only one chunk's logits are alive in forward
+and in backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class TargetDist:
+    """The target's next-token distribution at each token of a packed sequence.
+
+    Attributes:
+        last: ``[N, T]`` final hidden state after the target's final norm.
+        head: ``[Vd, T]`` the target head's rows for the draft vocab (frozen).
+        argmax: ``[N]`` int64 target greedy token over the *full* vocab.
+    """
+
+    last: torch.Tensor
+    head: torch.Tensor
+    argmax: torch.Tensor
+
+    def draft_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Target logits restricted to the draft vocab, ``[c, Vd]`` (float32, or float64 for float64 inputs)."""
+        dt = _acc_dtype(self.last.dtype)
+        return self.last[rows].to(dt) @ self.head.to(dt).T
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Loss accumulation dtype: float32 for half types, else the input's (float64 stays exact)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):
+    logp = F.log_softmax(lm_head(norm(h)).to(_acc_dtype(h.dtype)), dim=-1)
+    if kind == "kl":
+        tlogp = F.log_softmax(t_logits, dim=-1)
+        per = (tlogp.exp() * (tlogp - logp)).sum(-1)
+    else:
+        per = -logp.gather(-1, t_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    return (per * weight).sum(), logp.argmax(-1)
+
+
+def chunked_loss(
+    norm: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    h: torch.Tensor,
+    label_index: torch.Tensor,
+    weight: torch.Tensor,
+    target: TargetDist,
+    kind: str = "kl",
+    chunk_size: int = 2048,
+):
+    """Sum over elements of ``weight * loss`` and the drafter's greedy draft ids.
+
+    Loss (spec §3 decision): forward ``KL(p_target || p_draft)`` over the draft vocab,
+    the target distribution restricted to the draft vocab and renormalised; or
+    cross-entropy on the target's greedy token within the draft vocab (``kind="ce"``).
+
+    Args:
+        norm, lm_head: the drafter's final norm and head (``H → Vd``).
+        h: ``[E, H]`` pre-norm drafter outputs.
+        label_index: ``[E]`` int64 rows of ``target``.
+        weight: ``[E]`` float (already divided by the normaliser if wanted).
+        target: :class:`TargetDist`.
+        kind: ``"kl"`` or ``"ce"``. chunk_size: elements per chunk.
+
+    Returns:
+        ``(loss_sum scalar float32, draft_pred [E] int64 draft-vocab ids)``.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind not in ("kl", "ce"):
+        raise ValueError(f"unknown loss kind {kind!r}")
+    total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
+    preds = []
+    for s in range(0, h.shape[0], chunk_size):
+        sl = slice(s, s + chunk_size)
+        with torch.no_grad():
+            t_logits = target.draft_logits(label_index[sl])
+        w = weight[sl].to(_acc_dtype(h.dtype))
+        if torch.is_grad_enabled() and h.requires_grad:
+            part, pred = checkpoint(_chunk_loss, norm, lm_head, h[sl], t_logits, w, kind, use_reentrant=False)
+        else:
+            part, pred = _chunk_loss(norm, lm_head, h[sl], t_logits, w, kind)
+        total = total + part
+        preds.append(pred)
+    return total, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)
+
+
+@dataclass
+class DepthStats:
+    """Summed counts per depth, to be added across micro-batches/ranks, then turned into metrics.
+
+    All ``[K]`` float64: ``acc_num/acc_den`` top-1 accuracy, ``cond_num/cond_den``
+    accuracy given all shallower depths of the chain were correct.
+    """
+
+    acc_num: torch.Tensor
+    acc_den: torch.Tensor
+    cond_num: torch.Tensor
+    cond_den: torch.Tensor
+
+    @classmethod
+    def zeros(cls, K: int) -> "DepthStats":
+        z = lambda: torch.zeros(K, dtype=torch.float64)  # noqa: E731
+        return cls(z(), z(), z(), z())
+
+    def add(self, other: "DepthStats") -> "DepthStats":
+        return DepthStats(*(a + b for a, b in zip(self.as_tensor(), other.as_tensor())))
+
+    def as_tensor(self):
+        return (self.acc_num, self.acc_den, self.cond_num, self.cond_den)
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack(self.as_tensor())
+
+    @classmethod
+    def from_stacked(cls, t: torch.Tensor) -> "DepthStats":
+        return cls(*t.double().cpu().unbind(0))
+
+    def accuracy(self) -> list[float]:
+        return [float(n / d) if d > 0 else float("nan") for n, d in zip(self.acc_num, self.acc_den)]
+
+    def conditional_accuracy(self) -> list[float]:
+        return [float(n / d) if d > 0 else float("nan") for n, d in zip(self.cond_num, self.cond_den)]
+
+    def simulated_acceptance_length(self, K: int | None = None) -> float:
+        """``AL(K) = 1 + sum_{k=1..K} prod_{j<k} acc_cond(j)`` (spec §3); ``acc_cond(0)`` = depth-0 accuracy."""
+        cond = self.conditional_accuracy()
+        K = len(cond) if K is None else min(K, len(cond))
+        al, prod = 1.0, 1.0
+        for j in range(K):
+            c = cond[j]
+            if c != c:  # nan: no data at this depth
+                break
+            prod *= c
+            al += prod
+        return al
+
+
+def depth_stats(
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    weight: torch.Tensor,
+    correct: torch.Tensor,
+    in_vocab: torch.Tensor,
+    K: int,
+) -> DepthStats:
+    """Per-depth accuracy and conditional accuracy of one grid.
+
+    Args:
+        anchor, depth: ``[E]`` int64. weight: ``[E]`` (>0 = supervised).
+        correct: ``[E]`` bool, drafter greedy == target greedy.
+        in_vocab: ``[E]`` bool, target greedy is in the draft vocab (others are excluded).
+        K: depths.
+
+    Returns:
+        :class:`DepthStats` (CPU float64).
+    """
+    anchor, depth = anchor.cpu(), depth.cpu()
+    sup = (weight.cpu() > 0) & in_vocab.cpu()
+    ok = correct.cpu() & sup
+    n = int(anchor.max()) + 1 if anchor.numel() else 1
+    st = DepthStats.zeros(K)
+    chain_ok = None
+    for d in range(K):
+        sel = depth == d
+        a = anchor[sel]
+        st.acc_num[d] = ok[sel].sum()
+        st.acc_den[d] = sup[sel].sum()
+        ok_d = torch.zeros(n, dtype=torch.bool)
+        ok_d[a] = ok[sel]
+        sup_d = torch.zeros(n, dtype=torch.bool)
+        sup_d[a] = sup[sel]
+        if chain_ok is None:
+            st.cond_num[d], st.cond_den[d] = st.acc_num[d], st.acc_den[d]
+            chain_ok = ok_d
+        else:
+            given = chain_ok & sup_d
+            st.cond_num[d] = (given & ok_d).sum()
+            st.cond_den[d] = given.sum()
+            chain_ok = chain_ok & ok_d
+    return st

@@ -1,0 +1,128 @@
+"""Training objectives as ``nn.Module`` s whose ``forward`` returns ``(loss, draft_pred)``.
+
+The loss lives inside ``forward`` so DDP / FSDP2 / DeepSpeed wrap one module and
+their hooks see every parameter use. Both objectives share the drafter code:
+
+* :class:`PEagleObjective` — one forward over the whole (or one segment of the)
+  flattened N×K grid (spec §3).
+* :class:`Eagle3Objective` — the autoregressive EAGLE-3 baseline with
+  training-time test (TTT, EAGLE-3 arXiv 2503.01840 §3): step ``k`` feeds the
+  drafter's own step ``k-1`` output hidden state and the ground-truth token
+  ``x[a+1+k]`` at position ``a+k``, attending to the cached keys of steps ``< k``
+  under the same grid rule; step ``k`` is weighted ``decay**k``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import GridMeta, build_block_mask, dense_mask
+from .drafter import AttnSpec, Drafter
+from .grid import Grid
+from .loss import TargetDist, chunked_loss
+
+
+def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex") -> AttnSpec:
+    """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
+
+    ``kind="flex"``: block-sparse ``BlockMask`` (no dense tensor); ``"sdpa"``: dense
+    bool mask ``[E_q, E_kv]`` (small inputs / reference).
+    """
+    if kind == "flex":
+        return AttnSpec(block_mask=build_block_mask(q, kv))
+    if kind == "sdpa":
+        return AttnSpec(dense=dense_mask(q, kv))
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
+class PEagleObjective(nn.Module):
+    """P-EAGLE grid loss.
+
+    Args:
+        drafter: a :class:`Drafter` with ``parallel_drafting``.
+        target_head: ``[Vd, T]`` the target head's draft-vocab rows (frozen buffer).
+        loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk. attention: ``"flex"`` / ``"sdpa"``.
+    """
+
+    def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
+                 attention: str = "flex"):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
+        self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
+
+    def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
+                normaliser: float):
+        """Loss of one grid (or segment).
+
+        Args:
+            grid: elements (``[E]`` each). aux: ``[N, A*T]``. last: ``[N, T]``. argmax: ``[N]`` int64.
+            normaliser: supervised count the loss sum is divided by (whole sequence/global batch).
+
+        Returns:
+            ``(loss scalar float32, draft_pred [E] int64 draft-vocab ids)``.
+        """
+        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention)
+        hidden = self.drafter.grid_hidden(aux, grid.hidden_index)
+        h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
+        target = TargetDist(last, self.target_head, argmax)
+        loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
+                                  grid.loss_weight / normaliser, target, self.loss_kind, self.chunk_size)
+        return loss, pred
+
+
+def eagle3_tokens(grid: Grid, input_ids: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3 TTT inputs: ground-truth token ``x[a+1+d]`` for every element ``(a, d)``."""
+    return input_ids[grid.anchor + 1 + grid.depth]
+
+
+class Eagle3Objective(nn.Module):
+    """EAGLE-3 TTT loss over the grid's depths (depth = TTT step), weights ``decay**step``.
+
+    Args:
+        drafter: a :class:`Drafter` without parallel drafting (usually 1 layer).
+        target_head, loss, chunk_size, attention: as :class:`PEagleObjective`.
+        decay: step weight base (0.8 in EAGLE-3).
+    """
+
+    def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
+                 attention: str = "flex", decay: float = 0.8):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
+        self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
+
+    def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
+                normaliser: float, input_ids: torch.Tensor):
+        """TTT unroll over ``grid.depth`` steps; returns ``(loss, draft_pred [E])`` in grid order.
+
+        ``grid`` must be depth-major and each depth's anchors a subset of the previous
+        depth's (as :func:`~peagle_train.grid.cod_sample` guarantees).
+        """
+        target = TargetDist(last, self.target_head, argmax)
+        tokens = eagle3_tokens(grid, input_ids)
+        K = int(grid.depth.max()) + 1
+        total = None
+        preds = torch.empty_like(grid.anchor)
+        past, kv_meta, prev_h, prev_anchor = None, None, None, None
+        for k in range(K):
+            idx = (grid.depth == k).nonzero().flatten()
+            if idx.numel() == 0:
+                break
+            step = grid.select(idx)
+            if k == 0:
+                hidden = self.drafter.project_aux(aux[step.anchor].to(self.drafter.fc.weight.dtype))
+            else:
+                hidden = prev_h[torch.searchsorted(prev_anchor, step.anchor)]
+            qm = GridMeta.of(step)
+            kv_meta = qm if kv_meta is None else GridMeta(*(torch.cat([a, b]) for a, b in zip(
+                (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
+            spec = make_attn_spec(qm, kv_meta, kind=self.attention)
+            h, past = self.drafter(tokens[idx], hidden, step.position_ids, spec, past_kv=past)
+            w = step.loss_weight * (self.decay ** k) / normaliser
+            part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
+                                      self.loss_kind, self.chunk_size)
+            total = part if total is None else total + part
+            preds[idx] = pred
+            prev_h, prev_anchor = h, step.anchor
+        return total, preds
