@@ -126,7 +126,9 @@ class TrainConfig(_Section):
     loss: Literal["kl", "ce"] = "kl"
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
     features: Literal["online", "cache"] = "cache"
-    attention: Literal["flex", "sdpa"] = "flex"
+    attention: Literal["auto", "flex", "sdpa"] = Field(
+        "auto", description="auto = FlexAttention on CUDA, dense-mask SDPA on CPU (flex has no CPU backward)."
+    )
     lr: float = Field(3e-4, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -141,6 +143,8 @@ class TrainConfig(_Section):
     mixed_precision: Literal["no", "bf16"] = "no"
     activation_checkpointing: bool = False
     log_every: int = Field(10, ge=1)
+    eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")
+    eval_sequences: int = Field(32, ge=1, description="Eval-split sequences used for the in-training eval.")
     save_every: int | None = Field(None, ge=1)
     keep_last: int = Field(2, ge=1)
     seed: int = 0

@@ -1,0 +1,92 @@
+"""``peagle-train`` console script: one subcommand per pipeline stage, and ``run`` for all of them.
+
+Usage::
+
+    peagle-train run recipes/smollm2-135m.yaml [section.key=value ...] [--overwrite]
+    peagle-train {prepare,cache,train,export,eval} RECIPE [overrides ...]
+    peagle-train check EXPORT_DIR
+    peagle-train push EXPORT_DIR REPO_ID [--public] [--dry-run]
+
+Exit status 2 with a one-paragraph message for invalid recipes and bad input;
+tracebacks only for genuine bugs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+STAGES = ("prepare", "cache", "train", "export", "eval", "run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="peagle-train", description="Train P-EAGLE drafters for vLLM.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in STAGES:
+        s = sub.add_parser(name, help=f"run the {name} stage" if name != "run" else "run every stage")
+        s.add_argument("recipe", help="YAML recipe, e.g. recipes/smollm2-135m.yaml")
+        s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+        s.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+        s.add_argument("--quiet", action="store_true", help="no progress bars")
+    c = sub.add_parser("check", help="contract-check an export directory against vLLM's loader")
+    c.add_argument("export_dir")
+    h = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
+    h.add_argument("export_dir")
+    h.add_argument("repo_id")
+    h.add_argument("--public", action="store_true", help="create a public repo (default private)")
+    h.add_argument("--dry-run", action="store_true", help="list what would be uploaded; no network")
+    return p
+
+
+def _stage(args) -> object:
+    from .config import load_config
+    from . import stages
+
+    cfg = load_config(args.recipe, args.overrides)
+    progress = not args.quiet
+    if args.command == "run":
+        return stages.run_all(cfg, overwrite=args.overwrite, progress=progress)
+    stages.claim_output_dir(cfg, args.overwrite)
+    if args.command == "prepare":
+        return stages.run_prepare(cfg, progress)
+    if args.command == "cache":
+        return str(stages.run_cache(cfg, progress))
+    if args.command == "train":
+        from .train import run_train
+
+        m = run_train(cfg, progress)
+        return {k: v for k, v in m.items() if k != "history"}
+    if args.command == "export":
+        return str(stages.run_export(cfg))
+    return stages.run_eval(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .config import ConfigError
+
+    try:
+        if args.command in STAGES:
+            result = _stage(args)
+        elif args.command == "check":
+            from .check import check_export
+
+            problems = check_export(args.export_dir)
+            for pr in problems:
+                print(f"FAIL {pr}")
+            print("OK: export matches the vLLM contract" if not problems else f"{len(problems)} problem(s)")
+            return 1 if problems else 0
+        else:
+            from .hub import push_to_hub
+
+            result = push_to_hub(args.export_dir, args.repo_id, private=not args.public, dry_run=args.dry_run)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"peagle-train: error: {e}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(json.dumps(result, indent=1, default=str)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

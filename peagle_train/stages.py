@@ -1,0 +1,180 @@
+"""The pipeline stages, each a function of the validated config: prepare → cache → train → export → eval.
+
+Every stage writes under ``cfg.output_dir`` and can be re-run: finished work is
+kept (prepared data is reused, the feature cache resumes at the first missing
+shard, training resumes from the newest complete checkpoint). An output folder
+that already holds a run of a *different* recipe is refused before any work.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
+
+_IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
+
+
+def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
+    """Create ``output_dir`` or check it holds a run of the same recipe.
+
+    Raises:
+        ConfigError: the folder holds a run whose target/data/regen/drafter/train
+            sections differ (lists the differing keys); nothing is deleted.
+    """
+    out = Path(cfg.output_dir)
+    stamp = out / "run_config.yaml"
+    mine = cfg.model_dump(mode="json")
+    if stamp.exists() and not overwrite:
+        theirs = yaml.safe_load(stamp.read_text()) or {}
+        diffs = [f"{s}.{k}" for s in _IDENTITY_SECTIONS for k in set(mine.get(s, {})) | set(theirs.get(s, {}))
+                 if mine.get(s, {}).get(k) != theirs.get(s, {}).get(k)]
+        if diffs:
+            raise ConfigError(
+                f"output_dir '{out}' already holds a run of a different recipe (differs in: {', '.join(sorted(diffs))}); "
+                "choose another output_dir (e.g. output_dir=checkpoints/new-run) or pass --overwrite to replace it")
+        return out
+    if overwrite and out.exists():
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, stamp)
+    return out
+
+
+def _save_split(rows: list[dict], path: Path) -> None:
+    from datasets import Dataset
+
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
+                       "loss_mask": [r["loss_mask"] for r in rows]}).save_to_disk(str(tmp))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
+    """Load prompts, regenerate responses with the target, tokenise with assistant-only masks.
+
+    Writes ``<output_dir>/data/{train,eval}`` (``datasets`` on disk) and ``data/meta.json``.
+    Skipped when the data already exists.
+
+    Raises:
+        ConfigError: mask token out of range or present in the data.
+    """
+    from data_prep.regenerate import regenerate
+    from data_prep.sources import load_conversations, split_train_eval
+    from data_prep.template import tokenize_conversation
+
+    from .target import load_target
+
+    out = Path(cfg.output_dir) / "data"
+    if (out / "meta.json").exists():
+        return json.loads((out / "meta.json").read_text())
+    target = load_target(cfg.target)
+    validate_against_target(cfg, target.config.vocab_size, target.config.num_hidden_layers)
+    t0 = time.perf_counter()
+    convs, src_report = load_conversations(cfg.data)
+    train_c, eval_c = split_train_eval(convs, cfg.data.eval_fraction, cfg.data.seed)
+    meta: dict = {"source": src_report, "target": cfg.target.name, "splits": {}}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, split in (("train", train_c), ("eval", eval_c)):
+        if not split:
+            continue
+        regen_report = None
+        if cfg.regen.enabled:
+            split, regen_report = regenerate(target.model, target.tokenizer, split, cfg.regen,
+                                             cfg.data.max_prompt_tokens, progress=progress)
+        rows, dropped = [], 0
+        for conv in split:
+            r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong)
+            if r is None or sum(r["loss_mask"]) == 0:
+                dropped += 1
+                continue
+            rows.append(r)
+        hits = sum(1 for r in rows if cfg.drafter.mask_token_id in r["input_ids"])
+        validate_mask_token_absent(cfg, hits > 0, f"{hits} {name} sequences")
+        if name == "train" and not rows:
+            raise ConfigError(f"{cfg.source_file}: no training sequence survived tokenisation "
+                              f"(data.max_length={cfg.data.max_length}, data.overlong={cfg.data.overlong})")
+        _save_split(rows, out / name)
+        lengths = sorted(len(r["input_ids"]) for r in rows)
+        meta["splits"][name] = {
+            "sequences": len(rows), "dropped_overlong_or_empty": dropped,
+            "tokens": sum(lengths), "supervised_tokens": sum(sum(r["loss_mask"]) for r in rows),
+            "median_length": lengths[len(lengths) // 2] if lengths else 0, "regeneration": regen_report,
+        }
+    meta["seconds"] = time.perf_counter() - t0
+    (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    return meta
+
+
+def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
+    """Write the hidden-state cache for both splits (``features: cache`` only; resumable)."""
+    from .features import write_cache
+    from .target import load_target
+    from .train import load_prepared
+
+    if cfg.train.features != "cache":
+        return None
+    root = Path(cfg.output_dir) / "features"
+    data = load_prepared(Path(cfg.output_dir))
+    target = None
+    for split in ("train", "eval"):
+        if (root / split / "manifest.json").exists() and json.loads((root / split / "manifest.json").read_text()).get("complete"):
+            continue
+        target = target or load_target(cfg.target)
+        write_cache(target, data[split]["input_ids"], root / split, batch_size=cfg.regen.batch_size, progress=progress)
+    return root
+
+
+def run_export(cfg: RunConfig) -> Path:
+    """Export ``<output_dir>/drafter`` to ``<output_dir>/export`` in vLLM's layout (spec §5), contract-checked."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .export import export_vllm
+    from .target import materialise_target
+    from .train import load_drafter_dir
+
+    out = Path(cfg.output_dir)
+    drafter = load_drafter_dir(out / "drafter")
+    tpath = materialise_target(cfg.target)
+    tok = AutoTokenizer.from_pretrained(str(tpath))
+    metrics = json.loads((out / "train_metrics.json").read_text()) if (out / "train_metrics.json").exists() else {}
+    meta = json.loads((out / "data" / "meta.json").read_text()) if (out / "data" / "meta.json").exists() else {}
+    card = {"train": {k: v for k, v in metrics.items() if k != "history"}, "data": meta, "recipe": cfg.model_dump(mode="json")}
+    return export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name,
+                       dtype=getattr(torch, cfg.export.dtype), card=card, overwrite=True)
+
+
+def run_eval(cfg: RunConfig) -> dict:
+    """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``."""
+    from . import evaluate
+    from .export import load_exported
+    from .target import load_target
+
+    out = Path(cfg.output_dir)
+    target = load_target(cfg.target)
+    drafter = load_exported(out / "export").to(target.device)
+    return evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
+                             drafter_name=f"{cfg.train.method} ({out / 'export'})", trained_K=cfg.train.K)
+
+
+def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> dict:
+    """prepare → cache → train → export → eval; returns the eval summary."""
+    from .train import run_train
+
+    claim_output_dir(cfg, overwrite)
+    run_prepare(cfg, progress)
+    run_cache(cfg, progress)
+    run_train(cfg, progress)
+    run_export(cfg)
+    return run_eval(cfg)

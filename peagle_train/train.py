@@ -1,0 +1,402 @@
+"""The training loop on ``accelerate``: one optimizer step = micro-batches × partition segments.
+
+Per optimizer step (spec §3 "Sequence partitioning", STYLE: loss normalised by
+the global supervised count):
+
+1. draw ``grad_accum`` micro-batches (each packs ``micro_batch_size`` sequences,
+   documents kept apart by ``doc_ids``), fetch their target features (cache or
+   online), sample COD and build each grid;
+2. all-reduce the supervised count over micro-batches and ranks → ``G``;
+3. for every micro-batch and every partition segment: forward, loss =
+   ``sum(own supervised losses) / (G / world)`` (DDP averages over ranks), backward;
+   gradients are synchronised only on the very last backward (``no_sync`` before);
+4. clip, skip the step if the grad norm is not finite, AdamW, cosine schedule.
+
+Checkpoints are written atomically (temp dir + rename, a ``COMPLETE`` marker)
+and hold weights, optimizer, scheduler, RNG states (``accelerate.save_state``)
+and the data position, so a run resumes exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig, dump_config
+from .drafter import Drafter, make_drafter_config
+from .features import CachedFeatures, OnlineFeatures, pack
+from .grid import build_grid, cod_sample, supervised_count
+from .loss import DepthStats, depth_stats
+from .objective import Eagle3Objective, PEagleObjective
+from .partition import plan_partitions
+from .vocab import select_draft_vocab, token_frequencies
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    """``auto`` → ``flex`` on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU backward)."""
+    if kind != "auto":
+        return kind
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
+    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows."""
+    peagle = cfg.train.method == "peagle"
+    dcfg = make_drafter_config(
+        target_config,
+        aux_layer_ids=aux_layer_ids,
+        draft_vocab_size=int(draft_ids.numel()),
+        mask_token_id=cfg.drafter.mask_token_id if peagle else None,
+        num_layers=cfg.drafter.num_layers,
+        hidden_size=cfg.drafter.hidden_size,
+        intermediate_size=cfg.drafter.intermediate_size,
+        num_attention_heads=cfg.drafter.num_attention_heads,
+        num_key_value_heads=cfg.drafter.num_key_value_heads,
+        head_dim=cfg.drafter.head_dim,
+        parallel_drafting=peagle,
+        K=cfg.train.K,
+        allow_hidden_size_mismatch=cfg.drafter.allow_hidden_size_mismatch,
+    )
+    torch.manual_seed(cfg.train.seed)
+    drafter = Drafter(dcfg)
+    if embed.shape[1] == dcfg.hidden_size:
+        drafter.init_from_target(embed.float(), head.float(), draft_ids)
+    else:
+        drafter.set_draft_vocab(draft_ids)
+    return drafter
+
+
+def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """Deterministic per-(step, rank, micro-batch) CPU generator for COD sampling."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + rank) * 101 + micro)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Deterministic shuffle of ``range(n)`` for an epoch."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+
+
+class Trainer:
+    """Owns the accelerate objects and the loop; built by :func:`run_train`."""
+
+    def __init__(self, cfg: RunConfig, data: dict, features, target_config, aux_layer_ids, accelerator=None):
+        from accelerate import Accelerator
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+        self.cfg, self.tc = cfg, cfg.train
+        self.out = Path(cfg.output_dir)
+        self.acc = accelerator or Accelerator(
+            mixed_precision=self.tc.mixed_precision, cpu=not torch.cuda.is_available(),
+            log_with="tensorboard", project_dir=str(self.out / "logs"),
+        )
+        self.train_ids, self.train_masks = data["train"]["input_ids"], data["train"]["loss_mask"]
+        self.eval_ids, self.eval_masks = data["eval"]["input_ids"], data["eval"]["loss_mask"]
+        self.features, self.eval_features = features["train"], features["eval"]
+        V = target_config.vocab_size
+        counts = token_frequencies(zip(self.train_ids, self.train_masks), V)
+        mask_id = cfg.drafter.mask_token_id
+        Vd = cfg.drafter.draft_vocab_size or V
+        self.draft_ids = select_draft_vocab(counts, Vd, exclude=[mask_id] if mask_id is not None else [])
+        head = self.features.target_head()
+        embed = self.features.target_embeddings()
+        drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head)
+        drafter.gradient_checkpointing = self.tc.activation_checkpointing
+        self.device = self.acc.device
+        self.attention = resolve_attention(self.tc.attention, self.device)
+        Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
+        kw = {} if self.tc.method == "peagle" else {"decay": self.tc.ttt_decay}
+        objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
+                        attention=self.attention, **kw)
+        opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
+                                weight_decay=self.tc.weight_decay)
+        world = self.acc.num_processes
+        per_step = self.tc.micro_batch_size * self.tc.grad_accum * world
+        if len(self.train_ids) < per_step:
+            raise ValueError(f"{len(self.train_ids)} training sequences < one optimizer step's {per_step} "
+                             "(micro_batch_size × grad_accum × world size); add data or lower the batch")
+        self.steps_per_epoch = len(self.train_ids) // per_step
+        self.total_steps = self.tc.max_steps or self.steps_per_epoch * self.tc.epochs
+        sched = get_cosine_with_min_lr_schedule_with_warmup(
+            opt, num_warmup_steps=math.ceil(self.tc.warmup_ratio * self.total_steps),
+            num_training_steps=self.total_steps, min_lr_rate=self.tc.min_lr_ratio)
+        self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
+        self.step = 0
+        self.history: list[dict] = []
+
+    # -- data ---------------------------------------------------------------------------------
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """Sequence indices of this rank's micro-batches for optimizer step ``step`` (0-based)."""
+        world, rank = self.acc.num_processes, self.acc.process_index
+        mbs, ga = self.tc.micro_batch_size, self.tc.grad_accum
+        per_step = mbs * ga * world
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = epoch_order(len(self.train_ids), self.tc.seed, epoch)
+        chunk = order[within * per_step:(within + 1) * per_step]
+        mine = chunk[rank * mbs * ga:(rank + 1) * mbs * ga]
+        return [mine[i * mbs:(i + 1) * mbs] for i in range(ga)]
+
+    def prepare_micro(self, indices, source, ids, masks, gen):
+        feats = source.get(indices)
+        packed = pack(feats, [ids[i] for i in indices], [masks[i] for i in indices], self.device)
+        K = self.tc.K
+        r, r_min = (self.tc.cod_r, self.tc.cod_r_min) if self.tc.method == "peagle" else (1.0, 1.0)
+        kept = cod_sample(packed["loss_mask"], packed["doc_ids"], K, r, r_min, self.tc.max_anchors, gen)
+        mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
+        grid = build_grid(packed["input_ids"], packed["loss_mask"], packed["doc_ids"], kept, mask_id)
+        return packed, grid
+
+    def _forward(self, packed, grid, normaliser):
+        p = self.model
+        args = (grid, packed["aux"], packed["last"], packed["argmax"], normaliser)
+        if self.tc.method == "eagle3":
+            return p(*args, packed["input_ids"])
+        return p(*args)
+
+    def _stats(self, packed, grid, pred) -> DepthStats:
+        drafter = self.acc.unwrap_model(self.model).drafter
+        tgt = packed["argmax"][grid.label_index]
+        correct = drafter.draft_to_target(pred) == tgt
+        return depth_stats(grid.anchor, grid.depth, grid.loss_weight, correct, drafter.t2d[tgt], self.tc.K)
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        micros = [self.prepare_micro(ix, self.features, self.train_ids, self.train_masks,
+                                     step_generator(self.tc.seed, self.step, self.acc.process_index, m))
+                  for m, ix in enumerate(self.micro_batches(self.step))]
+        local = torch.tensor([sum(supervised_count(g) for _, g in micros)], dtype=torch.float64, device=self.device)
+        global_count = float(self.acc.reduce(local, reduction="sum").item())
+        normaliser = max(global_count, 1.0) / self.acc.num_processes
+        stats = DepthStats.zeros(self.tc.K)
+        loss_total, positions = 0.0, 0
+        plans = []
+        for packed, grid in micros:
+            n = packed["input_ids"].numel()
+            segs = plan_partitions(grid, n, self.tc.partitions) if self.tc.method == "peagle" else None
+            plans.append(segs)
+        n_backward = sum(len(s) if s else 1 for s in plans)
+        done = 0
+        self.model.train()
+        for (packed, grid), segs in zip(micros, plans):
+            for seg in (segs or [None]):
+                done += 1
+                g = seg.apply(grid) if seg is not None else grid
+                ctx = contextlib.nullcontext() if done == n_backward else self.acc.no_sync(self.model)
+                with ctx:
+                    with self.acc.autocast():
+                        loss, pred = self._forward(packed, g, normaliser)
+                    self.acc.backward(loss)
+                loss_total += float(loss.detach())
+                positions += len(g)
+                own = g if seg is None else g.select(seg.owned.nonzero().flatten())
+                own_pred = pred if seg is None else pred[seg.owned]
+                stats = stats.add(self._stats(packed, own, own_pred))
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
+        grad_norm = float(grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        summed = self.acc.reduce(torch.tensor([loss_total], device=self.device), reduction="sum")
+        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step, "loss": float(summed) / self.acc.num_processes * 1.0,
+               "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped,
+               "positions_per_s": positions * self.acc.num_processes / dt, "supervised": global_count,
+               "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length()}
+        if torch.cuda.is_available():
+            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and per-depth metrics on the eval split (no COD drop: r = r_min = 1 for all depths)."""
+        self.model.eval()
+        n = min(len(self.eval_ids), self.tc.eval_sequences)
+        idx = list(range(self.acc.process_index, n, self.acc.num_processes))
+        stats, loss_sum, count = DepthStats.zeros(self.tc.K), 0.0, 0.0
+        mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
+        for i in idx:
+            feats = self.eval_features.get([i])
+            packed = pack(feats, [self.eval_ids[i]], [self.eval_masks[i]], self.device)
+            kept = cod_sample(packed["loss_mask"], packed["doc_ids"], self.tc.K, 1.0, 1.0)
+            grid = build_grid(packed["input_ids"], packed["loss_mask"], packed["doc_ids"], kept, mask_id)
+            c = supervised_count(grid)
+            if c == 0:
+                continue
+            with self.acc.autocast():
+                loss, pred = self._forward(packed, grid, 1.0)
+            loss_sum += float(loss)
+            count += c
+            stats = stats.add(self._stats(packed, grid, pred))
+        tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
+        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
+        self.model.train()
+        return {"eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
+                "eval_cond_acc": st.conditional_accuracy(),
+                "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)}}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint ``checkpoints/step-XXXXXXXX`` (temp dir + rename + COMPLETE marker); keeps the last k."""
+        root = self.out / "checkpoints"
+        final = root / f"step-{self.step:08d}"
+        tmp = root / f".tmp-step-{self.step:08d}"
+        if self.acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp))
+        if self.acc.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "history": self.history}))
+            (tmp / "COMPLETE").write_text("ok")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            ckpts = sorted(p for p in root.glob("step-*") if (p / "COMPLETE").exists())
+            for old in ckpts[: -self.tc.keep_last]:
+                shutil.rmtree(old)
+        self.acc.wait_for_everyone()
+        return final
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint, if any; returns whether one was loaded."""
+        root = self.out / "checkpoints"
+        ckpts = sorted(p for p in root.glob("step-*") if (p / "COMPLETE").exists()) if root.exists() else []
+        if not ckpts:
+            return False
+        self.acc.load_state(str(ckpts[-1]))
+        state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+        self.step, self.history = state["step"], state["history"]
+        return True
+
+    def save_drafter(self) -> Path:
+        """Write the trained drafter (fp32 safetensors + config) to ``<output_dir>/drafter`` atomically."""
+        from safetensors.torch import save_file
+
+        drafter = self.acc.unwrap_model(self.model).drafter
+        out = self.out / "drafter"
+        if self.acc.is_main_process:
+            tmp = self.out / ".tmp-drafter"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            sd = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
+                  for k, v in drafter.state_dict().items()}
+            save_file(sd, str(tmp / "model.safetensors"))
+            drafter.config.to_json_file(str(tmp / "config.json"))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        self.acc.wait_for_everyone()
+        return out
+
+    # -- loop --------------------------------------------------------------------------------------
+    def fit(self, progress: bool = True) -> dict:
+        from tqdm import tqdm
+
+        self.acc.init_trackers("peagle_train")
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
+                   disable=not (progress and self.acc.is_local_main_process))
+        while self.step < self.total_steps:
+            rec = self.train_step()
+            self.history.append(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", pos_s=f"{rec['positions_per_s']:.0f}")
+            if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
+                self.acc.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=self.step)
+            if self.tc.eval_every and self.step % self.tc.eval_every == 0 and self.step < self.total_steps:
+                ev = self.evaluate()
+                rec.update(ev)
+                self.acc.log({"eval_loss": ev["eval_loss"], "eval_sim_al": ev["eval_sim_al"][self.tc.K]}, step=self.step)
+            if self.tc.save_every and self.step % self.tc.save_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        final = self.evaluate()
+        self.acc.end_training()
+        return final
+
+
+def load_drafter_dir(path: str | Path) -> Drafter:
+    """Load a drafter written by :meth:`Trainer.save_drafter` (fp32, CPU).
+
+    Raises:
+        FileNotFoundError: with the command to run first.
+    """
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    path = Path(path)
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}/model.safetensors not found: run `peagle-train train RECIPE` first")
+    config = LlamaConfig.from_json_file(str(path / "config.json"))
+    drafter = Drafter(config)
+    drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+    return drafter
+
+
+def load_prepared(out_dir: Path):
+    """Read the tokenised train/eval splits written by ``prepare``.
+
+    Raises:
+        FileNotFoundError: with the command to run first.
+    """
+    from datasets import load_from_disk
+
+    d = out_dir / "data"
+    if not (d / "train").exists():
+        raise FileNotFoundError(f"{d}/train not found: run `peagle-train prepare RECIPE` first")
+    out = {}
+    for split in ("train", "eval"):
+        ds = load_from_disk(str(d / split)) if (d / split).exists() else None
+        out[split] = {"input_ids": list(ds["input_ids"]) if ds is not None else [],
+                      "loss_mask": list(ds["loss_mask"]) if ds is not None else []}
+    if not out["eval"]["input_ids"]:
+        out["eval"] = out["train"]
+    return out
+
+
+def run_train(cfg: RunConfig, progress: bool = True) -> dict:
+    """The ``train`` stage: features (cache or online) → drafter → ``<output_dir>/drafter``.
+
+    Returns:
+        the final eval metrics (also written to ``<output_dir>/train_metrics.json``).
+    """
+    from transformers import AutoConfig
+
+    from .target import default_aux_layer_ids, load_target, materialise_target
+
+    out = Path(cfg.output_dir)
+    data = load_prepared(out)
+    tpath = materialise_target(cfg.target)
+    tconf = AutoConfig.from_pretrained(str(tpath))
+    aux_ids = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
+    if cfg.train.features == "cache":
+        feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
+    else:
+        target = load_target(cfg.target)
+        feats = {"train": OnlineFeatures(target, data["train"]["input_ids"]),
+                 "eval": OnlineFeatures(target, data["eval"]["input_ids"])}
+    trainer = Trainer(cfg, data, feats, tconf, aux_ids)
+    if trainer.acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "resolved_config.yaml")
+    trainer.resume()
+    t0 = time.perf_counter()
+    final = trainer.fit(progress=progress)
+    trainer.save_drafter()
+    metrics = {"method": cfg.train.method, "K": cfg.train.K, "steps": trainer.step,
+               "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),
+               "final": final, "history": trainer.history}
+    if trainer.acc.is_main_process:
+        (out / "train_metrics.json").write_text(json.dumps(metrics, indent=1))
+    return metrics
