@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from .tokenized import save_tokenized
 from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
@@ -47,23 +48,10 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     return out
 
 
-def _save_split(rows: list[dict], path: Path) -> None:
-    from datasets import Dataset
-
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
-                       "loss_mask": [r["loss_mask"] for r in rows]}).save_to_disk(str(tmp))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-
-
 def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
     """Load prompts, regenerate responses with the target, tokenise with assistant-only masks.
 
-    Writes ``<output_dir>/data/{train,eval}`` (``datasets`` on disk) and ``data/meta.json``.
+    Writes ``<output_dir>/data/{train,eval}.safetensors`` (:mod:`peagle_train.tokenized`) and ``data/meta.json``.
     Skipped when the data already exists.
 
     Raises:
@@ -104,7 +92,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
         if name == "train" and not rows:
             raise ConfigError(f"{cfg.source_file}: no training sequence survived tokenisation "
                               f"(data.max_length={cfg.data.max_length}, data.overlong={cfg.data.overlong})")
-        _save_split(rows, out / name)
+        save_tokenized(rows, out / f"{name}.safetensors")
         lengths = sorted(len(r["input_ids"]) for r in rows)
         meta["splits"][name] = {
             "sequences": len(rows), "dropped_overlong_or_empty": dropped,
@@ -130,7 +118,7 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     for split in ("train", "eval"):
         if (root / split / "manifest.json").exists() and json.loads((root / split / "manifest.json").read_text()).get("complete"):
             continue
-        target = target or load_target(cfg.target)
+        target = target or load_target(cfg.target, with_tokenizer=False)
         write_cache(target, data[split]["input_ids"], root / split, batch_size=cfg.regen.batch_size, progress=progress)
     return root
 

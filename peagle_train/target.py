@@ -172,8 +172,10 @@ class Target:
         return {"aux": aux, "last": hs[-1], "argmax": out.logits.argmax(-1)}
 
 
-def load_target(cfg: TargetConfig) -> Target:
+def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
     """Materialise (if GGUF) and load the target frozen, in ``cfg.dtype`` on ``cfg.device``.
+
+    ``with_tokenizer=False`` skips the tokenizer (feature caching needs only the model).
 
     Raises:
         TargetLoadError: see :func:`materialise_target`.
@@ -185,11 +187,11 @@ def load_target(cfg: TargetConfig) -> Target:
     dtype = getattr(torch, cfg.dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path)) if with_tokenizer else None
     except OSError as e:
         raise TargetLoadError(f"target.path '{path}': {e}") from e
     model.to(pick_device(cfg.device)).eval().requires_grad_(False)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
-    if tok.pad_token_id is None:
+    if tok is not None and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return Target(model=model, tokenizer=tok, aux_layer_ids=list(ids), path=str(path))

@@ -301,7 +301,9 @@ class Trainer:
         return out
 
     # -- loop --------------------------------------------------------------------------------------
-    def fit(self, progress: bool = True) -> dict:
+    def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
+        """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
+        (a planned interruption: the schedule still targets ``total_steps``)."""
         from tqdm import tqdm
 
         self.acc.init_trackers("peagle_train")
@@ -320,6 +322,10 @@ class Trainer:
                 self.acc.log({"eval_loss": ev["eval_loss"], "eval_sim_al": ev["eval_sim_al"][self.tc.K]}, step=self.step)
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
+            if stop_at is not None and self.step >= stop_at:
+                self.save_checkpoint()
+                bar.close()
+                return None
         bar.close()
         final = self.evaluate()
         self.acc.end_training()
@@ -344,29 +350,24 @@ def load_drafter_dir(path: str | Path) -> Drafter:
     return drafter
 
 
-def load_prepared(out_dir: Path):
-    """Read the tokenised train/eval splits written by ``prepare``.
+def load_prepared(out_dir: Path) -> dict:
+    """Read the tokenised ``train``/``eval`` splits written by ``prepare`` (eval falls back to train).
 
     Raises:
         FileNotFoundError: with the command to run first.
     """
-    from datasets import load_from_disk
+    from .tokenized import load_tokenized
 
-    d = out_dir / "data"
-    if not (d / "train").exists():
-        raise FileNotFoundError(f"{d}/train not found: run `peagle-train prepare RECIPE` first")
-    out = {}
-    for split in ("train", "eval"):
-        ds = load_from_disk(str(d / split)) if (d / split).exists() else None
-        out[split] = {"input_ids": list(ds["input_ids"]) if ds is not None else [],
-                      "loss_mask": list(ds["loss_mask"]) if ds is not None else []}
-    if not out["eval"]["input_ids"]:
-        out["eval"] = out["train"]
+    d = Path(out_dir) / "data"
+    out = {"train": load_tokenized(d / "train.safetensors")}
+    out["eval"] = load_tokenized(d / "eval.safetensors") if (d / "eval.safetensors").exists() else out["train"]
     return out
 
 
-def run_train(cfg: RunConfig, progress: bool = True) -> dict:
+def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None) -> dict:
     """The ``train`` stage: features (cache or online) → drafter → ``<output_dir>/drafter``.
+
+    ``stop_at``: checkpoint and return after that optimizer step (resume later by calling again).
 
     Returns:
         the final eval metrics (also written to ``<output_dir>/train_metrics.json``).
@@ -383,7 +384,7 @@ def run_train(cfg: RunConfig, progress: bool = True) -> dict:
     if cfg.train.features == "cache":
         feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
     else:
-        target = load_target(cfg.target)
+        target = load_target(cfg.target, with_tokenizer=False)
         feats = {"train": OnlineFeatures(target, data["train"]["input_ids"]),
                  "eval": OnlineFeatures(target, data["eval"]["input_ids"])}
     trainer = Trainer(cfg, data, feats, tconf, aux_ids)
@@ -392,7 +393,9 @@ def run_train(cfg: RunConfig, progress: bool = True) -> dict:
         dump_config(cfg, out / "resolved_config.yaml")
     trainer.resume()
     t0 = time.perf_counter()
-    final = trainer.fit(progress=progress)
+    final = trainer.fit(progress=progress, stop_at=stop_at)
+    if final is None:
+        return {"stopped_at": trainer.step, "history": trainer.history}
     trainer.save_drafter()
     metrics = {"method": cfg.train.method, "K": cfg.train.K, "steps": trainer.step,
                "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),

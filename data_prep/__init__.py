@@ -1,0 +1,11 @@
+"""Dataset builders: conversation sources, chat-template tokenisation with loss masks,
+regeneration of assistant turns by the target, and evaluation prompt sets.
+
+Modules (each importable on its own; heavy libraries are imported lazily where a GPU
+benchmark does not need them):
+
+- :mod:`data_prep.sources`      ``load_conversations``, ``split_train_eval``
+- :mod:`data_prep.template`     ``tokenize_conversation``, ``build_prompt_ids``
+- :mod:`data_prep.regenerate`   ``regenerate``
+- :mod:`data_prep.eval_prompts` ``load_eval_prompts``
+"""

