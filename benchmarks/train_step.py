@@ -18,14 +18,22 @@ parameters, ``P_fc = 3T*H`` (applied to the N real positions), ``P_head = H*Vd``
 the number of keys query ``q`` may attend (depth-0 prefix + own chain); the
 attention backward is counted as 2x the forward. Embedding lookups are free.
 
+Distributed (issue: multi-GPU scaling): launch with ``torchrun --nproc_per_node G`` or
+``accelerate launch --multi_gpu --num_processes G`` and pass ``--dist ddp`` or ``--dist fsdp2``;
+every rank trains its own N-token sequence (global batch = G sequences), gradients are
+all-reduced (DDP) or reduce-scattered (FSDP2) every step, and the table reports per-GPU
+throughput.
+
 Usage::
 
-    python benchmarks/train_step.py --shape gpt-oss-20b --n 2048 4096 8192 --out bench.json
-    python benchmarks/train_step.py --shape tiny --n 256 --steps 3 --warmup 1   # CPU smoke run
+    python benchmarks/train_step.py --shape gpt-oss-20b --seq-len 2048 4096 8192 --out bench.json
+    python benchmarks/train_step.py --shape tiny --seq-len 256 --steps 3 --warmup 1   # CPU smoke run
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import json
 import math
 import platform
@@ -89,9 +97,28 @@ def flops(drafter: Drafter, grid, n_tokens: int) -> float:
     return 6 * p_layers * E + 6 * p_fc * n_tokens + 4 * p_head * E + attn
 
 
+def wrap(obj, dist: str, device):
+    """Wrap the objective for data parallelism: ``none``, ``ddp`` or ``fsdp2`` (per-layer + root ``fully_shard``)."""
+    if dist == "none":
+        return obj
+    if dist == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(obj, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in obj.drafter.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(obj, mp_policy=mp)
+    return obj
+
+
 def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, steps: int, warmup: int, device,
-             chunk: int, seed: int = 0) -> dict:
+             chunk: int, seed: int = 0, dist: str = "none") -> dict:
     cuda = device.type == "cuda"
+    rank = torch.distributed.get_rank() if dist != "none" else 0
+    seed = seed + 1000 * rank
     A, T = 3, tc.hidden_size
     g = torch.Generator(device="cpu").manual_seed(seed)
     aux = (torch.randn(N, A * T, generator=g) * 0.5).to(device, torch.bfloat16)
@@ -102,6 +129,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     doc_ids = torch.zeros(N, dtype=torch.long, device=device)
     obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk,
                           attention="flex" if cuda else "sdpa").to(device)
+    obj = wrap(obj, dist, device)
     params = [p for p in obj.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
     times, rec = [], {}
@@ -115,10 +143,12 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=torch.Generator().manual_seed(seed + it))
         grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
         norm = supervised_count(grid)
-        for seg in plan_partitions(grid, N, S):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+        segs = plan_partitions(grid, N, S)
+        for j, seg in enumerate(segs):
+            sync = contextlib.nullcontext() if (dist != "ddp" or j == len(segs) - 1) else obj.no_sync()
+            with sync, torch.autocast(device.type, dtype=torch.bfloat16):
                 loss, _ = obj(seg.apply(grid), aux, last, argmax, norm)
-            loss.backward()
+                loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -147,7 +177,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
     ap.add_argument("--draft-vocab", type=int, default=None, help="Vd (default: the shape's)")
-    ap.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--seq-len", "--N", dest="n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--K", type=int, default=8)
     ap.add_argument("--r", type=float, default=0.7)
     ap.add_argument("--r-min", type=float, default=0.2)
@@ -157,8 +187,17 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=8192, help="loss chunk (grid elements)")
     ap.add_argument("--out", type=str, default="train_step.json")
+    ap.add_argument("--dist", choices=["none", "ddp", "fsdp2"], default="none")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = 1
+    if args.dist != "none":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if device.type == "cuda":
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        world = torch.distributed.get_world_size()
     drafter, head, tc = build(args.shape, args.draft_vocab, args.K, device)
     S_list = args.partitions or [1]
     if len(S_list) == 1:
@@ -167,11 +206,15 @@ def main(argv=None):
     for N, S in zip(args.n, S_list):
         try:
             rows.append(run_case(drafter, head, tc, N, args.K, S, args.r, args.r_min, args.steps, args.warmup, device,
-                                 args.chunk))
+                                 args.chunk, dist=args.dist))
         except torch.OutOfMemoryError as e:  # report, keep going
             rows.append({"N": N, "S": S, "error": f"OOM: {str(e)[:120]}"})
             torch.cuda.empty_cache()
-        print(json.dumps(rows[-1]), flush=True)
+        if world == 1 or torch.distributed.get_rank() == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    if world > 1 and torch.distributed.get_rank() != 0:
+        torch.distributed.destroy_process_group()
+        return rows
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     meta = {
         "shape": args.shape, "draft_vocab": drafter.config.draft_vocab_size, "K": args.K, "r": args.r,
@@ -180,10 +223,13 @@ def main(argv=None):
         "torch": torch.__version__, "precision": "bf16 autocast, fp32 master weights, fused AdamW",
         "flop_formula": "6*P_layers*E + 6*P_fc*N + 4*P_head*E + 12*heads*head_dim*sum_q keys(q)",
         "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
+        "dist": args.dist, "world_size": world,
+        "note": "per-GPU numbers: each rank trains its own N-token sequence" if world > 1 else "",
     }
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     hdr = f"{'N':>7} {'S':>2} {'positions':>10} {'step ms':>9} {'(min-max)':>15} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}"
-    print(f"\n{args.shape}, Vd={meta['draft_vocab']}, K={args.K}, {meta['device']}, {meta['timing']}")
+    print(f"\n{args.shape}, Vd={meta['draft_vocab']}, K={args.K}, {meta['device']}, {meta['timing']}, "
+          f"dist={args.dist} x{world}")
     print(hdr)
     for r in rows:
         if "error" in r:
@@ -192,6 +238,8 @@ def main(argv=None):
         pk = f"{r['peak_alloc_gb']:.1f}" if r["peak_alloc_gb"] is not None else "-"
         print(f"{r['N']:>7} {r['S']:>2} {r['positions']:>10} {r['step_ms']:>9.1f} "
               f"{r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return rows
 
 

@@ -93,6 +93,7 @@ class RegenConfig(_Section):
     temperature: float = Field(0.7, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     batch_size: int = Field(8, ge=1)
+    shard_size: int = Field(256, ge=1, description="Conversations per resumable regeneration shard.")
     seed: int = 0
 
 

@@ -30,6 +30,10 @@ def _flex(q, k, v, block_mask):
 
     if q.is_cuda:
         if _FLEX_COMPILED is None:
+            import torch._dynamo
+
+            # one compiled kernel per bucketed grid length (see grid.pad_grid)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
         return _FLEX_COMPILED(q, k, v, block_mask=block_mask, enable_gqa=True)
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)

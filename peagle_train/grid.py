@@ -208,6 +208,27 @@ def build_grid(
     )
 
 
+def pad_grid(grid: Grid, multiple: int) -> Grid:
+    """Append padding elements so ``len`` is a multiple of ``multiple`` (bucketed shapes avoid
+    recompiling the fused attention kernel for every COD sample size).
+
+    Padding elements have ``doc = -1`` (they attend to nothing and nothing attends to them,
+    see :mod:`peagle_train.attention`), ``loss_weight = 0`` and valid indices (row 0).
+    """
+    extra = (-len(grid)) % multiple
+    if extra == 0:
+        return grid
+    dev = grid.anchor.device
+    z = torch.zeros(extra, dtype=torch.int64, device=dev)
+    return Grid(
+        anchor=torch.cat([grid.anchor, z]), depth=torch.cat([grid.depth, z]),
+        doc=torch.cat([grid.doc, z - 1]), position_ids=torch.cat([grid.position_ids, z]),
+        token_ids=torch.cat([grid.token_ids, z]), hidden_index=torch.cat([grid.hidden_index, z]),
+        label_index=torch.cat([grid.label_index, z]),
+        loss_weight=torch.cat([grid.loss_weight, torch.zeros(extra, dtype=grid.loss_weight.dtype, device=dev)]),
+    )
+
+
 def supervised_count(grid: Grid) -> int:
     """Number of supervised elements (the loss normaliser of one sequence)."""
     return int((grid.loss_weight > 0).sum())

@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import GridMeta, build_block_mask, dense_mask
 from .drafter import AttnSpec, Drafter
-from .grid import Grid
+from .grid import Grid, pad_grid
 from .loss import TargetDist, chunked_loss
 
 
@@ -45,11 +45,13 @@ class PEagleObjective(nn.Module):
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
-                 attention: str = "flex"):
+                 attention: str = "flex", pad_multiple: int | None = None):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
+        # compiled FlexAttention specialises on the sequence length: bucket it
+        self.pad_multiple = pad_multiple if pad_multiple is not None else (1024 if attention == "flex" else 1)
 
     def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
                 normaliser: float):
@@ -62,13 +64,15 @@ class PEagleObjective(nn.Module):
         Returns:
             ``(loss scalar float32, draft_pred [E] int64 draft-vocab ids)``.
         """
+        E = len(grid)
+        grid = pad_grid(grid, self.pad_multiple)
         spec = make_attn_spec(GridMeta.of(grid), kind=self.attention)
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
         loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
                                   grid.loss_weight / normaliser, target, self.loss_kind, self.chunk_size)
-        return loss, pred
+        return loss, pred[:E]
 
 
 def eagle3_tokens(grid: Grid, input_ids: torch.Tensor) -> torch.Tensor:
@@ -86,11 +90,12 @@ class Eagle3Objective(nn.Module):
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
-                 attention: str = "flex", decay: float = 0.8):
+                 attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
+        self.pad_multiple = pad_multiple if pad_multiple is not None else (1024 if attention == "flex" else 1)
 
     def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
                 normaliser: float, input_ids: torch.Tensor):
@@ -100,7 +105,6 @@ class Eagle3Objective(nn.Module):
         depth's (as :func:`~peagle_train.grid.cod_sample` guarantees).
         """
         target = TargetDist(last, self.target_head, argmax)
-        tokens = eagle3_tokens(grid, input_ids)
         K = int(grid.depth.max()) + 1
         total = None
         preds = torch.empty_like(grid.anchor)
@@ -109,20 +113,22 @@ class Eagle3Objective(nn.Module):
             idx = (grid.depth == k).nonzero().flatten()
             if idx.numel() == 0:
                 break
-            step = grid.select(idx)
+            Ek = idx.numel()
+            step = pad_grid(grid.select(idx), self.pad_multiple)
             if k == 0:
                 hidden = self.drafter.project_aux(aux[step.anchor].to(self.drafter.fc.weight.dtype))
             else:
-                hidden = prev_h[torch.searchsorted(prev_anchor, step.anchor)]
+                at = torch.searchsorted(prev_anchor, step.anchor).clamp(max=prev_anchor.numel() - 1)
+                hidden = prev_h[at]
             qm = GridMeta.of(step)
             kv_meta = qm if kv_meta is None else GridMeta(*(torch.cat([a, b]) for a, b in zip(
                 (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
             spec = make_attn_spec(qm, kv_meta, kind=self.attention)
-            h, past = self.drafter(tokens[idx], hidden, step.position_ids, spec, past_kv=past)
+            h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
             w = step.loss_weight * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
                                       self.loss_kind, self.chunk_size)
             total = part if total is None else total + part
-            preds[idx] = pred
-            prev_h, prev_anchor = h, step.anchor
+            preds[idx] = pred[:Ek]
+            prev_h, prev_anchor = h[:Ek], step.anchor[:Ek]
         return total, preds

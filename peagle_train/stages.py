@@ -57,7 +57,6 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
     Raises:
         ConfigError: mask token out of range or present in the data.
     """
-    from data_prep.regenerate import regenerate
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import tokenize_conversation
 
@@ -78,8 +77,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
             continue
         regen_report = None
         if cfg.regen.enabled:
-            split, regen_report = regenerate(target.model, target.tokenizer, split, cfg.regen,
-                                             cfg.data.max_prompt_tokens, progress=progress)
+            split, regen_report = _regenerate_sharded(target, split, cfg, out / "regen", name, progress)
         rows, dropped = [], 0
         for conv in split:
             r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong)
@@ -102,6 +100,35 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
     meta["seconds"] = time.perf_counter() - t0
     (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     return meta
+
+
+def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, progress: bool):
+    """Regenerate in shards of ``regen.shard_size`` conversations; each finished shard is
+    written atomically to ``root/<split>-NNNNN.json`` and reused on a re-run (resumable)."""
+    from data_prep.regenerate import regenerate
+
+    root.mkdir(parents=True, exist_ok=True)
+    out, reports = [], []
+    size = cfg.regen.shard_size
+    for i, start in enumerate(range(0, len(convs), size)):
+        path = root / f"{split}-{i:05d}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+        else:
+            new, rep = regenerate(target.model, target.tokenizer, convs[start:start + size], cfg.regen,
+                                  cfg.data.max_prompt_tokens, progress=progress)
+            saved = {"conversations": new, "report": rep}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(saved))
+            os.replace(tmp, path)
+        out += saved["conversations"]
+        reports.append(saved["report"])
+    summed = {k: sum(r[k] for r in reports) for k in ("conversations_in", "conversations_out", "generated_tokens",
+                                                     "prompts_too_long", "unfinished_responses")}
+    secs = sum(r["generate_seconds"] for r in reports)
+    summed.update(generate_seconds=secs, tokens_per_s=summed["generated_tokens"] / secs if secs else None,
+                  sampling=reports[0]["sampling"] if reports else None, shards=len(reports))
+    return out, summed
 
 
 def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
