@@ -188,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=8192, help="loss chunk (grid elements)")
     ap.add_argument("--out", type=str, default="train_step.json")
     ap.add_argument("--dist", choices=["none", "ddp", "fsdp2"], default="none")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile 3 steps of the first N and print the top CUDA kernels")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world = 1
@@ -215,6 +217,14 @@ def main(argv=None):
     if world > 1 and torch.distributed.get_rank() != 0:
         torch.distributed.destroy_process_group()
         return rows
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            run_case(drafter, head, tc, args.n[0], args.K, S_list[0], args.r, args.r_min, 3, 0, device, args.chunk)
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     meta = {
         "shape": args.shape, "draft_vocab": drafter.config.draft_vocab_size, "K": args.K, "r": args.r,

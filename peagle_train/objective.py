@@ -71,8 +71,13 @@ class PEagleObjective(nn.Module):
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
         loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
-                                  grid.loss_weight / normaliser, target, self.loss_kind, self.chunk_size)
+                                  _weights(grid.loss_weight, h) / normaliser, target, self.loss_kind, self.chunk_size)
         return loss, pred[:E]
+
+
+def _weights(loss_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Loss weights in the loss accumulation dtype (float64 stays exact; half types use float32)."""
+    return loss_weight.to(torch.promote_types(h.dtype, torch.float32))
 
 
 def eagle3_tokens(grid: Grid, input_ids: torch.Tensor) -> torch.Tensor:
@@ -125,7 +130,7 @@ class Eagle3Objective(nn.Module):
                 (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
             spec = make_attn_spec(qm, kv_meta, kind=self.attention)
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
-            w = step.loss_weight * (self.decay ** k) / normaliser
+            w = _weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
                                       self.loss_kind, self.chunk_size)
             total = part if total is None else total + part

@@ -53,11 +53,16 @@ def _sha256(path: Path) -> str:
 
 
 def locate_gguf(cfg: TargetConfig) -> Path:
-    """Find the GGUF file inside an installed distribution.
+    """Find the GGUF file: inside an installed distribution, or ``gguf_file`` itself when no package is named.
 
     Raises:
-        TargetLoadError: distribution not installed, file missing, or checksum mismatch.
+        TargetLoadError: distribution not installed or file missing.
     """
+    if cfg.gguf_package is None:
+        path = Path(cfg.gguf_file)
+        if not path.is_file():
+            raise TargetLoadError(f"target.gguf_file '{path}' does not exist")
+        return path
     try:
         dist = md.distribution(cfg.gguf_package)
     except md.PackageNotFoundError:
@@ -84,6 +89,10 @@ def materialise_target(cfg: TargetConfig) -> Path:
     """
     if cfg.path is not None:
         return Path(cfg.path) if Path(cfg.path).exists() else cfg.path  # type: ignore[return-value]
+    if cfg.gguf_sha256:  # already materialised: skip hashing the GGUF again
+        cached = cache_root() / "targets" / cfg.gguf_sha256[:16]
+        if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+            return cached
     gguf = locate_gguf(cfg)
     digest = _sha256(gguf)
     if cfg.gguf_sha256 and digest != cfg.gguf_sha256:

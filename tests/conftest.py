@@ -1,0 +1,121 @@
+"""Shared, generic fixtures for the peagle_train test suite.
+
+Kept deliberately small: factories for a tiny random Llama target config, a tiny
+drafter built from it, and a random packed micro-batch (several documents,
+padding at the end, a random loss mask). All factories are session-scoped so
+they can be used from ``hypothesis`` tests. ``torch_single_thread`` (module scope) runs a
+module's tiny-tensor math on one intra-op thread: on a small, shared CPU box the OpenMP
+thread pool makes such tiny ops up to ~100x slower.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """Use as ``pytestmark = pytest.mark.usefixtures("torch_single_thread")``; restores the count after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny_llama_config(
+    hidden_size: int = 32,
+    num_hidden_layers: int = 4,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 64,
+    vocab_size: int = 128,
+    **overrides,
+) -> LlamaConfig:
+    cfg = LlamaConfig(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=hidden_size // num_attention_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        **overrides,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config():
+    """Factory ``tiny_llama_config(**overrides) -> LlamaConfig`` (hidden 32, 4 heads / 2 KV heads, vocab 128)."""
+    return _tiny_llama_config
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter():
+    """Factory ``tiny_drafter(target_config=None, *, draft_vocab_size=None, parallel_drafting=True,
+    num_layers=2, K=4, seed=0, **config_kwargs) -> Drafter``.
+
+    Aux layer ids are ``(1, 2, 3)`` (A = 3); ``mask_token_id = vocab_size - 1``. With
+    ``draft_vocab_size < V`` the draft vocab is a fixed random sorted subset (seeded).
+    Weights are random (std 0.2, so attention patterns are far from uniform), norm
+    weights perturbed around 1.
+    """
+    from peagle_train.drafter import Drafter, make_drafter_config
+
+    def make(target_config=None, *, draft_vocab_size=None, parallel_drafting=True, num_layers=2, K=4, seed=0,
+             **config_kwargs):
+        tc = target_config or _tiny_llama_config()
+        V = tc.vocab_size
+        Vd = V if draft_vocab_size is None else draft_vocab_size
+        cfg = make_drafter_config(
+            tc,
+            aux_layer_ids=[1, 2, 3],
+            draft_vocab_size=Vd,
+            mask_token_id=V - 1 if parallel_drafting else None,
+            num_layers=num_layers,
+            parallel_drafting=parallel_drafting,
+            K=K,
+            **config_kwargs,
+        )
+        torch.manual_seed(seed)
+        d = Drafter(cfg)
+        d.reset_parameters(std=0.2)
+        with torch.no_grad():
+            for name, p in d.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+        if Vd < V:
+            g = torch.Generator().manual_seed(seed + 1)
+            ids = torch.randperm(V - 1, generator=g)[:Vd].sort().values  # never the mask token
+            d.set_draft_vocab(ids)
+        return d
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def packed_batch():
+    """Factory ``packed_batch(doc_lens, n_pad=0, loss_prob=0.7, vocab_size=128, seed=0) -> dict``.
+
+    Returns ``input_ids [N]`` (never the mask token ``vocab_size - 1``), ``doc_ids [N]``
+    (``0..len(doc_lens)-1`` in order, ``-1`` on the ``n_pad`` trailing padding tokens),
+    ``loss_mask [N]`` bool (random with probability ``loss_prob`` on real tokens, False
+    on padding) and ``N``.
+    """
+
+    def make(doc_lens, n_pad: int = 0, loss_prob: float = 0.7, vocab_size: int = 128, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        doc_ids = torch.cat(
+            [torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(doc_lens)]
+            + [torch.full((n_pad,), -1, dtype=torch.int64)]
+        )
+        N = doc_ids.numel()
+        input_ids = torch.randint(0, vocab_size - 1, (N,), generator=g)
+        loss_mask = (torch.rand(N, generator=g) < loss_prob) & (doc_ids >= 0)
+        return {"input_ids": input_ids, "doc_ids": doc_ids, "loss_mask": loss_mask, "N": N}
+
+    return make

@@ -1,0 +1,201 @@
+"""Pins the chunked loss and per-depth metrics (PEAGLE_SPEC §3 "Loss and metrics", ``loss.py``).
+
+* ``chunked_loss`` (KL and CE) equals a plain unchunked reference written from the
+  spec — values AND gradients w.r.t. the drafter hidden states, the final norm and
+  the head, in float64 — for several chunk sizes (1, odd, exact, larger than E), with
+  and without autograd; the returned predictions are the drafter's argmax.
+* KL is the forward ``KL(p_target || p_draft)`` over the draft vocab with the target
+  restricted to the draft vocab and renormalised: zero when the drafter's
+  distribution equals that restriction (even though the target's full-vocab
+  distribution puts mass outside the draft vocab), positive otherwise.
+* ``DepthStats``: accuracy, conditional accuracy and simulated acceptance length
+  ``AL = 1 + a0 + a0*c1 + a0*c1*c2 + ...`` on a hand-built example, exclusion of
+  out-of-draft-vocab targets and unsupervised rows, and add/stack round trips.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peagle_train.drafter import RMSNorm
+from peagle_train.loss import DepthStats, TargetDist, chunked_loss, depth_stats
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+T, H, V, Vd, N, E = 12, 10, 40, 17, 30, 23
+
+
+def _setup(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    last = torch.randn(N, T, generator=g, dtype=torch.float64)
+    full_head = torch.randn(V, T, generator=g, dtype=torch.float64) * 2
+    draft_ids = torch.randperm(V, generator=g)[:Vd].sort().values
+    target = TargetDist(last, full_head[draft_ids], (last @ full_head.T).argmax(-1))
+    norm = RMSNorm(H).double()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(H, generator=g, dtype=torch.float64))
+    head = nn.Linear(H, Vd, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(Vd, H, generator=g, dtype=torch.float64))
+    h = torch.randn(E, H, generator=g, dtype=torch.float64, requires_grad=True)
+    label_index = torch.randint(0, N, (E,), generator=g)
+    weight = torch.rand(E, generator=g, dtype=torch.float64)
+    weight[::5] = 0.0
+    return target, norm, head, h, label_index, weight, full_head, draft_ids
+
+
+def reference_loss(norm, head, h, label_index, weight, last, full_head, draft_ids, kind):
+    """Spec §3, written out plainly: full-vocab target -> restrict to draft vocab -> renormalise."""
+    logits_d = head(norm(h))  # [E, Vd]
+    logp_d = F.log_softmax(logits_d, -1)
+    t_full = last[label_index] @ full_head.T  # [E, V] full-vocab target logits
+    p_restricted = F.softmax(t_full, -1)[:, draft_ids]
+    p_restricted = p_restricted / p_restricted.sum(-1, keepdim=True)
+    if kind == "kl":
+        per = (p_restricted * (p_restricted.log() - logp_d)).sum(-1)
+    else:
+        greedy_in_draft = p_restricted.argmax(-1)
+        per = -logp_d.gather(-1, greedy_in_draft[:, None])[:, 0]
+    return (per * weight).sum(), logits_d.argmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce"])
+@pytest.mark.parametrize("chunk", [1, 4, 7, E, 1000])
+def test_chunked_equals_reference_values_and_grads(kind, chunk):
+    target, norm, head, h, li, w, full_head, draft_ids = _setup()
+    params = [h, norm.weight, head.weight]
+
+    ref, ref_pred = reference_loss(norm, head, h, li, w, target.last, full_head, draft_ids, kind)
+    ref_grads = torch.autograd.grad(ref, params)
+
+    got, pred = chunked_loss(norm, head, h, li, w, target, kind=kind, chunk_size=chunk)
+    assert got.dtype == torch.float64
+    got_grads = torch.autograd.grad(got, params)
+    assert abs(got.item() - ref.item()) < 1e-10 * max(1.0, abs(ref.item()))
+    assert torch.equal(pred, ref_pred) and pred.dtype == torch.int64
+    for gr, rr in zip(got_grads, ref_grads):
+        torch.testing.assert_close(gr, rr, atol=1e-10, rtol=1e-10)
+
+    with torch.no_grad():
+        nograd, pred2 = chunked_loss(norm, head, h, li, w, target, kind=kind, chunk_size=chunk)
+    assert abs(nograd.item() - ref.item()) < 1e-10 * max(1.0, abs(ref.item()))
+    assert torch.equal(pred2, ref_pred)
+
+
+def test_chunked_loss_accumulates_in_float32_for_bf16():
+    target, norm, head, h, li, w, *_ = _setup()
+    t32 = TargetDist(target.last.float(), target.head.float(), target.argmax)
+    hb = h.detach().to(torch.bfloat16)
+    loss, _ = chunked_loss(norm.to(torch.bfloat16), head.to(torch.bfloat16), hb, li, w.float(), t32, chunk_size=5)
+    assert loss.dtype == torch.float32
+    ref, _ = reference_loss(norm.float(), head.float(), hb.float(), li, w.float(), t32.last,
+                            torch.zeros(V, T).index_copy(0, torch.arange(Vd), t32.head), torch.arange(Vd), "kl")
+    assert abs(loss.item() - ref.item()) < 0.05 * abs(ref.item())
+
+
+def test_kl_zero_when_draft_equals_restricted_target():
+    """Drafter logits = target logits on the draft vocab (+ any per-row shift) -> KL == 0."""
+    target, _, _, _, li, w, full_head, draft_ids = _setup(1)
+    # the full-vocab target puts real mass outside the draft vocab
+    outside = 1 - F.softmax(target.last[li] @ full_head.T, -1)[:, draft_ids].sum(-1)
+    assert outside.mean() > 0.1
+    h = target.last[li].clone().requires_grad_(True)  # "drafter hidden" = target final hidden
+    head = nn.Linear(T, Vd, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(target.head)
+    loss, _ = chunked_loss(nn.Identity(), head, h, li, w, target, kind="kl", chunk_size=6)
+    assert abs(loss.item()) < 1e-12
+    (gh,) = torch.autograd.grad(loss, h)
+    assert gh.abs().max() < 1e-12  # a minimum
+    # a shifted head (different distribution) gives a strictly positive KL
+    with torch.no_grad():
+        head.weight.add_(0.5 * torch.randn_like(head.weight))
+    loss2, _ = chunked_loss(nn.Identity(), head, h, li, w, target, kind="kl", chunk_size=6)
+    assert loss2.item() > 1e-3
+
+
+def test_zero_weight_rows_do_not_contribute_and_bad_kind_raises():
+    target, norm, head, h, li, w, *_ = _setup(2)
+    w0 = torch.zeros_like(w)
+    loss, _ = chunked_loss(norm, head, h, li, w0, target, kind="kl", chunk_size=4)
+    assert loss.item() == 0.0
+    (gh,) = torch.autograd.grad(loss, h)
+    assert gh.abs().max() == 0
+    with pytest.raises(ValueError):
+        chunked_loss(norm, head, h, li, w, target, kind="mse")
+
+
+def test_chunked_loss_empty():
+    target, norm, head, _, _, _, *_ = _setup()
+    loss, pred = chunked_loss(norm, head, torch.zeros(0, H, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
+                              torch.zeros(0, dtype=torch.float64), target)
+    assert loss.item() == 0.0 and pred.numel() == 0
+
+
+# ----------------------------------------------------------------------------- DepthStats
+
+
+def test_depth_stats_hand_built():
+    """Four chains, K = 3.
+
+    chain  d0  d1  d2      (1 = correct, x = absent)
+    a=0     1   1   0
+    a=1     1   0   1
+    a=2     0   1   x
+    a=3     1   x   x
+    acc:  d0 3/4, d1 2/3, d2 1/2.
+    cond: d0 3/4; d1 given d0 ok: chains 0,1 -> 1/2; d2 given d0,d1 ok: chain 0 -> 0/1.
+    AL(3) = 1 + 3/4 + 3/4*1/2 + 3/4*1/2*0 = 2.125.
+    """
+    anchor = torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1])
+    depth = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2])
+    correct = torch.tensor([1, 1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.bool)
+    weight = torch.ones(9)
+    in_vocab = torch.ones(9, dtype=torch.bool)
+    st = depth_stats(anchor, depth, weight, correct, in_vocab, K=3)
+    assert st.accuracy() == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert st.conditional_accuracy() == pytest.approx([3 / 4, 1 / 2, 0.0])
+    a0, c1, c2 = 3 / 4, 1 / 2, 0.0
+    assert st.simulated_acceptance_length() == pytest.approx(1 + a0 + a0 * c1 + a0 * c1 * c2)
+    assert st.simulated_acceptance_length(K=1) == pytest.approx(1 + a0)
+    assert st.simulated_acceptance_length(K=2) == pytest.approx(1 + a0 + a0 * c1)
+    assert st.acc_num.dtype == torch.float64
+
+    # add / stacked / from_stacked round trip: counts add
+    st2 = st.add(st)
+    assert st2.accuracy() == pytest.approx(st.accuracy())
+    assert torch.equal(st2.acc_den, 2 * st.acc_den)
+    st3 = DepthStats.from_stacked(st.stacked())
+    assert all(torch.equal(x, y) for x, y in zip(st3.as_tensor(), st.as_tensor()))
+
+
+def test_depth_stats_perfect_chain_and_exclusions():
+    K = 4
+    anchor = torch.tensor([0, 1, 2, 0, 1, 0, 1, 0])
+    depth = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])
+    correct = torch.ones(8, dtype=torch.bool)
+    st = depth_stats(anchor, depth, torch.ones(8), correct, torch.ones(8, dtype=torch.bool), K)
+    assert st.simulated_acceptance_length() == pytest.approx(1 + K)  # all correct -> 1 + K
+    # out-of-draft-vocab target at (1, 0) and unsupervised (2, 0): excluded from accuracy,
+    # and chain 1's deeper elements no longer count as "given all shallower correct"
+    in_vocab = torch.ones(8, dtype=torch.bool)
+    in_vocab[1] = False
+    weight = torch.ones(8)
+    weight[2] = 0
+    st = depth_stats(anchor, depth, weight, correct, in_vocab, K)
+    assert st.acc_den.tolist() == [1, 2, 2, 1]
+    assert st.cond_den.tolist() == [1, 1, 1, 1]
+    assert st.accuracy() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_depth_stats_empty_depth_stops_al():
+    st = DepthStats.zeros(3)
+    st.acc_num[0] = st.acc_den[0] = st.cond_num[0] = st.cond_den[0] = 2.0
+    st.acc_den[0] = st.cond_den[0] = 4.0
+    acc = st.accuracy()
+    assert acc[0] == 0.5 and math.isnan(acc[1])
+    assert st.simulated_acceptance_length() == pytest.approx(1.5)
