@@ -64,6 +64,8 @@ def _stage(args) -> object:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .config import ConfigError
+    from .features import CacheError
+    from .target import TargetLoadError
 
     try:
         if args.command in STAGES:
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             from .hub import push_to_hub
 
             result = push_to_hub(args.export_dir, args.repo_id, private=not args.public, dry_run=args.dry_run)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, TargetLoadError, CacheError) as e:
         print(f"peagle-train: error: {e}", file=sys.stderr)
         return 2
     if result is not None:

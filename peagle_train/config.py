@@ -166,7 +166,8 @@ class TrainConfig(_Section):
 
 class ExportConfig(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    speculators_format: bool = False
+    speculators_format: bool = Field(False, description="Also write vLLM speculators' format to export-speculators/.")
+    verifier: str | None = Field(None, description="Target Hub id recorded as the speculators verifier.")
 
 
 class EvalConfig(_Section):

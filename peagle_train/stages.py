@@ -166,8 +166,18 @@ def run_export(cfg: RunConfig) -> Path:
     metrics = json.loads((out / "train_metrics.json").read_text()) if (out / "train_metrics.json").exists() else {}
     meta = json.loads((out / "data" / "meta.json").read_text()) if (out / "data" / "meta.json").exists() else {}
     card = {"train": {k: v for k, v in metrics.items() if k != "history"}, "data": meta, "recipe": cfg.model_dump(mode="json")}
-    return export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name,
+    path = export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name,
                        dtype=getattr(torch, cfg.export.dtype), card=card, overwrite=True)
+    if cfg.export.speculators_format:
+        from .export import export_speculators
+
+        if cfg.export.verifier is None:
+            raise ConfigError(f"{cfg.source_file}: export.speculators_format needs export.verifier "
+                              "(the target's Hub id: vLLM refuses a local verifier path)")
+        export_speculators(drafter, out / "export-speculators", tokenizer=tok, target_name=cfg.target.name,
+                           verifier_name_or_path=cfg.export.verifier, dtype=getattr(torch, cfg.export.dtype),
+                           overwrite=True)
+    return path
 
 
 def run_eval(cfg: RunConfig) -> dict:
