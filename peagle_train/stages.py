@@ -150,6 +150,23 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     return root
 
 
+def _card(cfg: RunConfig, eval_results: dict | None = None) -> dict:
+    """Model-card sections from the run's files: training metrics, data report, recipe, eval table."""
+    out = Path(cfg.output_dir)
+    metrics = json.loads((out / "train_metrics.json").read_text()) if (out / "train_metrics.json").exists() else {}
+    meta = json.loads((out / "data" / "meta.json").read_text()) if (out / "data" / "meta.json").exists() else {}
+    card = {"train": {k: v for k, v in metrics.items() if k != "history"}, "data": meta,
+            "recipe": cfg.model_dump(mode="json")}
+    if eval_results:
+        card["eval"] = [
+            {"dataset": name, "K": row["K"], "acceptance length": row["acceptance_length"],
+             "speedup (reference loop, batch 1)": row.get("speedup"),
+             "lossless": "yes" if row.get("mismatches", 0) == 0 else "NO"}
+            for name, ds in eval_results["datasets"].items() for row in ds["by_K"]
+        ]
+    return card
+
+
 def run_export(cfg: RunConfig) -> Path:
     """Export ``<output_dir>/drafter`` to ``<output_dir>/export`` in vLLM's layout (spec §5), contract-checked."""
     import torch
@@ -163,9 +180,7 @@ def run_export(cfg: RunConfig) -> Path:
     drafter = load_drafter_dir(out / "drafter")
     tpath = materialise_target(cfg.target)
     tok = AutoTokenizer.from_pretrained(str(tpath))
-    metrics = json.loads((out / "train_metrics.json").read_text()) if (out / "train_metrics.json").exists() else {}
-    meta = json.loads((out / "data" / "meta.json").read_text()) if (out / "data" / "meta.json").exists() else {}
-    card = {"train": {k: v for k, v in metrics.items() if k != "history"}, "data": meta, "recipe": cfg.model_dump(mode="json")}
+    card = _card(cfg)
     path = export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name,
                        dtype=getattr(torch, cfg.export.dtype), card=card, overwrite=True)
     if cfg.export.speculators_format:
@@ -186,11 +201,20 @@ def run_eval(cfg: RunConfig) -> dict:
     from .export import load_exported
     from .target import load_target
 
+    from .model_card import render_model_card
+
     out = Path(cfg.output_dir)
     target = load_target(cfg.target)
     drafter = load_exported(out / "export").to(target.device)
-    return evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
-                             drafter_name=f"{cfg.train.method} ({out / 'export'})", trained_K=cfg.train.K)
+    results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
+                                drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K)
+    # the model card carries the eval table next to the serve command
+    export_cfg = json.loads((out / "export" / "config.json").read_text())
+    readme = render_model_card(export_cfg, target_name=cfg.target.name, model_ref="export", card=_card(cfg, results))
+    tmp = out / "export" / "README.md.tmp"
+    tmp.write_text(readme)
+    os.replace(tmp, out / "export" / "README.md")
+    return results
 
 
 def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> dict:

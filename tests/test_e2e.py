@@ -60,6 +60,8 @@ def test_run_produces_checked_export_and_lossless_eval(finished_run):
     text = json.dumps(ev)
     assert (out / "eval" / "eval.md").read_text().count("PASSED") >= 1
     assert "acceptance_length" in text
+    card = (out / "export" / "README.md").read_text()
+    assert "## Evaluation" in card and '"parallel_drafting": true' in card and "vllm serve" in card
     for name in ("acceptance_by_position.png", "al_speedup_vs_k.png"):
         assert (out / "eval" / name).stat().st_size > 1000
 
