@@ -44,6 +44,10 @@ def _stage(args) -> object:
 
     cfg = load_config(args.recipe, args.overrides)
     progress = not args.quiet
+    if args.quiet:  # also silence transformers' weight-loading bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.command == "run":
         return stages.run_all(cfg, overwrite=args.overwrite, progress=progress)
     stages.claim_output_dir(cfg, args.overwrite)
