@@ -100,7 +100,7 @@ def plot_acceptance_by_position(results: dict, path: str | Path) -> None:
         ax.set(title=name, xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05))
         ax.set_xticks(list(range(1, results["k_values"][-1] + 1)))
         ax.legend(fontsize="small")
-    fig.suptitle(f"{results['drafter']}: acceptance by draft position")
+    fig.suptitle(f"{results['drafter']}: acceptance by draft position", wrap=True, fontsize="medium")
     fig.savefig(path, dpi=100)
 
 
@@ -117,7 +117,7 @@ def plot_al_speedup(results: dict, path: str | Path) -> None:
     for ax in (ax_al, ax_sp):
         ax.set_xticks(results["k_values"])
         ax.legend(fontsize="small")
-    fig.suptitle(f"{results['drafter']} on {results['target']}")
+    fig.suptitle(f"{results['drafter']} on {results['target']}", wrap=True, fontsize="medium")
     fig.savefig(path, dpi=100)
 
 
