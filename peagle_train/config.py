@@ -81,6 +81,14 @@ class DataConfig(_Section):
     )
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     seed: int = 0
+    supervise_reasoning: bool = Field(
+        True, description="Learn an assistant turn's reasoning (Qwen3 <think>, GPT-OSS analysis channel) "
+        "as well as its answer; false = only the answer content and its end-of-turn token."
+    )
+    cache_dtype: Literal["bfloat16", "fp8"] = Field(
+        "bfloat16", description="Storage of aux/last hidden states in the feature cache; fp8 = float8_e4m3fn "
+        "with per-token float32 scales (about half the bytes/token)."
+    )
 
 
 class RegenConfig(_Section):
@@ -140,8 +148,25 @@ class TrainConfig(_Section):
     max_minutes: float | None = Field(
         None, gt=0, description="Wall-clock training budget (minutes); the cosine schedule still spans the planned steps."
     )
-    micro_batch_size: int = Field(1, ge=1, description="Sequences packed into one micro-batch.")
-    grad_accum: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1, description="Sequences packed into one micro-batch (per rank).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")
+    global_batch_size: int | None = Field(
+        None, ge=1,
+        description="Sequences per optimizer step over all ranks; when set, grad_accum is derived as "
+        "global_batch_size / (micro_batch_size * world size), which must divide exactly (grad_accum "
+        "then stays 1 or equals that value).",
+    )
+    length_balance: bool = Field(
+        True, description="Deal each step's sequences to ranks by length (longest first, to the least-loaded rank) "
+        "so ranks get similar work; off = contiguous slices of the shuffled order.",
+    )
+    target_sharding: Literal["replicate", "shard"] = Field(
+        "replicate", description="features=online: every rank holds the frozen target (replicate) or FSDP2 shards it "
+        "(shard; needs an FSDP2 launch).",
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        ["tensorboard"], description="Experiment trackers; wandb runs offline (WANDB_MODE=offline) without credentials.",
+    )
     grad_clip: float = Field(1.0, gt=0.0)
     loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
     mixed_precision: Literal["no", "bf16"] = "no"
@@ -161,6 +186,13 @@ class TrainConfig(_Section):
             raise ValueError("train.cod_r_min must not exceed train.cod_r")
         if self.method == "eagle3" and self.partitions != 1:
             raise ValueError("train.partitions > 1 is only defined for method 'peagle'")
+        if self.target_sharding == "shard" and self.features != "online":
+            raise ValueError("train.target_sharding=shard needs train.features=online (a cache run loads no target)")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"train.micro_batch_size={self.micro_batch_size}")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"train.report_to lists a tracker twice: {self.report_to}")
         return self
 
 

@@ -19,6 +19,9 @@ from .tokenized import save_tokenized
 from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
+# keys that change logging/bookkeeping or the time budget, not what is computed: a run may continue with new values
+_NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", "train.save_every",
+                      "train.keep_last", "train.eval_sequences", "train.max_minutes"}
 
 
 def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
@@ -34,7 +37,7 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     if stamp.exists() and not overwrite:
         theirs = yaml.safe_load(stamp.read_text()) or {}
         diffs = [f"{s}.{k}" for s in _IDENTITY_SECTIONS for k in set(mine.get(s, {})) | set(theirs.get(s, {}))
-                 if mine.get(s, {}).get(k) != theirs.get(s, {}).get(k)]
+                 if mine.get(s, {}).get(k) != theirs.get(s, {}).get(k) and f"{s}.{k}" not in _NON_IDENTITY_KEYS]
         if diffs:
             raise ConfigError(
                 f"output_dir '{out}' already holds a run of a different recipe (differs in: {', '.join(sorted(diffs))}); "
@@ -78,9 +81,10 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
         regen_report = None
         if cfg.regen.enabled:
             split, regen_report = _regenerate_sharded(target, split, cfg, out / "regen", name, progress)
-        rows, dropped = [], 0
+        rows, dropped, reasoning_counts = [], 0, {}
         for conv in split:
-            r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong)
+            r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong,
+                                      supervise_reasoning=cfg.data.supervise_reasoning, report=reasoning_counts)
             if r is None or sum(r["loss_mask"]) == 0:
                 dropped += 1
                 continue
@@ -96,6 +100,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
             "sequences": len(rows), "dropped_overlong_or_empty": dropped,
             "tokens": sum(lengths), "supervised_tokens": sum(sum(r["loss_mask"]) for r in rows),
             "median_length": lengths[len(lengths) // 2] if lengths else 0, "regeneration": regen_report,
+            "reasoning": reasoning_counts,
         }
     meta["seconds"] = time.perf_counter() - t0
     (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -146,7 +151,8 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
         if (root / split / "manifest.json").exists() and json.loads((root / split / "manifest.json").read_text()).get("complete"):
             continue
         target = target or load_target(cfg.target, with_tokenizer=False)
-        write_cache(target, data[split]["input_ids"], root / split, batch_size=cfg.regen.batch_size, progress=progress)
+        write_cache(target, data[split]["input_ids"], root / split, dtype=cfg.data.cache_dtype,
+                    batch_size=cfg.regen.batch_size, progress=progress)
     return root
 
 

@@ -13,12 +13,16 @@ the global supervised count):
 4. clip, skip the step if the grad norm is not finite, AdamW, cosine schedule.
 
 Checkpoints are written atomically (temp dir + rename, a ``COMPLETE`` marker)
-and hold weights, optimizer, scheduler, RNG states (``accelerate.save_state``)
-and the data position, so a run resumes exactly.
+and hold weights, optimizer, scheduler, RNG states of every rank
+(``accelerate.save_state``) and the data position, so a run resumes exactly; a
+temp dir left by a kill is removed at resume and the newest complete checkpoint
+is loaded.
+
+The distributed strategy (DDP, FSDP2, DeepSpeed ZeRO) comes from the launcher and
+is applied by :mod:`peagle_train.distributed`; this loop only calls its hooks.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -28,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig, dump_config
+from .config import ConfigError, RunConfig, dump_config
+from .distributed import (Layout, after_prepare, backward, configure_deepspeed, full_state_dict, grad_norm_value,
+                          grad_sync, make_accelerator, rank_batches, requested_layout, shard_target, validate_layout)
 from .drafter import Drafter, make_drafter_config
 from .features import CachedFeatures, OnlineFeatures, pack
 from .grid import build_grid, cod_sample, supervised_count
@@ -83,31 +89,44 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 class Trainer:
-    """Owns the accelerate objects and the loop; built by :func:`run_train`."""
+    """Owns the accelerate objects and the loop; built by :func:`run_train`.
 
-    def __init__(self, cfg: RunConfig, data: dict, features, target_config, aux_layer_ids, accelerator=None):
-        from accelerate import Accelerator
+    Args:
+        cfg: the run. data: ``{"train"|"eval": {"input_ids", "loss_mask"}}`` lists per sequence.
+        features: ``{"train"|"eval": CachedFeatures | OnlineFeatures}``.
+        target_config: the target's HF config. aux_layer_ids: tapped layers.
+        accelerator: an existing ``Accelerator`` (default: built for ``layout``).
+        layout: the launch layout (default: :func:`~peagle_train.distributed.requested_layout`).
+
+    Raises:
+        ConfigError: an impossible layout (:func:`~peagle_train.distributed.validate_layout`).
+        RuntimeError: processes that do not form one group (each rank would train alone).
+    """
+
+    def __init__(self, cfg: RunConfig, data: dict, features, target_config, aux_layer_ids, accelerator=None,
+                 layout: Layout | None = None):
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         self.cfg, self.tc = cfg, cfg.train
         self.out = Path(cfg.output_dir)
-        self.acc = accelerator or Accelerator(
-            mixed_precision=self.tc.mixed_precision, cpu=not torch.cuda.is_available(),
-            log_with="tensorboard", project_dir=str(self.out / "logs"),
-        )
+        self.layout = layout or requested_layout()
         self.train_ids, self.train_masks = data["train"]["input_ids"], data["train"]["loss_mask"]
         self.eval_ids, self.eval_masks = data["eval"]["input_ids"], data["eval"]["loss_mask"]
+        self.grad_accum = validate_layout(cfg, self.layout, len(self.train_ids))
+        self.acc = accelerator or make_accelerator(cfg, self.layout, self.out / "logs")
         self.features, self.eval_features = features["train"], features["eval"]
         V = target_config.vocab_size
         counts = token_frequencies(zip(self.train_ids, self.train_masks), V)
         mask_id = cfg.drafter.mask_token_id
         Vd = cfg.drafter.draft_vocab_size or V
         self.draft_ids = select_draft_vocab(counts, Vd, exclude=[mask_id] if mask_id is not None else [])
-        head = self.features.target_head()
-        embed = self.features.target_embeddings()
+        head = self.features.target_head().detach().clone()
+        embed = self.features.target_embeddings().detach().clone()
+        self.device = self.acc.device
+        if self.tc.features == "online":
+            self._place_target()
         drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head)
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
-        self.device = self.acc.device
         self.attention = resolve_attention(self.tc.attention, self.device)
         Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
         kw = {} if self.tc.method == "peagle" else {"decay": self.tc.ttt_decay}
@@ -115,31 +134,43 @@ class Trainer:
                         attention=self.attention, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
                                 weight_decay=self.tc.weight_decay)
-        world = self.acc.num_processes
-        per_step = self.tc.micro_batch_size * self.tc.grad_accum * world
-        if len(self.train_ids) < per_step:
-            raise ValueError(f"{len(self.train_ids)} training sequences < one optimizer step's {per_step} "
-                             "(micro_batch_size × grad_accum × world size); add data or lower the batch")
+        per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
         self.steps_per_epoch = len(self.train_ids) // per_step
         self.total_steps = self.tc.max_steps or self.steps_per_epoch * self.tc.epochs
         sched = get_cosine_with_min_lr_schedule_with_warmup(
             opt, num_warmup_steps=math.ceil(self.tc.warmup_ratio * self.total_steps),
             num_training_steps=self.total_steps, min_lr_rate=self.tc.min_lr_ratio)
+        configure_deepspeed(self.acc, self.tc)
         self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
+        after_prepare(self.acc, self.model)
+        self.lengths = [len(x) for x in self.train_ids]
+        self._eval_items: list[int] | None = None
         self.step = 0
         self.history: list[dict] = []
 
+    def _place_target(self) -> None:
+        """Online features: replicate the frozen target on this rank's device, or FSDP2-shard it."""
+        targets = {id(f.target): f.target for f in (self.features, self.eval_features) if hasattr(f, "target")}
+        for t in targets.values():
+            if self.tc.target_sharding == "shard":
+                shard_target(t.model)
+            else:
+                t.model.to(self.device)
+
     # -- data ---------------------------------------------------------------------------------
     def micro_batches(self, step: int) -> list[list[int]]:
-        """Sequence indices of this rank's micro-batches for optimizer step ``step`` (0-based)."""
+        """Sequence indices of this rank's micro-batches for optimizer step ``step`` (0-based).
+
+        Each step takes the next ``micro_batch_size × grad_accum × world`` sequences of the
+        epoch's seeded shuffle and deals them to ranks (:func:`~peagle_train.distributed.rank_batches`).
+        """
         world, rank = self.acc.num_processes, self.acc.process_index
-        mbs, ga = self.tc.micro_batch_size, self.tc.grad_accum
-        per_step = mbs * ga * world
+        per_step = self.tc.micro_batch_size * self.grad_accum * world
         epoch, within = divmod(step, self.steps_per_epoch)
         order = epoch_order(len(self.train_ids), self.tc.seed, epoch)
         chunk = order[within * per_step:(within + 1) * per_step]
-        mine = chunk[rank * mbs * ga:(rank + 1) * mbs * ga]
-        return [mine[i * mbs:(i + 1) * mbs] for i in range(ga)]
+        return rank_batches(chunk, self.lengths, world, rank, self.tc.micro_batch_size, self.grad_accum,
+                            self.tc.length_balance)
 
     def prepare_micro(self, indices, source, ids, masks, gen):
         feats = source.get(indices)
@@ -166,6 +197,7 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One optimizer step (module docstring); returns the step's record (global loss, lr, grad norm, rates)."""
         t0 = time.perf_counter()
         micros = [self.prepare_micro(ix, self.features, self.train_ids, self.train_masks,
                                      step_generator(self.tc.seed, self.step, self.acc.process_index, m))
@@ -174,32 +206,33 @@ class Trainer:
         global_count = float(self.acc.reduce(local, reduction="sum").item())
         normaliser = max(global_count, 1.0) / self.acc.num_processes
         stats = DepthStats.zeros(self.tc.K)
-        loss_total, positions = 0.0, 0
+        loss_total, positions, tokens = 0.0, 0, 0
         plans = []
         for packed, grid in micros:
             n = packed["input_ids"].numel()
             segs = plan_partitions(grid, n, self.tc.partitions) if self.tc.method == "peagle" else None
             plans.append(segs)
+            positions += len(grid)
+            tokens += n
         n_backward = sum(len(s) if s else 1 for s in plans)
         done = 0
         self.model.train()
         for (packed, grid), segs in zip(micros, plans):
             for seg in (segs or [None]):
                 done += 1
+                last = done == n_backward  # gradients are synchronised on the last backward only (spec §3)
                 g = seg.apply(grid) if seg is not None else grid
-                ctx = contextlib.nullcontext() if done == n_backward else self.acc.no_sync(self.model)
-                with ctx:
+                with grad_sync(self.acc, self.model, last):
                     with self.acc.autocast():
                         loss, pred = self._forward(packed, g, normaliser)
-                    self.acc.backward(loss)
+                    backward(self.acc, loss, last)
                 loss_total += float(loss.detach())
-                positions += len(g)
                 own = g if seg is None else g.select(seg.owned.nonzero().flatten())
                 own_pred = pred if seg is None else pred[seg.owned]
                 stats = stats.add(self._stats(packed, own, own_pred))
-        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
-        grad_norm = float(grad_norm)
-        skipped = not math.isfinite(grad_norm)
+        grad_norm = grad_norm_value(self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip))
+        # DeepSpeed has already stepped inside the last backward (no skip there: see docs/distributed.md)
+        skipped = not math.isfinite(grad_norm) and self.layout.strategy != "deepspeed"
         if skipped:
             self.opt.zero_grad(set_to_none=True)
         else:
@@ -207,38 +240,62 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        summed = self.acc.reduce(torch.tensor([loss_total], device=self.device), reduction="sum")
+        sums = self.acc.reduce(torch.tensor([loss_total, positions, tokens], dtype=torch.float64, device=self.device),
+                               reduction="sum").cpu()
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
         dt = time.perf_counter() - t0
-        rec = {"step": self.step, "loss": float(summed) / self.acc.num_processes * 1.0,
+        rec = {"step": self.step, "loss": float(sums[0]) / self.acc.num_processes,
                "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped,
-               "positions_per_s": positions * self.acc.num_processes / dt, "supervised": global_count,
-               "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length()}
-        if torch.cuda.is_available():
-            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+               "positions_per_s": float(sums[1]) / dt, "tokens_per_s": float(sums[2]) / dt,
+               "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length()}
+        rec.update(peak_memory())
         return rec
+
+    def eval_items(self) -> list[int]:
+        """Eval-split sequences used in evaluation: the first ``eval_sequences`` with a supervised element."""
+        if self._eval_items is None:
+            mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
+            items = []
+            for i in range(len(self.eval_ids)):
+                if len(items) == self.tc.eval_sequences:
+                    break
+                if supervised_count(self._eval_grid(i, mask_id)) > 0:
+                    items.append(i)
+            self._eval_items = items
+        return self._eval_items
+
+    def _eval_grid(self, i: int, mask_id: int, device=None):
+        ids = torch.tensor(self.eval_ids[i], dtype=torch.long, device=device)
+        lm = torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device)
+        doc = torch.zeros_like(ids)
+        kept = cod_sample(lm, doc, self.tc.K, 1.0, 1.0)
+        return build_grid(ids, lm, doc, kept, mask_id)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Loss and per-depth metrics on the eval split (no COD drop: r = r_min = 1 for all depths)."""
+        """Loss and per-depth metrics on the eval split (no COD drop: r = r_min = 1 for all depths).
+
+        Every rank runs the same number of forwards (the last round is padded with a repeated,
+        uncounted sequence), as FSDP2 / ZeRO-3 gather weights in every forward.
+        """
         self.model.eval()
-        n = min(len(self.eval_ids), self.tc.eval_sequences)
-        idx = list(range(self.acc.process_index, n, self.acc.num_processes))
+        items = self.eval_items()
+        world, rank = self.acc.num_processes, self.acc.process_index
         stats, loss_sum, count = DepthStats.zeros(self.tc.K), 0.0, 0.0
         mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
-        for i in idx:
+        for r in range(math.ceil(len(items) / world)):
+            j = r * world + rank
+            counted = j < len(items)
+            i = items[j % len(items)]
             feats = self.eval_features.get([i])
             packed = pack(feats, [self.eval_ids[i]], [self.eval_masks[i]], self.device)
-            kept = cod_sample(packed["loss_mask"], packed["doc_ids"], self.tc.K, 1.0, 1.0)
-            grid = build_grid(packed["input_ids"], packed["loss_mask"], packed["doc_ids"], kept, mask_id)
-            c = supervised_count(grid)
-            if c == 0:
-                continue
+            grid = self._eval_grid(i, mask_id, self.device)
             with self.acc.autocast():
                 loss, pred = self._forward(packed, grid, 1.0)
-            loss_sum += float(loss)
-            count += c
-            stats = stats.add(self._stats(packed, grid, pred))
+            if counted:
+                loss_sum += float(loss)
+                count += supervised_count(grid)
+                stats = stats.add(self._stats(packed, grid, pred))
         tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
         self.model.train()
@@ -248,7 +305,13 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Atomic checkpoint ``checkpoints/step-XXXXXXXX`` (temp dir + rename + COMPLETE marker); keeps the last k."""
+        """Atomic checkpoint ``checkpoints/step-XXXXXXXX``; keeps the last ``train.keep_last``.
+
+        Every rank writes its part (``accelerate.save_state``: weights/optimizer shards, RNG
+        states) into ``.tmp-step-XXXXXXXX``; then rank 0 adds ``trainer_state.json`` and the
+        ``COMPLETE`` marker and renames the folder. A kill at any point leaves either the
+        previous checkpoints alone or a new complete one.
+        """
         root = self.out / "checkpoints"
         final = root / f"step-{self.step:08d}"
         tmp = root / f".tmp-step-{self.step:08d}"
@@ -256,33 +319,56 @@ class Trainer:
             shutil.rmtree(tmp)
         self.acc.wait_for_everyone()
         self.acc.save_state(str(tmp))
+        self.acc.wait_for_everyone()
         if self.acc.is_main_process:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "history": self.history}))
+            state = {"step": self.step, "history": self.history, "world_size": self.acc.num_processes,
+                     "strategy": self.layout.strategy}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
             (tmp / "COMPLETE").write_text("ok")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            ckpts = sorted(p for p in root.glob("step-*") if (p / "COMPLETE").exists())
-            for old in ckpts[: -self.tc.keep_last]:
+            for old in complete_checkpoints(root)[: -self.tc.keep_last]:
                 shutil.rmtree(old)
         self.acc.wait_for_everyone()
         return final
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint, if any; returns whether one was loaded."""
+        """Load the newest complete checkpoint, if any; returns whether one was loaded.
+
+        Temp folders of an interrupted save (``.tmp-step-*``) are removed first.
+
+        Raises:
+            ConfigError: the checkpoint was written by a different number of processes (exact
+                resume restores each rank's RNG state and data position).
+        """
         root = self.out / "checkpoints"
-        ckpts = sorted(p for p in root.glob("step-*") if (p / "COMPLETE").exists()) if root.exists() else []
+        if self.acc.is_main_process and root.exists():
+            for tmp in root.glob(".tmp-step-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        ckpts = complete_checkpoints(root)
         if not ckpts:
             return False
-        self.acc.load_state(str(ckpts[-1]))
         state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.acc.num_processes:
+            raise ConfigError(f"{ckpts[-1]} was written by {saved_world} processes but this launch has "
+                              f"{self.acc.num_processes}: relaunch with {saved_world} processes to resume exactly, "
+                              "or choose a new output_dir")
+        self.acc.load_state(str(ckpts[-1]))
         self.step, self.history = state["step"], state["history"]
+        self.acc.print(f"resumed from {ckpts[-1]} (step {self.step})")
         return True
 
     def save_drafter(self) -> Path:
-        """Write the trained drafter (fp32 safetensors + config) to ``<output_dir>/drafter`` atomically."""
+        """Write the trained drafter (fp32 safetensors + config) to ``<output_dir>/drafter`` atomically.
+
+        Gathers sharded weights first (FSDP2, ZeRO-3): call on every rank.
+        """
         from safetensors.torch import save_file
 
+        full = full_state_dict(self.acc, self.model)
         drafter = self.acc.unwrap_model(self.model).drafter
         out = self.out / "drafter"
         if self.acc.is_main_process:
@@ -290,8 +376,8 @@ class Trainer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-            sd = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
-                  for k, v in drafter.state_dict().items()}
+            sd = {k[len("drafter."):]: v.float().contiguous() if v.is_floating_point() else v.contiguous()
+                  for k, v in full.items() if k.startswith("drafter.")}
             save_file(sd, str(tmp / "model.safetensors"))
             drafter.config.to_json_file(str(tmp / "config.json"))
             if out.exists():
@@ -301,12 +387,16 @@ class Trainer:
         return out
 
     # -- loop --------------------------------------------------------------------------------------
+    def _log(self, rec: dict, prefix: str) -> None:
+        self.acc.log(flat_metrics(rec, prefix), step=self.step)
+
     def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
         """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
         (a planned interruption: the schedule still targets ``total_steps``)."""
         from tqdm import tqdm
 
-        self.acc.init_trackers("peagle_train")
+        self.acc.init_trackers("peagle_train", init_kwargs={"wandb": {
+            "dir": str(self.out / "logs"), "name": self.out.name, "config": self.cfg.model_dump(mode="json")}})
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
                    disable=not (progress and self.acc.is_local_main_process))
         t_start = time.perf_counter()
@@ -318,13 +408,13 @@ class Trainer:
             rec = self.train_step()
             self.history.append(rec)
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", pos_s=f"{rec['positions_per_s']:.0f}")
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
-                self.acc.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=self.step)
+                self._log(rec, "train")
             if self.tc.eval_every and self.step % self.tc.eval_every == 0 and self.step < self.total_steps:
                 ev = self.evaluate()
                 rec.update(ev)
-                self.acc.log({"eval_loss": ev["eval_loss"], "eval_sim_al": ev["eval_sim_al"][self.tc.K]}, step=self.step)
+                self._log(ev, "eval")
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
             if stop_at is not None and self.step >= stop_at:
@@ -333,8 +423,49 @@ class Trainer:
                 return None
         bar.close()
         final = self.evaluate()
-        self.acc.end_training()
+        self._log(final, "eval")
+        for tracker in self.acc.trackers:  # not end_training(): the process group is still needed to save
+            tracker.finish()
         return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """``step-*`` folders under ``root`` that carry the ``COMPLETE`` marker, oldest first."""
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / "COMPLETE").exists())
+
+
+def peak_memory() -> dict:
+    """Peak memory so far: ``peak_mem_gb`` (CUDA max allocated, GiB) on GPU; always ``peak_rss_gb``
+    (this process's peak resident set, GiB, from ``getrusage``; KiB on Linux)."""
+    import resource
+
+    out = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available():
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def flat_metrics(rec: dict, prefix: str) -> dict[str, float]:
+    """Scalars for the trackers: ``{prefix}/{key}``; per-depth lists become ``{key}_d{depth}``, the
+    ``eval_sim_al`` dict ``sim_al_k{K}``; booleans and strings are dropped.
+
+    Example: ``flat_metrics({"loss": 1.0, "acc": [0.5, 0.25]}, "train")`` →
+    ``{"train/loss": 1.0, "train/acc_d0": 0.5, "train/acc_d1": 0.25}``.
+    """
+    out = {}
+    for k, v in rec.items():
+        name = k[len("eval_"):] if k.startswith("eval_") else k
+        if isinstance(v, bool) or isinstance(v, str):
+            continue
+        if isinstance(v, (int, float)):
+            out[f"{prefix}/{name}"] = float(v)
+        elif isinstance(v, list):
+            out.update({f"{prefix}/{name}_d{d}": float(x) for d, x in enumerate(v)})
+        elif isinstance(v, dict):
+            out.update({f"{prefix}/{name}_k{kk}": float(x) for kk, x in v.items()})
+    return out
 
 
 def load_drafter_dir(path: str | Path) -> Drafter:
@@ -373,9 +504,14 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     """The ``train`` stage: features (cache or online) → drafter → ``<output_dir>/drafter``.
 
     ``stop_at``: checkpoint and return after that optimizer step (resume later by calling again).
+    Under a multi-process launch every rank calls this (see ``launch/README.md``).
 
     Returns:
         the final eval metrics (also written to ``<output_dir>/train_metrics.json``).
+
+    Raises:
+        ConfigError: an impossible layout or recipe (before the target is loaded).
+        RuntimeError: processes that do not form one group.
     """
     from transformers import AutoConfig
 
@@ -383,6 +519,9 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
 
     out = Path(cfg.output_dir)
     data = load_prepared(out)
+    layout = requested_layout()
+    validate_layout(cfg, layout, len(data["train"]["input_ids"]))  # before loading anything heavy
+    acc = make_accelerator(cfg, layout, out / "logs")  # also selects this rank's GPU for the target below
     tpath = materialise_target(cfg.target)
     tconf = AutoConfig.from_pretrained(str(tpath))
     aux_ids = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
@@ -392,7 +531,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
         target = load_target(cfg.target, with_tokenizer=False)
         feats = {"train": OnlineFeatures(target, data["train"]["input_ids"]),
                  "eval": OnlineFeatures(target, data["eval"]["input_ids"])}
-    trainer = Trainer(cfg, data, feats, tconf, aux_ids)
+    trainer = Trainer(cfg, data, feats, tconf, aux_ids, accelerator=acc, layout=layout)
     if trainer.acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "resolved_config.yaml")
@@ -407,4 +546,5 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
                "final": final, "history": trainer.history}
     if trainer.acc.is_main_process:
         (out / "train_metrics.json").write_text(json.dumps(metrics, indent=1))
+    trainer.acc.wait_for_everyone()
     return metrics

@@ -1,0 +1,40 @@
+"""Every recipe in recipes/ loads and validates; dotted overrides are typed; the CLI's stage list is frozen."""
+from pathlib import Path
+
+import pytest
+
+from peagle_train.cli import STAGES, build_parser
+from peagle_train.config import ConfigError, load_config
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m.yaml"
+
+
+def test_there_are_recipes():
+    assert any(p.name == "smollm2-135m.yaml" for p in RECIPES)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_validates(path):
+    cfg = load_config(path)
+    assert cfg.source_file == str(path)
+    if cfg.train.method == "peagle":
+        assert cfg.eval.k_max <= cfg.train.K
+        assert cfg.drafter.mask_token_id is not None
+
+
+def test_overrides_are_typed_and_checked():
+    cfg = load_config(DEFAULT, ["train.lr=3e-4", "train.partitions=4", "eval.datasets=[mt_bench, humaneval]"])
+    assert cfg.train.lr == 3e-4 and cfg.train.partitions == 4 and cfg.eval.datasets == ["mt_bench", "humaneval"]
+    with pytest.raises(ConfigError, match=r"train\.partitions"):
+        load_config(DEFAULT, ["train.partitions=zero"])
+    with pytest.raises(ConfigError, match="override 'train.lr'"):
+        load_config(DEFAULT, ["train.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("recipes/does-not-exist.yaml")
+
+
+def test_cli_surface_is_frozen():
+    assert STAGES == ("prepare", "cache", "train", "export", "eval", "run")
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted([*STAGES, "check", "push"])
