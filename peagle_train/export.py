@@ -300,13 +300,7 @@ def export_vllm(
     config = build_vllm_config(drafter.config, target_config=target_config, dtype=dtype)
     tensors = export_state_dict(drafter, config, dtype)
     readme = render_model_card(config, target_name=target_name, model_ref=out.name, card=card)
-    with _atomic_dir(out, overwrite) as tmp:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        _write_json(tmp / CONFIG_FILE, config)
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / README_FILE).write_text(readme)
-        assert_export_ok(tmp)
+    _write_export(out, overwrite, tokenizer, config, tensors, readme)
     return out
 
 
@@ -475,6 +469,12 @@ def export_speculators(
     readme += ("\nThis directory is in vLLM's *speculators* format (`speculators_model_type: "
                f"\"{config['speculators_model_type']}\"`): `vllm serve {out.name}` reads the verifier from "
                "`speculators_config.verifier.name_or_path`.\n")
+    _write_export(out, overwrite, tokenizer, config, tensors, readme)
+    return out
+
+
+def _write_export(out: Path, overwrite: bool, tokenizer, config: dict, tensors: dict, readme: str) -> None:
+    """Write tokenizer, config, weights and card into a temp dir, contract-check it, then rename it to ``out``."""
     with _atomic_dir(out, overwrite) as tmp:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
@@ -482,7 +482,6 @@ def export_speculators(
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / README_FILE).write_text(readme)
         assert_export_ok(tmp)
-    return out
 
 
 __all__ = ["EXPORT_ARCHITECTURE", "ExportCheckError", "ExportError", "build_speculators_config",

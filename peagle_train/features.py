@@ -50,6 +50,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .target import sha256_file as _sha256
+
 FORMAT = "peagle-features-v2"
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #: accepted ``dtype`` values of :func:`write_cache` → storage dtype of ``aux``/``last``.
@@ -60,12 +62,6 @@ class CacheError(RuntimeError):
     """A feature cache is missing, corrupt, or does not match the run; the message says what to do."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _atomic_json(path: Path, obj: dict) -> None:

@@ -44,10 +44,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle_train"))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -94,7 +95,7 @@ def materialise_target(cfg: TargetConfig) -> Path:
         if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
             return cached
     gguf = locate_gguf(cfg)
-    digest = _sha256(gguf)
+    digest = sha256_file(gguf)
     if cfg.gguf_sha256 and digest != cfg.gguf_sha256:
         raise TargetLoadError(
             f"{gguf}: sha256 {digest} does not match target.gguf_sha256 {cfg.gguf_sha256}; reinstall "
