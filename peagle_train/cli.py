@@ -20,6 +20,7 @@ STAGES = ("prepare", "cache", "train", "export", "eval", "run")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``peagle-train`` argument parser: stage subcommands plus ``check`` and ``push``."""
     p = argparse.ArgumentParser(prog="peagle-train", description="Train P-EAGLE drafters for vLLM.")
     sub = p.add_subparsers(dest="command", required=True)
     for name in STAGES:
@@ -66,6 +67,7 @@ def _stage(args) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Console entry point. Returns 0 on success, 1 when ``check`` finds problems, 2 on bad input."""
     args = build_parser().parse_args(argv)
     from .config import ConfigError
     from .features import CacheError

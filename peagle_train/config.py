@@ -197,12 +197,16 @@ class TrainConfig(_Section):
 
 
 class ExportConfig(_Section):
+    """Export to vLLM's layout (spec §5), optionally also the speculators format."""
+
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     speculators_format: bool = Field(False, description="Also write vLLM speculators' format to export-speculators/.")
     verifier: str | None = Field(None, description="Target Hub id recorded as the speculators verifier.")
 
 
 class EvalConfig(_Section):
+    """Speculative-decoding evaluation: prompt sets, prompts per set, tokens per turn, served K range."""
+
     datasets: list[Literal["mt_bench", "humaneval", "arena_hard"]] = ["mt_bench"]
     num_prompts: int = Field(8, ge=1, description="Prompts per dataset.")
     max_new_tokens: int = Field(64, ge=1)

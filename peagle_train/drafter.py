@@ -49,6 +49,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` → normalised ``[..., H]`` in ``x``'s dtype."""
         dt = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(dt)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -122,6 +123,8 @@ class DrafterLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, h, emb, cos, sin, spec, past_kv=None):
+        """h ``[E, H]`` hidden (layer 0: fc-projected aux/mask hidden), emb ``[E, H]`` token embeddings;
+        returns ``(h [E, H], (k, v))`` (see :meth:`DrafterAttention.forward`)."""
         if self.fusion:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         else:

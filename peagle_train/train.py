@@ -173,6 +173,7 @@ class Trainer:
                             self.tc.length_balance)
 
     def prepare_micro(self, indices, source, ids, masks, gen):
+        """Fetch features for ``indices``, pack them, sample COD and build the grid → ``(packed, grid)``."""
         feats = source.get(indices)
         packed = pack(feats, [ids[i] for i in indices], [masks[i] for i in indices], self.device)
         K = self.tc.K
