@@ -6,6 +6,8 @@ benchmark does not need them):
 
 - :mod:`data_prep.sources`      ``load_conversations``, ``split_train_eval``
 - :mod:`data_prep.template`     ``tokenize_conversation``, ``build_prompt_ids``
-- :mod:`data_prep.regenerate`   ``regenerate``
+- :mod:`data_prep.regenerate`   ``regenerate`` (HF ``generate``; dispatches ``regen.backend: vllm``)
+- :mod:`data_prep.regenerate_vllm` ``regenerate_vllm`` (OpenAI-compatible server or offline ``vllm.LLM``)
+- :mod:`data_prep.sharegpt`     ``iter_json_array`` (truncation-tolerant ShareGPT JSON stream reader)
 - :mod:`data_prep.eval_prompts` ``load_eval_prompts``
 """

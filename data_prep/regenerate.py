@@ -1,4 +1,5 @@
-"""Regenerate every assistant turn with the target (Hugging Face ``generate`` backend).
+"""Regenerate every assistant turn with the target (Hugging Face ``generate`` backend;
+``regen.backend: vllm`` is dispatched to :mod:`data_prep.regenerate_vllm`).
 
 Drafters learn the target's own distribution best when trained on the target's own
 responses (EAGLE-3 / P-EAGLE recipes regenerate UltraChat/ShareGPT answers with the
@@ -113,14 +114,17 @@ def regenerate(
         ``max_new_tokens``), ``generated_tokens`` (including each end-of-turn token),
         ``generate_seconds``, ``tokens_per_s`` and the ``sampling`` settings.
 
+    ``cfg.backend == "vllm"`` dispatches to :func:`data_prep.regenerate_vllm.regenerate_vllm`
+    (OpenAI-compatible server at ``regen.server_url``, or offline ``vllm.LLM``), which
+    returns a report with the same keys (and raises its own errors, documented there).
+
     Raises:
-        NotImplementedError: ``cfg.backend == "vllm"``.
         ValueError: ``cfg.enabled`` is false; a conversation not in normal form.
     """
-    if cfg.backend != "hf":
-        raise NotImplementedError(
-            f"regen.backend '{cfg.backend}' is not implemented yet; set regen.backend: hf"
-        )
+    if cfg.backend == "vllm":
+        from .regenerate_vllm import regenerate_vllm
+
+        return regenerate_vllm(model, tokenizer, conversations, cfg, max_prompt_tokens, progress)
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
     import transformers

@@ -28,14 +28,15 @@ list, a turn without a role) are errors naming the file and the row index, never
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from peagle_train.config import DataConfig
+
+from .sharegpt import TruncatedTail, iter_json_array  # noqa: F401 -- re-exported (public API of this module)
 
 Message = dict[str, str]
 Conversation = list[Message]
@@ -260,91 +261,7 @@ class _Tally:
 
 
 # --------------------------------------------------------------------------- ShareGPT
-
-
-@dataclass
-class TruncatedTail:
-    """Last item of :func:`iter_json_array` when the array is cut before its closing ``]``."""
-
-    index: int  # index the incomplete record would have had
-    chars: int  # characters of the incomplete record that were dropped (0: cut between records)
-    error: str
-
-
-def _ran_off_end(err: json.JSONDecodeError, text: str) -> bool:
-    """Whether a decode error is caused by the input ending (a cut), not by bad syntax.
-
-    The C decoder reports an unterminated string at the string's start; every other
-    error of a cut input lies within the last partial token (at most a 6-char ``\\uXXXX``).
-    """
-    return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip()) - 6
-
-
-def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[int, Any] | TruncatedTail]:
-    """Stream the records of a (possibly truncated) top-level JSON array.
-
-    Reads ``chunk_chars`` characters at a time and decodes one record at a time with
-    ``json.JSONDecoder().raw_decode``; memory stays O(largest record + chunk).
-
-    Yields:
-        ``(index, record)`` per complete record, then a :class:`TruncatedTail` if the file
-        ends before the closing ``]``.
-
-    Raises:
-        ValueError: the file is not a JSON array, or a record in the middle is not valid
-            JSON (names the file, record index and position).
-    """
-    dec = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf, eof, pos = "", False, 0
-
-        def refill(need_more: bool) -> None:
-            nonlocal buf, pos, eof
-            if eof:
-                return
-            more = f.read(max(chunk_chars, len(buf) - pos) if need_more else chunk_chars)
-            eof = more == ""
-            buf, pos = buf[pos:] + more, 0
-
-        def skip_ws() -> bool:
-            """Advance past whitespace; False at end of input."""
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
-                    pos += 1
-                if pos < len(buf):
-                    return True
-                if eof:
-                    return False
-                refill(False)
-
-        if not skip_ws() or buf[pos] != "[":
-            raise ValueError(f"{path}: not a JSON array (a ShareGPT file is one JSON list of records)")
-        pos += 1
-        index, need_comma = 0, False
-        while True:
-            if not skip_ws():
-                yield TruncatedTail(index, 0, "missing closing ']'")
-                return
-            if buf[pos] == "]":
-                return
-            if need_comma:
-                if buf[pos] != ",":
-                    raise ValueError(f"{path}: expected ',' after record {index - 1}, found {buf[pos]!r}")
-                pos, need_comma = pos + 1, False
-                continue
-            try:
-                record, end = dec.raw_decode(buf, pos)
-            except json.JSONDecodeError as e:
-                if not eof:
-                    refill(True)
-                    continue
-                if _ran_off_end(e, buf):
-                    yield TruncatedTail(index, len(buf) - pos, e.msg)
-                    return
-                raise ValueError(f"{path}: record {index} is not valid JSON: {e}") from None
-            yield index, record
-            index, pos, need_comma = index + 1, end, True
+# The stream reader (iter_json_array, TruncatedTail) is in data_prep/sharegpt.py.
 
 
 def _load_sharegpt(path: Path, cfg: DataConfig) -> tuple[list[Conversation], dict]:
@@ -374,18 +291,35 @@ def _load_sharegpt(path: Path, cfg: DataConfig) -> tuple[list[Conversation], dic
 # --------------------------------------------------------------------------- datasets
 
 
-def _open_table(spec: str, split: str):
+def _open_table(spec: str, split: str, explicit: bool = False):
     """Load a local JSON/JSONL/Parquet file or directory, or a Hub dataset, as one ``datasets.Dataset``.
+
+    Args:
+        spec: ``data.path`` (or the source default): a local file/directory or a Hub name.
+        split: the split to read (``data.split`` or the source default).
+        explicit: ``split`` came from ``data.split``. A local directory then must have that
+            split (``datasets`` names splits after the files, e.g. ``test_sft-*.parquet`` →
+            ``test_sft``); a single local file is one split and refuses an explicit split.
+            With the default split, a directory falls back to ``train``, or to its only split.
+
+    Returns:
+        ``(dataset, where)``: ``where`` names the file/directory or ``name[split]`` for reports.
 
     Raises:
         FileNotFoundError: a local-looking path that does not exist.
-        ValueError: a local file the ``datasets`` builders cannot parse (names the file).
+        ValueError: a local file the ``datasets`` builders cannot parse (names the file); an
+            explicit ``data.split`` missing from a local directory or given for a single file.
         RuntimeError: a Hub dataset that cannot be loaded (offline, unknown name, no split).
     """
     import datasets
 
     if _looks_local(spec) or Path(spec).expanduser().exists():
         path = resolve_path(spec)
+        if explicit and not path.is_dir():
+            raise ValueError(
+                f"data.split '{split}': data.path '{spec}' is a single file, which is one split; remove "
+                f"data.split, or point data.path at a directory with per-split files ({split}-*.parquet)"
+            )
         try:
             if path.is_dir():
                 dd = datasets.load_dataset(str(path))
@@ -396,6 +330,8 @@ def _open_table(spec: str, split: str):
             raise ValueError(f"{path}: could not be read as chat JSONL/Parquet ({type(e).__name__}: {e})") from e
         # local directories may name their split files after the Hub split (train_sft-*.parquet),
         # which `datasets` files under 'train'
+        if explicit and split not in dd:
+            raise ValueError(f"{path}: data.split '{split}' not found; the directory has splits {sorted(dd)}")
         pick = split if split in dd else "train" if "train" in dd else next(iter(dd)) if len(dd) == 1 else None
         if pick is None:
             raise ValueError(f"{path}: splits {list(dd)} contain neither '{split}' nor 'train'")
@@ -411,7 +347,7 @@ def _open_table(spec: str, split: str):
 
 def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Conversation], dict]:
     """Rows in a ``random.Random(seed)`` permutation of the whole table, until enough are kept."""
-    ds, where = _open_table(spec, split)
+    ds, where = _open_table(spec, split, explicit=cfg.split is not None)
     column = next((c for c in ("messages", "conversations") if c in ds.column_names), None)
     if column is None:
         raise ValueError(f"{where}: no 'messages' or 'conversations' column (columns: {ds.column_names})")
@@ -442,7 +378,8 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
     records in file order, shuffled by ``cfg.seed``); ``ultrachat`` →
     ``HuggingFaceH4/ultrachat_200k`` split ``train_sft``; ``magpie`` →
     ``Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered`` split ``train``; ``jsonl`` has no
-    default. Table sources (jsonl/ultrachat/magpie, local file/dir or Hub name) are read in a
+    default path (split ``train``). ``cfg.split`` overrides the split of a Hub dataset or a
+    local directory (see :func:`_open_table`). Table sources (jsonl/ultrachat/magpie, local file/dir or Hub name) are read in a
     ``random.Random(cfg.seed)`` permutation of all rows until enough are kept.
 
     Returns:
@@ -456,7 +393,8 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
     Raises:
         FileNotFoundError: missing file or distribution (names the path and the fix).
         ValueError: malformed record (names file and row), no usable conversation,
-            ``jsonl`` without ``data.path``.
+            ``jsonl`` without ``data.path``, a ``data.split`` that the data does not have or
+            that cannot apply (a single file, ``sharegpt``).
         RuntimeError: a Hub dataset that cannot be loaded.
     """
     default, split = DEFAULTS[cfg.source]
@@ -464,8 +402,12 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
     if spec is None:
         raise ValueError("data.source 'jsonl' needs data.path (a .jsonl/.json/.parquet file or a directory)")
     if cfg.source == "sharegpt":
+        if cfg.split is not None:
+            raise ValueError(
+                f"data.split '{cfg.split}' does not apply to data.source sharegpt (one JSON file); remove data.split"
+            )
         return _load_sharegpt(resolve_path(spec), cfg)
-    return _load_table_source(spec, split, cfg)
+    return _load_table_source(spec, cfg.split or split, cfg)
 
 
 def split_train_eval(

@@ -300,6 +300,46 @@ def test_ultrachat_local_dir_and_magpie_local_file(tmp_path):
     assert rep["kept"] == 5 and sorted(convs, key=str) == sorted((conv(f"do {i}", f"done {i}") for i in range(5)), key=str)
 
 
+def test_data_split_selects_a_local_split_and_refuses_what_cannot_apply(tmp_path):
+    from datasets import Dataset
+
+    ddir = tmp_path / "uc" / "data"
+    ddir.mkdir(parents=True)
+    for split in ("train_sft", "test_sft"):
+        rows = [{"messages": conv(f"{split} q{i}", f"{split} a{i}")} for i in range(4)]
+        Dataset.from_list(rows).to_parquet(str(ddir / f"{split}-00000-of-00001.parquet"))
+    cfg = DataConfig(source="ultrachat", path=str(ddir.parent), num_conversations=10)
+    default, rep = load_conversations(cfg)  # default split for ultrachat: train_sft
+    assert {c[0]["content"].split()[0] for c in default} == {"train_sft"} and rep["kept"] == 4
+    test, rep = load_conversations(cfg.model_copy(update={"split": "test_sft"}))
+    assert sorted(c[0]["content"] for c in test) == [f"test_sft q{i}" for i in range(4)]
+    assert rep["path"] == str(ddir.parent)
+    with pytest.raises(ValueError, match=r"data.split 'validation' not found; the directory has splits \['test_sft', 'train_sft'\]"):
+        load_conversations(cfg.model_copy(update={"split": "validation"}))
+    path = write_jsonl(tmp_path / "one.jsonl", [{"messages": conv("q", "a")}])
+    assert load_conversations(DataConfig(source="jsonl", path=str(path)))[0] == [conv("q", "a")]
+    with pytest.raises(ValueError, match=r"data.split 'test'.*one.jsonl' is a single file"):
+        load_conversations(DataConfig(source="jsonl", path=str(path), split="test"))
+    with pytest.raises(ValueError, match="does not apply to data.source sharegpt"):
+        load_conversations(DataConfig(source="sharegpt", split="train"))
+
+
+def test_hub_split_is_passed_to_datasets(monkeypatch):
+    import datasets
+
+    seen = []
+
+    def fake_load(name, split=None, **kw):
+        seen.append((name, split))
+        return datasets.Dataset.from_list([{"messages": conv("q", "a")}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    _, rep = load_conversations(DataConfig(source="magpie"))
+    _, rep2 = load_conversations(DataConfig(source="ultrachat", split="test_sft"))
+    assert seen == [("Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered", "train"), ("HuggingFaceH4/ultrachat_200k", "test_sft")]
+    assert rep2["path"] == "HuggingFaceH4/ultrachat_200k[test_sft]"
+
+
 def test_unreachable_hub_dataset_gives_advice(monkeypatch):
     import datasets.config
     import huggingface_hub.constants
@@ -445,9 +485,7 @@ def test_sampling_is_seeded(tok, tiny_model):
     }
 
 
-def test_regenerate_refuses_vllm_disabled_and_bad_roles(tok, tiny_model):
-    with pytest.raises(NotImplementedError, match="backend: hf"):
-        regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(backend="vllm"), 512, progress=False)
+def test_regenerate_refuses_disabled_and_bad_roles(tok, tiny_model):
     with pytest.raises(ValueError, match="regen.enabled is false"):
         regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(enabled=False), 512, progress=False)
     with pytest.raises(ValueError, match="conversation 0: expected"):
