@@ -33,8 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from .check import (CONFIG_FILE, WEIGHTS_FILE, ExportCheckError, assert_export_ok, expected_weights,
-                    flatten_speculators_config, is_hub_repo_id, is_parallel)
+from .check import CONFIG_FILE, WEIGHTS_FILE, ExportCheckError, assert_export_ok, expected_weights, is_parallel
+from .check_speculators import flatten_speculators_config, is_hub_repo_id
 from .drafter import Drafter
 from .model_card import render_model_card
 

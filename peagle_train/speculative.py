@@ -40,21 +40,14 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .drafter import AttnSpec, Drafter
+from .rejection import AcceptRule, standard_accept_rule, verify_greedy, verify_sampling
+from .spec_stats import SpecStats, TargetStats, acceptance_length, per_position_acceptance
 from .target import Target
-
-#: ``accept_rule(p_d, q_d) -> acceptance probability`` for a draft token ``d`` (0-dim tensors).
-AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def standard_accept_rule(p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
-    """``min(1, p(d) / q(d))``: speculative sampling (Leviathan et al. 2023, Chen et al. 2023)."""
-    return torch.clamp(p_d / q_d, max=1.0)
 
 
 def _sync(device: torch.device) -> None:
@@ -199,146 +192,6 @@ class DraftSession:
         draft_ids = torch.stack([p[0] for p in picks])
         q = torch.stack([p[1] for p in picks]) if sampling else None
         return Proposal(draft_ids=draft_ids, draft_logits=logits, q=q)
-
-
-def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy verification: accept the longest prefix of drafts equal to the target argmax.
-
-    Args:
-        draft_ids: ``[K]`` int64 target ids. target_logits: ``[K+1, V]`` target logits at
-            ``[b, d1..dK]`` (row ``i`` predicts the token after draft ``i``).
-
-    Returns:
-        ``(a, next_token)``: accepted drafts ``0..K`` and the target's argmax after them
-        (the correction token on a rejection, the bonus token when all ``K`` are accepted).
-    """
-    greedy = target_logits.argmax(-1)  # [K+1]
-    match = (draft_ids.to(greedy.device) == greedy[:-1]).to(torch.int64)
-    a = int(match.cumprod(0).sum())
-    return a, int(greedy[a])
-
-
-def verify_sampling(
-    draft_ids: torch.Tensor,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    generator: torch.Generator | None = None,
-    accept_rule: AcceptRule | None = None,
-) -> tuple[int, int]:
-    """Speculative-sampling verification (Leviathan et al. 2023; Chen et al. 2023; vLLM
-    ``vllm/v1/sample/rejection_sampler.py``): the emitted tokens are distributed exactly as
-    sampling from the target alone.
-
-    For ``i = 1..K``: accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; on the first
-    rejection sample the next token from ``norm(max(0, p_i - q_i))`` and stop. If all ``K`` are
-    accepted, sample the bonus token from ``p_{K+1}``.
-
-    Args:
-        draft_ids: ``[K]`` int64 target ids, ``d_i ~ q_i``.
-        q: ``[K, V]`` drafter distributions on the target vocab.
-        p: ``[K+1, V]`` target distributions (same temperature as ``q``).
-        generator: ``torch.Generator`` on ``p``'s device.
-        accept_rule: test hook replacing ``min(1, p/q)``; production callers leave it ``None``.
-
-    Returns:
-        ``(a, next_token)`` with ``a`` accepted drafts.
-    """
-    rule = accept_rule or standard_accept_rule
-    K = draft_ids.numel()
-    u = torch.rand(K, generator=generator, device=p.device, dtype=p.dtype)  # [K]
-    q = q.to(device=p.device, dtype=p.dtype)
-    for i in range(K):
-        d = int(draft_ids[i])
-        if bool(u[i] < rule(p[i, d], q[i, d])):
-            continue
-        residual = torch.clamp(p[i] - q[i], min=0.0)  # [V]
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
-            residual = p[i]
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0])
-    return K, int(torch.multinomial(p[K], 1, generator=generator)[0])
-
-
-@dataclass
-class SpecStats:
-    """Statistics of one :func:`speculative_generate` call (times in seconds, ``time.perf_counter``).
-
-    Attributes:
-        K: served draft tokens per round.
-        accepted: per verification round, drafts accepted ``0..K``.
-        draft_s: per round, time to build the proposal it verified (the first one also runs
-            the drafter over the whole prompt).
-        verify_s: per round, target forward over ``K+1`` positions + acceptance + cache crop.
-        prefill_s: target prefill over the prompt and the first token.
-        total_s: wall time of the whole call.
-        new_tokens: tokens returned (after truncation at ``max_new_tokens`` / EOS).
-    """
-
-    K: int
-    accepted: list[int] = field(default_factory=list)
-    draft_s: list[float] = field(default_factory=list)
-    verify_s: list[float] = field(default_factory=list)
-    prefill_s: float = 0.0
-    total_s: float = 0.0
-    new_tokens: int = 0
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean ``accepted + 1`` tokens per verification round (NaN with no round)."""
-        return acceptance_length(self.accepted)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Returned tokens / ``total_s`` (tokens/s, prefill included)."""
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
-
-    def per_position(self) -> list[float]:
-        """Acceptance rate at draft position ``i = 1..K``: rounds accepting ``d_i`` / rounds reaching ``d_i``."""
-        return per_position_acceptance(self.accepted, self.K)
-
-    def to_dict(self) -> dict:
-        return {
-            "K": self.K, "rounds": self.rounds, "accepted": list(self.accepted),
-            "acceptance_length": self.acceptance_length, "per_position_acceptance": self.per_position(),
-            "draft_s": list(self.draft_s), "verify_s": list(self.verify_s), "prefill_s": self.prefill_s,
-            "total_s": self.total_s, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
-        }
-
-
-def acceptance_length(accepted: Iterable[int]) -> float:
-    """Mean of ``accepted + 1`` over rounds: tokens emitted per target forward (NaN if empty)."""
-    acc = list(accepted)
-    return sum(a + 1 for a in acc) / len(acc) if acc else float("nan")
-
-
-def per_position_acceptance(accepted: Iterable[int], K: int) -> list[float]:
-    """``[K]`` rates: rounds with ``a >= i`` / rounds with ``a >= i-1`` for ``i = 1..K`` (NaN if none reached)."""
-    acc = list(accepted)
-    out = []
-    for i in range(1, K + 1):
-        reached = sum(a >= i - 1 for a in acc)
-        out.append(sum(a >= i for a in acc) / reached if reached else float("nan"))
-    return out
-
-
-@dataclass
-class TargetStats:
-    """Statistics of one :func:`target_generate` call (seconds; tokens/s includes the prefill)."""
-
-    prefill_s: float = 0.0
-    total_s: float = 0.0
-    new_tokens: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
-
-    def to_dict(self) -> dict:
-        return {"prefill_s": self.prefill_s, "total_s": self.total_s, "new_tokens": self.new_tokens,
-                "tokens_per_s": self.tokens_per_s}
 
 
 def _eos_set(eos_token_id) -> set[int]:
@@ -533,3 +386,10 @@ def speculative_generate(
     stats.total_s = time.perf_counter() - start
     stats.new_tokens = len(out)
     return out, stats
+
+
+__all__ = [
+    "AcceptRule", "DraftSession", "Proposal", "SpecStats", "TargetStats", "acceptance_length",
+    "per_position_acceptance", "speculative_generate", "standard_accept_rule", "target_generate",
+    "verify_greedy", "verify_sampling",
+]

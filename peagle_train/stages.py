@@ -140,7 +140,7 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     """Write the hidden-state cache for both splits (``features: cache`` only; resumable)."""
     from .features import write_cache
     from .target import load_target
-    from .train import load_prepared
+    from .tokenized import load_prepared
 
     if cfg.train.features != "cache":
         return None
@@ -180,7 +180,7 @@ def run_export(cfg: RunConfig) -> Path:
 
     from .export import export_vllm
     from .target import materialise_target
-    from .train import load_drafter_dir
+    from .checkpoint import load_drafter_dir
 
     out = Path(cfg.output_dir)
     drafter = load_drafter_dir(out / "drafter")

@@ -47,3 +47,15 @@ def load_tokenized(path: str | Path) -> dict:
         ids, mask, off = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist(), f.get_tensor("offsets").tolist()
     return {"input_ids": [ids[a:b] for a, b in zip(off[:-1], off[1:])],
             "loss_mask": [mask[a:b] for a, b in zip(off[:-1], off[1:])]}
+
+
+def load_prepared(out_dir: Path) -> dict:
+    """Read the tokenised ``train``/``eval`` splits written by ``prepare`` (eval falls back to train).
+
+    Raises:
+        FileNotFoundError: with the command to run first.
+    """
+    d = Path(out_dir) / "data"
+    out = {"train": load_tokenized(d / "train.safetensors")}
+    out["eval"] = load_tokenized(d / "eval.safetensors") if (d / "eval.safetensors").exists() else out["train"]
+    return out

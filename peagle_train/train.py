@@ -39,8 +39,11 @@ from .drafter import Drafter, make_drafter_config
 from .features import CachedFeatures, OnlineFeatures, pack
 from .grid import build_grid, cod_sample, supervised_count
 from .loss import DepthStats, depth_stats
+from .checkpoint import complete_checkpoints, write_drafter_dir
 from .objective import Eagle3Objective, PEagleObjective
 from .partition import plan_partitions
+from .tokenized import load_prepared
+from .tracking import flat_metrics, peak_memory
 from .vocab import select_draft_vocab, token_frequencies
 
 
@@ -367,23 +370,12 @@ class Trainer:
 
         Gathers sharded weights first (FSDP2, ZeRO-3): call on every rank.
         """
-        from safetensors.torch import save_file
-
         full = full_state_dict(self.acc, self.model)
         drafter = self.acc.unwrap_model(self.model).drafter
         out = self.out / "drafter"
         if self.acc.is_main_process:
-            tmp = self.out / ".tmp-drafter"
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            sd = {k[len("drafter."):]: v.float().contiguous() if v.is_floating_point() else v.contiguous()
-                  for k, v in full.items() if k.startswith("drafter.")}
-            save_file(sd, str(tmp / "model.safetensors"))
-            drafter.config.to_json_file(str(tmp / "config.json"))
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            sd = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
+            write_drafter_dir(sd, drafter.config, out)
         self.acc.wait_for_everyone()
         return out
 
@@ -428,77 +420,6 @@ class Trainer:
         for tracker in self.acc.trackers:  # not end_training(): the process group is still needed to save
             tracker.finish()
         return final
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """``step-*`` folders under ``root`` that carry the ``COMPLETE`` marker, oldest first."""
-    if not root.exists():
-        return []
-    return sorted(p for p in root.glob("step-*") if (p / "COMPLETE").exists())
-
-
-def peak_memory() -> dict:
-    """Peak memory so far: ``peak_mem_gb`` (CUDA max allocated, GiB) on GPU; always ``peak_rss_gb``
-    (this process's peak resident set, GiB, from ``getrusage``; KiB on Linux)."""
-    import resource
-
-    out = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
-        out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
-
-
-def flat_metrics(rec: dict, prefix: str) -> dict[str, float]:
-    """Scalars for the trackers: ``{prefix}/{key}``; per-depth lists become ``{key}_d{depth}``, the
-    ``eval_sim_al`` dict ``sim_al_k{K}``; booleans and strings are dropped.
-
-    Example: ``flat_metrics({"loss": 1.0, "acc": [0.5, 0.25]}, "train")`` →
-    ``{"train/loss": 1.0, "train/acc_d0": 0.5, "train/acc_d1": 0.25}``.
-    """
-    out = {}
-    for k, v in rec.items():
-        name = k[len("eval_"):] if k.startswith("eval_") else k
-        if isinstance(v, bool) or isinstance(v, str):
-            continue
-        if isinstance(v, (int, float)):
-            out[f"{prefix}/{name}"] = float(v)
-        elif isinstance(v, list):
-            out.update({f"{prefix}/{name}_d{d}": float(x) for d, x in enumerate(v)})
-        elif isinstance(v, dict):
-            out.update({f"{prefix}/{name}_k{kk}": float(x) for kk, x in v.items()})
-    return out
-
-
-def load_drafter_dir(path: str | Path) -> Drafter:
-    """Load a drafter written by :meth:`Trainer.save_drafter` (fp32, CPU).
-
-    Raises:
-        FileNotFoundError: with the command to run first.
-    """
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
-
-    path = Path(path)
-    if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{path}/model.safetensors not found: run `peagle-train train RECIPE` first")
-    config = LlamaConfig.from_json_file(str(path / "config.json"))
-    drafter = Drafter(config)
-    drafter.load_state_dict(load_file(str(path / "model.safetensors")))
-    return drafter
-
-
-def load_prepared(out_dir: Path) -> dict:
-    """Read the tokenised ``train``/``eval`` splits written by ``prepare`` (eval falls back to train).
-
-    Raises:
-        FileNotFoundError: with the command to run first.
-    """
-    from .tokenized import load_tokenized
-
-    d = Path(out_dir) / "data"
-    out = {"train": load_tokenized(d / "train.safetensors")}
-    out["eval"] = load_tokenized(d / "eval.safetensors") if (d / "eval.safetensors").exists() else out["train"]
-    return out
 
 
 def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None) -> dict:

@@ -14,7 +14,8 @@ from peagle_train.config import config_from_dict
 from peagle_train.features import CacheError, CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.tokenized import save_tokenized
-from peagle_train.train import Trainer, load_drafter_dir, load_prepared, run_train
+from peagle_train.checkpoint import load_drafter_dir
+from peagle_train.train import Trainer, load_prepared, run_train
 
 
 def _tiny_target(path: Path):
