@@ -82,6 +82,38 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     return results
 
 
+def regen_report(cfg: RegenConfig, head: dict, *, n_in: int, n_out: int, cut: int, turns_requested: int,
+                 counts: dict, generated_tokens: int, seconds: float, max_prompt_tokens: int,
+                 eos_ids: list[int] | None) -> dict:
+    """The regeneration report shared by every backend (summed per shard by ``stages._regenerate_sharded``).
+
+    ``head`` holds backend-specific keys placed first; ``seconds`` is generation wall time (s);
+    ``tokens_per_s`` is ``generated_tokens / seconds``.
+    """
+    return {
+        **head,
+        "conversations_in": n_in,
+        "conversations_out": n_out,
+        "conversations_dropped": n_in - n_out,
+        "conversations_cut": cut,
+        "turns_requested": turns_requested,
+        **counts,
+        "generated_tokens": generated_tokens,
+        "generate_seconds": round(seconds, 3),
+        "tokens_per_s": round(generated_tokens / seconds, 2) if seconds > 0 else None,
+        "max_prompt_tokens": max_prompt_tokens,
+        "eos_token_ids": eos_ids,
+        "sampling": {
+            "do_sample": cfg.do_sample,
+            "temperature": cfg.temperature if cfg.do_sample else None,
+            "top_p": cfg.top_p if cfg.do_sample else None,
+            "max_new_tokens": cfg.max_new_tokens,
+            "batch_size": cfg.batch_size,
+            "seed": cfg.seed,
+        },
+    }
+
+
 def regenerate(
     model,
     tokenizer,
@@ -181,26 +213,9 @@ def regenerate(
 
     n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
     kept = [o for o, n in zip(out, n_turns) if n > 0]
-    report = {
-        "backend": "hf",
-        "conversations_in": len(conversations),
-        "conversations_out": len(kept),
-        "conversations_dropped": len(conversations) - len(kept),
-        "conversations_cut": sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)),
-        "turns_requested": total_turns,
-        **counts,
-        "generated_tokens": generated_tokens,
-        "generate_seconds": round(seconds, 3),
-        "tokens_per_s": round(generated_tokens / seconds, 2) if seconds > 0 else None,
-        "max_prompt_tokens": max_prompt_tokens,
-        "eos_token_ids": eos_ids,
-        "sampling": {
-            "do_sample": cfg.do_sample,
-            "temperature": cfg.temperature if cfg.do_sample else None,
-            "top_p": cfg.top_p if cfg.do_sample else None,
-            "max_new_tokens": cfg.max_new_tokens,
-            "batch_size": cfg.batch_size,
-            "seed": cfg.seed,
-        },
-    }
+    report = regen_report(
+        cfg, {"backend": "hf"}, n_in=len(conversations), n_out=len(kept),
+        cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)), turns_requested=total_turns, counts=counts,
+        generated_tokens=generated_tokens, seconds=seconds, max_prompt_tokens=max_prompt_tokens, eos_ids=eos_ids,
+    )
     return kept, report

@@ -353,7 +353,7 @@ def regenerate_vllm(
         raise ValueError(f"regenerate_vllm needs regen.backend: vllm (got '{cfg.backend}')")
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
-    from .regenerate import _split
+    from .regenerate import _split, regen_report
 
     for k, c in enumerate(conversations):  # fail on a bad row before contacting any engine
         _split(c, k)
@@ -363,30 +363,10 @@ def regenerate_vllm(
     finally:
         engine.close()
     tokens = counts.pop("generated_tokens")
-    report = {
-        "backend": "vllm",
-        "engine": "server" if cfg.server_url else "offline",
-        "server_url": cfg.server_url,
-        "model": engine.model,
-        "concurrency": cfg.concurrency if cfg.server_url else None,
-        "conversations_in": len(conversations),
-        "conversations_out": len(kept),
-        "conversations_dropped": len(conversations) - len(kept),
-        "conversations_cut": counts.pop("conversations_cut"),
-        "turns_requested": counts.pop("turns_requested"),
-        **counts,
-        "generated_tokens": tokens,
-        "generate_seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
-        "max_prompt_tokens": max_prompt_tokens,
-        "eos_token_ids": None,
-        "sampling": {
-            "do_sample": cfg.do_sample,
-            "temperature": cfg.temperature if cfg.do_sample else None,
-            "top_p": cfg.top_p if cfg.do_sample else None,
-            "max_new_tokens": cfg.max_new_tokens,
-            "batch_size": cfg.batch_size,
-            "seed": cfg.seed,
-        },
-    }
+    head = {"backend": "vllm", "engine": "server" if cfg.server_url else "offline", "server_url": cfg.server_url,
+            "model": engine.model, "concurrency": cfg.concurrency if cfg.server_url else None}
+    cut, requested = counts.pop("conversations_cut"), counts.pop("turns_requested")
+    report = regen_report(cfg, head, n_in=len(conversations), n_out=len(kept), cut=cut, turns_requested=requested,
+                          counts=counts, generated_tokens=tokens, seconds=seconds,
+                          max_prompt_tokens=max_prompt_tokens, eos_ids=None)
     return kept, report
