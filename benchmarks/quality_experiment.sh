@@ -4,9 +4,10 @@
 # copied to $RESULTS (default: $OUT on the device tool, else ./quality_results).
 #
 #   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
-#   bash benchmarks/quality_experiment.sh prepare    # regenerate responses (resumable: re-run to continue)
+#   bash benchmarks/quality_experiment.sh prepare    # regenerate responses, one worker per GPU (resumable: re-run)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
+#   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
 #
 # Inputs expected in the working tree (ignored folders carried to the device):
 #   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216)
@@ -20,6 +21,9 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$WORK" "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PEAGLE_CACHE=$WORK/cache
 OVR=(target.gguf_package=null "target.gguf_file=$GGUF" "data.path=$WORK/sharegpt_prompts.json")
+# shellcheck disable=SC2206
+OVR+=(${EXTRA_OVERRIDES:-})  # e.g. EXTRA_OVERRIDES="data.num_conversations=8 regen.max_new_tokens=4" for a smoke run
+ngpus() { echo "${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}"; }
 P=recipes/smollm2-135m-peagle-gpu.yaml
 E=recipes/smollm2-135m-eagle3-gpu.yaml
 cli() { python3 -m peagle_train.cli "$@"; }
@@ -32,14 +36,27 @@ case "${1:?step}" in
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;
-  prepare)
+  prepare)  # one regeneration worker per GPU (disjoint resumable shards), then tokenise; stops by $BUDGET s
     t0=$(date +%s)
-    cli prepare "$P" "${OVR[@]}" --quiet | tail -n 40 > "$RESULTS/prepare_meta.txt" || true
+    BUDGET=${BUDGET:-540}
+    ngpu=$(ngpus)
+    if [ "$ngpu" -gt 1 ]; then
+      for r in $(seq 0 $((ngpu - 1))); do
+        CUDA_VISIBLE_DEVICES=$r timeout $((BUDGET - 60)) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" \
+          --regen-worker "$r/$ngpu" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
+        sleep 2  # the first worker stamps output_dir
+      done
+      wait || true
+      tail -n 3 "$WORK"/regen-worker-*.log | cut -c1-300
+    fi
+    left=$(( BUDGET - ($(date +%s) - t0) ))
+    timeout $(( left > 30 ? left : 30 )) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" --quiet \
+      | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     mkdir -p "$WORK/eagle3"
     [ -f "$WORK/peagle/data/meta.json" ] && cp -r "$WORK/peagle/data" "$WORK/eagle3/" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
   train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other
-    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    ngpu=$(ngpus)
     i=0
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml)
@@ -57,13 +74,16 @@ import json, sys, yaml
 out = yaml.safe_load(open(sys.argv[1]))["output_dir"]
 m = json.load(open(f"{out}/train_metrics.json"))
 h = m["history"]
+curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "eval_loss": r["eval_loss"],
+          "walk_al_k7": r["eval_walk_al"].get("7", r["eval_walk_al"].get(7)),
+          "sim_al_k7": r["eval_sim_al"].get("7", r["eval_sim_al"].get(7))} for r in h if "eval_loss" in r]
 json.dump({k: v for k, v in m.items() if k != "history"} | {"loss_curve": [(r["step"], r["loss"]) for r in h[::10]],
-          "last": h[-1] if h else None}, open(sys.argv[2], "w"), indent=1)
+          "eval_curve": curve, "last": h[-1] if h else None}, open(sys.argv[2], "w"), indent=1)
 print(sys.argv[1], "steps", m["steps"], "train_s", round(m["train_seconds"]), "final", json.dumps(m["final"])[:400])
 PY
     done ;;
   eval)
-    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    ngpu=$(ngpus)
     i=0
     for R in "$P" "$E"; do
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
@@ -80,5 +100,7 @@ PY
         [ -f "$out/eval/$f" ] && cp "$out/eval/$f" "$RESULTS/$name-$f"
       done
     done ;;
+  report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
+    python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -28,6 +28,17 @@ Usage::
 
     python benchmarks/train_step.py --shape gpt-oss-20b --seq-len 2048 4096 8192 --out bench.json
     python benchmarks/train_step.py --shape tiny --seq-len 256 --steps 3 --warmup 1   # CPU smoke run
+    python benchmarks/train_step.py --seq-len 8192 --compile both          # eager vs compiled, same process
+    python benchmarks/train_step.py --seq-len 65536 --partitions auto      # S from peagle_train.planner
+
+Variants (issue #7): ``--compile off|on|both`` times each configuration side by side for
+every N (``train.compile``: compiled decoder layers + compiled loss chunk); ``first_step_s``
+is the first step (compilation included) and ``compile_modes`` says whether each compiled
+piece ran fullgraph, with graph breaks, or fell back to eager. ``--partitions auto`` asks
+:func:`peagle_train.planner.plan_step` for S (and activation checkpointing) given the GPU's
+memory; an out-of-memory step under ``auto`` retries once with S + 1. ``--profile`` writes the
+top-25 kernels (name, ms per step, % of step) to the JSON; ``--sync-debug`` counts the host
+syncs of one extra step (CUDA only).
 """
 from __future__ import annotations
 
@@ -35,7 +46,6 @@ import argparse
 import contextlib
 import os
 import json
-import math
 import platform
 import statistics
 import sys
@@ -52,6 +62,7 @@ from peagle_train.drafter import Drafter, make_drafter_config  # noqa: E402
 from peagle_train.grid import build_grid, cod_sample, supervised_count  # noqa: E402
 from peagle_train.objective import PEagleObjective  # noqa: E402
 from peagle_train.partition import plan_partitions  # noqa: E402
+from peagle_train.planner import ShapeParams, plan_step  # noqa: E402
 
 SHAPES = {
     # GPT-OSS-20B P-EAGLE drafter: hidden 2880, 64 heads x 64, 8 KV heads, intermediate 7680, vocab 201,088
@@ -115,7 +126,15 @@ def wrap(obj, dist: str, device):
 
 
 def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, steps: int, warmup: int, device,
-             chunk: int, seed: int = 0, dist: str = "none") -> dict:
+             chunk: int, seed: int = 0, dist: str = "none", compile: bool = False, checkpointing: bool = False,
+             sync_debug: bool = False) -> dict:
+    """Time ``warmup + steps`` full training steps of one configuration; returns the JSON row.
+
+    ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
+    activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
+    under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
+    and their top call sites. Raises whatever the step raises (the caller records it).
+    """
     cuda = device.type == "cuda"
     rank = torch.distributed.get_rank() if dist != "none" else 0
     seed = seed + 1000 * rank
@@ -127,19 +146,16 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
     loss_mask = torch.ones(N, dtype=torch.bool, device=device)
     doc_ids = torch.zeros(N, dtype=torch.long, device=device)
+    drafter.gradient_checkpointing = checkpointing
+    drafter.train()
     obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk,
-                          attention="flex" if cuda else "sdpa").to(device)
+                          attention="flex" if cuda else "sdpa", compile=compile).to(device)
     obj = wrap(obj, dist, device)
     params = [p for p in obj.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
     times, rec = [], {}
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for it in range(warmup + steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
+
+    def step(it: int):
         kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=torch.Generator().manual_seed(seed + it))
         grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
         norm = supervised_count(grid)
@@ -152,6 +168,17 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return grid
+
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    for it in range(warmup + steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        grid = step(it)
         if cuda:
             end.record()
             torch.cuda.synchronize()
@@ -165,12 +192,122 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         rec["positions"], rec["flop"] = len(grid), flops(drafter, grid, N)
     med = statistics.median(times)
     rec.update({
-        "N": N, "K": K, "S": S, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+        "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing,
+        "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     })
-    del obj, opt
+    if compile:
+        from peagle_train.loss import compiled_chunk_loss
+
+        rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
+                                "loss_chunk": compiled_chunk_loss().mode}
+    if sync_debug and cuda:
+        rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
+    drafter.set_compile(False)
+    drafter.gradient_checkpointing = False
     return rec
+
+
+def count_syncs(fn) -> dict:
+    """Run ``fn`` under ``torch.cuda.set_sync_debug_mode("warn")``; count the synchronising calls.
+
+    Returns ``{"count": int, "sites": [[file:line in peagle_train/benchmarks, count], ...]}`` (top 15).
+    """
+    import collections
+    import traceback
+    import warnings
+
+    sites = collections.Counter()
+    n = 0
+    orig = warnings.showwarning
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        nonlocal n
+        if "synchroniz" not in str(message):
+            return orig(message, category, filename, lineno, file, line)
+        n += 1
+        ours = [f for f in traceback.extract_stack() if "peagle_train" in f.filename or "benchmarks" in f.filename]
+        ours = [f for f in ours if not f.filename.endswith("train_step.py") or f.name != "hook"]
+        site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].line})" if ours else filename
+        sites[site] += 1
+
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+            warnings.showwarning = orig
+    return {"count": n, "sites": [[k, v] for k, v in sites.most_common(15)]}
+
+
+def kernel_table(prof, step_ms: float, n_steps: int, top: int = 25) -> list[dict]:
+    """Top ``top`` CUDA kernels of a profile (CPU ops when there are no kernels): name, ms per step
+    (total / ``n_steps``), % of the measured step time ``step_ms``, calls per step."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    gpu = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+
+    def dev_us(e):
+        for k in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+            v = getattr(e, k, None)
+            if v:
+                return float(v)
+        return 0.0
+
+    if gpu:
+        rows = [(e.key, dev_us(e), e.count) for e in gpu]
+    else:
+        rows = [(e.key, float(e.self_cpu_time_total), e.count) for e in events]
+    rows.sort(key=lambda x: -x[1])
+    out = []
+    for name, us, count in rows[:top]:
+        ms = us / 1e3 / n_steps
+        out.append({"name": name[:120], "ms_per_step": round(ms, 3),
+                    "pct_of_step": round(100 * ms / step_ms, 2) if step_ms else None,
+                    "calls_per_step": round(count / n_steps, 1)})
+    return out
+
+
+def resolve_partitions(spec: str, N: int, args, drafter, device) -> tuple[int, bool, dict | None]:
+    """``spec`` is an int or ``"auto"`` → ``(S, checkpointing, plan record or None)``."""
+    if spec != "auto":
+        return int(spec), args.checkpointing, None
+    if device.type == "cuda":
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    else:  # CPU smoke runs: pretend an 80 GiB device
+        gpu_bytes = 80 * 2**30
+    plan = plan_step(N, args.K, args.r, args.r_min, ShapeParams.from_config(drafter.config), gpu_bytes,
+                     chunk=args.chunk, headroom=args.headroom)
+    return plan.partitions, plan.checkpointing, {
+        "predicted_peak_gb": plan.predicted_peak_bytes / 2**30, "budget_gb": plan.budget_bytes / 2**30,
+        "gpu_gb": gpu_bytes / 2**30}
+
+
+def matmul_rate(device, n: int = 8192, reps: int = 10) -> float | None:
+    """bf16 dense matmul rate on this GPU (TFLOP/s): ``n x n x n`` products on random data, mean of
+    ``reps`` timed after 3 warm-ups (CUDA events). The yardstick for each row's achieved TFLOP/s;
+    None on CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def main(argv=None):
@@ -181,15 +318,21 @@ def main(argv=None):
     ap.add_argument("--K", type=int, default=8)
     ap.add_argument("--r", type=float, default=0.7)
     ap.add_argument("--r-min", type=float, default=0.2)
-    ap.add_argument("--partitions", type=int, nargs="+", default=None,
-                    help="S per N (default 1; a single value applies to all N)")
+    ap.add_argument("--partitions", type=str, nargs="+", default=None,
+                    help="S per N, or 'auto' (peagle_train.planner; default 1; a single value applies to all N)")
+    ap.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory for --partitions auto")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the decoder layers "
+                    "(with --partitions auto the planner decides)")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="train.compile variants to time side by side (both = eager then compiled)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=8192, help="loss chunk (grid elements)")
     ap.add_argument("--out", type=str, default="train_step.json")
     ap.add_argument("--dist", choices=["none", "ddp", "fsdp2"], default="none")
     ap.add_argument("--profile", action="store_true",
-                    help="after timing, profile 3 steps of the first N and print the top CUDA kernels")
+                    help="after timing, profile 3 steps of the first N (last variant) and report the top-25 kernels")
+    ap.add_argument("--sync-debug", action="store_true", help="count host syncs of one extra step (CUDA)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world = 1
@@ -200,31 +343,65 @@ def main(argv=None):
             device = torch.device("cuda", local)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
         world = torch.distributed.get_world_size()
+    matmul_tflops = matmul_rate(device)
     drafter, head, tc = build(args.shape, args.draft_vocab, args.K, device)
-    S_list = args.partitions or [1]
+    S_list = args.partitions or ["1"]
     if len(S_list) == 1:
         S_list = S_list * len(args.n)
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     rows = []
-    for N, S in zip(args.n, S_list):
-        try:
-            rows.append(run_case(drafter, head, tc, N, args.K, S, args.r, args.r_min, args.steps, args.warmup, device,
-                                 args.chunk, dist=args.dist))
-        except torch.OutOfMemoryError as e:  # report, keep going
-            rows.append({"N": N, "S": S, "error": f"OOM: {str(e)[:120]}"})
-            torch.cuda.empty_cache()
-        if world == 1 or torch.distributed.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
+    lead = world == 1 or torch.distributed.get_rank() == 0
+    for N, S_spec in zip(args.n, S_list):
+        S, ckpt, plan = resolve_partitions(S_spec, N, args, drafter, device)
+        for comp in variants:
+            S_try = S
+            for attempt in range(2 if S_spec == "auto" else 1):
+                try:
+                    row = run_case(drafter, head, tc, N, args.K, S_try, args.r, args.r_min, args.steps, args.warmup,
+                                   device, args.chunk, dist=args.dist, compile=comp, checkpointing=ckpt,
+                                   sync_debug=args.sync_debug)
+                except torch.OutOfMemoryError as e:  # report, keep going (auto: one retry with S + 1)
+                    row = {"N": N, "S": S_try, "compile": comp, "error": f"OOM: {str(e)[:120]}"}
+                except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
+                    row = {"N": N, "S": S_try, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                drafter.set_compile(False)
+                drafter.gradient_checkpointing = False
+                drafter.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if plan is not None:
+                    row["plan"] = dict(plan, S=S, checkpointing=ckpt, oom_retry=attempt > 0)
+                if not row.get("error", "").startswith("OOM") or S_spec != "auto" or S_try >= N:
+                    break
+                if lead:
+                    print(json.dumps(row), flush=True)
+                S_try += 1
+            rows.append(row)
+            if lead:
+                print(json.dumps(rows[-1]), flush=True)
     if world > 1 and torch.distributed.get_rank() != 0:
         torch.distributed.destroy_process_group()
         return rows
+    profile = None
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile as torch_profile
 
+        N0 = args.n[0]
+        S0, ck0, _ = resolve_partitions(S_list[0], N0, args, drafter, device)
+        ok = [r for r in rows if r["N"] == N0 and "error" not in r and r["compile"] == variants[-1]]
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            run_case(drafter, head, tc, args.n[0], args.K, S_list[0], args.r, args.r_min, 3, 0, device, args.chunk)
-        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+        with torch_profile(activities=acts) as prof:  # warm-up 1 (compile caches are warm), then 3 profiled
+            run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, 3, 0, device, args.chunk,
+                     compile=variants[-1], checkpointing=ck0)
+        step_ms = ok[0]["step_ms"] if ok else None
+        table = kernel_table(prof, step_ms or 0.0, 3)
+        profile = {"N": N0, "S": S0, "compile": variants[-1], "step_ms": step_ms,
+                   "kind": "cuda kernels" if device.type == "cuda" else "cpu ops", "top": table}
+        print(f"\ntop {len(table)} {profile['kind']} (N={N0}, compile={variants[-1]}; ms per step, % of the "
+              f"timed median step {step_ms and round(step_ms, 1)} ms):")
+        for t in table:
+            print(f"{t['ms_per_step']:>10.2f} ms {t['pct_of_step'] if t['pct_of_step'] is not None else '-':>7}% "
+                  f"{t['calls_per_step']:>8} x  {t['name'][:90]}")
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     meta = {
         "shape": args.shape, "draft_vocab": drafter.config.draft_vocab_size, "K": args.K, "r": args.r,
@@ -233,21 +410,33 @@ def main(argv=None):
         "torch": torch.__version__, "precision": "bf16 autocast, fp32 master weights, fused AdamW",
         "flop_formula": "6*P_layers*E + 6*P_fc*N + 4*P_head*E + 12*heads*head_dim*sum_q keys(q)",
         "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
-        "dist": args.dist, "world_size": world,
+        "dist": args.dist, "world_size": world, "compile_variants": variants,
+        "bf16_matmul_tflops": matmul_tflops,
         "note": "per-GPU numbers: each rank trains its own N-token sequence" if world > 1 else "",
     }
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    hdr = f"{'N':>7} {'S':>2} {'positions':>10} {'step ms':>9} {'(min-max)':>15} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}"
+    out = {"meta": meta, "rows": rows}
+    if profile is not None:
+        out["profile"] = profile
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    hdr = (f"{'N':>7} {'S':>2} {'ckpt':>4} {'compile':>7} {'positions':>10} {'step ms':>9} {'(min-max)':>15} "
+           f"{'first s':>8} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}")
     print(f"\n{args.shape}, Vd={meta['draft_vocab']}, K={args.K}, {meta['device']}, {meta['timing']}, "
-          f"dist={args.dist} x{world}")
+          f"dist={args.dist} x{world}" + (f", bf16 matmul {matmul_tflops:.0f} TFLOP/s (8192^3, same run)"
+                                           if matmul_tflops else ""))
     print(hdr)
     for r in rows:
+        comp = "on" if r.get("compile") else "off"
         if "error" in r:
-            print(f"{r['N']:>7} {r['S']:>2} {r['error']}")
+            print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {r['error']}")
             continue
         pk = f"{r['peak_alloc_gb']:.1f}" if r["peak_alloc_gb"] is not None else "-"
-        print(f"{r['N']:>7} {r['S']:>2} {r['positions']:>10} {r['step_ms']:>9.1f} "
-              f"{r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}")
+        print(f"{r['N']:>7} {r['S']:>2} {'yes' if r['checkpointing'] else 'no':>4} {comp:>7} {r['positions']:>10} "
+              f"{r['step_ms']:>9.1f} {r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['first_step_s']:>8.1f} "
+              f"{r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}")
+        if r.get("compile_modes"):
+            print(f"{'':>24} compile modes: {r['compile_modes']}")
+        if r.get("plan"):
+            print(f"{'':>24} plan: {r['plan']}")
     if world > 1:
         torch.distributed.destroy_process_group()
     return rows

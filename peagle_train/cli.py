@@ -4,6 +4,7 @@ Usage::
 
     peagle-train run recipes/smollm2-135m.yaml [section.key=value ...] [--overwrite]
     peagle-train {prepare,cache,train,export,eval} RECIPE [overrides ...]
+    peagle-train prepare RECIPE --regen-worker 0/2   # + 1/2 on another GPU, then a plain prepare
     peagle-train check EXPORT_DIR
     peagle-train push EXPORT_DIR REPO_ID [--public] [--dry-run]
 
@@ -29,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
         s.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
         s.add_argument("--quiet", action="store_true", help="no progress bars")
+        if name == "prepare":
+            s.add_argument("--regen-worker", metavar="RANK/WORLD", default=None,
+                           help="data-parallel regeneration: write only shards i %% WORLD == RANK, then exit "
+                                "(run one per GPU, then a plain 'prepare' tokenises), e.g. 0/2 and 1/2")
     c = sub.add_parser("check", help="contract-check an export directory against vLLM's loader")
     c.add_argument("export_dir")
     h = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
@@ -40,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stage(args) -> object:
-    from .config import load_config
+    from .config import ConfigError, load_config
     from . import stages
 
     cfg = load_config(args.recipe, args.overrides)
@@ -53,7 +58,14 @@ def _stage(args) -> object:
         return stages.run_all(cfg, overwrite=args.overwrite, progress=progress)
     stages.claim_output_dir(cfg, args.overwrite)
     if args.command == "prepare":
-        return stages.run_prepare(cfg, progress)
+        worker = None
+        if args.regen_worker is not None:
+            try:
+                rank, world = (int(x) for x in args.regen_worker.split("/"))
+            except ValueError:
+                raise ConfigError(f"--regen-worker {args.regen_worker!r}: expected RANK/WORLD, e.g. 0/2") from None
+            worker = (rank, world)
+        return stages.run_prepare(cfg, progress, regen_worker=worker)
     if args.command == "cache":
         return str(stages.run_cache(cfg, progress))
     if args.command == "train":

@@ -175,8 +175,13 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     max_minutes: float | None = Field(
-        None, gt=0, description="Wall-clock training budget (minutes); the cosine schedule still spans the planned steps."
+        None, gt=0, description="Wall-clock training budget (minutes); the cosine schedule still spans the planned "
+                                "steps unless schedule: time."
     )
+    schedule: Literal["steps", "time"] = Field(
+        "steps", description="'time' (needs max_minutes): the warm-up + cosine schedule advances by whichever of "
+                             "steps or elapsed wall time (as a fraction of max_minutes) is further along, so a "
+                             "time-capped run still anneals to min_lr; equal-GPU-time comparisons use it.")
     micro_batch_size: int = Field(1, ge=1, description="Sequences packed into one micro-batch (per rank).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")
     global_batch_size: int | None = Field(
@@ -200,6 +205,11 @@ class TrainConfig(_Section):
     loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
     mixed_precision: Literal["no", "bf16"] = "no"
     activation_checkpointing: bool = False
+    compile: bool = Field(
+        False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
+        "dynamic=False; one compile per 1024-bucketed grid length); on failure it falls back to graph breaks, "
+        "then eager, with a warning. Same math as eager. Mostly a GPU speed knob (issue #7).",
+    )
     log_every: int = Field(10, ge=1)
     eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")
     eval_sequences: int = Field(32, ge=1, description="Eval-split sequences used for the in-training eval.")
@@ -222,6 +232,8 @@ class TrainConfig(_Section):
                              f"train.micro_batch_size={self.micro_batch_size}")
         if len(set(self.report_to)) != len(self.report_to):
             raise ValueError(f"train.report_to lists a tracker twice: {self.report_to}")
+        if self.schedule == "time" and self.max_minutes is None:
+            raise ValueError("train.schedule=time needs train.max_minutes (the time budget the schedule spans)")
         return self
 
 
@@ -236,7 +248,11 @@ class ExportConfig(_Section):
 class EvalConfig(_Section):
     """Speculative-decoding evaluation: prompt sets, prompts per set, tokens per turn, served K range."""
 
-    datasets: list[Literal["mt_bench", "humaneval", "arena_hard"]] = ["mt_bench"]
+    datasets: list[Literal["mt_bench", "humaneval", "arena_hard", "heldout"]] = Field(
+        ["mt_bench"],
+        description="Prompt sets. 'heldout': the prompts of the prepared eval split (data/eval_prompts.json), "
+                    "the sequences on which training logs eval_walk_al_heldout, so measured and simulated AL "
+                    "compare on the same prompts and horizon.")
     num_prompts: int = Field(8, ge=1, description="Prompts per dataset.")
     max_new_tokens: int = Field(64, ge=1)
     k_max: int = Field(7, ge=1, description="Evaluate served K = 1..k_max (<= trained K).")
@@ -338,8 +354,14 @@ def config_from_dict(tree: dict, source: str = "<dict>") -> RunConfig:
 
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (saved next to every checkpoint)."""
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """Write the resolved config as YAML (saved next to every checkpoint), atomically: a reader
+    (another regeneration worker, a resumed run) sees the old file or the whole new one."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    os.replace(tmp, path)
 
 
 def validate_against_target(cfg: RunConfig, vocab_size: int, num_layers: int) -> None:

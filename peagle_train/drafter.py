@@ -28,12 +28,14 @@ def _flex(q, k, v, block_mask):
     global _FLEX_COMPILED
     from torch.nn.attention.flex_attention import flex_attention
 
+    if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if q.is_cuda:
         if _FLEX_COMPILED is None:
-            import torch._dynamo
+            from .compiling import raise_recompile_limits
 
             # one compiled kernel per bucketed grid length (see grid.pad_grid)
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            raise_recompile_limits(64)
             _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
         return _FLEX_COMPILED(q, k, v, block_mask=block_mask, enable_gqa=True)
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
@@ -229,7 +231,35 @@ class Drafter(nn.Module):
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if Vd == V else torch.zeros(V, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.gradient_checkpointing = False
+        self._compiled_layers: list | None = None  # set by set_compile (not submodules: state_dict unchanged)
+        self._compile_cache: list | None = None
         self.reset_parameters()
+
+    def set_compile(self, enabled: bool = True, fullgraph: bool = True) -> None:
+        """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
+        (``train.compile``, issue #7), or back to eager with ``enabled=False``.
+
+        Compilation happens lazily on the first forward, once per distinct (bucketed) grid
+        length. Each layer is wrapped in :class:`~peagle_train.compiling.SafeCompiled`: a
+        compile failure retries with graph breaks, then falls back to eager with a warning.
+        FlexAttention called inside a compiled layer is traced into the layer's graph.
+        Parameters and ``state_dict`` keys are untouched; activation checkpointing
+        (``gradient_checkpointing``) wraps the compiled layer.
+        """
+        if not enabled:
+            self._compiled_layers = None
+            return
+        from .compiling import SafeCompiled
+
+        if self._compile_cache is None or len(self._compile_cache) != len(self.layers):
+            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}", fullgraph=fullgraph)
+                                   for i, layer in enumerate(self.layers)]
+        self._compiled_layers = self._compile_cache
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`set_compile` is on."""
+        return self._compiled_layers is not None
 
     @property
     def mask_token_id(self) -> int | None:
@@ -295,16 +325,15 @@ class Drafter(nn.Module):
         Returns:
             ``[E, H]``; ``fc`` runs on the distinct rows only.
         """
-        is_real = hidden_index >= 0
+        # one host sync (the nonzero), not two boolean-mask indexings
+        real_at = (hidden_index >= 0).nonzero().flatten()
         out = self.mask_hidden_projected().expand(hidden_index.numel(), -1).clone() if hasattr(self, "mask_hidden") else None
-        real = self.fc(aux[hidden_index[is_real]].to(self.fc.weight.dtype))
+        real = self.fc(aux[hidden_index[real_at]].to(self.fc.weight.dtype))
         if out is None:
-            if not bool(is_real.all()):
+            if real_at.numel() != hidden_index.numel():
                 raise ValueError("an EAGLE-3 drafter has no mask_hidden; every element needs a real hidden state")
             return real
-        out = out.to(real.dtype)
-        out[is_real] = real
-        return out
+        return out.to(real.dtype).index_copy(0, real_at, real)
 
     def forward(
         self,
@@ -331,7 +360,8 @@ class Drafter(nn.Module):
         cos, sin = self.rotary_emb(hidden, position_ids[None])
         h = hidden
         new_kv = []
-        for i, layer in enumerate(self.layers):
+        calls = self._compiled_layers if self._compiled_layers is not None else self.layers
+        for i, layer in enumerate(calls):
             pkv = past_kv[i] if past_kv is not None else None
             if self.gradient_checkpointing and self.training:
                 h, kv = torch.utils.checkpoint.checkpoint(layer, h, emb, cos, sin, spec, pkv, use_reentrant=False)

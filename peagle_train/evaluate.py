@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,8 +35,19 @@ from .report import write_report
 from .speculative import SpecStats, TargetStats, per_position_acceptance, speculative_generate, target_generate
 from .target import Target
 
-#: ``(name, n) -> prompts``; each prompt is its list of user turns.
-PromptLoader = Callable[[str, int], list[list[str]]]
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A single-turn prompt given as chat-templated token ids (ends with the assistant header).
+
+    The ``heldout`` eval set uses these: the exact prompts of the prepared eval split, so the
+    measured acceptance length is comparable with the training-time simulated one.
+    """
+
+    ids: tuple[int, ...]
+
+
+#: ``(name, n) -> prompts``; each prompt is its list of user turns, or a :class:`TokenPrompt`.
+PromptLoader = Callable[[str, int], list]
 
 
 class LosslessError(AssertionError):
@@ -144,7 +156,8 @@ def run_eval(
         cfg: datasets, ``num_prompts`` per dataset, ``max_new_tokens``, ``k_max``, ``both_turns``.
         out_dir: created if missing; receives ``eval.json``, ``eval.md`` and two PNG plots.
         target_name, drafter_name: shown in the report. trained_K: the drafter's trained K.
-        load_prompts: ``(dataset, n) -> prompts`` (default ``data_prep.eval_prompts.load_eval_prompts``).
+        load_prompts: ``(dataset, n) -> prompts`` (default ``data_prep.eval_prompts.load_eval_prompts``);
+            a prompt is its list of user turns (str) or a :class:`TokenPrompt` (one turn, ids as given).
         encode: chat messages → prompt ids (default ``data_prep.template.build_prompt_ids`` with the
             target's tokenizer). decode: answer ids → text for turn 2's history (default the
             tokenizer's ``decode(skip_special_tokens=True)``).
@@ -185,9 +198,13 @@ def run_eval(
         n_seq = 0
         for pi, turns in enumerate(prompts):
             history: list[dict] = []
-            for ti, user in enumerate(turns[: 2 if cfg.both_turns else 1]):
-                history.append({"role": "user", "content": user})
-                ids = list(encode(history))
+            steps = [turns] if isinstance(turns, TokenPrompt) else turns[: 2 if cfg.both_turns else 1]
+            for ti, user in enumerate(steps):
+                if isinstance(user, TokenPrompt):
+                    ids = list(user.ids)
+                else:
+                    history.append({"role": "user", "content": user})
+                    ids = list(encode(history))
                 if not warmed:  # lazy init (kernels, allocator) stays out of the timings
                     target_generate(target, ids, min(4, cfg.max_new_tokens), eos_token_id=eos)
                     speculative_generate(target, drafter, ids, ks[-1], min(4, cfg.max_new_tokens), eos_token_id=eos)
@@ -210,8 +227,9 @@ def run_eval(
                             "target_len": len(ref), "speculative_len": len(out),
                             "target_top2_margin": _top2_margin(target, ids, ref, pos),
                         })
-                answer = [t for t in ref if eos is None or t not in eos]
-                history.append({"role": "assistant", "content": decode(answer)})
+                if not isinstance(user, TokenPrompt):
+                    answer = [t for t in ref if eos is None or t not in eos]
+                    history.append({"role": "assistant", "content": decode(answer)})
         datasets[name] = {
             "num_prompts": len(prompts),
             "num_sequences": n_seq,

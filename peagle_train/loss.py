@@ -51,6 +51,22 @@ def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):
     return (per * weight).sum(), logp.argmax(-1)
 
 
+_CHUNK_COMPILED = None
+
+
+def compiled_chunk_loss():
+    """The chunk body (final norm → lm_head → log_softmax → KL/CE → weighted sum, argmax) under
+    ``torch.compile(fullgraph=True, dynamic=False)`` with the safe fallback of
+    :class:`~peagle_train.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
+    One shared instance (one graph per distinct chunk length and loss kind)."""
+    global _CHUNK_COMPILED
+    if _CHUNK_COMPILED is None:
+        from .compiling import SafeCompiled
+
+        _CHUNK_COMPILED = SafeCompiled(_chunk_loss, "loss._chunk_loss")
+    return _CHUNK_COMPILED
+
+
 def chunked_loss(
     norm: torch.nn.Module,
     lm_head: torch.nn.Module,
@@ -60,6 +76,7 @@ def chunked_loss(
     target: TargetDist,
     kind: str = "kl",
     chunk_size: int = 2048,
+    compile: bool = False,
 ):
     """Sum over elements of ``weight * loss`` and the drafter's greedy draft ids.
 
@@ -74,6 +91,9 @@ def chunked_loss(
         weight: ``[E]`` float (already divided by the normaliser if wanted).
         target: :class:`TargetDist`.
         kind: ``"kl"`` or ``"ce"``. chunk_size: elements per chunk.
+        compile: run the chunk body through :func:`compiled_chunk_loss` (``train.compile``).
+            The checkpointing is the same: the compiled body is what
+            ``torch.utils.checkpoint`` saves nothing of and recomputes in backward.
 
     Returns:
         ``(loss_sum scalar float32, draft_pred [E] int64 draft-vocab ids)``.
@@ -83,6 +103,7 @@ def chunked_loss(
     """
     if kind not in ("kl", "ce"):
         raise ValueError(f"unknown loss kind {kind!r}")
+    body = compiled_chunk_loss() if compile else _chunk_loss
     total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
     preds = []
     for s in range(0, h.shape[0], chunk_size):
@@ -91,9 +112,9 @@ def chunked_loss(
             t_logits = target.draft_logits(label_index[sl])
         w = weight[sl].to(_acc_dtype(h.dtype))
         if torch.is_grad_enabled() and h.requires_grad:
-            part, pred = checkpoint(_chunk_loss, norm, lm_head, h[sl], t_logits, w, kind, use_reentrant=False)
+            part, pred = checkpoint(body, norm, lm_head, h[sl], t_logits, w, kind, use_reentrant=False)
         else:
-            part, pred = _chunk_loss(norm, lm_head, h[sl], t_logits, w, kind)
+            part, pred = body(norm, lm_head, h[sl], t_logits, w, kind)
         total = total + part
         preds.append(pred)
     return total, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)

@@ -42,12 +42,16 @@ class PEagleObjective(nn.Module):
         drafter: a :class:`Drafter` with ``parallel_drafting``.
         target_head: ``[Vd, T]`` the target head's draft-vocab rows (frozen buffer).
         loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk. attention: ``"flex"`` / ``"sdpa"``.
+        compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
+            and the loss chunk body (:func:`~peagle_train.loss.compiled_chunk_loss`); same math.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
-                 attention: str = "flex", pad_multiple: int | None = None):
+                 attention: str = "flex", pad_multiple: int | None = None, compile: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.compile = compile
+        drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
         # compiled FlexAttention specialises on the sequence length: bucket it
@@ -71,7 +75,8 @@ class PEagleObjective(nn.Module):
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
         loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
-                                  _weights(grid.loss_weight, h) / normaliser, target, self.loss_kind, self.chunk_size)
+                                  _weights(grid.loss_weight, h) / normaliser, target, self.loss_kind, self.chunk_size,
+                                  compile=self.compile)
         return loss, pred[:E]
 
 
@@ -91,13 +96,16 @@ class Eagle3Objective(nn.Module):
     Args:
         drafter: a :class:`Drafter` without parallel drafting (usually 1 layer).
         target_head, loss, chunk_size, attention: as :class:`PEagleObjective`.
-        decay: step weight base (0.8 in EAGLE-3).
+        decay: step weight base (0.8 in EAGLE-3). compile: as :class:`PEagleObjective`.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
-                 attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None):
+                 attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
+                 compile: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.compile = compile
+        drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
         self.pad_multiple = pad_multiple if pad_multiple is not None else (1024 if attention == "flex" else 1)
@@ -132,7 +140,7 @@ class Eagle3Objective(nn.Module):
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
             w = _weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
-                                      self.loss_kind, self.chunk_size)
+                                      self.loss_kind, self.chunk_size, compile=self.compile)
             total = part if total is None else total + part
             preds[idx] = pred[:Ek]
             prev_h, prev_anchor = h[:Ek], step.anchor[:Ek]

@@ -77,14 +77,17 @@ def plan_partitions(grid: Grid, n_tokens: int, S: int) -> list[Segment]:
     Returns:
         ``S`` :class:`Segment` s; every supervised element is owned by exactly one.
     """
-    b = segment_boundaries(n_tokens, S).to(grid.anchor.device)
+    dev = grid.anchor.device
+    b = segment_boundaries(n_tokens, S).to(dev)
     owner = owner_segment(grid, n_tokens, S)
     is_d0 = grid.depth == 0
+    seg = torch.arange(S, device=dev)[:, None]
+    owned = owner[None, :] == seg  # [S, E]
+    keep = owned | (is_d0[None, :] & (grid.anchor[None, :] < b[:S, None]))
+    # one device→host copy for all segments (nonzero per segment would sync S times)
+    keep_host = keep.cpu()
     segments = []
     for s in range(S):
-        owned = owner == s
-        context = is_d0 & (grid.anchor < b[s])
-        keep = owned | context
-        index = keep.nonzero().flatten()
-        segments.append(Segment(index=index, owned=owned[index]))
+        index = keep_host[s].nonzero().flatten().to(dev, non_blocking=True)
+        segments.append(Segment(index=index, owned=owned[s][index]))
     return segments

@@ -91,3 +91,69 @@ class TargetStats:
     def to_dict(self) -> dict:
         return {"prefill_s": self.prefill_s, "total_s": self.total_s, "new_tokens": self.new_tokens,
                 "tokens_per_s": self.tokens_per_s}
+
+
+def chain_matrix(anchor, depth, ok, sup, n: int, K: int):
+    """Per-anchor chain tables from grid elements (training-time evaluation grid, every chain kept).
+
+    Args:
+        anchor, depth: ``[E]`` int64 grid coordinates. ok: ``[E]`` bool, drafter greedy == target
+            greedy (and the target token is in the draft vocab). sup: ``[E]`` bool, supervised.
+        n: sequence length (anchors ``0..n-1``). K: trained depths.
+
+    Returns:
+        ``(ok [n, K] bool, sup [n, K] bool)`` on the CPU; anchors/depths absent from the grid are False.
+    """
+    import torch
+
+    a, d = anchor.cpu().long(), depth.cpu().long()
+    ok_t = torch.zeros(n, K, dtype=torch.bool)
+    sup_t = torch.zeros(n, K, dtype=torch.bool)
+    ok_t[a, d] = ok.cpu().bool() & sup.cpu().bool()
+    sup_t[a, d] = sup.cpu().bool()
+    return ok_t, sup_t
+
+
+def walk_accepted(ok, sup, first_response_token: int, K: int, horizon: int | None = None) -> list[int]:
+    """Accepted drafts per verification round of the greedy decoding loop, replayed on a
+    teacher-forced sequence from the training-time predictions (loop-equivalent simulated AL).
+
+    The reference loop (:func:`peagle_train.speculative.speculative_generate`) gets the first
+    response token ``x[P]`` from the target's prefill; each round then drafts from anchor ``a``
+    (target hidden states known up to ``a``, bonus token ``x[a+1]``) the tokens ``x[a+2..a+1+K]``
+    (grid element ``(a, d)`` predicts ``x[a+2+d]``, spec §2), accepts the longest correct prefix
+    ``n`` and continues at anchor ``a+1+n``. So the first round's anchor is ``P-1``. When the
+    sequence is the target's own greedy output (regenerated data, greedy fp32 target) the loop
+    on its prompt visits exactly these rounds, which makes this the number to compare with the
+    measured acceptance length (the position-averaged
+    :meth:`peagle_train.loss.DepthStats.simulated_acceptance_length` weights easy stretches more
+    than the loop does and reads higher).
+
+    Args:
+        ok, sup: ``[n, K_trained]`` bool from :func:`chain_matrix`.
+        first_response_token: ``P``, index of the first supervised (assistant) token.
+        K: served draft tokens per round (``<= K_trained``).
+        horizon: stop once ``horizon`` response tokens exist (the loop's ``max_new_tokens``);
+            None: walk to the end of the first assistant turn.
+
+    Returns:
+        Accepted counts ``0..K`` per round (feed to :func:`acceptance_length`).
+
+    Raises:
+        ValueError: ``K`` larger than the tables' depth, or ``first_response_token < 1``.
+    """
+    n, k_tab = ok.shape
+    if K > k_tab:
+        raise ValueError(f"served K={K} exceeds the trained depths ({k_tab})")
+    if first_response_token < 1:
+        raise ValueError(f"first_response_token must be >= 1 (got {first_response_token})")
+    ok_l, sup_l = ok[:, :K].tolist(), sup[:, :K].tolist()
+    rounds, emitted, a = [], 1, first_response_token - 1
+    while a < n and sup_l[a][0] and (horizon is None or emitted < horizon):
+        acc = 0
+        while acc < K and sup_l[a][acc] and ok_l[a][acc]:
+            acc += 1
+        rounds.append(acc)
+        emitted += acc + 1
+        a += acc + 1
+    return rounds

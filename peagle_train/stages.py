@@ -51,14 +51,27 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     return out
 
 
-def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
+def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, int] | None = None) -> dict:
     """Load prompts, regenerate responses with the target, tokenise with assistant-only masks.
 
-    Writes ``<output_dir>/data/{train,eval}.safetensors`` (:mod:`peagle_train.tokenized`) and ``data/meta.json``.
-    Skipped when the data already exists.
+    Writes ``<output_dir>/data/{train,eval}.safetensors`` (:mod:`peagle_train.tokenized`),
+    ``data/eval_prompts.json`` (the eval split's prompt token ids, for the ``heldout`` eval set)
+    and ``data/meta.json``. Skipped when the data already exists.
+
+    Args:
+        regen_worker: ``(rank, world)``: data-parallel regeneration. This process only writes the
+            regeneration shards ``i`` with ``i % world == rank`` (``<output_dir>/data/regen``;
+            every worker derives the same shard list from the recipe) and returns without
+            tokenising. Run one worker per GPU (``CUDA_VISIBLE_DEVICES``) or per node on a shared
+            file system, then a plain ``prepare``, which regenerates any missing shard and
+            tokenises. None: one process does everything.
+
+    Returns:
+        ``meta.json``'s content; with ``regen_worker``, ``{"regen_worker": [rank, world], "shards": {...}}``.
 
     Raises:
-        ConfigError: mask token out of range or present in the data.
+        ConfigError: mask token out of range or present in the data; ``regen_worker`` out of range
+            or given with ``regen.enabled: false``.
     """
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import tokenize_conversation
@@ -66,6 +79,12 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
     from .target import load_target
 
     out = Path(cfg.output_dir) / "data"
+    if regen_worker is not None:
+        rank, world = regen_worker
+        if not (world >= 1 and 0 <= rank < world):
+            raise ConfigError(f"--regen-worker {rank}/{world}: need 0 <= rank < world (e.g. 0/2 and 1/2)")
+        if not cfg.regen.enabled:
+            raise ConfigError(f"{cfg.source_file}: --regen-worker needs regen.enabled: true (nothing to regenerate)")
     if (out / "meta.json").exists():
         return json.loads((out / "meta.json").read_text())
     target = load_target(cfg.target)
@@ -75,6 +94,10 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
     train_c, eval_c = split_train_eval(convs, cfg.data.eval_fraction, cfg.data.seed)
     meta: dict = {"source": src_report, "target": cfg.target.name, "splits": {}}
     out.mkdir(parents=True, exist_ok=True)
+    if regen_worker is not None:
+        done = {name: _regenerate_sharded(target, split, cfg, out / "regen", name, progress, regen_worker)
+                for name, split in (("train", train_c), ("eval", eval_c)) if split}
+        return {"regen_worker": list(regen_worker), "shards": done}
     for name, split in (("train", train_c), ("eval", eval_c)):
         if not split:
             continue
@@ -95,6 +118,10 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
             raise ConfigError(f"{cfg.source_file}: no training sequence survived tokenisation "
                               f"(data.max_length={cfg.data.max_length}, data.overlong={cfg.data.overlong})")
         save_tokenized(rows, out / f"{name}.safetensors")
+        if name == "eval":
+            tmp = out / "eval_prompts.json.tmp"
+            tmp.write_text(json.dumps(eval_prompt_ids(rows)))
+            os.replace(tmp, out / "eval_prompts.json")
         lengths = sorted(len(r["input_ids"]) for r in rows)
         meta["splits"][name] = {
             "sequences": len(rows), "dropped_overlong_or_empty": dropped,
@@ -107,33 +134,77 @@ def run_prepare(cfg: RunConfig, progress: bool = True) -> dict:
     return meta
 
 
-def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, progress: bool):
+def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, progress: bool,
+                        worker: tuple[int, int] | None = None):
     """Regenerate in shards of ``regen.shard_size`` conversations; each finished shard is
-    written atomically to ``root/<split>-NNNNN.json`` and reused on a re-run (resumable)."""
+    written atomically to ``root/<split>-NNNNN.json`` and reused on a re-run (resumable).
+
+    With ``worker = (rank, world)`` only shards ``i % world == rank`` are generated and the
+    return value is ``{"written": [...], "reused": [...]}`` (shard indices); otherwise
+    ``(conversations, summed report)`` over all shards."""
     from data_prep.regenerate import regenerate
 
     root.mkdir(parents=True, exist_ok=True)
     out, reports = [], []
     size = cfg.regen.shard_size
+    mine: dict[str, list[int]] = {"written": [], "reused": []}
     for i, start in enumerate(range(0, len(convs), size)):
         path = root / f"{split}-{i:05d}.json"
+        if worker is not None:
+            if i % worker[1] != worker[0]:
+                continue
+            if path.exists():
+                mine["reused"].append(i)
+                continue
+            mine["written"].append(i)
+        digest = _sha256_json(convs[start:start + size])
         if path.exists():
             saved = json.loads(path.read_text())
+            if saved.get("inputs_sha256", digest) != digest:
+                raise ConfigError(
+                    f"{path}: this regeneration shard was made from other conversations than the recipe now selects "
+                    "(data section or source file changed); delete the data/regen folder or choose another output_dir")
         else:
             new, rep = regenerate(target.model, target.tokenizer, convs[start:start + size], cfg.regen,
                                   cfg.data.max_prompt_tokens, progress=progress)
-            saved = {"conversations": new, "report": rep}
-            tmp = path.with_suffix(".tmp")
+            saved = {"conversations": new, "report": rep, "inputs_sha256": digest}
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(saved))
             os.replace(tmp, path)
+        if worker is not None:
+            continue
         out += saved["conversations"]
         reports.append(saved["report"])
+    if worker is not None:
+        return mine
     summed = {k: sum(r[k] for r in reports) for k in ("conversations_in", "conversations_out", "generated_tokens",
                                                      "prompts_too_long", "unfinished_responses")}
     secs = sum(r["generate_seconds"] for r in reports)
     summed.update(generate_seconds=secs, tokens_per_s=summed["generated_tokens"] / secs if secs else None,
                   sampling=reports[0]["sampling"] if reports else None, shards=len(reports))
     return out, summed
+
+
+def _sha256_json(obj) -> str:
+    """sha256 (hex) of ``obj``'s canonical JSON: the fingerprint of a regeneration shard's inputs."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
+    """The prompt of every tokenised sequence: ``input_ids`` before its first supervised token.
+
+    These are exactly the token ids the training-time evaluation conditions on, so the eval
+    stage's ``heldout`` set measures the decoding loop on the same prompts (single-turn data:
+    the whole prompt; multi-turn: the first turn's). Rows without a supervised token are skipped.
+    """
+    prompts = []
+    for r in rows:
+        first = next((i for i, m in enumerate(r["loss_mask"]) if m), None)
+        if first:
+            prompts.append([int(t) for t in r["input_ids"][:first]])
+    return prompts
 
 
 def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
@@ -201,6 +272,24 @@ def run_export(cfg: RunConfig) -> Path:
     return path
 
 
+def heldout_prompts(out_dir: Path, n: int) -> list:
+    """The first ``n`` prompts of the prepared eval split as :class:`~peagle_train.evaluate.TokenPrompt` s.
+
+    Raises:
+        FileNotFoundError: ``data/eval_prompts.json`` is missing (data prepared by an older
+            version, or ``data.eval_fraction`` gave no eval split): says what to re-run.
+    """
+    from .evaluate import TokenPrompt
+
+    path = Path(out_dir) / "data" / "eval_prompts.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: the 'heldout' eval set needs the eval split's prompts, written by 'prepare' "
+            "(set data.eval_fraction > 0; data prepared by an older version: delete data/meta.json and re-run prepare, "
+            "the regeneration shards are reused)")
+    return [TokenPrompt(tuple(p)) for p in json.loads(path.read_text())[:n]]
+
+
 def run_eval(cfg: RunConfig) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``."""
     from . import evaluate
@@ -213,7 +302,9 @@ def run_eval(cfg: RunConfig) -> dict:
     target = load_target(cfg.target)
     drafter = load_exported(out / "export").to(target.device)
     results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
-                                drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K)
+                                drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
+                                load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
+                                else evaluate._default_loader(name, n))
     # the model card carries the eval table next to the serve command
     export_cfg = json.loads((out / "export" / "config.json").read_text())
     readme = render_model_card(export_cfg, target_name=cfg.target.name, model_ref="export", card=_card(cfg, results))

@@ -120,9 +120,19 @@ def materialise_target(cfg: TargetConfig) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    # several processes (regeneration workers, ranks) may convert at once: the first rename wins and
+    # the others keep its copy, so a process already reading ``out`` never sees it replaced
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        shutil.rmtree(tmp)
+        return out
+    if out.exists():  # an incomplete folder (not made by this function's atomic rename)
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process renamed its copy in between
+        shutil.rmtree(tmp)
+        if not (out / "model.safetensors").is_file():
+            raise
     return out
 
 

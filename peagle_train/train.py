@@ -39,6 +39,7 @@ from .drafter import Drafter, make_drafter_config
 from .features import CachedFeatures, OnlineFeatures, pack
 from .grid import build_grid, cod_sample, supervised_count
 from .loss import DepthStats, depth_stats
+from .spec_stats import chain_matrix, walk_accepted
 from .checkpoint import complete_checkpoints, write_drafter_dir
 from .objective import Eagle3Objective, PEagleObjective
 from .partition import plan_partitions
@@ -134,7 +135,7 @@ class Trainer:
         Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
         kw = {} if self.tc.method == "peagle" else {"decay": self.tc.ttt_decay}
         objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
-                        attention=self.attention, **kw)
+                        attention=self.attention, compile=self.tc.compile, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
                                 weight_decay=self.tc.weight_decay)
         per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
@@ -143,6 +144,11 @@ class Trainer:
         sched = get_cosine_with_min_lr_schedule_with_warmup(
             opt, num_warmup_steps=math.ceil(self.tc.warmup_ratio * self.total_steps),
             num_training_steps=self.total_steps, min_lr_rate=self.tc.min_lr_ratio)
+        self.time_fraction = 0.0  # elapsed / max_minutes, the same on every rank (schedule: time)
+        if self.tc.schedule == "time":
+            by_steps = sched.lr_lambdas[0]
+            sched.lr_lambdas[0] = lambda step: by_steps(
+                max(step, min(self.total_steps, int(self.time_fraction * self.total_steps))))
         configure_deepspeed(self.acc, self.tc)
         self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
         after_prepare(self.acc, self.model)
@@ -286,6 +292,8 @@ class Trainer:
         items = self.eval_items()
         world, rank = self.acc.num_processes, self.acc.process_index
         stats, loss_sum, count = DepthStats.zeros(self.tc.K), 0.0, 0.0
+        # loop-equivalent simulated AL: [all eval sequences / the eval stage's heldout subset][tokens, rounds][served K]
+        walk = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
         mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
         for r in range(math.ceil(len(items) / world)):
             j = r * world + rank
@@ -300,12 +308,41 @@ class Trainer:
                 loss_sum += float(loss)
                 count += supervised_count(grid)
                 stats = stats.add(self._stats(packed, grid, pred))
+                walk += self._walk(packed, grid, pred, i, matched=i < self.cfg.eval.num_prompts)
         tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
+        walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
         self.model.train()
+        al = lambda w: {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan")  # noqa: E731
+                        for k in range(1, self.tc.K + 1)}
         return {"eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
                 "eval_cond_acc": st.conditional_accuracy(),
-                "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)}}
+                "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
+                "eval_walk_al": al(walk[0]), "eval_walk_al_heldout": al(walk[1])}
+
+    def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
+        """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence
+        ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
+        first ``eval.num_prompts`` sequences, as the eval stage's ``heldout`` set) its first
+        ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
+        drafter = self.acc.unwrap_model(self.model).drafter
+        tgt = packed["argmax"][grid.label_index]
+        correct = drafter.draft_to_target(pred) == tgt
+        sup = (grid.loss_weight > 0) & drafter.t2d[tgt]
+        n = len(self.eval_ids[i])
+        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
+        first = next((p for p, m in enumerate(self.eval_masks[i]) if m), 0)
+        out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
+        if first < 1:
+            return out
+        for k in range(1, self.tc.K + 1):
+            for row, horizon in ((0, None), (1, self.cfg.eval.max_new_tokens)):
+                if row == 1 and not matched:
+                    continue
+                acc = walk_accepted(ok_t, sup_t, first, k, horizon)
+                out[row, 0, k - 1] += sum(a + 1 for a in acc)
+                out[row, 1, k - 1] += len(acc)
+        return out
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -395,10 +432,12 @@ class Trainer:
         t_start = time.perf_counter()
         while self.step < self.total_steps:
             if self.tc.max_minutes is not None:
-                late = torch.tensor([float(time.perf_counter() - t_start > 60 * self.tc.max_minutes)], device=self.device)
-                if float(self.acc.reduce(late, reduction="max")) > 0:  # all ranks stop together
+                frac = torch.tensor([(time.perf_counter() - t_start) / (60 * self.tc.max_minutes)], device=self.device)
+                self.time_fraction = float(self.acc.reduce(frac, reduction="max"))  # all ranks agree (LR, stop)
+                if self.time_fraction > 1.0:
                     break
             rec = self.train_step()
+            rec["elapsed_s"] = time.perf_counter() - t_start  # wall time since fit() started (s)
             self.history.append(rec)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")

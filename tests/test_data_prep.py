@@ -490,3 +490,38 @@ def test_regenerate_refuses_disabled_and_bad_roles(tok, tiny_model):
         regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(enabled=False), 512, progress=False)
     with pytest.raises(ValueError, match="conversation 0: expected"):
         regenerate(tiny_model, tok, [[{"role": "assistant", "content": "x"}]], RegenConfig(), 512, progress=False)
+
+
+def test_regeneration_workers_split_shards_and_a_plain_prepare_reuses_them(tok, tiny_model, tmp_path, monkeypatch):
+    """``prepare --regen-worker r/W``: disjoint shards per worker, union = single-process result;
+    a plain pass afterwards generates nothing; a shard made from other inputs is refused."""
+    from types import SimpleNamespace
+
+    from peagle_train import stages
+    from peagle_train.config import ConfigError, RunConfig, TargetConfig
+
+    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"),
+                    regen=RegenConfig(max_new_tokens=6, batch_size=2, shard_size=2))
+    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
+    convs = REGEN_CONVS  # 5 conversations -> shards 0, 1, 2
+    single, rep = stages._regenerate_sharded(target, convs, cfg, tmp_path / "one", "train", False)
+    w0 = stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False, worker=(0, 2))
+    w1 = stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False, worker=(1, 2))
+    assert w0 == {"written": [0, 2], "reused": []} and w1 == {"written": [1], "reused": []}
+    assert stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False, worker=(1, 2)) == \
+        {"written": [], "reused": [1]}
+
+    def boom(*a, **k):
+        raise AssertionError("a finished shard was regenerated")
+
+    monkeypatch.setattr("data_prep.regenerate.regenerate", boom)
+    merged, rep2 = stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False)
+    assert merged == single and rep2["shards"] == rep["shards"] == 3
+    assert rep2["conversations_out"] == rep["conversations_out"]
+    # the recipe now selects other conversations for shard 0: refused, nothing overwritten
+    before = (tmp_path / "two" / "train-00000.json").read_text()
+    with pytest.raises(ConfigError, match="train-00000.json.*other conversations"):
+        stages._regenerate_sharded(target, convs[::-1], cfg, tmp_path / "two", "train", False)
+    assert (tmp_path / "two" / "train-00000.json").read_text() == before
+    with pytest.raises(ConfigError, match="RANK|rank"):
+        stages.run_prepare(cfg, False, regen_worker=(2, 2))

@@ -94,6 +94,15 @@ def test_unknown_key_and_bad_values_fail_before_work(tmp_path):
         load_config(RECIPE, ["train.K=2", "eval.k_max=5"])
 
 
+@pytest.mark.parametrize("worker", ["one/two", "2/2"])
+def test_bad_regen_worker_fails_before_work(tmp_path, capsys, worker):
+    from peagle_train.cli import main
+
+    assert main(["prepare", str(RECIPE), f"output_dir={tmp_path / 'run'}", "--regen-worker", worker, "--quiet"]) == 2
+    assert "--regen-worker" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "data").exists()
+
+
 def test_mask_token_in_data_is_refused(tmp_path, capsys):
     _need_smollm2()
     out = tmp_path / "run"

@@ -185,3 +185,33 @@ def test_real_mt_bench_prompts_and_eagle3(tmp_path):
     res = run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=2)
     assert res["method"] == "eagle3"
     assert res["datasets"]["mt_bench"]["num_sequences"] == 2 and res["lossless"]["passed"]
+
+
+def test_token_prompts_are_used_verbatim_and_heldout_loader(tmp_path):
+    """``heldout``: prompts given as token ids (the prepared eval split's) run as one turn, unchanged."""
+    from peagle_train.evaluate import TokenPrompt
+    from peagle_train.stages import eval_prompt_ids, heldout_prompts
+
+    target, drafter = tiny_pair(K=3)
+    rows = [{"input_ids": [1, 7, 8, 9, 5, 5, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]},
+            {"input_ids": [1, 4, 6, 5, 2], "loss_mask": [0, 0, 1, 1, 1]}]
+    assert eval_prompt_ids(rows) == [[1, 7, 8, 9], [1, 4]]
+    (tmp_path / "data").mkdir()
+    with pytest.raises(FileNotFoundError, match="eval_prompts.json"):
+        heldout_prompts(tmp_path, 1)
+    (tmp_path / "data" / "eval_prompts.json").write_text(json.dumps(eval_prompt_ids(rows)))
+    prompts = heldout_prompts(tmp_path, 5)
+    assert prompts == [TokenPrompt((1, 7, 8, 9)), TokenPrompt((1, 4))]
+
+    def no_encode(messages):
+        raise AssertionError("token prompts must not be re-templated")
+
+    cfg = EvalConfig(datasets=["heldout"], num_prompts=2, max_new_tokens=10, k_max=3, both_turns=True)
+    res = run_eval(target, drafter, cfg, tmp_path / "eval", target_name="t", drafter_name="d", trained_K=3,
+                   load_prompts=lambda name, n: prompts[:n], encode=no_encode)
+    ds = res["datasets"]["heldout"]
+    assert ds["num_sequences"] == 2 and res["lossless"]["passed"]
+    for row in ds["by_K"]:  # the rounds are exactly the loop's on those ids
+        acc = [a for p in prompts for a in
+               speculative_generate(target, drafter, list(p.ids), row["K"], 10, eos_token_id=2)[1].accepted]
+        assert row["rounds"] == len(acc)

@@ -432,3 +432,70 @@ def test_rejection_rule_is_exact_on_a_markov_chain(parallel):
     assert _chi_square_p(counts, exact) > 1e-3
     for rule in (lambda p, q: torch.ones_like(p), lambda p, q: torch.clamp(q / p, max=1.0)):
         assert _chi_square_p(_markov_samples(P, Q, parallel, K, 1000, 0, rule), exact) < 1e-6
+
+
+# --------------------------------------------------------------------------- simulated AL = measured AL
+
+
+def test_walk_accepted_by_hand():
+    from peagle_train.spec_stats import walk_accepted
+
+    n, K = 12, 3
+    ok = torch.zeros(n, K, dtype=torch.bool)
+    sup = torch.zeros(n, K, dtype=torch.bool)
+    sup[3:10] = True  # anchors 3..9 supervised (response tokens x[5..]), deeper ones everywhere
+    ok[4] = torch.tensor([True, True, False])   # round at anchor 4: 2 accepted -> next anchor 7
+    ok[7] = torch.tensor([True, True, True])    # 3 accepted -> next anchor 11 (unsupervised: stop)
+    # P = 5: the first round drafts from anchor 4
+    assert walk_accepted(ok, sup, 5, K) == [2, 3]
+    assert walk_accepted(ok, sup, 5, 2) == [2, 2]  # served K=2: anchors 4 -> 7 -> 10 (unsupervised: stop)
+    assert walk_accepted(ok, sup, 5, K, horizon=3) == [2]  # 1 (prefill) + 3 tokens >= 3: the loop stops
+    assert walk_accepted(ok, sup, 5, K, horizon=1) == []
+    with pytest.raises(ValueError, match="exceeds the trained depths"):
+        walk_accepted(ok, sup, 5, 4)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
+def test_walked_training_predictions_equal_the_decoding_loop(parallel):
+    """Training-grid predictions replayed by walk_accepted give, round for round, the accepted
+    counts of the real decoding loop on the target's own greedy output (every served K)."""
+    from peagle_train.features import OnlineFeatures, pack
+    from peagle_train.grid import build_grid, cod_sample
+    from peagle_train.objective import Eagle3Objective, PEagleObjective
+    from peagle_train.spec_stats import acceptance_length, chain_matrix, walk_accepted
+
+    target = make_target(c_quantile=0.75)
+    V = target.config.vocab_size
+    drafter = make_drafter(target, parallel=parallel, bias_token=C, bias=2.0)
+    H, K = 24, 7
+    total_rounds = 0
+    for p in prompts(V):
+        # the sequence runs K+1 tokens past the horizon: the loop's last round verifies drafts
+        # beyond max_new_tokens (then truncates), and the walk needs those labels too
+        ref, _ = target_generate(target, p, H + K + 1)
+        seq = p + ref
+        lm = [0] * len(p) + [1] * len(ref)
+        feats = OnlineFeatures(target, [seq])
+        packed = pack(feats.get([0]), [seq], [lm], "cpu")
+        kept = cod_sample(packed["loss_mask"], packed["doc_ids"], K, 1.0, 1.0)
+        mask_id = drafter.config.mask_token_id if parallel else 0
+        grid = build_grid(packed["input_ids"], packed["loss_mask"], packed["doc_ids"], kept, mask_id)
+        head = feats.target_head()[(torch.arange(drafter.config.draft_vocab_size) + drafter.d2t)]
+        args = (grid, packed["aux"], packed["last"], packed["argmax"], 1.0)
+        if parallel:
+            _, pred = PEagleObjective(drafter, head, attention="sdpa")(*args)
+        else:
+            _, pred = Eagle3Objective(drafter, head, attention="sdpa")(*args, input_ids=packed["input_ids"])
+        tgt = packed["argmax"][grid.label_index]
+        correct = drafter.draft_to_target(pred) == tgt
+        sup = (grid.loss_weight > 0) & drafter.t2d[tgt]
+        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, len(seq), K)
+        for k in range(1, K + 1):
+            _, stats = speculative_generate(target, drafter, p, k, H)
+            walked = walk_accepted(ok_t, sup_t, len(p), k, horizon=H)
+            assert walked == stats.accepted, f"K={k}"
+            assert acceptance_length(walked) == stats.acceptance_length
+            total_rounds += len(walked)
+            if k == K:
+                assert max(walked) >= 2  # multi-token acceptances happened, so the walk is exercised
+    assert total_rounds > 0

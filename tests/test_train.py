@@ -68,7 +68,11 @@ def test_cache_train_learns_and_saves(run_dir):
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
     d = load_drafter_dir(Path(cfg.output_dir) / "drafter")
     assert d.config.parallel_drafting and d.lm_head.weight.shape == (48, 32)
-    assert json.loads((Path(cfg.output_dir) / "train_metrics.json").read_text())["final"]["eval_sim_al"]["1"] >= 1.0
+    final = json.loads((Path(cfg.output_dir) / "train_metrics.json").read_text())["final"]
+    assert final["eval_sim_al"]["1"] >= 1.0
+    for key in ("eval_walk_al", "eval_walk_al_heldout"):  # loop-equivalent simulated AL, K = 1..train.K
+        assert sorted(final[key], key=int) == [str(k) for k in range(1, cfg.train.K + 1)]
+        assert all(1.0 <= v <= int(k) + 1 for k, v in final[key].items()), final[key]
 
 
 def test_cache_detects_corruption(run_dir):
@@ -116,3 +120,26 @@ def test_grad_accum_equals_bigger_micro_batch_layouts(run_dir):
         results.append((rec["loss"], w))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+def test_time_schedule_anneals_within_the_time_budget(run_dir, monkeypatch):
+    """schedule: time — a run stopped by max_minutes long before its planned steps still ends near
+    min_lr (the step schedule would still be at its peak); a missing max_minutes is refused."""
+    import peagle_train.train as train_mod
+    from peagle_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="schedule=time needs train.max_minutes"):
+        _cfg(run_dir, schedule="time")
+    clock = {"t": 0.0}  # a fake clock: every read advances 1 s, so the budget is hit after ~10 steps
+
+    def tick():
+        clock["t"] += 1.0
+        return clock["t"]
+
+    monkeypatch.setattr(train_mod.time, "perf_counter", tick)
+    cfg = _cfg(run_dir, epochs=200, features="online", max_minutes=0.5, schedule="time", min_lr_ratio=0.1)
+    m = run_train(cfg, progress=False)
+    lrs = [h["lr"] for h in m["history"]]
+    assert 3 <= len(lrs) < 200 * 10
+    assert lrs[0] == pytest.approx(3e-3, rel=0.05)
+    assert lrs[-1] < 0.35 * 3e-3 and lrs == sorted(lrs, reverse=True), lrs

@@ -1,0 +1,121 @@
+"""Side-by-side tables of the quality experiment (benchmarks/quality_experiment.sh).
+
+Reads the small result files the experiment copies to its results folder::
+
+    <name>-eval.json           eval stage report (peagle_train.evaluate.run_eval)
+    <name>-train-metrics.json  train_metrics.json without the per-step history
+
+for ``name`` in ``smollm2-135m-peagle-gpu`` and ``smollm2-135m-eagle3-gpu``, and writes
+``comparison.md`` and ``comparison.json`` next to them (also prints the Markdown):
+
+* acceptance length at served K = 3, 5, 7 per dataset for both drafters and the ratio
+  P-EAGLE / EAGLE-3 (the issue's target: >= 1.2 at K = 7);
+* drafting ms per verification round for K = 1..7 and the ratio K=7 / K=1 (target for
+  P-EAGLE: <= 1.3);
+* end-to-end tokens/s of the batch-1 reference loop relative to the target alone;
+* measured AL on the ``heldout`` set vs the loop-equivalent simulated AL logged at the end
+  of training on the same prompts and horizon (``eval_walk_al_heldout``), and the relative
+  gap (target: within 5 %); the position-averaged ``eval_sim_al`` is listed for reference.
+
+Usage::
+
+    python benchmarks/quality_report.py RESULTS_DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+NAMES = {"peagle": "smollm2-135m-peagle-gpu", "eagle3": "smollm2-135m-eagle3-gpu"}
+
+
+def _load(results: Path, name: str, kind: str) -> dict | None:
+    path = results / f"{name}-{kind}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _row(ev: dict | None, dataset: str, K: int) -> dict | None:
+    if not ev or dataset not in ev.get("datasets", {}):
+        return None
+    return next((r for r in ev["datasets"][dataset]["by_K"] if r["K"] == K), None)
+
+
+def _fmt(x, nd=2) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def build(results: Path) -> tuple[str, dict]:
+    """(Markdown, JSON-able dict) of the comparison; missing runs show as '—'.
+
+    Raises:
+        FileNotFoundError: neither drafter has an eval report in ``results``.
+    """
+    ev = {m: _load(results, n, "eval") for m, n in NAMES.items()}
+    tr = {m: _load(results, n, "train-metrics") for m, n in NAMES.items()}
+    if not any(ev.values()):
+        raise FileNotFoundError(f"no <name>-eval.json in {results}: run the experiment's eval step first")
+    datasets = [d for d in ("mt_bench", "humaneval", "heldout") if any(e and d in e["datasets"] for e in ev.values())]
+    out: dict = {"acceptance_length": {}, "draft_ms": {}, "speedup": {}, "sim_vs_measured": {}, "train": {}}
+    md = ["## Acceptance length (reference loop, batch 1, greedy)", "",
+          "| dataset | K | P-EAGLE AL | EAGLE-3 AL | ratio |", "|---|---|---|---|---|"]
+    for d in datasets:
+        for K in (3, 5, 7):
+            p, e = _row(ev["peagle"], d, K), _row(ev["eagle3"], d, K)
+            pa, ea = (p or {}).get("acceptance_length"), (e or {}).get("acceptance_length")
+            ratio = pa / ea if pa and ea else None
+            out["acceptance_length"][f"{d}/K{K}"] = {"peagle": pa, "eagle3": ea, "ratio": ratio}
+            md.append(f"| {d} | {K} | {_fmt(pa)} | {_fmt(ea)} | {_fmt(ratio)} |")
+    md += ["", "## Drafting ms per verification round (mt_bench, steady state)", "",
+           "| drafter | " + " | ".join(f"K={k}" for k in range(1, 8)) + " | K=7 / K=1 |", "|---" * 9 + "|"]
+    for m, label in (("peagle", "P-EAGLE"), ("eagle3", "EAGLE-3")):
+        ms = [(_row(ev[m], "mt_bench", k) or {}).get("draft_ms_per_round") for k in range(1, 8)]
+        ratio = ms[6] / ms[0] if ms[0] and ms[6] else None
+        out["draft_ms"][m] = {"by_K": ms, "K7_over_K1": ratio}
+        md.append(f"| {label} | " + " | ".join(_fmt(x) for x in ms) + f" | {_fmt(ratio)} |")
+    md += ["", "## End-to-end tokens/s relative to the target alone (batch 1, same loop)", "",
+           "| dataset | drafter | " + " | ".join(f"K={k}" for k in range(1, 8)) + " |", "|---" * 9 + "|"]
+    for d in datasets:
+        for m, label in (("peagle", "P-EAGLE"), ("eagle3", "EAGLE-3")):
+            sp = [(_row(ev[m], d, k) or {}).get("speedup") for k in range(1, 8)]
+            out["speedup"][f"{d}/{m}"] = sp
+            md.append(f"| {d} | {label} | " + " | ".join(_fmt(x) for x in sp) + " |")
+    md += ["", "## Simulated (end of training) vs measured AL, heldout prompts", "",
+           "| drafter | K | simulated, loop-equivalent (`eval_walk_al_heldout`) | measured (heldout) | gap | "
+           "position-averaged `eval_sim_al` (all eval sequences) |", "|---|---|---|---|---|---|"]
+    for m, label in (("peagle", "P-EAGLE"), ("eagle3", "EAGLE-3")):
+        final = (tr[m] or {}).get("final") or {}
+        for K in (1, 3, 5, 7):
+            sim = (final.get("eval_walk_al_heldout") or {}).get(str(K))
+            meas = (_row(ev[m], "heldout", K) or {}).get("acceptance_length")
+            gap = (meas - sim) / sim if sim and meas else None
+            pos = (final.get("eval_sim_al") or {}).get(str(K))
+            out["sim_vs_measured"][f"{m}/K{K}"] = {"simulated": sim, "measured": meas, "relative_gap": gap,
+                                                   "position_averaged": pos}
+            md.append(f"| {label} | {K} | {_fmt(sim, 3)} | {_fmt(meas, 3)} | "
+                      f"{'—' if gap is None else f'{100 * gap:+.1f} %'} | {_fmt(pos, 3)} |")
+    md += ["", "## Training", "", "| drafter | steps | train s | peak GB | final eval loss |", "|---|---|---|---|---|"]
+    for m, label in (("peagle", "P-EAGLE"), ("eagle3", "EAGLE-3")):
+        t = tr[m] or {}
+        last = t.get("last") or {}
+        out["train"][m] = {"steps": t.get("steps"), "train_seconds": t.get("train_seconds"),
+                           "peak_mem_gb": last.get("peak_mem_gb"), "eval_loss": (t.get("final") or {}).get("eval_loss")}
+        md.append(f"| {label} | {t.get('steps', '—')} | {_fmt(t.get('train_seconds'), 0)} | "
+                  f"{_fmt(last.get('peak_mem_gb'), 1)} | {_fmt((t.get('final') or {}).get('eval_loss'), 3)} |")
+    return "\n".join(md) + "\n", out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path, help="folder with the experiment's small result files")
+    args = ap.parse_args(argv)
+    md, data = build(args.results)
+    (args.results / "comparison.md").write_text(md)
+    (args.results / "comparison.json").write_text(json.dumps(data, indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
