@@ -291,6 +291,26 @@ def resolve_partitions(spec: str, N: int, args, drafter, device) -> tuple[int, b
         "gpu_gb": gpu_bytes / 2**30}
 
 
+def attach_reference(rows: list[dict], refs: dict[int, dict]) -> list[dict]:
+    """Add the reference framework's numbers to our rows of the same N (in place; returns ``rows``).
+
+    ``refs``: ``{N: run_reference(...) result}`` (``benchmarks/speculators_ref.py``). Each row gets
+    ``ref_step_ms``, ``ref_peak_gb``, ``ref_status`` and ``speedup = ref_step_ms / step_ms``
+    (> 1: we are faster); a row or reference that failed (OOM, error) gets ``speedup = None``.
+    """
+    for r in rows:
+        ref = refs.get(r["N"])
+        if ref is None:
+            continue
+        ok = ref.get("status") == "ok"
+        r["ref_step_ms"] = ref.get("step_ms_median") if ok else None
+        r["ref_peak_gb"] = ref.get("peak_alloc_gb") if ok else None
+        r["ref_positions"] = ref.get("grid_positions") if ok else None
+        r["ref_status"] = ref.get("status")
+        r["speedup"] = r["ref_step_ms"] / r["step_ms"] if ok and "step_ms" in r else None
+    return rows
+
+
 def matmul_rate(device, n: int = 8192, reps: int = 10) -> float | None:
     """bf16 dense matmul rate on this GPU (TFLOP/s): ``n x n x n`` products on random data, mean of
     ``reps`` timed after 3 warm-ups (CUDA events). The yardstick for each row's achieved TFLOP/s;
@@ -333,6 +353,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 steps of the first N (last variant) and report the top-25 kernels")
     ap.add_argument("--sync-debug", action="store_true", help="count host syncs of one extra step (CUDA)")
+    ap.add_argument("--reference", choices=["none", "speculators"], default="none",
+                    help="also time vLLM speculators' P-EAGLE step for every N in this process "
+                         "(benchmarks/speculators_ref.py; needs its wheels) and add the ratio to each row")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world = 1
@@ -382,6 +405,18 @@ def main(argv=None):
     if world > 1 and torch.distributed.get_rank() != 0:
         torch.distributed.destroy_process_group()
         return rows
+    if args.reference == "speculators":
+        from speculators_ref import run_reference  # benchmarks/ is on sys.path when run as a script
+
+        shape = {k: v for k, v in SHAPES[args.shape].items() if k != "draft_vocab"}
+        refs = {}
+        for N in dict.fromkeys(args.n):
+            refs[N] = run_reference(shape, N, args.K, args.r, args.r_min, args.steps, args.warmup, str(device),
+                                    drafter.config.draft_vocab_size)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(json.dumps({"reference": "speculators", **refs[N]}), flush=True)
+        attach_reference(rows, refs)
     profile = None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -437,6 +472,10 @@ def main(argv=None):
             print(f"{'':>24} compile modes: {r['compile_modes']}")
         if r.get("plan"):
             print(f"{'':>24} plan: {r['plan']}")
+        if "ref_status" in r:
+            ref = (f"{r['ref_step_ms']:.1f} ms, {r['ref_peak_gb']:.1f} GB, speedup {r['speedup']:.2f}x"
+                   if r["speedup"] is not None else r["ref_status"])
+            print(f"{'':>24} speculators: {ref}")
     if world > 1:
         torch.distributed.destroy_process_group()
     return rows

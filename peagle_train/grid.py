@@ -211,14 +211,19 @@ def build_grid(
     )
 
 
-def pad_grid(grid: Grid, multiple: int) -> Grid:
+def pad_grid(grid: Grid, multiple: int, length: int | None = None) -> Grid:
     """Append padding elements so ``len`` is a multiple of ``multiple`` (bucketed shapes avoid
-    recompiling the fused attention kernel for every COD sample size).
+    recompiling the fused attention kernel for every COD sample size), or exactly ``length``.
 
     Padding elements have ``doc = -1`` (they attend to nothing and nothing attends to them,
     see :mod:`peagle_train.attention`), ``loss_weight = 0`` and valid indices (row 0).
+
+    Raises:
+        ValueError: ``length`` shorter than the grid.
     """
-    extra = (-len(grid)) % multiple
+    if length is not None and length < len(grid):
+        raise ValueError(f"pad_grid: length {length} is shorter than the grid ({len(grid)} elements)")
+    extra = (-len(grid)) % multiple if length is None else length - len(grid)
     if extra == 0:
         return grid
     dev = grid.anchor.device

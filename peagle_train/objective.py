@@ -122,12 +122,17 @@ class Eagle3Objective(nn.Module):
         total = None
         preds = torch.empty_like(grid.anchor)
         past, kv_meta, prev_h, prev_anchor = None, None, None, None
+        # every step is padded to the same length Q (depth 0's count, bucketed): step k's attention
+        # is always [Q, (k+1)·Q], so a compiled kernel serves each (bucket, step) pair instead of
+        # recompiling for every (COD size of step k, sum of earlier sizes) combination
+        E0 = int((grid.depth == 0).sum())
+        Q = -(-E0 // self.pad_multiple) * self.pad_multiple
         for k in range(K):
             idx = (grid.depth == k).nonzero().flatten()
             if idx.numel() == 0:
                 break
             Ek = idx.numel()
-            step = pad_grid(grid.select(idx), self.pad_multiple)
+            step = pad_grid(grid.select(idx), self.pad_multiple, length=max(Q, Ek))
             if k == 0:
                 hidden = self.drafter.project_aux(aux[step.anchor].to(self.drafter.fc.weight.dtype))
             else:

@@ -37,3 +37,19 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
     assert 0 < len(top) <= 25 and {"name", "ms_per_step", "pct_of_step"} <= set(top[0])
     printed = capsys.readouterr().out
     assert "step ms" in printed and "first s" in printed and "top" in printed
+
+
+def test_reference_rows_carry_the_ratio(bench):
+    rows = [{"N": 2048, "step_ms": 100.0}, {"N": 65536, "step_ms": 9000.0}, {"N": 4096, "error": "OOM"}]
+    refs = {2048: {"status": "ok", "step_ms_median": 150.0, "peak_alloc_gb": 20.0, "grid_positions": 6897},
+            65536: {"status": "oom"}, 4096: {"status": "ok", "step_ms_median": 200.0, "peak_alloc_gb": 16.0}}
+    bench.attach_reference(rows, refs)
+    assert rows[0]["speedup"] == pytest.approx(1.5) and rows[0]["ref_peak_gb"] == 20.0
+    assert rows[1]["speedup"] is None and rows[1]["ref_status"] == "oom"  # where the reference runs out of memory
+    assert rows[2]["speedup"] is None and rows[2]["ref_step_ms"] == 200.0  # ours failed: no ratio
+
+
+def test_matmul_rate_is_none_on_cpu(bench):
+    import torch
+
+    assert bench.matmul_rate(torch.device("cpu")) is None

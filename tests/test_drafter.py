@@ -472,3 +472,32 @@ def test_bucketed_padding_changes_nothing(tiny_drafter, packed_batch, which):
     with torch.no_grad():  # flex objective with bucket padding (forward only on CPU; 128 keeps eager flex cheap)
         lf, pf = run(make(attention="flex", pad_multiple=128))
     assert abs(lf.item() - l1.item()) < 1e-9 and torch.equal(pf, p1)
+
+
+def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
+    """Every TTT step's attention is [Q, (k+1)·Q] with Q = depth-0 count rounded up to the
+    bucket, whatever the COD sizes of the deeper steps (bounded recompiles of the fused kernel),
+    and the padding changes nothing: same loss and predictions as unpadded steps."""
+    import peagle_train.objective as objective
+
+    P = eagle3_problem
+    g = P["g"]
+    shapes = []
+    real = objective.make_attn_spec
+
+    def spy(q, kv=None, kind="flex"):
+        shapes.append((q.anchor.numel(), (kv or q).anchor.numel()))
+        return real(q, kv, kind)
+
+    monkeypatch.setattr(objective, "make_attn_spec", spy)
+    args = (g, P["aux"], P["last"], P["argmax"], 10.0, P["b"]["input_ids"])
+    with torch.no_grad():
+        a, pa = Eagle3Objective(P["drafter"], P["head"], attention="sdpa", pad_multiple=1)(*args)
+        shapes.clear()
+        b, pb = Eagle3Objective(P["drafter"], P["head"], attention="sdpa", pad_multiple=16)(*args)
+    E0 = int((g.depth == 0).sum())
+    Q = -(-E0 // 16) * 16
+    K = int(g.depth.max()) + 1
+    assert int((g.depth == 1).sum()) < E0  # COD dropped some chains: deeper steps are padded up to Q
+    assert shapes == [(Q, (k + 1) * Q) for k in range(K)]
+    assert abs(a.item() - b.item()) < 1e-6 * abs(a.item()) and torch.equal(pa, pb)
