@@ -89,7 +89,7 @@ def build(results: Path) -> tuple[str, dict]:
         for K in (1, 3, 5, 7):
             sim = (final.get("eval_walk_al_heldout") or {}).get(str(K))
             meas = (_row(ev[m], "heldout", K) or {}).get("acceptance_length")
-            gap = (meas - sim) / sim if sim and meas else None
+            gap = (meas - sim) / sim if sim and meas and not (math.isnan(sim) or math.isnan(meas)) else None
             pos = (final.get("eval_sim_al") or {}).get(str(K))
             out["sim_vs_measured"][f"{m}/K{K}"] = {"simulated": sim, "measured": meas, "relative_gap": gap,
                                                    "position_averaged": pos}

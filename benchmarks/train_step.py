@@ -425,7 +425,7 @@ def main(argv=None):
         S0, ck0, _ = resolve_partitions(S_list[0], N0, args, drafter, device)
         ok = [r for r in rows if r["N"] == N0 and "error" not in r and r["compile"] == variants[-1]]
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch_profile(activities=acts) as prof:  # warm-up 1 (compile caches are warm), then 3 profiled
+        with torch_profile(activities=acts) as prof:  # compile caches are warm from the timed run: 3 profiled steps, no warm-up
             run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, 3, 0, device, args.chunk,
                      compile=variants[-1], checkpointing=ck0)
         step_ms = ok[0]["step_ms"] if ok else None

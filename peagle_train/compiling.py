@@ -53,6 +53,10 @@ class SafeCompiled:
 
     Attributes:
         mode: ``"pending"`` (not called yet), ``"fullgraph"``, ``"graph-breaks"`` or ``"eager"``.
+
+    Limitation: only the forward's compilation is guarded. Inductor compiles the backward graph
+    lazily, inside ``loss.backward()``; a failure there propagates to the caller (the benchmark
+    records it as that variant's error row; in training, set ``train.compile: false``).
     """
 
     def __init__(self, fn, name: str, fullgraph: bool = True):

@@ -160,7 +160,10 @@ class TrainConfig(_Section):
     cod_r: float = Field(0.7, gt=0.0, le=1.0)
     cod_r_min: float = Field(0.2, ge=0.0, le=1.0)
     max_anchors: int | None = Field(None, ge=1)
-    partitions: int = Field(1, ge=1, description="Sequence partition segments S (spec §3).")
+    partitions: int | Literal["auto"] = Field(
+        1, description="Sequence partition segments S (spec §3), or 'auto': on CUDA the fewest segments whose "
+                       "predicted peak memory fits the GPU (peagle_train.planner), per micro-batch and agreed "
+                       "across ranks; 1 elsewhere.")
     loss: Literal["kl", "ce"] = "kl"
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
     features: Literal["online", "cache"] = "cache"
@@ -175,8 +178,8 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     max_minutes: float | None = Field(
-        None, gt=0, description="Wall-clock training budget (minutes); the cosine schedule still spans the planned "
-                                "steps unless schedule: time."
+        None, gt=0, description="Wall-clock training budget (minutes, summed over resumed launches of the run); "
+                                "the cosine schedule still spans the planned steps unless schedule: time."
     )
     schedule: Literal["steps", "time"] = Field(
         "steps", description="'time' (needs max_minutes): the warm-up + cosine schedule advances by whichever of "
@@ -223,8 +226,10 @@ class TrainConfig(_Section):
             raise ValueError(f"train.K must be >= 1 (got {self.K})")
         if self.cod_r_min > self.cod_r:
             raise ValueError("train.cod_r_min must not exceed train.cod_r")
+        if isinstance(self.partitions, int) and self.partitions < 1:
+            raise ValueError(f"train.partitions must be >= 1 or 'auto' (got {self.partitions})")
         if self.method == "eagle3" and self.partitions != 1:
-            raise ValueError("train.partitions > 1 is only defined for method 'peagle'")
+            raise ValueError("train.partitions other than 1 is only defined for method 'peagle'")
         if self.target_sharding == "shard" and self.features != "online":
             raise ValueError("train.target_sharding=shard needs train.features=online (a cache run loads no target)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
@@ -274,6 +279,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
+        if "heldout" in self.eval.datasets and self.train.eval_sequences < self.eval.num_prompts:
+            raise ValueError(
+                f"eval.datasets has 'heldout' with eval.num_prompts={self.eval.num_prompts} but train.eval_sequences="
+                f"{self.train.eval_sequences}: the training log's eval_walk_al_heldout would cover fewer prompts than "
+                "the eval stage measures; raise train.eval_sequences or lower eval.num_prompts")
         if self.eval.k_max > self.train.K and self.train.method == "peagle":
             raise ValueError(
                 f"eval.k_max ({self.eval.k_max}) exceeds train.K ({self.train.K}): served K must be <= trained K"

@@ -206,7 +206,9 @@ def _validate_deepspeed(tc: TrainConfig, layout: Layout, src: str, ga: int) -> N
                           "set bf16.enabled to \"auto\" (filled from train.mixed_precision)")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{f}: zero_optimization.stage={layout.zero_stage} must be 0..3")
-    backwards = ga * (tc.partitions if tc.method == "peagle" else 1)
+    # 'auto' may split a sequence (2 stands for "more than one backward")
+    parts = (2 if tc.partitions == "auto" else tc.partitions) if tc.method == "peagle" else 1
+    backwards = ga * parts
     if layout.zero_stage == 3 and backwards > 1 and layout.world_size > 1:
         raise ConfigError(
             f"{f}: ZeRO-3 with {backwards} backward passes per optimizer step (train.grad_accum={ga} x "

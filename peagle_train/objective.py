@@ -13,6 +13,8 @@ their hooks see every parameter use. Both objectives share the drafter code:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -85,6 +87,38 @@ def _weights(loss_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return loss_weight.to(torch.promote_types(h.dtype, torch.float32))
 
 
+def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, float, int | None] | None,
+                        block: int = 128) -> list[int] | None:
+    """Padded length of every EAGLE-3 TTT step, a function of the depth-0 bucket only.
+
+    ``Q = E0`` rounded up to ``pad_multiple``; step ``k`` is padded to ``Q_k``: ``Q`` for ``k = 0``;
+    with ``cod = (r, r_min, max_anchors)`` the COD bound ``min(floor(Q·max(r**k, r_min)), max_anchors)``
+    rounded up to ``block`` (a step never holds more: COD keeps at most that many of the at most
+    ``E0 <= Q`` depth-0 anchors, spec §3), else ``Q``. Step ``k`` then always attends
+    ``[Q_k, Q_0 + … + Q_k]``, so a compiled attention kernel is reused for every micro-batch of
+    the same bucket (one kernel per (bucket, step)) instead of recompiling for each combination of
+    COD sizes.
+
+    Returns:
+        ``[K]`` lengths, or None when ``pad_multiple <= 1`` (no padding: dense SDPA gets exact
+        lengths, and fully masked padding rows would give NaN there).
+    """
+    if pad_multiple <= 1:
+        return None
+    Q = -(-E0 // pad_multiple) * pad_multiple
+    out = [Q]
+    for k in range(1, K):
+        if cod is None:
+            out.append(Q)
+            continue
+        r, r_min, cap = cod
+        bound = math.floor(Q * max(r**k, r_min))
+        if cap is not None:
+            bound = min(bound, cap)
+        out.append(min(Q, max(block, -(-bound // block) * block)))
+    return out
+
+
 def eagle3_tokens(grid: Grid, input_ids: torch.Tensor) -> torch.Tensor:
     """EAGLE-3 TTT inputs: ground-truth token ``x[a+1+d]`` for every element ``(a, d)``."""
     return input_ids[grid.anchor + 1 + grid.depth]
@@ -97,18 +131,25 @@ class Eagle3Objective(nn.Module):
         drafter: a :class:`Drafter` without parallel drafting (usually 1 layer).
         target_head, loss, chunk_size, attention: as :class:`PEagleObjective`.
         decay: step weight base (0.8 in EAGLE-3). compile: as :class:`PEagleObjective`.
+        cod: ``(r, r_min, max_anchors)`` of the grid's COD sample: bounds each step's padded length
+            (:func:`eagle3_step_lengths`); None pads every step to the depth-0 bucket.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, cod: tuple[float, float, int | None] | None = None):
         super().__init__()
+        self.cod = cod
         self.drafter = drafter
         self.compile = compile
         drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
         self.pad_multiple = pad_multiple if pad_multiple is not None else (1024 if attention == "flex" else 1)
+
+    def step_lengths(self, E0: int, K: int) -> list[int] | None:
+        """Per-step padded lengths (:func:`eagle3_step_lengths` with this objective's settings)."""
+        return eagle3_step_lengths(E0, K, self.pad_multiple, self.cod)
 
     def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
                 normaliser: float, input_ids: torch.Tensor):
@@ -122,17 +163,16 @@ class Eagle3Objective(nn.Module):
         total = None
         preds = torch.empty_like(grid.anchor)
         past, kv_meta, prev_h, prev_anchor = None, None, None, None
-        # every step is padded to the same length Q (depth 0's count, bucketed): step k's attention
-        # is always [Q, (k+1)·Q], so a compiled kernel serves each (bucket, step) pair instead of
-        # recompiling for every (COD size of step k, sum of earlier sizes) combination
         E0 = int((grid.depth == 0).sum())
-        Q = -(-E0 // self.pad_multiple) * self.pad_multiple
+        lengths = self.step_lengths(E0, K)
         for k in range(K):
             idx = (grid.depth == k).nonzero().flatten()
             if idx.numel() == 0:
                 break
             Ek = idx.numel()
-            step = pad_grid(grid.select(idx), self.pad_multiple, length=max(Q, Ek))
+            target_len = None if lengths is None else (
+                lengths[k] if Ek <= lengths[k] else -(-Ek // self.pad_multiple) * self.pad_multiple)
+            step = pad_grid(grid.select(idx), self.pad_multiple, length=target_len)
             if k == 0:
                 hidden = self.drafter.project_aux(aux[step.anchor].to(self.drafter.fc.weight.dtype))
             else:

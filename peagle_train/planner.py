@@ -195,3 +195,19 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         f"{', checkpointing' if allow_checkpointing else ''}) exceeds the budget {budget / GIB:.1f} GiB "
         f"({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise max_partitions, allow checkpointing, "
         "shorten the sequence or use more memory")
+
+
+def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
+                   chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9) -> int:
+    """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
+    :func:`plan_step` predicts to fit ``gpu_bytes`` without changing activation checkpointing
+    (that stays the recipe's ``train.activation_checkpointing``). ``gpu_bytes`` None (no GPU) → 1.
+
+    Raises:
+        ValueError: from :func:`plan_step` when even 8 segments do not fit (the message gives the
+            predicted peak and the budget).
+    """
+    if gpu_bytes is None:
+        return 1
+    return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, allow_checkpointing=False,
+                     max_anchors=max_anchors, headroom=headroom).partitions

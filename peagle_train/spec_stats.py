@@ -97,8 +97,11 @@ def chain_matrix(anchor, depth, ok, sup, n: int, K: int):
     """Per-anchor chain tables from grid elements (training-time evaluation grid, every chain kept).
 
     Args:
-        anchor, depth: ``[E]`` int64 grid coordinates. ok: ``[E]`` bool, drafter greedy == target
-            greedy (and the target token is in the draft vocab). sup: ``[E]`` bool, supervised.
+        anchor, depth: ``[E]`` int64 grid coordinates, ``0 <= anchor < n``, ``0 <= depth < K``
+            (an index out of range raises ``IndexError``). ok: ``[E]`` bool, drafter greedy ==
+            target greedy (False where the target token is outside the draft vocab: the drafter
+            cannot propose it). sup: ``[E]`` bool, supervised (the label is a response token;
+            do not fold the draft-vocab test in here, or the replay would stop at such a token).
         n: sequence length (anchors ``0..n-1``). K: trained depths.
 
     Returns:
@@ -128,6 +131,10 @@ def walk_accepted(ok, sup, first_response_token: int, K: int, horizon: int | Non
     measured acceptance length (the position-averaged
     :meth:`peagle_train.loss.DepthStats.simulated_acceptance_length` weights easy stretches more
     than the loop does and reads higher).
+
+    At the end of a response the loop may accept drafts past the end-of-turn token (then
+    truncated); the replay stops counting at the last supervised label, so the last round can
+    count fewer accepted drafts than the loop's.
 
     Args:
         ok, sup: ``[n, K_trained]`` bool from :func:`chain_matrix`.

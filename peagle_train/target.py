@@ -122,11 +122,22 @@ def materialise_target(cfg: TargetConfig) -> Path:
     tok.save_pretrained(tmp)
     # several processes (regeneration workers, ranks) may convert at once: the first rename wins and
     # the others keep its copy, so a process already reading ``out`` never sees it replaced
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    complete = lambda: (out / "config.json").is_file() and (out / "model.safetensors").is_file()  # noqa: E731
+    if complete():
         shutil.rmtree(tmp)
         return out
-    if out.exists():  # an incomplete folder (not made by this function's atomic rename)
-        shutil.rmtree(out, ignore_errors=True)
+    if out.exists():  # an incomplete folder (not made by this function's atomic rename): move it aside first,
+        aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=".old-"))  # then check nobody completed it meanwhile
+        try:
+            os.replace(out, aside / "t")
+        except OSError:
+            pass
+        if (aside / "t" / "model.safetensors").is_file() and not out.exists():
+            os.replace(aside / "t", out)  # it was complete after all (another process won): keep it
+            shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(tmp)
+            return out
+        shutil.rmtree(aside, ignore_errors=True)
     try:
         os.replace(tmp, out)
     except OSError:  # another process renamed its copy in between

@@ -133,7 +133,8 @@ class Trainer:
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
         self.attention = resolve_attention(self.tc.attention, self.device)
         Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
-        kw = {} if self.tc.method == "peagle" else {"decay": self.tc.ttt_decay}
+        kw = {} if self.tc.method == "peagle" else {"decay": self.tc.ttt_decay,
+                                                    "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors)}
         objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
                         attention=self.attention, compile=self.tc.compile, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
@@ -155,6 +156,7 @@ class Trainer:
         self.lengths = [len(x) for x in self.train_ids]
         self._eval_items: list[int] | None = None
         self.step = 0
+        self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
         self.history: list[dict] = []
 
     def _place_target(self) -> None:
@@ -218,9 +220,10 @@ class Trainer:
         stats = DepthStats.zeros(self.tc.K)
         loss_total, positions, tokens = 0.0, 0, 0
         plans = []
-        for packed, grid in micros:
+        parts = self.partitions([packed["input_ids"].numel() for packed, _ in micros])
+        for (packed, grid), S in zip(micros, parts):
             n = packed["input_ids"].numel()
-            segs = plan_partitions(grid, n, self.tc.partitions) if self.tc.method == "peagle" else None
+            segs = plan_partitions(grid, n, S) if self.tc.method == "peagle" else None
             plans.append(segs)
             positions += len(grid)
             tokens += n
@@ -260,6 +263,32 @@ class Trainer:
                "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length()}
         rec.update(peak_memory())
         return rec
+
+    def partitions(self, lengths: list[int]) -> list[int]:
+        """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
+        asks :func:`~peagle_train.planner.partitions_for` with this GPU's memory minus what the
+        online target holds, and takes the maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks
+        run the same number of forwards."""
+        if self.tc.partitions != "auto":
+            return [self.tc.partitions] * len(lengths)
+        from .planner import ShapeParams, partitions_for
+
+        gpu = None
+        if self.device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
+        shape = ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config)
+        local = torch.tensor([partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
+                                             chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors)
+                              for n in lengths], dtype=torch.int64, device=self.device)
+        return [int(x) for x in self.acc.reduce(local, reduction="max").tolist()] if self.acc.num_processes > 1 \
+            else [int(x) for x in local.tolist()]
+
+    def _target_bytes(self) -> int:
+        """Bytes of the online target's weights on this device (0 with cached features)."""
+        target = getattr(self.features, "target", None)
+        if target is None or self.tc.features != "online":
+            return 0
+        return sum(p.numel() * p.element_size() for p in target.model.parameters() if p.device == self.device)
 
     def eval_items(self) -> list[int]:
         """Eval-split sequences used in evaluation: the first ``eval_sequences`` with a supervised element."""
@@ -308,7 +337,7 @@ class Trainer:
                 loss_sum += float(loss)
                 count += supervised_count(grid)
                 stats = stats.add(self._stats(packed, grid, pred))
-                walk += self._walk(packed, grid, pred, i, matched=i < self.cfg.eval.num_prompts)
+                walk += self._walk(packed, grid, pred, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
         tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
         walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
@@ -320,6 +349,19 @@ class Trainer:
                 "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
                 "eval_walk_al": al(walk[0]), "eval_walk_al_heldout": al(walk[1])}
 
+    def _heldout_rank(self, i: int) -> int:
+        """Position of eval sequence ``i`` in ``data/eval_prompts.json`` (the eval stage's ``heldout``
+        order: sequences whose first supervised token is not at index 0, see
+        :func:`peagle_train.stages.eval_prompt_ids`); a huge number for a sequence not listed."""
+        if getattr(self, "_ranks", None) is None:
+            ranks, r = [], 0
+            for m in self.eval_masks:
+                first = next((p for p, x in enumerate(m) if x), None)
+                ranks.append(r if first else 1 << 62)
+                r += 1 if first else 0
+            self._ranks = ranks
+        return self._ranks[i]
+
     def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
         """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence
         ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
@@ -327,8 +369,9 @@ class Trainer:
         ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
         drafter = self.acc.unwrap_model(self.model).drafter
         tgt = packed["argmax"][grid.label_index]
-        correct = drafter.draft_to_target(pred) == tgt
-        sup = (grid.loss_weight > 0) & drafter.t2d[tgt]
+        # a target token outside the draft vocab is a rejected draft, not the end of the turn
+        correct = (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
+        sup = grid.loss_weight > 0
         n = len(self.eval_ids[i])
         ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
         first = next((p for p, m in enumerate(self.eval_masks[i]) if m), 0)
@@ -399,6 +442,8 @@ class Trainer:
                               "or choose a new output_dir")
         self.acc.load_state(str(ckpts[-1]))
         self.step, self.history = state["step"], state["history"]
+        # training time already spent: max_minutes and schedule: time count the whole run, not this launch
+        self.elapsed_before = float(self.history[-1].get("elapsed_s", 0.0)) if self.history else 0.0
         self.acc.print(f"resumed from {ckpts[-1]} (step {self.step})")
         return True
 
@@ -429,7 +474,7 @@ class Trainer:
             "dir": str(self.out / "logs"), "name": self.out.name, "config": self.cfg.model_dump(mode="json")}})
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
                    disable=not (progress and self.acc.is_local_main_process))
-        t_start = time.perf_counter()
+        t_start = time.perf_counter() - self.elapsed_before
         while self.step < self.total_steps:
             if self.tc.max_minutes is not None:
                 frac = torch.tensor([(time.perf_counter() - t_start) / (60 * self.tc.max_minutes)], device=self.device)

@@ -491,13 +491,31 @@ def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
 
     monkeypatch.setattr(objective, "make_attn_spec", spy)
     args = (g, P["aux"], P["last"], P["argmax"], 10.0, P["b"]["input_ids"])
+    E0 = int((g.depth == 0).sum())
+    K = int(g.depth.max()) + 1
+    sizes = [int((g.depth == k).sum()) for k in range(K)]
+    assert sizes[1] < E0  # COD dropped some chains: deeper steps are padded up
     with torch.no_grad():
         a, pa = Eagle3Objective(P["drafter"], P["head"], attention="sdpa", pad_multiple=1)(*args)
+        assert shapes == [(sizes[k], sum(sizes[: k + 1])) for k in range(K)]  # no bucketing: exact lengths
         shapes.clear()
         b, pb = Eagle3Objective(P["drafter"], P["head"], attention="sdpa", pad_multiple=16)(*args)
-    E0 = int((g.depth == 0).sum())
     Q = -(-E0 // 16) * 16
-    K = int(g.depth.max()) + 1
-    assert int((g.depth == 1).sum()) < E0  # COD dropped some chains: deeper steps are padded up to Q
     assert shapes == [(Q, (k + 1) * Q) for k in range(K)]
     assert abs(a.item() - b.item()) < 1e-6 * abs(a.item()) and torch.equal(pa, pb)
+
+
+def test_eagle3_step_lengths_follow_the_cod_bound():
+    from peagle_train.grid import cod_keep_counts
+    from peagle_train.objective import eagle3_step_lengths
+
+    assert eagle3_step_lengths(11000, 7, 1, (0.7, 0.2, None)) is None
+    lens = eagle3_step_lengths(11000, 7, 1024, (0.7, 0.2, None))
+    assert lens[0] == 11264 and lens == [11264, 7936, 5632, 3968, 2816, 2304, 2304]
+    assert all(x % 128 == 0 for x in lens)
+    assert eagle3_step_lengths(11000, 7, 1024, None) == [11264] * 7
+    assert eagle3_step_lengths(11000, 3, 1024, (0.7, 0.2, 1000)) == [11264, 1024, 1024]
+    # a COD sample never exceeds its step's length, for any n_valid up to the depth-0 count
+    for n_valid in (1, 500, 10239, 11000):
+        counts = cod_keep_counts(n_valid, 7, 0.7, 0.2, None)
+        assert all(c <= L for c, L in zip(counts, eagle3_step_lengths(11000, 7, 1024, (0.7, 0.2, None))))

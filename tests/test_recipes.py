@@ -38,3 +38,10 @@ def test_cli_surface_is_frozen():
     assert STAGES == ("prepare", "cache", "train", "export", "eval", "run")
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert sorted(sub.choices) == sorted([*STAGES, "check", "push"])
+
+
+def test_heldout_needs_enough_training_eval_sequences():
+    with pytest.raises(ConfigError, match="eval_walk_al_heldout would cover fewer prompts"):
+        load_config(DEFAULT, ["eval.datasets=[heldout]", "eval.num_prompts=50", "train.eval_sequences=8"])
+    cfg = load_config(DEFAULT, ["eval.datasets=[heldout]", "eval.num_prompts=4", "train.eval_sequences=8"])
+    assert cfg.eval.datasets == ["heldout"]

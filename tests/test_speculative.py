@@ -455,8 +455,9 @@ def test_walk_accepted_by_hand():
         walk_accepted(ok, sup, 5, 4)
 
 
+@pytest.mark.parametrize("reduced_vocab", [False, True], ids=["Vd=V", "Vd<V"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
-def test_walked_training_predictions_equal_the_decoding_loop(parallel):
+def test_walked_training_predictions_equal_the_decoding_loop(parallel, reduced_vocab):
     """Training-grid predictions replayed by walk_accepted give, round for round, the accepted
     counts of the real decoding loop on the target's own greedy output (every served K)."""
     from peagle_train.features import OnlineFeatures, pack
@@ -464,11 +465,16 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel):
     from peagle_train.objective import Eagle3Objective, PEagleObjective
     from peagle_train.spec_stats import acceptance_length, chain_matrix, walk_accepted
 
-    target = make_target(c_quantile=0.75)
+    target = make_target(c_quantile=0.4 if reduced_vocab else 0.75)
     V = target.config.vocab_size
-    drafter = make_drafter(target, parallel=parallel, bias_token=C, bias=2.0)
+    drafter = make_drafter(target, parallel=parallel, bias_token=None if reduced_vocab else C, bias=2.0,
+                           Vd=40 if reduced_vocab else None)
+    if reduced_vocab:  # a draft vocab without tokens 3 and 4, which this target emits between runs of C
+        keep = [i for i in range(V) if i not in (3, 4)][:40]
+        drafter.set_draft_vocab(torch.tensor(keep))
+        drafter.lm_head = _biased(drafter.lm_head, keep.index(C), 2.0)
     H, K = 24, 7
-    total_rounds = 0
+    total_rounds, out_of_vocab, best = 0, 0, 0
     for p in prompts(V):
         # the sequence runs K+1 tokens past the horizon: the loop's last round verifies drafts
         # beyond max_new_tokens (then truncates), and the walk needs those labels too
@@ -487,8 +493,9 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel):
         else:
             _, pred = Eagle3Objective(drafter, head, attention="sdpa")(*args, input_ids=packed["input_ids"])
         tgt = packed["argmax"][grid.label_index]
-        correct = drafter.draft_to_target(pred) == tgt
-        sup = (grid.loss_weight > 0) & drafter.t2d[tgt]
+        correct = (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
+        sup = grid.loss_weight > 0
+        out_of_vocab += int((sup & ~drafter.t2d[tgt]).sum())
         ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, len(seq), K)
         for k in range(1, K + 1):
             _, stats = speculative_generate(target, drafter, p, k, H)
@@ -496,6 +503,7 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel):
             assert walked == stats.accepted, f"K={k}"
             assert acceptance_length(walked) == stats.acceptance_length
             total_rounds += len(walked)
-            if k == K:
-                assert max(walked) >= 2  # multi-token acceptances happened, so the walk is exercised
+            best = max([best, *walked])
     assert total_rounds > 0
+    assert (out_of_vocab > 0) == reduced_vocab  # Vd < V: the responses hold tokens the drafter cannot draft
+    assert best >= (1 if reduced_vocab else 2)  # accepted drafts (multi-token with Vd = V): the walk is exercised

@@ -143,3 +143,77 @@ def test_time_schedule_anneals_within_the_time_budget(run_dir, monkeypatch):
     assert 3 <= len(lrs) < 200 * 10
     assert lrs[0] == pytest.approx(3e-3, rel=0.05)
     assert lrs[-1] < 0.35 * 3e-3 and lrs == sorted(lrs, reverse=True), lrs
+
+
+def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
+    """train.partitions: auto — one S per micro-batch from peagle_train.planner.partitions_for
+    (here forced to 3 and given each micro-batch's packed length): the step equals an explicit
+    S = 3 step; without a GPU the planner's answer is S = 1."""
+    import peagle_train.planner as planner
+    from peagle_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="only defined for method 'peagle'"):
+        _cfg(run_dir, method="eagle3", partitions="auto")
+    cfg0 = _cfg(run_dir, max_steps=1)
+    run_cache(cfg0, progress=False)
+    out = Path(cfg0.output_dir)
+    data = load_prepared(out)
+    feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
+    from transformers import AutoConfig
+    tconf = AutoConfig.from_pretrained(str(run_dir / "target"))
+
+    auto = Trainer(_cfg(run_dir, max_steps=1, partitions="auto"), data, feats, tconf, [1, 3, 4])
+    assert auto.partitions([40, 80]) == [1, 1]  # CPU: no GPU memory to plan against
+    seen = []
+
+    def fake(N, K, r, r_min, shape, gpu_bytes, **kw):
+        seen.append((N, gpu_bytes, shape.hidden_size))
+        return 3
+
+    monkeypatch.setattr(planner, "partitions_for", fake)
+    rec_auto = auto.train_step()
+    assert seen and all(n == 40 and gpu is None and h == 32 for n, gpu, h in seen)
+    fixed = Trainer(_cfg(run_dir, max_steps=1, partitions=3), data, feats, tconf, [1, 3, 4])
+    rec_fixed = fixed.train_step()
+    assert rec_auto["loss"] == pytest.approx(rec_fixed["loss"], rel=1e-6)
+    wa = auto.acc.unwrap_model(auto.model).drafter.fc.weight
+    wf = fixed.acc.unwrap_model(fixed.model).drafter.fc.weight
+    assert torch.allclose(wa, wf, atol=1e-6)
+
+
+def test_time_schedule_continues_after_resume(run_dir, monkeypatch):
+    """A resumed schedule: time run keeps its elapsed time: elapsed_s and the LR continue where the
+    checkpoint left them (the LR does not jump back to its step-schedule value)."""
+    import peagle_train.train as train_mod
+
+    clock = {"t": 0.0}
+
+    def tick():
+        clock["t"] += 1.0
+        return clock["t"]
+
+    monkeypatch.setattr(train_mod.time, "perf_counter", tick)
+    cfg = _cfg(run_dir, epochs=200, features="online", max_minutes=1.0, schedule="time", min_lr_ratio=0.1)
+    first = run_train(cfg, progress=False, stop_at=8)["history"]
+    full = run_train(cfg, progress=False)["history"]
+    assert full[:8] == first
+    elapsed = [h["elapsed_s"] for h in full]
+    lrs = [h["lr"] for h in full]
+    assert elapsed == sorted(elapsed) and elapsed[8] > elapsed[7]
+    assert lrs == sorted(lrs, reverse=True), lrs  # no jump back up at the resume (step 9)
+    assert lrs[-1] < 0.35 * 3e-3 and len(full) < 200 * 10
+
+
+def test_heldout_rank_matches_eval_prompts_order():
+    """The walk's heldout subset is the order of data/eval_prompts.json (rows whose first token is
+    supervised have no prompt and are skipped by both)."""
+    from types import SimpleNamespace
+
+    from peagle_train.stages import eval_prompt_ids
+
+    masks = [[0, 1, 1], [1, 1, 0], [0, 0, 1], [0, 1, 0]]
+    rows = [{"input_ids": [7, 8, 9], "loss_mask": m} for m in masks]
+    fake = SimpleNamespace(eval_masks=masks, _ranks=None)
+    ranks = [Trainer._heldout_rank(fake, i) for i in range(4)]
+    assert ranks[0] == 0 and ranks[2] == 1 and ranks[3] == 2 and ranks[1] > 10**9
+    assert len(eval_prompt_ids(rows)) == 3
