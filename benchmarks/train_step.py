@@ -473,7 +473,8 @@ def main(argv=None):
         if r.get("plan"):
             print(f"{'':>24} plan: {r['plan']}")
         if "ref_status" in r:
-            ref = (f"{r['ref_step_ms']:.1f} ms, {r['ref_peak_gb']:.1f} GB, speedup {r['speedup']:.2f}x"
+            gb = f", {r['ref_peak_gb']:.1f} GB" if r.get("ref_peak_gb") is not None else ""
+            ref = (f"{r['ref_step_ms']:.1f} ms{gb}, speedup {r['speedup']:.2f}x (theirs / ours)"
                    if r["speedup"] is not None else r["ref_status"])
             print(f"{'':>24} speculators: {ref}")
     if world > 1:

@@ -125,3 +125,22 @@ def test_gpt_oss_trainable_params_on_meta(speculators_available):
 def test_bad_optimizer_reports_error(speculators_available):
     rec = ref.run_reference(TINY, 32, 2, 0.7, 0.2, 1, 0, "cpu", 256, layers=1, optimizer="sgd")
     assert rec["status"].startswith("error: ValueError")
+
+
+def test_train_step_reference_rows_in_one_run(speculators_available, tmp_path, capsys):
+    """``train_step.py --reference speculators``: ours and speculators' step for the same N in one
+    process; every row carries the reference time and the ratio."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("train_step_ref", ROOT / "benchmarks" / "train_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    torch.set_num_threads(1)
+    rows = bench.main(["--shape", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1",
+                       "--reference", "speculators", "--out", str(out)])
+    assert rows[0]["ref_status"] == "ok" and rows[0]["ref_step_ms"] > 0
+    assert rows[0]["speedup"] == pytest.approx(rows[0]["ref_step_ms"] / rows[0]["step_ms"])
+    assert json.loads(out.read_text())["rows"][0]["speedup"] == rows[0]["speedup"]
+    assert "speculators:" in capsys.readouterr().out
