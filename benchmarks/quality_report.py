@@ -6,7 +6,7 @@ Reads the small result files the experiment copies to its results folder::
     <name>-train-metrics.json  train_metrics.json without the per-step history
 
 for ``name`` in ``smollm2-135m-peagle-gpu`` and ``smollm2-135m-eagle3-gpu``, and writes
-``comparison.md`` and ``comparison.json`` next to them (also prints the Markdown):
+``comparison.md``, ``comparison.json`` and ``comparison.png`` next to them (also prints the Markdown):
 
 * acceptance length at served K = 3, 5, 7 per dataset for both drafters and the ratio
   P-EAGLE / EAGLE-3 (the issue's target: >= 1.2 at K = 7);
@@ -106,6 +106,47 @@ def build(results: Path) -> tuple[str, dict]:
     return "\n".join(md) + "\n", out
 
 
+def plot(results: Path, out_png: Path) -> Path:
+    """``comparison.png``: acceptance length vs served K per dataset and drafting ms per round vs K,
+    P-EAGLE and EAGLE-3 side by side (matplotlib, Agg backend).
+
+    Raises:
+        FileNotFoundError: as :func:`build`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ev = {m: _load(results, n, "eval") for m, n in NAMES.items()}
+    if not any(ev.values()):
+        raise FileNotFoundError(f"no <name>-eval.json in {results}: run the experiment's eval step first")
+    datasets = [d for d in ("mt_bench", "humaneval", "heldout") if any(e and d in e["datasets"] for e in ev.values())]
+    fig, axes = plt.subplots(1, len(datasets) + 1, figsize=(4 * (len(datasets) + 1), 3.4))
+    ks = list(range(1, 8))
+    styles = {"peagle": ("P-EAGLE", "-o"), "eagle3": ("EAGLE-3", "--s")}
+    for ax, d in zip(axes, datasets):
+        for m, (label, st) in styles.items():
+            al = [(_row(ev[m], d, k) or {}).get("acceptance_length") for k in ks]
+            if any(a is not None for a in al):
+                ax.plot(ks, [float("nan") if a is None else a for a in al], st, label=label)
+        ax.set(title=f"{d}: acceptance length", xlabel="served K", ylabel="AL")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax = axes[-1]
+    for m, (label, st) in styles.items():
+        ms = [(_row(ev[m], "mt_bench", k) or {}).get("draft_ms_per_round") for k in ks]
+        if any(x is not None for x in ms):
+            ax.plot(ks, [float("nan") if x is None else x for x in ms], st, label=label)
+    ax.set(title="drafting ms / round (mt_bench)", xlabel="served K", ylabel="ms")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path, help="folder with the experiment's small result files")
@@ -113,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     md, data = build(args.results)
     (args.results / "comparison.md").write_text(md)
     (args.results / "comparison.json").write_text(json.dumps(data, indent=1))
+    plot(args.results, args.results / "comparison.png")
     print(md)
     return 0
 

@@ -31,6 +31,8 @@ def test_comparison_tables(tmp_path):
     assert data["sim_vs_measured"]["eagle3/K7"]["simulated"] is None  # no train metrics: shown as a dash
     assert "| mt_bench | 7 | 2.40 | 2.00 | 1.20 |" in md and "-4.0 %" in md
     assert quality_report.main([str(tmp_path)]) == 0 and (tmp_path / "comparison.json").exists()
+    png = tmp_path / "comparison.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
 def test_missing_reports_are_named(tmp_path):
