@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 STAGES = ("prepare", "cache", "train", "export", "eval", "run")
 
@@ -54,8 +55,9 @@ def _stage(args) -> object:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    report = str(Path(cfg.output_dir) / "eval" / "eval.md")
     if args.command == "run":
-        return stages.run_all(cfg, overwrite=args.overwrite, progress=progress)
+        return {**stages.run_all(cfg, overwrite=args.overwrite, progress=progress), "report": report}
     stages.claim_output_dir(cfg, args.overwrite)
     if args.command == "prepare":
         worker = None
@@ -75,7 +77,7 @@ def _stage(args) -> object:
         return {k: v for k, v in m.items() if k != "history"}
     if args.command == "export":
         return str(stages.run_export(cfg))
-    return stages.run_eval(cfg)
+    return {**stages.run_eval(cfg), "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['lossless']['checked']} outputs checked)")
         for name, ds in result["datasets"].items():
             print(f"{name}: " + "  ".join(f"K={r['K']} AL={r['acceptance_length']:.2f}" for r in ds["by_K"]))
-        print("full report: eval/eval.md under the recipe's output_dir")
+        print(f"full report: {result['report']}")
     elif result is not None:
         print(json.dumps(result, indent=1, default=str)[:4000])
     return 0

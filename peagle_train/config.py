@@ -342,14 +342,35 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     tree = copy.deepcopy(raw)
+    given = {}
     for k, v in parse_overrides(overrides):
         _set_dotted(tree, k, v, str(path))
+        given[k] = v
     tree["source_file"] = str(path)
-    return config_from_dict(tree, str(path))
+    return config_from_dict(tree, str(path), overridden=given)
 
 
-def config_from_dict(tree: dict, source: str = "<dict>") -> RunConfig:
-    """Validate a nested dict as a :class:`RunConfig`; errors name ``source`` and keys."""
+def _field_names(loc: tuple) -> list[str]:
+    """Valid keys of the section at ``loc`` (``()`` = the top level)."""
+    model = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def config_from_dict(tree: dict, source: str = "<dict>", overridden: dict | None = None) -> RunConfig:
+    """Validate a nested dict as a :class:`RunConfig`; errors name ``source`` and keys.
+
+    ``overridden``: dotted keys set on the command line (``{key: value}``); their errors say so.
+    An unknown key gets the closest valid key of its section as a suggestion.
+    """
+    import difflib
+
+    overridden = overridden or {}
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -358,7 +379,10 @@ def config_from_dict(tree: dict, source: str = "<dict>") -> RunConfig:
             key = ".".join(str(p) for p in err["loc"]) or "<root>"
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
-                msg = "unknown key (misspelled?)"
+                close = difflib.get_close_matches(str(err["loc"][-1]), _field_names(err["loc"][:-1]), n=1)
+                msg = "unknown key (misspelled?" + (f" did you mean '{close[0]}'?)" if close else ")")
+            if key in overridden:
+                msg += f" [from the command line: {key}={overridden[key]}]"
             lines.append(f"  {key}: {msg}")
         raise ConfigError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
 

@@ -19,6 +19,8 @@ from .tokenized import save_tokenized
 from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
+_PREPARED = ("data", "features")  # made from the target/data/regen sections only
+_TRAINED = ("drafter", "checkpoints", "export", "eval", "train_metrics.json")  # also from drafter/train
 # keys that change logging/bookkeeping or the time budget, not what is computed: a run may continue with new values
 _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", "train.save_every",
                       "train.keep_last", "train.eval_sequences", "train.max_minutes"}
@@ -26,6 +28,13 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
 
 def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     """Create ``output_dir`` or check it holds a run of the same recipe.
+
+    The folder is stamped with ``run_config.yaml``. The stamp is replaced by a recipe that
+    differs only where nothing made yet depends on it, so a command corrected after failing on
+    bad input can run in the same folder: with no work beside the stamp, any change; with only
+    prepared data (``data/``, ``features/``), changes to the ``drafter`` and ``train`` sections.
+    Once training output exists (``drafter/``, ``checkpoints/``, ``export/``, ``eval/``,
+    ``train_metrics.json``) every identity change is refused.
 
     Raises:
         ConfigError: the folder holds a run whose target/data/regen/drafter/train
@@ -38,10 +47,17 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
         theirs = yaml.safe_load(stamp.read_text()) or {}
         diffs = [f"{s}.{k}" for s in _IDENTITY_SECTIONS for k in set(mine.get(s, {})) | set(theirs.get(s, {}))
                  if mine.get(s, {}).get(k) != theirs.get(s, {}).get(k) and f"{s}.{k}" not in _NON_IDENTITY_KEYS]
-        if diffs:
+        if not diffs:
+            return out
+        trained = any((out / w).exists() for w in _TRAINED)
+        prepared = any((out / w).exists() for w in _PREPARED)
+        # what exists was made from sections that did not change: the folder can take the new recipe
+        if trained or (prepared and not {d.split(".")[0] for d in diffs} <= {"drafter", "train"}):
             raise ConfigError(
                 f"output_dir '{out}' already holds a run of a different recipe (differs in: {', '.join(sorted(diffs))}); "
                 "choose another output_dir (e.g. output_dir=checkpoints/new-run) or pass --overwrite to replace it")
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, stamp)
         return out
     if overwrite and out.exists():
         for child in out.iterdir():
@@ -322,5 +338,7 @@ def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> d
     run_prepare(cfg, progress)
     run_cache(cfg, progress)
     run_train(cfg, progress)
-    run_export(cfg)
+    path = run_export(cfg)
+    if progress:
+        print(f"export: {path} (vLLM layout, contract check passed)")
     return run_eval(cfg)

@@ -512,6 +512,10 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     ``stop_at``: checkpoint and return after that optimizer step (resume later by calling again).
     Under a multi-process launch every rank calls this (see ``launch/README.md``).
 
+    A run that already finished (``train_metrics.json`` and a complete ``drafter/``) is not
+    trained again: its saved metrics are returned (delete ``train_metrics.json``, or pass
+    ``--overwrite`` to the CLI, to retrain).
+
     Returns:
         the final eval metrics (also written to ``<output_dir>/train_metrics.json``).
 
@@ -524,6 +528,13 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     from .target import default_aux_layer_ids, load_target, materialise_target
 
     out = Path(cfg.output_dir)
+    done = out / "train_metrics.json"
+    if stop_at is None and done.exists() and (out / "drafter" / "config.json").exists():
+        metrics = json.loads(done.read_text())
+        if progress:
+            print(f"train: {out} already holds a finished run ({metrics.get('steps')} steps); reusing it "
+                  "(delete train_metrics.json or pass --overwrite to train again)")
+        return metrics
     data = load_prepared(out)
     layout = requested_layout()
     validate_layout(cfg, layout, len(data["train"]["input_ids"]))  # before loading anything heavy
@@ -550,7 +561,9 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     metrics = {"method": cfg.train.method, "K": cfg.train.K, "steps": trainer.step,
                "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),
                "final": final, "history": trainer.history}
-    if trainer.acc.is_main_process:
-        (out / "train_metrics.json").write_text(json.dumps(metrics, indent=1))
+    if trainer.acc.is_main_process:  # written last and atomically: its presence marks a finished run
+        tmp = done.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(metrics, indent=1))
+        os.replace(tmp, done)
     trainer.acc.wait_for_everyone()
     return metrics

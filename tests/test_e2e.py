@@ -110,6 +110,10 @@ def test_mask_token_in_data_is_refused(tmp_path, capsys):
     rc = main(["prepare", str(RECIPE), f"output_dir={out}", *TINY, "drafter.mask_token_id=2", "--quiet"])
     assert rc == 2
     assert "drafter.mask_token_id=2 occurs in the training data" in capsys.readouterr().err
+    # the corrected command runs in the same folder and reuses the regenerated shards
+    shards = {p: p.stat().st_mtime_ns for p in (out / "data" / "regen").glob("train-*.json")}
+    assert shards and main(["prepare", str(RECIPE), f"output_dir={out}", *TINY, "--quiet"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in shards} == shards and (out / "data" / "meta.json").exists()
     rc = main(["prepare", str(RECIPE), f"output_dir={tmp_path / 'r2'}", *TINY, "drafter.mask_token_id=49152",
                "--quiet"])
     assert rc == 2
@@ -124,3 +128,36 @@ def test_unreadable_gguf_is_reported(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "broken.gguf" in err and "could not read the GGUF" in err
+
+
+def test_stamp_follows_what_was_made(tmp_path):
+    """claim_output_dir: a failed command's bare stamp does not hold the folder; prepared data only
+    holds the target/data/regen sections; training output holds every identity key."""
+    from peagle_train.stages import claim_output_dir
+
+    out = tmp_path / "run"
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *o])  # noqa: E731
+    claim_output_dir(cfg("drafter.mask_token_id=2"))
+    claim_output_dir(cfg())  # nothing made yet: the corrected recipe takes the folder
+    (out / "data").mkdir()
+    claim_output_dir(cfg("train.lr=1e-3"))  # data does not depend on train.*
+    with pytest.raises(ConfigError, match=r"differs in: data\.num_conversations"):
+        claim_output_dir(cfg("train.lr=1e-3", "data.num_conversations=3"))
+    (out / "train_metrics.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"differs in: train\.lr"):
+        claim_output_dir(cfg())
+    assert yaml.safe_load((out / "run_config.yaml").read_text())["train"]["lr"] == 1e-3
+
+
+def test_finished_training_is_reused(finished_run, capsys, monkeypatch):
+    """A second `train` of a finished run returns its metrics without training again."""
+    from peagle_train import train as train_mod
+
+    def boom(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(train_mod.Trainer, "fit", boom)
+    saved = json.loads((finished_run / "train_metrics.json").read_text())
+    assert main(["train", str(RECIPE), f"output_dir={finished_run}", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "already holds a finished run" in out and f'"steps": {saved["steps"]}' in out

@@ -45,3 +45,13 @@ def test_heldout_needs_enough_training_eval_sequences():
         load_config(DEFAULT, ["eval.datasets=[heldout]", "eval.num_prompts=50", "train.eval_sequences=8"])
     cfg = load_config(DEFAULT, ["eval.datasets=[heldout]", "eval.num_prompts=4", "train.eval_sequences=8"])
     assert cfg.eval.datasets == ["heldout"]
+
+
+def test_errors_suggest_keys_and_name_command_line_overrides():
+    with pytest.raises(ConfigError, match=r"train\.lrr: unknown key \(misspelled\? did you mean 'lr'\?\) "
+                                          r"\[from the command line: train\.lrr=1\]"):
+        load_config(DEFAULT, ["train.lrr=1"])
+    with pytest.raises(ConfigError, match=r"train\.K: .*integer.*\[from the command line: train\.K=abc\]"):
+        load_config(DEFAULT, ["train.K=abc"])
+    with pytest.raises(ConfigError, match=r"trian: unknown key \(misspelled\? did you mean 'train'\?\)"):
+        load_config(DEFAULT, ["trian.lr=1"])
