@@ -1,6 +1,6 @@
 """``torch.compile`` with a safe fallback, for the opt-in ``train.compile`` knob (issue #7).
 
-:func:`safe_compile` wraps a function or module so that
+:class:`SafeCompiled` wraps a function or module so that
 
 1. the first call tries ``torch.compile(fn, fullgraph=True, dynamic=False)``;
 2. if compiling raises (an unsupported op, no C compiler, an old Triton, ...), it
