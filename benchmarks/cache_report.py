@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> dict:
         write_cache(tgt or _Replayer(rec), seqs, d, dtype=dtype, batch_size=args.batch_size,
                     shard_size=args.shard_size, progress=True)
         write_s = time.perf_counter() - t0
-        cache = CachedFeatures(d, verify=True)
         size = cache_size_report(d)
         results[dtype] = {"write_seconds": write_s, "size": size, "dir": str(d)}
     ref = _reference(rec, seqs, args.batch_size)

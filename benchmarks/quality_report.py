@@ -36,6 +36,19 @@ def _load(results: Path, name: str, kind: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _load_evals(results: Path) -> tuple[dict, list[str]]:
+    """``({"peagle"|"eagle3": eval report or None}, datasets present)``.
+
+    Raises:
+        FileNotFoundError: neither drafter has an eval report in ``results``.
+    """
+    ev = {m: _load(results, n, "eval") for m, n in NAMES.items()}
+    if not any(ev.values()):
+        raise FileNotFoundError(f"no <name>-eval.json in {results}: run the experiment's eval step first")
+    datasets = [d for d in ("mt_bench", "humaneval", "heldout") if any(e and d in e["datasets"] for e in ev.values())]
+    return ev, datasets
+
+
 def _row(ev: dict | None, dataset: str, K: int) -> dict | None:
     if not ev or dataset not in ev.get("datasets", {}):
         return None
@@ -46,17 +59,14 @@ def _fmt(x, nd=2) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
-def build(results: Path) -> tuple[str, dict]:
+def build(results: Path, evals: tuple[dict, list[str]] | None = None) -> tuple[str, dict]:
     """(Markdown, JSON-able dict) of the comparison; missing runs show as '—'.
 
     Raises:
         FileNotFoundError: neither drafter has an eval report in ``results``.
     """
-    ev = {m: _load(results, n, "eval") for m, n in NAMES.items()}
+    ev, datasets = evals or _load_evals(results)
     tr = {m: _load(results, n, "train-metrics") for m, n in NAMES.items()}
-    if not any(ev.values()):
-        raise FileNotFoundError(f"no <name>-eval.json in {results}: run the experiment's eval step first")
-    datasets = [d for d in ("mt_bench", "humaneval", "heldout") if any(e and d in e["datasets"] for e in ev.values())]
     out: dict = {"acceptance_length": {}, "draft_ms": {}, "speedup": {}, "sim_vs_measured": {}, "train": {}}
     md = ["## Acceptance length (reference loop, batch 1, greedy)", "",
           "| dataset | K | P-EAGLE AL | EAGLE-3 AL | ratio |", "|---|---|---|---|---|"]
@@ -106,7 +116,7 @@ def build(results: Path) -> tuple[str, dict]:
     return "\n".join(md) + "\n", out
 
 
-def plot(results: Path, out_png: Path) -> Path:
+def plot(results: Path, out_png: Path, evals: tuple[dict, list[str]] | None = None) -> Path:
     """``comparison.png``: acceptance length vs served K per dataset and drafting ms per round vs K,
     P-EAGLE and EAGLE-3 side by side (matplotlib, Agg backend).
 
@@ -118,10 +128,7 @@ def plot(results: Path, out_png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = {m: _load(results, n, "eval") for m, n in NAMES.items()}
-    if not any(ev.values()):
-        raise FileNotFoundError(f"no <name>-eval.json in {results}: run the experiment's eval step first")
-    datasets = [d for d in ("mt_bench", "humaneval", "heldout") if any(e and d in e["datasets"] for e in ev.values())]
+    ev, datasets = evals or _load_evals(results)
     fig, axes = plt.subplots(1, len(datasets) + 1, figsize=(4 * (len(datasets) + 1), 3.4))
     ks = list(range(1, 8))
     styles = {"peagle": ("P-EAGLE", "-o"), "eagle3": ("EAGLE-3", "--s")}
@@ -151,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path, help="folder with the experiment's small result files")
     args = ap.parse_args(argv)
-    md, data = build(args.results)
+    evals = _load_evals(args.results)
+    md, data = build(args.results, evals)
     (args.results / "comparison.md").write_text(md)
     (args.results / "comparison.json").write_text(json.dumps(data, indent=1))
-    plot(args.results, args.results / "comparison.png")
+    plot(args.results, args.results / "comparison.png", evals)
     print(md)
     return 0
 

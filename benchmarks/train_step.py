@@ -133,8 +133,19 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
     activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
     under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
-    and their top call sites. Raises whatever the step raises (the caller records it).
+    and their top call sites. Raises whatever the step raises (the caller records it); the
+    drafter is back to eager, without checkpointing, either way.
     """
+    try:
+        return _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk, seed, dist, compile,
+                         checkpointing, sync_debug)
+    finally:
+        drafter.set_compile(False)
+        drafter.gradient_checkpointing = False
+
+
+def _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk, seed, dist, compile,
+              checkpointing, sync_debug) -> dict:
     cuda = device.type == "cuda"
     rank = torch.distributed.get_rank() if dist != "none" else 0
     seed = seed + 1000 * rank
@@ -204,8 +215,6 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
                                 "loss_chunk": compiled_chunk_loss().mode}
     if sync_debug and cuda:
         rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
-    drafter.set_compile(False)
-    drafter.gradient_checkpointing = False
     return rec
 
 
@@ -387,8 +396,6 @@ def main(argv=None):
                     row = {"N": N, "S": S_try, "compile": comp, "error": f"OOM: {str(e)[:120]}"}
                 except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
                     row = {"N": N, "S": S_try, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                drafter.set_compile(False)
-                drafter.gradient_checkpointing = False
                 drafter.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -93,8 +93,10 @@ def _template_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def _is_added(tokenizer, token_id: int) -> bool:
-    return tokenizer.convert_ids_to_tokens(token_id) in tokenizer.get_added_vocab()
+def _added_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's added (special/control) tokens, end-of-turn markers among them.
+    Built once per conversation: ``get_added_vocab()`` rebuilds and sorts a dict on every call."""
+    return set(tokenizer.added_tokens_decoder)
 
 
 def tokenize_conversation(
@@ -187,9 +189,10 @@ def tokenize_conversation(
         tok_at[p] = len(part)
     mask = [0] * len(ids)
     boundaries = []
+    added = _added_ids(tokenizer)
     for i, a, b in spans:
         start, stop = tok_at[a], tok_at[b]
-        if stop >= len(ids) or not _is_added(tokenizer, ids[stop]):
+        if stop >= len(ids) or ids[stop] not in added:
             raise TemplateError(f"assistant message {i}: no special end-of-turn token follows its content "
                                 f"(found {tokenizer.convert_ids_to_tokens(ids[stop]) if stop < len(ids) else 'the end'})")
         stop += 1  # the end-of-turn token is learned: the drafter must learn to stop
@@ -197,7 +200,7 @@ def tokenize_conversation(
             raise TemplateError(f"assistant message {i}: the template renders no tokens for it")
         mask[start:stop] = [1] * (stop - start)
         end = stop  # a cut may keep whitespace the template writes after the end-of-turn token
-        while end < len(ids) and not _is_added(tokenizer, ids[end]) and not tokenizer.decode([ids[end]]).strip():
+        while end < len(ids) and ids[end] not in added and not tokenizer.decode([ids[end]]).strip():
             end += 1
         boundaries.append(end)
 

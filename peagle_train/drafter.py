@@ -235,7 +235,7 @@ class Drafter(nn.Module):
         self._compile_cache: list | None = None
         self.reset_parameters()
 
-    def set_compile(self, enabled: bool = True, fullgraph: bool = True) -> None:
+    def set_compile(self, enabled: bool = True) -> None:
         """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
         (``train.compile``, issue #7), or back to eager with ``enabled=False``.
 
@@ -252,7 +252,7 @@ class Drafter(nn.Module):
         from .compiling import SafeCompiled
 
         if self._compile_cache is None or len(self._compile_cache) != len(self.layers):
-            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}", fullgraph=fullgraph)
+            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}")
                                    for i, layer in enumerate(self.layers)]
         self._compiled_layers = self._compile_cache
 

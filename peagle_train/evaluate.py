@@ -32,7 +32,8 @@ import torch
 from .config import EvalConfig
 from .drafter import Drafter
 from .report import write_report
-from .speculative import SpecStats, TargetStats, per_position_acceptance, speculative_generate, target_generate
+from .speculative import (SpecStats, TargetStats, acceptance_length, per_position_acceptance, speculative_generate,
+                          target_generate)
 from .target import Target
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _pool(stats: list[SpecStats], base_tokens: int, base_s: float, K: int, misma
     return {
         "K": K,
         "rounds": len(accepted),
-        "acceptance_length": sum(a + 1 for a in accepted) / len(accepted) if accepted else float("nan"),
+        "acceptance_length": acceptance_length(accepted),
         "per_position_acceptance": per_position_acceptance(accepted, K),
         "draft_ms_per_round": mean_ms(steady),
         "draft_prefill_ms": mean_ms(first),

@@ -50,6 +50,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint import write_json_atomic
 from .target import sha256_file as _sha256
 
 FORMAT = "peagle-features-v2"
@@ -62,12 +63,6 @@ class CacheError(RuntimeError):
     """A feature cache is missing, corrupt, or does not match the run; the message says what to do."""
 
 
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def quantize_fp8_rows(x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,13 +206,13 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
         manifest["shards"].append({"file": name, "sha256": _sha256(out / name), "first": first, "count": len(chunk),
                                    "tokens": sum(lengths), "bytes": (out / name).stat().st_size})
         manifest["shards"].sort(key=lambda s: s["first"])
-        _atomic_json(man_path, manifest)
+        write_json_atomic(man_path, manifest)
     bar.close()
     manifest["complete"] = True
     manifest["total_tokens"] = sum(s["tokens"] for s in manifest["shards"])
     manifest["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
     manifest["bytes_per_token"] = manifest["total_bytes"] / max(1, manifest["total_tokens"])
-    _atomic_json(man_path, manifest)
+    write_json_atomic(man_path, manifest)
     return out
 
 
@@ -358,13 +353,6 @@ class CachedFeatures:
                     item["input_ids"] = f.get_slice("input_ids")[a:b].to(torch.int64)
                 out.append(item)
         return out
-
-    def input_ids(self, i: int) -> list[int]:
-        """Token ids the features of sequence ``i`` were computed on."""
-        shard, j = self._locate(i)
-        with self._open(shard) as f:
-            off = f.get_slice("offsets")[j: j + 2]
-            return f.get_slice("input_ids")[int(off[0]):int(off[1])].tolist()
 
     @torch.no_grad()
     def verify_against(self, target, i: int) -> dict:

@@ -187,8 +187,8 @@ def build_grid(
         has_next[:-1] = (doc_ids[1:] == doc_ids[:-1]) & (doc_ids[:-1] >= 0)
     a0 = has_next.nonzero().flatten()
     # one host→device copy for all depths >= 1 (sizes are known on the host), not K - 1
-    deeper = [k.to(dev) for k in kept[1:]] if len(kept) < 3 else \
-        list(torch.cat([k.reshape(-1).cpu() for k in kept[1:]]).to(dev).split([k.numel() for k in kept[1:]]))
+    deeper = list(torch.cat([k.reshape(-1).cpu() for k in kept[1:]]).to(dev).split([k.numel() for k in kept[1:]])) \
+        if len(kept) > 1 else []
     anchors = [a0] + deeper
     depth = torch.cat([torch.full_like(a, d) for d, a in enumerate(anchors)])
     anchor = torch.cat(anchors)

@@ -120,6 +120,23 @@ def chunked_loss(
     return total, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)
 
 
+def simulated_acceptance_lengths(cond: list[float]) -> list[float]:
+    """``AL(k)`` for ``k = 1..len(cond)`` from conditional accuracies (spec §3); NaN depths end the chain.
+
+    Example: ``cond = [0.8, 0.5]`` → ``[1.8, 2.2]`` (``1 + 0.8``, ``1 + 0.8 + 0.8*0.5``).
+    """
+    out, al, prod, stopped = [], 1.0, 1.0, False
+    for c in cond:
+        stopped = stopped or c != c  # NaN: no data at this depth, the chain stops here
+        if stopped:
+            out.append(float("nan"))
+            continue
+        prod *= c
+        al += prod
+        out.append(al)
+    return out
+
+
 @dataclass
 class DepthStats:
     """Summed counts per depth, to be added across micro-batches/ranks, then turned into metrics.
@@ -160,15 +177,8 @@ class DepthStats:
     def simulated_acceptance_length(self, K: int | None = None) -> float:
         """``AL(K) = 1 + sum_{k=1..K} prod_{j<k} acc_cond(j)`` (spec §3); ``acc_cond(0)`` = depth-0 accuracy."""
         cond = self.conditional_accuracy()
-        K = len(cond) if K is None else min(K, len(cond))
-        al, prod = 1.0, 1.0
-        for j in range(K):
-            c = cond[j]
-            if c != c:  # nan: no data at this depth
-                break
-            prod *= c
-            al += prod
-        return al
+        als = [a for a in simulated_acceptance_lengths(cond[: len(cond) if K is None else K]) if a == a]
+        return als[-1] if als else 1.0  # the chain stops at the first depth without data
 
 
 def depth_stats(

@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .loss import simulated_acceptance_lengths
+
 CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id", "license", "notes")
 
 
@@ -47,23 +49,6 @@ def _per_depth(metrics: Any) -> tuple[list[float], list[float] | None]:
         if len(cond) != len(acc):
             raise ValueError(f"card['metrics']: {len(acc)} accuracies but {len(cond)} conditional accuracies")
     return acc, cond
-
-
-def simulated_acceptance_lengths(cond: list[float]) -> list[float]:
-    """``AL(k)`` for ``k = 1..len(cond)`` from conditional accuracies (spec §3); NaN depths end the chain.
-
-    Example: ``cond = [0.8, 0.5]`` → ``[1.8, 2.2]`` (``1 + 0.8``, ``1 + 0.8 + 0.8*0.5``).
-    """
-    out, al, prod, stopped = [], 1.0, 1.0, False
-    for c in cond:
-        stopped = stopped or c != c  # NaN: no data at this depth, the chain stops here
-        if stopped:
-            out.append(float("nan"))
-            continue
-        prod *= c
-        al += prod
-        out.append(al)
-    return out
 
 
 def _fmt(x: Any) -> str:

@@ -13,14 +13,12 @@ their hooks see every parameter use. Both objectives share the drafter code:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from .attention import GridMeta, build_block_mask, dense_mask
 from .drafter import AttnSpec, Drafter
-from .grid import Grid, pad_grid
+from .grid import Grid, cod_keep_counts, pad_grid
 from .loss import TargetDist, chunked_loss
 
 
@@ -106,17 +104,10 @@ def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, fl
     if pad_multiple <= 1:
         return None
     Q = -(-E0 // pad_multiple) * pad_multiple
-    out = [Q]
-    for k in range(1, K):
-        if cod is None:
-            out.append(Q)
-            continue
-        r, r_min, cap = cod
-        bound = math.floor(Q * max(r**k, r_min))
-        if cap is not None:
-            bound = min(bound, cap)
-        out.append(min(Q, max(block, -(-bound // block) * block)))
-    return out
+    if cod is None:
+        return [Q] * K
+    bounds = cod_keep_counts(Q, K, *cod)  # what COD keeps of Q valid anchors: an upper bound per step
+    return [Q] + [min(Q, max(block, -(-b // block) * block)) for b in bounds[1:]]
 
 
 def eagle3_tokens(grid: Grid, input_ids: torch.Tensor) -> torch.Tensor:
@@ -170,8 +161,7 @@ class Eagle3Objective(nn.Module):
             if idx.numel() == 0:
                 break
             Ek = idx.numel()
-            target_len = None if lengths is None else (
-                lengths[k] if Ek <= lengths[k] else -(-Ek // self.pad_multiple) * self.pad_multiple)
+            target_len = lengths[k] if lengths is not None and Ek <= lengths[k] else None  # None: own bucket
             step = pad_grid(grid.select(idx), self.pad_multiple, length=target_len)
             if k == 0:
                 hidden = self.drafter.project_aux(aux[step.anchor].to(self.drafter.fc.weight.dtype))

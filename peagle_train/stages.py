@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from .tokenized import save_tokenized
+from .checkpoint import write_json_atomic
+from .tokenized import first_supervised, save_tokenized
 from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
@@ -135,9 +136,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
                               f"(data.max_length={cfg.data.max_length}, data.overlong={cfg.data.overlong})")
         save_tokenized(rows, out / f"{name}.safetensors")
         if name == "eval":
-            tmp = out / "eval_prompts.json.tmp"
-            tmp.write_text(json.dumps(eval_prompt_ids(rows)))
-            os.replace(tmp, out / "eval_prompts.json")
+            write_json_atomic(out / "eval_prompts.json", eval_prompt_ids(rows), indent=None)
         lengths = sorted(len(r["input_ids"]) for r in rows)
         meta["splits"][name] = {
             "sequences": len(rows), "dropped_overlong_or_empty": dropped,
@@ -184,9 +183,7 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
             new, rep = regenerate(target.model, target.tokenizer, convs[start:start + size], cfg.regen,
                                   cfg.data.max_prompt_tokens, progress=progress)
             saved = {"conversations": new, "report": rep, "inputs_sha256": digest}
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(saved))
-            os.replace(tmp, path)
+            write_json_atomic(path, saved, indent=None)
         if worker is not None:
             continue
         out += saved["conversations"]
@@ -217,7 +214,7 @@ def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
     """
     prompts = []
     for r in rows:
-        first = next((i for i, m in enumerate(r["loss_mask"]) if m), None)
+        first = first_supervised(r["loss_mask"])
         if first:
             prompts.append([int(t) for t in r["input_ids"][:first]])
     return prompts

@@ -49,6 +49,15 @@ def load_tokenized(path: str | Path) -> dict:
             "loss_mask": [mask[a:b] for a, b in zip(off[:-1], off[1:])]}
 
 
+def first_supervised(loss_mask) -> int | None:
+    """Index of the first supervised (loss-mask 1) token of a sequence, None if there is none.
+
+    A sequence's prompt is everything before it (the ``heldout`` eval set and the training-time
+    loop replay both start there).
+    """
+    return next((i for i, m in enumerate(loss_mask) if m), None)
+
+
 def load_prepared(out_dir: Path) -> dict:
     """Read the tokenised ``train``/``eval`` splits written by ``prepare`` (eval falls back to train).
 

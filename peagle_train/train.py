@@ -40,10 +40,10 @@ from .features import CachedFeatures, OnlineFeatures, pack
 from .grid import build_grid, cod_sample, supervised_count
 from .loss import DepthStats, depth_stats
 from .spec_stats import chain_matrix, walk_accepted
-from .checkpoint import complete_checkpoints, write_drafter_dir
+from .checkpoint import complete_checkpoints, write_drafter_dir, write_json_atomic
 from .objective import Eagle3Objective, PEagleObjective
 from .partition import plan_partitions
-from .tokenized import load_prepared
+from .tokenized import first_supervised, load_prepared
 from .tracking import flat_metrics, peak_memory
 from .vocab import select_draft_vocab, token_frequencies
 
@@ -157,6 +157,7 @@ class Trainer:
         self._eval_items: list[int] | None = None
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
+        self._plan_inputs = None  # (drafter shape, GPU bytes) for train.partitions: auto, set on first use
         self.history: list[dict] = []
 
     def _place_target(self) -> None:
@@ -273,15 +274,16 @@ class Trainer:
             return [self.tc.partitions] * len(lengths)
         from .planner import ShapeParams, partitions_for
 
-        gpu = None
-        if self.device.type == "cuda":
-            gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
-        shape = ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config)
+        if self._plan_inputs is None:  # fixed for the run: the drafter's shape and this GPU's memory budget
+            gpu = None
+            if self.device.type == "cuda":
+                gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
+            self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
+        shape, gpu = self._plan_inputs
         local = torch.tensor([partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
                                              chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors)
                               for n in lengths], dtype=torch.int64, device=self.device)
-        return [int(x) for x in self.acc.reduce(local, reduction="max").tolist()] if self.acc.num_processes > 1 \
-            else [int(x) for x in local.tolist()]
+        return [int(x) for x in self.acc.reduce(local, reduction="max").tolist()]
 
     def _target_bytes(self) -> int:
         """Bytes of the online target's weights on this device (0 with cached features)."""
@@ -355,8 +357,7 @@ class Trainer:
         :func:`peagle_train.stages.eval_prompt_ids`); a huge number for a sequence not listed."""
         if getattr(self, "_ranks", None) is None:
             ranks, r = [], 0
-            for m in self.eval_masks:
-                first = next((p for p, x in enumerate(m) if x), None)
+            for first in map(first_supervised, self.eval_masks):
                 ranks.append(r if first else 1 << 62)
                 r += 1 if first else 0
             self._ranks = ranks
@@ -374,7 +375,7 @@ class Trainer:
         sup = grid.loss_weight > 0
         n = len(self.eval_ids[i])
         ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
-        first = next((p for p, m in enumerate(self.eval_masks[i]) if m), 0)
+        first = first_supervised(self.eval_masks[i]) or 0
         out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
         if first < 1:
             return out
@@ -562,8 +563,6 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
                "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),
                "final": final, "history": trainer.history}
     if trainer.acc.is_main_process:  # written last and atomically: its presence marks a finished run
-        tmp = done.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(metrics, indent=1))
-        os.replace(tmp, done)
+        write_json_atomic(done, metrics)
     trainer.acc.wait_for_everyone()
     return metrics

@@ -119,3 +119,35 @@ def packed_batch():
         return {"input_ids": input_ids, "doc_ids": doc_ids, "loss_mask": loss_mask, "N": N}
 
     return make
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each maximal run of 1s in a loss mask (imported by the template tests)."""
+    out, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            out.append((i, j))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def conv(*turns: str, system: str | None = None) -> list[dict]:
+    """A chat conversation from alternating user/assistant contents (optional system message first)."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def save_tiny_target(path):
+    """Save a tiny random 6-layer Llama target (vocab 64, hidden 32) to ``path``; returns its config."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return cfg

@@ -26,6 +26,7 @@ from data_prep.sources import (  # noqa: E402
     split_train_eval,
 )
 from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
+from conftest import conv, mask_runs  # noqa: E402
 from peagle_train.config import DataConfig, RegenConfig  # noqa: E402
 
 END = "<|im_end|>"
@@ -41,33 +42,13 @@ def tok():
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
-def conv(*turns: str, system: str | None = None) -> list[dict]:
-    msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-
-
-def mask_runs(ids: list[int], mask: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) of each maximal run of 1s."""
-    runs, i = [], 0
-    while i < len(mask):
-        if mask[i]:
-            j = i
-            while j < len(mask) and mask[j]:
-                j += 1
-            runs.append((i, j))
-            i = j
-        else:
-            i += 1
-    return runs
-
-
 # --------------------------------------------------------------------------- template
 
 
 def assert_exact_mask(tok, messages, out):
     ids, mask = out["input_ids"], out["loss_mask"]
     assert len(ids) == len(mask) and set(mask) <= {0, 1}
-    runs = mask_runs(ids, mask)
+    runs = mask_runs(mask)
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
     assert [tok.decode(ids[a:b]) for a, b in runs] == [a + END for a in answers[: len(runs)]]
     for a, _ in runs:  # the role header right before each run is not learned
@@ -82,7 +63,7 @@ def test_chatml_mask_is_exactly_assistant_content_plus_end(tok, system):
     )
     out = tokenize_conversation(tok, messages, max_length=1024, overlong="drop")
     assert_exact_mask(tok, messages, out)
-    assert len(mask_runs(out["input_ids"], out["loss_mask"])) == 2
+    assert len(mask_runs(out["loss_mask"])) == 2
     # the ids are the template's own tokenisation
     assert out["input_ids"] == list(tok.apply_chat_template(messages, tokenize=True)["input_ids"])
     text = tok.decode(out["input_ids"])
@@ -96,13 +77,13 @@ def test_mask_exact_on_real_sharegpt_conversations(tok):
     for messages in convs:
         out = tokenize_conversation(tok, messages, max_length=100_000, overlong="drop")
         assert_exact_mask(tok, messages, out)
-        assert len(mask_runs(out["input_ids"], out["loss_mask"])) == sum(m["role"] == "assistant" for m in messages)
+        assert len(mask_runs(out["loss_mask"])) == sum(m["role"] == "assistant" for m in messages)
 
 
 def test_build_prompt_ids_is_prefix_up_to_the_assistant_header(tok):
     messages = conv("Hi there", "Hello! How can I help?", "Name a colour.", "Blue.")
     out = tokenize_conversation(tok, messages, max_length=1024, overlong="drop")
-    starts = [a for a, _ in mask_runs(out["input_ids"], out["loss_mask"])]
+    starts = [a for a, _ in mask_runs(out["loss_mask"])]
     for i, start in zip((1, 3), starts):
         prompt = build_prompt_ids(tok, messages[:i])
         assert prompt == out["input_ids"][:start]
@@ -399,21 +380,17 @@ def test_eval_prompt_sets():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tok):
+def tiny_model(tok, torch_single_thread):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    # ops this small gain nothing from threads, and 2 busy cores make intra-op threading ~10x slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
-    yield LlamaForCausalLM(cfg).eval()
-    torch.set_num_threads(threads)
+    return LlamaForCausalLM(cfg).eval()
 
 
 def greedy(model, ids, max_new_tokens):

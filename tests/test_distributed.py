@@ -30,6 +30,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import save_tiny_target  # noqa: E402
 from peagle_train.config import ConfigError, config_from_dict
 from peagle_train.distributed import (Layout, check_accelerator, rank_batches, requested_layout, validate_layout)
 from peagle_train.features import CachedFeatures
@@ -51,15 +52,6 @@ def _has(mod: str) -> bool:
 
 
 # -- fixtures ------------------------------------------------------------------------------------------
-
-def _tiny_target(path: Path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-
 
 def _prepared(out: Path, n_train=16, n_eval=4, seed=0):
     """Learnable sequences of varied length (16..63 tokens; token 63 = mask never appears)."""
@@ -93,7 +85,7 @@ EQUIV = dict(global_batch_size=4, partitions=2, cod_r=1.0, cod_r_min=1.0, max_st
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    _tiny_target(root / "target")
+    save_tiny_target(root / "target")
     _prepared(root / "run")
     run_cache(_cfg(root, "run"), progress=False)
     return root

@@ -28,12 +28,7 @@ PROMPTS = [["what is two plus two?", "now explain it to a child."],
            ["name three colors.", "which one is warmest?"]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def tiny_tokenizer():

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from data_prep.regenerate import regenerate  # noqa: E402
 from data_prep.regenerate_vllm import ServerError, regenerate_vllm  # noqa: E402
 from data_prep.template import build_prompt_ids  # noqa: E402
+from conftest import conv  # noqa: E402
 from peagle_train.config import RegenConfig  # noqa: E402
 
 #: Keys of the HF backend's report (data_prep.regenerate.regenerate).
@@ -32,11 +33,6 @@ HF_REPORT_KEYS = {
     "turns_requested", "prompts_too_long", "empty_responses", "unfinished_responses", "turns_generated",
     "generated_tokens", "generate_seconds", "tokens_per_s", "max_prompt_tokens", "eos_token_ids", "sampling",
 }
-
-
-def conv(*turns: str, system: str | None = None) -> list[dict]:
-    msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
 
 
 def answer_for(messages: list[dict]) -> str:

@@ -39,13 +39,7 @@ AUX = [1, 2, 3]
 C = 5  # the token biased targets favour
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls are dominated by thread wake-ups on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def _biased(lin: nn.Linear, index: int, value: float) -> nn.Linear:

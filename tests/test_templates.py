@@ -23,6 +23,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
+from conftest import mask_runs  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -67,22 +68,10 @@ def harmony():
     return tok
 
 
-def runs(mask: list[int]) -> list[tuple[int, int]]:
-    out, i = [], 0
-    while i < len(mask):
-        if mask[i]:
-            j = i
-            while j < len(mask) and mask[j]:
-                j += 1
-            out.append((i, j))
-            i = j
-        else:
-            i += 1
-    return out
 
 
 def masked_texts(tok, out) -> list[str]:
-    return [tok.decode(out["input_ids"][a:b]) for a, b in runs(out["loss_mask"])]
+    return [tok.decode(out["input_ids"][a:b]) for a, b in mask_runs(out["loss_mask"])]
 
 
 def turns(*texts, system=None):
@@ -99,7 +88,7 @@ def test_llama3_mask_is_content_plus_eot(llama3):
     assert out["input_ids"] == list(llama3.apply_chat_template(msgs, tokenize=True)["input_ids"])
     assert out["input_ids"][0] == llama3.convert_tokens_to_ids("<|begin_of_text|>")  # written once, by the template
     assert masked_texts(llama3, out) == ["2+2 = **4**.<|eot_id|>", "It is 6.\n\nDone ✓<|eot_id|>"]
-    starts = [a for a, _ in runs(out["loss_mask"])]
+    starts = [a for a, _ in mask_runs(out["loss_mask"])]
     assert llama3.decode(out["input_ids"][: starts[0]]).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert build_prompt_ids(llama3, msgs[:4]) == out["input_ids"][: starts[1]]
 
@@ -129,7 +118,7 @@ def test_qwen3_reasoning_supervised_or_not(qwen3):
     assert masked_texts(qwen3, on) == ["<think>\n7 has no divisor between 2 and 6.\n</think>\n\nYes, 7 is prime.<|im_end|>"]
     assert masked_texts(qwen3, off) == ["Yes, 7 is prime.<|im_end|>"]
     # the generation prompt is not learned: the model writes everything after "<|im_start|>assistant\n"
-    a = runs(on["loss_mask"])[0][0]
+    a = mask_runs(on["loss_mask"])[0][0]
     assert qwen3.decode(on["input_ids"][:a]).endswith("Is 7 prime?<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -162,7 +151,7 @@ def test_harmony_analysis_and_final_channels(harmony):
         "<|channel|>analysis<|message|>The user asks for France's capital: Paris.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>"]
     assert masked_texts(harmony, off) == ["Paris.<|return|>"]
-    a = runs(on["loss_mask"])[0][0]
+    a = mask_runs(on["loss_mask"])[0][0]
     text = harmony.decode(on["input_ids"][:a])
     assert text.endswith("<|start|>user<|message|>What is the capital of France?<|end|><|start|>assistant")
     assert "# Instructions\n\nAnswer in one word." in text

@@ -10,22 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import save_tiny_target
 from peagle_train.config import config_from_dict
 from peagle_train.features import CacheError, CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.tokenized import save_tokenized
 from peagle_train.checkpoint import load_drafter_dir
 from peagle_train.train import Trainer, load_prepared, run_train
-
-
-def _tiny_target(path: Path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return cfg
 
 
 def _prepared(out: Path, n=12, length=40, seed=0):
@@ -54,7 +45,7 @@ def _cfg(tmp_path, **train):
 
 @pytest.fixture()
 def run_dir(tmp_path):
-    _tiny_target(tmp_path / "target")
+    save_tiny_target(tmp_path / "target")
     _prepared(tmp_path / "run")
     return tmp_path
 
