@@ -15,7 +15,12 @@ from .drafter import Drafter
 
 def write_json_atomic(path: Path, obj, indent: int | None = 1) -> None:
     """Write ``obj`` as JSON to ``path`` through a temp file and ``os.replace``: a reader sees the
-    old file or the whole new one, never a torn write (manifests, ``train_metrics.json``, ...)."""
+    old file or the whole new one, never a torn write (manifests, ``train_metrics.json``, ...).
+
+    Raises:
+        TypeError: ``obj`` is not JSON-serialisable (nothing is written). OSError: the folder is
+            missing or not writable.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=indent))

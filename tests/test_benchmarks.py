@@ -53,3 +53,13 @@ def test_matmul_rate_is_none_on_cpu(bench):
     import torch
 
     assert bench.matmul_rate(torch.device("cpu")) is None
+
+
+def test_mask_density_counts(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mask_density
+
+    res = mask_density.main(["--seq-len", "300", "--out", str(tmp_path / "m.json")])
+    assert res["blocks_partial"] + res["blocks_full"] <= res["blocks_total"]
+    assert res["pairs_computed"] >= res["pairs_allowed"] > 0  # the block mask never drops an allowed pair
+    assert json.loads((tmp_path / "m.json").read_text())["elements"] % 1024 == 0
