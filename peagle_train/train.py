@@ -269,7 +269,11 @@ class Trainer:
         """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
         asks :func:`~peagle_train.planner.partitions_for` with this GPU's memory minus what the
         online target holds, and takes the maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks
-        run the same number of forwards."""
+        run the same number of forwards.
+
+        Raises:
+            ConfigError: ``auto`` and no partition count fits (names the micro-batch size and what to change).
+        """
         if self.tc.partitions != "auto":
             return [self.tc.partitions] * len(lengths)
         from .planner import ShapeParams, partitions_for
@@ -280,9 +284,14 @@ class Trainer:
                 gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
             self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
         shape, gpu = self._plan_inputs
-        local = torch.tensor([partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
-                                             chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors)
-                              for n in lengths], dtype=torch.int64, device=self.device)
+        try:
+            parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
+                                    chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors) for n in lengths]
+        except ValueError as e:
+            raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
+                              f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
+                              "train.partitions and train.activation_checkpointing yourself") from None
+        local = torch.tensor(parts, dtype=torch.int64, device=self.device)
         return [int(x) for x in self.acc.reduce(local, reduction="max").tolist()]
 
     def _target_bytes(self) -> int:

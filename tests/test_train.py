@@ -164,6 +164,12 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     monkeypatch.setattr(planner, "partitions_for", fake)
     rec_auto = auto.train_step()
     assert seen and all(n == 40 and gpu is None and h == 32 for n, gpu, h in seen)
+    def no_fit(*a, **k):
+        raise ValueError("no plan fits N=40")
+
+    monkeypatch.setattr(planner, "partitions_for", no_fit)
+    with pytest.raises(ConfigError, match="train.partitions=auto found no plan for a micro-batch of 40 tokens"):
+        auto.partitions([40])
     fixed = Trainer(_cfg(run_dir, max_steps=1, partitions=3), data, feats, tconf, [1, 3, 4])
     rec_fixed = fixed.train_step()
     assert rec_auto["loss"] == pytest.approx(rec_fixed["loss"], rel=1e-6)
