@@ -30,6 +30,8 @@ Usage::
     python benchmarks/train_step.py --shape tiny --seq-len 256 --steps 3 --warmup 1   # CPU smoke run
     python benchmarks/train_step.py --seq-len 8192 --compile both          # eager vs compiled, same process
     python benchmarks/train_step.py --seq-len 65536 --partitions auto      # S from peagle_train.planner
+    python benchmarks/train_step.py --seq-len 8192 --attention both        # split vs joint flex, same process
+    python benchmarks/train_step.py --check-grads                          # split ≡ joint flex, fp32 grads
 
 Variants (issue #7): ``--compile off|on|both`` times each configuration side by side for
 every N (``train.compile``: compiled decoder layers + compiled loss chunk); ``first_step_s``
@@ -39,6 +41,17 @@ piece ran fullgraph, with graph breaks, or fell back to eager. ``--partitions au
 memory; an out-of-memory step under ``auto`` retries once with S + 1. ``--profile`` writes the
 top-25 kernels (name, ms per step, % of step) to the JSON; ``--sync-debug`` counts the host
 syncs of one extra step (CUDA only).
+
+Attention (``train.attention``): ``--attention flex`` (default) is the split form (FlexAttention
+over the depth-0 prefix + a gathered chain of <= K-1 keys, merged by log-sum-exp), ``flex_joint``
+the single-BlockMask kernel of the whole rule, ``both`` times each row with both kinds (joint
+first) and adds ``speedup_vs_joint = joint step_ms / split step_ms`` to the split row. Every row
+records the ``attention`` it ran: on CPU that is ``sdpa`` whatever was asked (FlexAttention has
+no CPU backward). ``--check-grads`` times nothing: on a small grid of the chosen shape (N =
+``--check-n``, float32, two documents + padding, bucket-padded) it compares the loss and every
+parameter gradient of the split form against the joint kernel (max relative error, per tensor
+relative to its largest entry), once per ``--compile`` variant; on CPU the prefix part is computed
+densely and the joint side is dense SDPA (no flex backward there).
 """
 from __future__ import annotations
 
@@ -58,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig  # noqa: E402
 
+import peagle_train.drafter as drafter_mod  # noqa: E402
+from peagle_train.attention import dense_attention_with_lse  # noqa: E402
 from peagle_train.drafter import Drafter, make_drafter_config  # noqa: E402
 from peagle_train.grid import build_grid, cod_sample, supervised_count  # noqa: E402
 from peagle_train.objective import PEagleObjective  # noqa: E402
@@ -125,11 +140,17 @@ def wrap(obj, dist: str, device):
     return obj
 
 
+def effective_attention(kind: str, device) -> str:
+    """The attention a row really runs: ``kind`` on CUDA, ``sdpa`` on CPU (flex has no CPU backward)."""
+    return kind if device.type == "cuda" else "sdpa"
+
+
 def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, steps: int, warmup: int, device,
              chunk: int, seed: int = 0, dist: str = "none", compile: bool = False, checkpointing: bool = False,
-             sync_debug: bool = False) -> dict:
+             sync_debug: bool = False, attention: str = "flex") -> dict:
     """Time ``warmup + steps`` full training steps of one configuration; returns the JSON row.
 
+    ``attention``: ``flex`` (split form) or ``flex_joint`` on CUDA (see :func:`effective_attention`).
     ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
     activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
     under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
@@ -138,14 +159,14 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     """
     try:
         return _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk, seed, dist, compile,
-                         checkpointing, sync_debug)
+                         checkpointing, sync_debug, attention)
     finally:
         drafter.set_compile(False)
         drafter.gradient_checkpointing = False
 
 
 def _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk, seed, dist, compile,
-              checkpointing, sync_debug) -> dict:
+              checkpointing, sync_debug, attention) -> dict:
     cuda = device.type == "cuda"
     rank = torch.distributed.get_rank() if dist != "none" else 0
     seed = seed + 1000 * rank
@@ -159,8 +180,9 @@ def _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk
     doc_ids = torch.zeros(N, dtype=torch.long, device=device)
     drafter.gradient_checkpointing = checkpointing
     drafter.train()
-    obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk,
-                          attention="flex" if cuda else "sdpa", compile=compile).to(device)
+    attention = effective_attention(attention, device)
+    obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk, attention=attention,
+                          compile=compile).to(device)
     obj = wrap(obj, dist, device)
     params = [p for p in obj.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
@@ -203,7 +225,7 @@ def _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk
         rec["positions"], rec["flop"] = len(grid), flops(drafter, grid, N)
     med = statistics.median(times)
     rec.update({
-        "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing,
+        "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
         "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -285,6 +307,94 @@ def kernel_table(prof, step_ms: float, n_steps: int, top: int = 25) -> list[dict
     return out
 
 
+def _dense_prefix(q, k, v, prefix_mask):
+    """CPU stand-in for the flex prefix part (no flex backward on CPU): dense attention under the
+    prefix BlockMask's ``mask_mod`` at every pair → ``(out, lse)``."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask = create_mask(prefix_mask.mask_mod, 1, 1, q.shape[2], k.shape[2], device=q.device)[0, 0]
+    return dense_attention_with_lse(q, k, v, mask)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` (0 when both are 0): the error relative to the tensor's scale."""
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, device, chunk: int,
+                compile: bool = False, seed: int = 0) -> dict:
+    """Loss and parameter gradients of the split attention vs the joint kernel (float32, no autocast).
+
+    The grid: ``N`` tokens in two documents (60 % / the rest, minus 16 padding tokens), loss mask
+    random (p = 0.8), COD with ``r``/``r_min``, padded to the 1024 bucket (padding rows present).
+    On CUDA: ``flex`` vs ``flex_joint``. On CPU (no flex backward): split with the prefix part
+    computed densely vs ``sdpa`` on the unpadded grid. Returns a JSON-able dict with
+    ``loss_rel_err``, ``grad_max_rel_err`` (max over parameters of :func:`max_rel_err`),
+    ``worst_param`` and ``grads_finite``.
+    """
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(seed)
+    A, T = 3, tc.hidden_size
+    doc_ids = torch.zeros(N, dtype=torch.long)
+    doc_ids[int(0.6 * N):] = 1
+    doc_ids[N - 16:] = -1
+    loss_mask = (torch.rand(N, generator=g) < 0.8) & (doc_ids >= 0)
+    input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g)
+    kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=g)
+    grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id).to(device)
+    aux = (torch.randn(N, A * T, generator=g) * 0.5).to(device)
+    last = torch.randn(N, T, generator=g).to(device)
+    argmax = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
+    norm = supervised_count(grid)
+    drafter.train()
+    params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    sides = {"split": ("flex", 1024), "reference": ("flex_joint", 1024) if cuda else ("sdpa", 1)}
+    res = {}
+    saved = drafter_mod._flex_with_lse
+    try:
+        for side, (kind, pad) in sides.items():
+            if side == "split" and not cuda:
+                drafter_mod._flex_with_lse = _dense_prefix
+            obj = PEagleObjective(drafter, head.float(), loss="kl", chunk_size=chunk, attention=kind,
+                                  pad_multiple=pad, compile=compile).to(device)
+            loss, _ = obj(grid, aux, last, argmax, norm)
+            grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+            res[side] = (loss.detach(), grads)
+            drafter_mod._flex_with_lse = saved
+    finally:
+        drafter_mod._flex_with_lse = saved
+        drafter.set_compile(False)
+    (l_s, g_s), (l_r, g_r) = res["split"], res["reference"]
+    errs = {}
+    finite = True
+    for (name, _), a, b in zip(params, g_s, g_r):
+        if a is None or b is None:
+            continue
+        finite &= bool(torch.isfinite(a).all())
+        errs[name] = max_rel_err(a, b)
+    worst = max(errs, key=errs.get)
+    return {"N": N, "K": K, "E": len(grid), "dtype": "float32", "compile": compile, "device": str(device),
+            "compared": "flex (split) vs flex_joint" if cuda else
+                        "split (prefix part dense: no flex backward on CPU) vs sdpa",
+            "loss_split": l_s.item(), "loss_reference": l_r.item(),
+            "loss_rel_err": abs(l_s.item() - l_r.item()) / max(abs(l_r.item()), 1e-30),
+            "grad_max_rel_err": errs[worst], "worst_param": worst, "grads_finite": finite,
+            "params_compared": len(errs)}
+
+
+def attach_joint_speedup(rows: list[dict]) -> list[dict]:
+    """``speedup_vs_joint = joint step_ms / split step_ms`` on each split row (``attention == "flex"``)
+    that has a successful ``flex_joint`` row of the same N, S and compile (in place; returns ``rows``)."""
+    joint = {(r["N"], r["S"], r["compile"]): r for r in rows if r.get("attention") == "flex_joint" and "step_ms" in r}
+    for r in rows:
+        j = joint.get((r["N"], r["S"], r["compile"]))
+        if r.get("attention") == "flex" and "step_ms" in r and j is not None:
+            r["speedup_vs_joint"] = j["step_ms"] / r["step_ms"]
+    return rows
+
+
 def resolve_partitions(spec: str, N: int, args, drafter, device) -> tuple[int, bool, dict | None]:
     """``spec`` is an int or ``"auto"`` → ``(S, checkpointing, plan record or None)``."""
     if spec != "auto":
@@ -354,6 +464,13 @@ def main(argv=None):
                     "(with --partitions auto the planner decides)")
     ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
                     help="train.compile variants to time side by side (both = eager then compiled)")
+    ap.add_argument("--attention", choices=["flex", "flex_joint", "both"], default="flex",
+                    help="train.attention on CUDA: flex = split form (prefix kernel + gathered chain), flex_joint = "
+                         "one kernel of the whole rule, both = each row with both (joint first); CPU runs sdpa")
+    ap.add_argument("--check-grads", action="store_true",
+                    help="time nothing: compare the split form's loss and fp32 parameter gradients with the joint "
+                         "kernel's on a small grid (--check-n tokens) of --shape, per --compile variant")
+    ap.add_argument("--check-n", type=int, default=512, help="tokens of the --check-grads grid")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=8192, help="loss chunk (grid elements)")
@@ -381,21 +498,29 @@ def main(argv=None):
     if len(S_list) == 1:
         S_list = S_list * len(args.n)
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    attentions = {"flex": ["flex"], "flex_joint": ["flex_joint"], "both": ["flex_joint", "flex"]}[args.attention]
+    if device.type != "cuda" and len(attentions) > 1:  # both kinds would run the same dense SDPA
+        print("--attention both on CPU: one sdpa row per N (FlexAttention has no CPU backward)")
+        attentions = attentions[-1:]
+    if args.check_grads:
+        return run_check_grads(args, drafter, head, tc, device, variants)
     rows = []
     lead = world == 1 or torch.distributed.get_rank() == 0
     for N, S_spec in zip(args.n, S_list):
         S, ckpt, plan = resolve_partitions(S_spec, N, args, drafter, device)
-        for comp in variants:
+        for comp, attn in ((c, a) for c in variants for a in attentions):
             S_try = S
+            ran = effective_attention(attn, device)
             for attempt in range(2 if S_spec == "auto" else 1):
                 try:
                     row = run_case(drafter, head, tc, N, args.K, S_try, args.r, args.r_min, args.steps, args.warmup,
                                    device, args.chunk, dist=args.dist, compile=comp, checkpointing=ckpt,
-                                   sync_debug=args.sync_debug)
+                                   sync_debug=args.sync_debug, attention=attn)
                 except torch.OutOfMemoryError as e:  # report, keep going (auto: one retry with S + 1)
-                    row = {"N": N, "S": S_try, "compile": comp, "error": f"OOM: {str(e)[:120]}"}
+                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "error": f"OOM: {str(e)[:120]}"}
                 except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
-                    row = {"N": N, "S": S_try, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 drafter.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -409,6 +534,7 @@ def main(argv=None):
             rows.append(row)
             if lead:
                 print(json.dumps(rows[-1]), flush=True)
+    attach_joint_speedup(rows)
     if world > 1 and torch.distributed.get_rank() != 0:
         torch.distributed.destroy_process_group()
         return rows
@@ -430,14 +556,16 @@ def main(argv=None):
 
         N0 = args.n[0]
         S0, ck0, _ = resolve_partitions(S_list[0], N0, args, drafter, device)
-        ok = [r for r in rows if r["N"] == N0 and "error" not in r and r["compile"] == variants[-1]]
+        ok = [r for r in rows if r["N"] == N0 and "error" not in r and r["compile"] == variants[-1]
+              and r.get("attention") == effective_attention(attentions[-1], device)]
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch_profile(activities=acts) as prof:  # compile caches are warm from the timed run: 3 profiled steps, no warm-up
             run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, 3, 0, device, args.chunk,
-                     compile=variants[-1], checkpointing=ck0)
+                     compile=variants[-1], checkpointing=ck0, attention=attentions[-1])
         step_ms = ok[0]["step_ms"] if ok else None
         table = kernel_table(prof, step_ms or 0.0, 3)
-        profile = {"N": N0, "S": S0, "compile": variants[-1], "step_ms": step_ms,
+        profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),
+                   "step_ms": step_ms,
                    "kind": "cuda kernels" if device.type == "cuda" else "cpu ops", "top": table}
         print(f"\ntop {len(table)} {profile['kind']} (N={N0}, compile={variants[-1]}; ms per step, % of the "
               f"timed median step {step_ms and round(step_ms, 1)} ms):")
@@ -453,6 +581,7 @@ def main(argv=None):
         "flop_formula": "6*P_layers*E + 6*P_fc*N + 4*P_head*E + 12*heads*head_dim*sum_q keys(q)",
         "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
         "dist": args.dist, "world_size": world, "compile_variants": variants,
+        "attention_variants": [effective_attention(a, device) for a in attentions],
         "bf16_matmul_tflops": matmul_tflops,
         "note": "per-GPU numbers: each rank trains its own N-token sequence" if world > 1 else "",
     }
@@ -460,21 +589,23 @@ def main(argv=None):
     if profile is not None:
         out["profile"] = profile
     Path(args.out).write_text(json.dumps(out, indent=1))
-    hdr = (f"{'N':>7} {'S':>2} {'ckpt':>4} {'compile':>7} {'positions':>10} {'step ms':>9} {'(min-max)':>15} "
-           f"{'first s':>8} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}")
+    hdr = (f"{'N':>7} {'S':>2} {'ckpt':>4} {'compile':>7} {'attention':>10} {'positions':>10} {'step ms':>9} "
+           f"{'(min-max)':>15} {'first s':>8} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}")
     print(f"\n{args.shape}, Vd={meta['draft_vocab']}, K={args.K}, {meta['device']}, {meta['timing']}, "
           f"dist={args.dist} x{world}" + (f", bf16 matmul {matmul_tflops:.0f} TFLOP/s (8192^3, same run)"
                                            if matmul_tflops else ""))
     print(hdr)
     for r in rows:
         comp = "on" if r.get("compile") else "off"
+        attn = r.get("attention", "-")
         if "error" in r:
-            print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {r['error']}")
+            print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {attn:>10} {r['error']}")
             continue
         pk = f"{r['peak_alloc_gb']:.1f}" if r["peak_alloc_gb"] is not None else "-"
-        print(f"{r['N']:>7} {r['S']:>2} {'yes' if r['checkpointing'] else 'no':>4} {comp:>7} {r['positions']:>10} "
-              f"{r['step_ms']:>9.1f} {r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['first_step_s']:>8.1f} "
-              f"{r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}")
+        sp = f"  {r['speedup_vs_joint']:.2f}x vs joint" if "speedup_vs_joint" in r else ""
+        print(f"{r['N']:>7} {r['S']:>2} {'yes' if r['checkpointing'] else 'no':>4} {comp:>7} {attn:>10} "
+              f"{r['positions']:>10} {r['step_ms']:>9.1f} {r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} "
+              f"{r['first_step_s']:>8.1f} {r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}{sp}")
         if r.get("compile_modes"):
             print(f"{'':>24} compile modes: {r['compile_modes']}")
         if r.get("plan"):
@@ -487,6 +618,34 @@ def main(argv=None):
     if world > 1:
         torch.distributed.destroy_process_group()
     return rows
+
+
+def run_check_grads(args, drafter, head, tc, device, variants) -> list[dict]:
+    """``--check-grads``: :func:`check_grads` per ``--compile`` variant (eager only on CPU, where the
+    compiled flex has no lse); prints a line each and writes ``{"meta", "grad_check"}`` to ``--out``."""
+    if device.type != "cuda" and any(variants):
+        print("--check-grads on CPU: compiled variants skipped (CPU Inductor has no flex lse); eager only")
+        variants = [False]
+    results = []
+    for comp in variants:
+        try:
+            res = check_grads(drafter, head, tc, args.check_n, args.K, args.r, args.r_min, device, args.chunk,
+                              compile=comp)
+        except Exception as e:  # noqa: BLE001 - report the failing variant, keep the others
+            res = {"N": args.check_n, "K": args.K, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        drafter.zero_grad(set_to_none=True)
+        results.append(res)
+        if "error" in res:
+            print(f"check-grads compile={comp}: {res['error']}")
+        else:
+            print(f"check-grads {res['compared']}, N={res['N']} K={res['K']} E={res['E']} {res['dtype']} "
+                  f"compile={comp}: loss rel err {res['loss_rel_err']:.2e}, max grad rel err "
+                  f"{res['grad_max_rel_err']:.2e} ({res['worst_param']}), grads finite: {res['grads_finite']}")
+    meta = {"shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "note": "per parameter: max|g_split - g_ref| / max|g_ref|; float32, no autocast"}
+    Path(args.out).write_text(json.dumps({"meta": meta, "grad_check": results}, indent=1))
+    return results
 
 
 if __name__ == "__main__":

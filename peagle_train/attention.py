@@ -17,6 +17,19 @@ which is exactly vLLM's causal attention over ``[context..., bonus, MASK, MASK]`
 (spec §4). The block mask is built from per-block summaries (``O(blocks²)``
 work), never from an ``(E_q × E_kv)`` dense tensor; partially covered blocks
 are refined by the ``mask_mod`` inside the kernel.
+
+Split form (``train.attention: flex``): the rule is the disjoint union of
+
+* the **prefix** ``dk == 0 and ak <= aq`` (the causal depth-0 context, own anchor
+  included), and
+* the **chain** ``ak == aq and 1 <= dk <= dq`` (at most ``C = K - 1`` keys per query),
+
+both within one document. In the example above the prefix is the depth-0 columns
+and the chain is the ``(1,1)``/``(1,2)`` columns. The prefix is a near-causal block
+pattern over the contiguous depth-0 keys of the depth-major grid (few partial
+blocks: :func:`build_block_mask` with ``part="prefix"``); the chain is a per-query
+gather of at most ``C`` keys (:func:`build_chain_index`, :func:`chain_attention`).
+The two softmax parts are merged exactly by log-sum-exp (:func:`merge_by_lse`).
 """
 from __future__ import annotations
 
@@ -57,25 +70,53 @@ def allowed(qa, qd, qdoc, ka, kd, kdoc):
     return same & (prefix | chain)
 
 
-def dense_mask(q: GridMeta, kv: GridMeta | None = None) -> torch.Tensor:
-    """Dense reference mask ``[E_q, E_kv]`` bool. For tests and tiny inputs only."""
+def allowed_prefix(qa, qd, qdoc, ka, kd, kdoc):
+    """Prefix part of the rule: same document and ``dk == 0 and ak <= aq`` (bool, broadcast)."""
+    return (qdoc == kdoc) & (qdoc >= 0) & (kd == 0) & (ka <= qa)
+
+
+def allowed_chain(qa, qd, qdoc, ka, kd, kdoc):
+    """Chain part of the rule: same document and ``ak == aq and 1 <= dk <= dq`` (bool, broadcast).
+
+    Disjoint from :func:`allowed_prefix` (``dk >= 1`` vs ``dk == 0``); their union is :func:`allowed`.
+    """
+    return (qdoc == kdoc) & (qdoc >= 0) & (ka == qa) & (kd >= 1) & (kd <= qd)
+
+
+_RULES = {"all": allowed, "prefix": allowed_prefix, "chain": allowed_chain}
+
+
+def _rule(part: str):
+    if part not in _RULES:
+        raise ValueError(f"unknown rule part {part!r}; expected one of {sorted(_RULES)}")
+    return _RULES[part]
+
+
+def dense_mask(q: GridMeta, kv: GridMeta | None = None, part: str = "all") -> torch.Tensor:
+    """Dense reference mask ``[E_q, E_kv]`` bool. For tests and tiny inputs only.
+
+    ``part``: ``"all"`` (the whole rule), ``"prefix"`` or ``"chain"`` (the two disjoint parts of the
+    split form, see the module docstring).
+    """
     kv = q if kv is None else kv
-    return allowed(
+    return _rule(part)(
         q.anchor[:, None], q.depth[:, None], q.doc[:, None], kv.anchor[None, :], kv.depth[None, :], kv.doc[None, :]
     )
 
 
-def make_mask_mod(q: GridMeta, kv: GridMeta):
-    """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for the grid rule.
+def make_mask_mod(q: GridMeta, kv: GridMeta, part: str = "all"):
+    """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for the grid rule (or one ``part`` of it,
+    as :func:`dense_mask`).
 
     ``q``/``kv`` must already be padded to the block-mask lengths so that every
     index the kernel evaluates is in range.
     """
+    rule = _rule(part)
     qa, qd, qdoc = q.anchor, q.depth, q.doc
     ka, kd, kdoc = kv.anchor, kv.depth, kv.doc
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return allowed(qa[q_idx], qd[q_idx], qdoc[q_idx], ka[kv_idx], kd[kv_idx], kdoc[kv_idx])
+        return rule(qa[q_idx], qd[q_idx], qdoc[q_idx], ka[kv_idx], kd[kv_idx], kdoc[kv_idx])
 
     return mask_mod
 
@@ -101,28 +142,42 @@ def _block_summary(m: GridMeta, bs: int):
         "d0_any": d0.any(1),
         "d0_all": (d0 | ~real).all(1) & real.any(1),
         "d0_a_min": torch.where(d0, a, big).amin(1),
+        "d0_doc_min": torch.where(d0, doc, big).amin(1),
+        "d0_doc_max": torch.where(d0, doc, small).amax(1),
     }
 
 
-def block_structure(q: GridMeta, kv: GridMeta, block_size: int = 128):
+def block_structure(q: GridMeta, kv: GridMeta, block_size: int = 128, part: str = "all"):
     """Which ``(q_block, kv_block)`` pairs may hold an allowed pair, and which are full.
 
     Inputs must be padded to a multiple of ``block_size``. ``partial`` is a
     superset of the blocks with any allowed pair (necessary conditions of the
     rule); ``full`` is a subset of the blocks where every pair is allowed
     (sufficient condition: single shared document, no padding, all keys depth 0
-    with ``max key anchor <= min query anchor``).
+    with ``max key anchor <= min query anchor``). ``part="prefix"`` describes the
+    prefix part only (``dk == 0 and ak <= aq``, same document): blocks of keys
+    without a depth-0 element are empty, which in the depth-major layout is every
+    block past the depth-0 keys. The full condition is the same for both parts.
 
     Returns:
         ``(partial, full)``: bool ``[nQB, nKB]`` each, ``partial & ~full`` already applied.
+
+    Raises:
+        ValueError: ``part`` other than ``"all"`` / ``"prefix"``.
     """
+    if part not in ("all", "prefix"):
+        raise ValueError(f"block_structure: part must be 'all' or 'prefix', got {part!r}")
     sq, sk = _block_summary(q, block_size), _block_summary(kv, block_size)
     Q = {k: v[:, None] for k, v in sq.items()}
     Kv = {k: v[None, :] for k, v in sk.items()}
-    docs_overlap = (Q["doc_min"] <= Kv["doc_max"]) & (Kv["doc_min"] <= Q["doc_max"])
     prefix = Kv["d0_any"] & (Kv["d0_a_min"] <= Q["a_max"])
-    chain = (Q["a_min"] <= Kv["a_max"]) & (Kv["a_min"] <= Q["a_max"]) & (Kv["d_min"] <= Q["d_max"])
-    possible = Q["any"] & Kv["any"] & docs_overlap & (prefix | chain)
+    if part == "prefix":
+        d0_docs_overlap = (Q["doc_min"] <= Kv["d0_doc_max"]) & (Kv["d0_doc_min"] <= Q["doc_max"])
+        possible = Q["any"] & d0_docs_overlap & prefix
+    else:
+        docs_overlap = (Q["doc_min"] <= Kv["doc_max"]) & (Kv["doc_min"] <= Q["doc_max"])
+        chain = (Q["a_min"] <= Kv["a_max"]) & (Kv["a_min"] <= Q["a_max"]) & (Kv["d_min"] <= Q["d_max"])
+        possible = Q["any"] & Kv["any"] & docs_overlap & (prefix | chain)
     single_doc = (Q["doc_min"] == Q["doc_max"]) & (Kv["doc_min"] == Kv["doc_max"]) & (Q["doc_min"] == Kv["doc_min"])
     full = Q["all"] & Kv["all"] & single_doc & Kv["d0_all"] & (Kv["a_max"] <= Q["a_min"])
     return possible & ~full, full
@@ -134,12 +189,14 @@ def _to_indices(blocks: torch.Tensor):
     return num[None, None], order[None, None]
 
 
-def build_block_mask(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128):
+def build_block_mask(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128, part: str = "all"):
     """FlexAttention ``BlockMask`` for the grid rule, without a dense ``E_q × E_kv`` tensor.
 
     Args:
         q: query metadata (``[E_q]``). kv: key metadata (``[E_kv]``); ``None`` = same as ``q``.
         block_size: kernel block size (128 for the default kernels).
+        part: ``"all"`` (the whole rule, one kernel) or ``"prefix"`` (the prefix part of the split
+            form; the chain part is :func:`build_chain_index`).
 
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` with ``seq_lengths = (E_q, E_kv)``,
@@ -152,7 +209,7 @@ def build_block_mask(q: GridMeta, kv: GridMeta | None = None, block_size: int = 
     pq = -(-lq // block_size) * block_size
     pk = -(-lk // block_size) * block_size
     qp, kp = q.padded(pq), kv.padded(pk)
-    partial, full = block_structure(qp, kp, block_size)
+    partial, full = block_structure(qp, kp, block_size, part)
     kv_num, kv_idx = _to_indices(partial)
     full_num, full_idx = _to_indices(full)
     return BlockMask.from_kv_blocks(
@@ -161,6 +218,264 @@ def build_block_mask(q: GridMeta, kv: GridMeta | None = None, block_size: int = 
         full_num,
         full_idx,
         BLOCK_SIZE=block_size,
-        mask_mod=make_mask_mod(qp, kp),
+        mask_mod=make_mask_mod(qp, kp, part),
         seq_lengths=(lq, lk),
     )
+
+
+# ----------------------------------------------------------------------------- split form: the chain part
+
+_DEPTH_BITS = 20  # composite key anchor * 2**20 + depth: depths < 2**20, anchors < 2**43
+
+
+def build_chain_index(q: GridMeta, kv: GridMeta | None = None, min_chain: int = 0):
+    """Per query, the keys of its own chain at depths ``1..dq`` (the chain part of the rule).
+
+    Slot ``j - 1`` of query ``(aq, dq, docq)`` holds the key ``(aq, j)``; it is valid iff
+    ``1 <= j <= dq``, that key exists among ``kv``, it is in the query's document and the query
+    is not padding (``docq >= 0``). Works for any key order (depth-major grids, partition
+    segments, EAGLE-3's concatenated TTT steps): the real keys of depth >= 1 are sorted by the
+    composite key ``anchor * 2**20 + depth`` and looked up with ``searchsorted``; no Python
+    loop over elements, no ``E_q × E_kv`` tensor. One host sync (the chain width and the
+    duplicate check below).
+
+    Args:
+        q: query metadata (``[E_q]``). kv: key metadata (``[E_kv]``, ``E_kv >= 1``); ``None`` = ``q``.
+        min_chain: at least this many slots (``K - 1`` gives every micro-batch the same shape, so a
+            compiled layer is not recompiled when a COD sample happens to drop the deepest depths).
+
+    Returns:
+        ``(index, valid)``: ``index [E_q, C]`` int64 rows of ``kv`` (0 where invalid) and
+        ``valid [E_q, C]`` bool, ``C = max(min_chain, deepest real query depth)``.
+
+    Raises:
+        ValueError: no keys; depth ``>= 2**20``; or a real ``(anchor, depth >= 1)`` key occurring
+            twice in ``kv`` (the chain would be ambiguous).
+
+    Source: PEAGLE_SPEC §3 (attention rule), split as in this module's docstring.
+    """
+    kv = q if kv is None else kv
+    if len(kv) == 0:
+        raise ValueError("build_chain_index: no keys")
+    dev = kv.anchor.device
+    q_real = q.doc >= 0
+    k_chain = (kv.doc >= 0) & (kv.depth >= 1)
+    code = torch.where(k_chain, (kv.anchor << _DEPTH_BITS) + kv.depth, torch.full_like(kv.anchor, -1))
+    sorted_code, order = torch.sort(code)
+    dup = ((sorted_code[1:] == sorted_code[:-1]) & (sorted_code[1:] >= 0)).any()
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    deepest = torch.where(q_real, q.depth, zero).amax() if len(q) else zero
+    too_deep = torch.maximum(deepest, torch.where(k_chain, kv.depth, zero).amax()) >= (1 << _DEPTH_BITS)
+    deepest, dup, too_deep = torch.stack([deepest, dup.long(), too_deep.long()]).tolist()  # the one host sync
+    if too_deep:
+        raise ValueError(f"build_chain_index: depths must be < 2**{_DEPTH_BITS}")
+    if dup:
+        raise ValueError("build_chain_index: a (anchor, depth >= 1) key occurs twice among the keys")
+    C = max(int(min_chain), deepest)
+    j = torch.arange(1, C + 1, device=dev)  # [C] depths looked up
+    want = (q.anchor[:, None] << _DEPTH_BITS) + j[None, :]  # [E_q, C]
+    pos = torch.searchsorted(sorted_code, want).clamp(max=len(kv) - 1)
+    found = sorted_code[pos] == want
+    index = order[pos]
+    valid = found & (j[None, :] <= q.depth[:, None]) & q_real[:, None] & (kv.doc[index] == q.doc[:, None])
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+@dataclass
+class SplitMasks:
+    """The split form of the rule for one (queries, keys) pair, built once per grid (outside the layers).
+
+    Attributes:
+        prefix_mask: FlexAttention ``BlockMask`` of the prefix part (``seq_lengths = (E_q, E_kv)``).
+        chain_index: ``[E_q, C]`` int64 key rows of each query's chain (:func:`build_chain_index`).
+        chain_valid: ``[E_q, C]`` bool.
+    """
+
+    prefix_mask: object
+    chain_index: torch.Tensor
+    chain_valid: torch.Tensor
+    chain_inverse: torch.Tensor | None = None  # [E_kv, C] int64, see invert_chain_index
+    chain_inverse_valid: torch.Tensor | None = None  # [E_kv, C] bool
+
+
+def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
+    """Which ``(query, slot)`` pairs read each key row: the transpose of a chain index.
+
+    A key ``(a, j)`` is read only in slot ``j - 1`` of the queries ``(a, i)``, ``i >= j``, so at most
+    ``C`` pairs read it. The chain gather's backward sums over them with a gather
+    (:func:`chain_gather`) instead of an ``index_add`` (atomic, non-deterministic on CUDA; 23 ms
+    of a 366 ms GPT-OSS-20B step on an H200, ``docs/benchmarks.md``).
+
+    Args:
+        index: ``[E_q, C]`` int64 key rows; valid: ``[E_q, C]`` bool (:func:`build_chain_index`).
+        n_kv: number of key rows ``E_kv``.
+
+    Returns:
+        ``(inverse [E_kv, C]`` int64 flat positions ``q_row * C + slot`` into ``index``, 0 where
+        unused, ``inverse_valid [E_kv, C]`` bool``)``; every valid ``(q_row, slot)`` appears exactly
+        once, in the row of its key.
+
+    Raises:
+        ValueError: a key read by more than ``C`` pairs (not a chain index).
+    """
+    Eq, C = index.shape
+    dev = index.device
+    flat_key = torch.where(valid, index, torch.full_like(index, n_kv)).reshape(-1)  # invalid -> dummy row
+    key_sorted, order = torch.sort(flat_key, stable=True)
+    first = torch.searchsorted(key_sorted, key_sorted)  # start of each key's run
+    rank = torch.arange(key_sorted.numel(), device=dev) - first
+    if C and bool((rank[key_sorted < n_kv] >= C).any()):
+        raise ValueError(f"invert_chain_index: a key is read by more than C={C} (query, slot) pairs")
+    keep = (key_sorted < n_kv) & (rank < C)
+    slot = torch.where(keep, key_sorted * C + rank, torch.full_like(rank, n_kv * C))  # dummy slot at the end
+    inverse = torch.zeros(n_kv * C + 1, dtype=torch.int64, device=dev).scatter_(0, slot, order)
+    inverse_valid = torch.zeros(n_kv * C + 1, dtype=torch.bool, device=dev).scatter_(0, slot, keep)
+    return inverse[:-1].view(n_kv, C), inverse_valid[:-1].view(n_kv, C)
+
+
+class _ChainGather(torch.autograd.Function):
+    """``rows[index]`` whose backward gathers through the inverse index (deterministic, no atomics)."""
+
+    @staticmethod
+    def forward(ctx, rows, index, inverse, inverse_valid):
+        ctx.save_for_backward(inverse, inverse_valid)
+        return rows[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, inverse_valid = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])[inverse]  # [E_kv, C, D]
+        g = torch.where(inverse_valid[..., None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+        return g.sum(1), None, None, None
+
+
+def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None,
+                 inverse_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows [E_kv, D]`` gathered at ``index [E_q, C]`` → ``[E_q, C, D]``.
+
+    With the inverse of a chain index (:func:`invert_chain_index`) the gradient of ``rows`` is a
+    gather-and-sum over each key's readers, counting only valid slots: exact for the chain part,
+    whose invalid slots carry zero gradient (their scores are masked to ``-inf`` before the softmax).
+    Without it: plain indexing (autograd's ``index_add`` backward).
+    """
+    if inverse is None:
+        return rows[index]
+    return _ChainGather.apply(rows, index, inverse, inverse_valid)
+
+
+def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
+                      min_chain: int = 0) -> SplitMasks:
+    """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
+    tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
+    for the arguments and errors)."""
+    kv = q if kv is None else kv
+    index, valid = build_chain_index(q, kv, min_chain)
+    inverse, inverse_valid = invert_chain_index(index, valid, len(kv))
+    return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid)
+
+
+# ----------------------------------------------------------------------------- split form: the math
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax / log-sum-exp accumulation dtype: float32 for half types, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                    valid: torch.Tensor, scale: float | None = None, inverse: torch.Tensor | None = None,
+                    inverse_valid: torch.Tensor | None = None):
+    """Softmax attention of each query over its own chain keys only (the chain part).
+
+    GQA without repeating k/v: query head ``h`` reads KV head ``h // (nh // nkv)``, as
+    FlexAttention/SDPA with ``enable_gqa``. The gathered keys are ``[E_q, C, nkv, hd]``.
+
+    Args:
+        q: ``[1, nh, E_q, hd]``. k, v: ``[1, nkv, E_kv, hd]``.
+        index: ``[E_q, C]`` int64 rows of k/v. valid: ``[E_q, C]`` bool.
+        inverse, inverse_valid: :func:`invert_chain_index` of ``index``: the k/v gradient is then a
+            deterministic gather (:func:`chain_gather`); None = autograd's ``index_add``.
+        scale: score scale; default ``1 / sqrt(hd)`` (FlexAttention's and SDPA's).
+
+    Returns:
+        ``(out [1, nh, E_q, hd]`` in ``q.dtype``, ``lse [1, nh, E_q]`` natural-log log-sum-exp of
+        the scaled scores over the valid slots, ``-inf`` where there is none, in float32 for half
+        inputs (float64 stays float64)``)``. Rows without a valid slot give ``out = 0``, and
+        finite (zero) gradients.
+    """
+    _, nh, Eq, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    C = index.shape[1]
+    scale = hd ** -0.5 if scale is None else scale
+    acc = _acc_dtype(q.dtype)
+    qg = q[0].view(nkv, g, Eq, hd).permute(2, 0, 1, 3)  # [Eq, nkv, g, hd]
+    Ek = k.shape[2]
+    kc = chain_gather(k[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
+    vc = chain_gather(v[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
+    kc, vc = kc.view(Eq, C, nkv, hd), vc.view(Eq, C, nkv, hd)  # [Eq, C, nkv, hd]
+    s = torch.einsum("engd,ecnd->engc", qg, kc).to(acc) * scale  # [Eq, nkv, g, C]
+    ok = valid[:, None, None, :]  # [Eq, 1, 1, C]
+    s = torch.where(ok, s, torch.full_like(s, float("-inf")))  # masked before exp: no inf * 0 in backward
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows without a slot: any finite shift
+    e = torch.exp(s - m)  # exactly 0 on invalid slots
+    has = valid.any(-1)[:, None, None, None]  # [Eq, 1, 1, 1]
+    total = torch.where(has, e.sum(-1, keepdim=True), torch.ones_like(m))
+    p = e / total
+    lse = torch.where(has, torch.log(total) + m, torch.full_like(m, float("-inf")))  # [Eq, nkv, g, 1]
+    out = torch.einsum("engc,ecnd->engd", p.to(v.dtype), vc)  # [Eq, nkv, g, hd]
+    out = out.permute(1, 2, 0, 3).reshape(1, nh, Eq, hd).to(q.dtype)
+    return out, lse[..., 0].permute(1, 2, 0).reshape(1, nh, Eq)
+
+
+def dense_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """Reference softmax attention under a dense bool mask, with its log-sum-exp. Materialises
+    ``[nh, E_q, E_kv]`` scores: for tests and CPU checks only (eager FlexAttention has no CPU backward).
+
+    Args:
+        q: ``[1, nh, E_q, hd]``. k, v: ``[1, nkv, E_kv, hd]`` (GQA: head ``h`` reads ``h // (nh // nkv)``).
+        mask: ``[E_q, E_kv]`` bool.
+
+    Returns:
+        ``(out [1, nh, E_q, hd], lse [1, nh, E_q])`` in ``q.dtype``, scale ``1 / sqrt(hd)``; rows without a
+        key give ``out = 0``, ``lse = -inf`` and zero gradients.
+    """
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    has = mask.any(-1)[..., None]
+    total = torch.where(has, e.sum(-1, keepdim=True), torch.ones_like(m))
+    lse = torch.where(has, torch.log(total) + m, torch.full_like(m, float("-inf")))[..., 0]
+    return (e / total) @ v, lse
+
+
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Exact softmax over the union of two disjoint key sets from each set's normalised output and lse.
+
+    ``lse = logaddexp(lse_a, lse_b)``; ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+    The lse math runs in float32 for half inputs (float64 stays float64); a row where both lse are
+    ``-inf`` (no key at all, e.g. padding) gives ``out = 0``, ``lse = -inf`` and zero, finite
+    gradients (no ``-inf - -inf`` anywhere).
+
+    Args:
+        out_a, out_b: ``[..., E, hd]`` (same shape and dtype). lse_a, lse_b: ``[..., E]`` natural log.
+
+    Returns:
+        ``(out [..., E, hd]`` in ``out_a.dtype``, ``lse [..., E]`` in the accumulation dtype``)``.
+    """
+    acc = _acc_dtype(out_a.dtype)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
+    m = torch.maximum(la, lb).detach()
+    any_key = torch.isfinite(m)
+    m = torch.where(any_key, m, torch.zeros_like(m))
+    total = torch.exp(la - m) + torch.exp(lb - m)  # in [1, 2] where any_key, else 0
+    lse_safe = torch.log(torch.where(any_key, total, torch.ones_like(total))) + m  # finite everywhere
+    wa = torch.exp(la - lse_safe)[..., None]  # 0 where lse_a = -inf
+    wb = torch.exp(lb - lse_safe)[..., None]
+    out = (out_a * wa + out_b * wb).to(out_a.dtype)  # half * float32 promotes: summed in acc
+    return out, torch.where(any_key, lse_safe, torch.full_like(lse_safe, float("-inf")))

@@ -167,8 +167,11 @@ class TrainConfig(_Section):
     loss: Literal["kl", "ce"] = "kl"
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
     features: Literal["online", "cache"] = "cache"
-    attention: Literal["auto", "flex", "sdpa"] = Field(
-        "auto", description="auto = FlexAttention on CUDA, dense-mask SDPA on CPU (flex has no CPU backward)."
+    attention: Literal["auto", "flex", "flex_joint", "sdpa"] = Field(
+        "auto", description="auto = flex on CUDA, dense-mask SDPA on CPU (flex has no CPU backward). flex: the "
+                            "split form (FlexAttention over the depth-0 prefix + a gathered chain of <= K-1 keys, "
+                            "merged by log-sum-exp); flex_joint: one FlexAttention kernel over the whole rule "
+                            "(same math, kept for comparison); sdpa: dense mask (small inputs)."
     )
     lr: float = Field(3e-4, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.95)

@@ -20,16 +20,38 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from .attention import SplitMasks, chain_attention, merge_by_lse
+
 _FLEX_COMPILED = None
 
+try:  # torch >= 2.7: ``return_aux=AuxRequest(lse=True)``; ``return_lse`` is deprecated there
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # older torch: only ``return_lse``
+    _AuxRequest = None
 
-def _flex(q, k, v, block_mask):
-    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU)."""
+
+def _flex_call(fn, q, k, v, block_mask, return_lse: bool):
+    """``fn`` = ``flex_attention`` (or its compiled form) → ``out``, or ``(out, lse)`` with
+    ``return_lse`` (``lse [1, nh, E_q]`` natural log, float32 for half inputs, ``-inf`` on rows
+    without any allowed key), through whichever lse API this torch has."""
+    if not return_lse:
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _AuxRequest is not None:
+        out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=_AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+
+
+def _flex(q, k, v, block_mask, return_lse: bool = False):
+    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU).
+
+    Returns ``out [1, nh, E_q, hd]``, or ``(out, lse)`` with ``return_lse`` (see :func:`_flex_call`).
+    """
     global _FLEX_COMPILED
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
     if q.is_cuda:
         if _FLEX_COMPILED is None:
             from .compiling import raise_recompile_limits
@@ -37,8 +59,13 @@ def _flex(q, k, v, block_mask):
             # one compiled kernel per bucketed grid length (see grid.pad_grid)
             raise_recompile_limits(64)
             _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-        return _FLEX_COMPILED(q, k, v, block_mask=block_mask, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return _flex_call(_FLEX_COMPILED, q, k, v, block_mask, return_lse)
+    return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
+
+
+def _flex_with_lse(q, k, v, block_mask):
+    """Part A of the split form: FlexAttention over the prefix ``BlockMask`` → ``(out, lse)``."""
+    return _flex(q, k, v, block_mask, return_lse=True)
 
 
 class RMSNorm(nn.Module):
@@ -60,18 +87,52 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class AttnSpec:
-    """How queries see keys: a FlexAttention ``BlockMask`` or a dense bool mask ``[E_q, E_kv]``."""
+    """How queries see keys; exactly one of:
+
+    * ``block_mask``: one FlexAttention ``BlockMask`` of the whole rule (``train.attention: flex_joint``);
+    * ``split``: :class:`~peagle_train.attention.SplitMasks`, the prefix ``BlockMask`` + the chain
+      index (``train.attention: flex``, the default on CUDA);
+    * ``dense``: a dense bool mask ``[E_q, E_kv]`` for SDPA (CPU / small inputs / references).
+    """
 
     block_mask: object | None = None
     dense: torch.Tensor | None = None
+    split: SplitMasks | None = None
 
     def __post_init__(self):
-        if (self.block_mask is None) == (self.dense is None):
-            raise ValueError("AttnSpec needs exactly one of block_mask or dense")
+        given = [name for name in ("block_mask", "dense", "split") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"AttnSpec needs exactly one of block_mask, dense or split; got {given or 'none'}")
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SplitMasks,
+                    prefix_attention=None) -> torch.Tensor:
+    """Attention under the split form of the rule (``attention.py``): prefix part + chain part,
+    merged exactly by log-sum-exp.
+
+    Args:
+        q: ``[1, nh, E_q, hd]``. k, v: ``[1, nkv, E_kv, hd]``.
+        split: the prefix ``BlockMask`` and the chain index of this (queries, keys) pair.
+        prefix_attention: ``(q, k, v, prefix_mask) -> (out [1, nh, E_q, hd], lse [1, nh, E_q])``
+            of the prefix part; None = FlexAttention (:func:`_flex_with_lse`, looked up at call time
+            so tests can swap in a dense reference with a backward on CPU).
+
+    Returns:
+        ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).
+    """
+    out_a, lse_a = (prefix_attention or _flex_with_lse)(q, k, v, split.prefix_mask)
+    if split.chain_index.shape[1] == 0:  # no query deeper than 0 (a static shape, not data)
+        return out_a
+    out_b, lse_b = chain_attention(q, k, v, split.chain_index, split.chain_valid,
+                                   inverse=split.chain_inverse, inverse_valid=split.chain_inverse_valid)
+    return merge_by_lse(out_a, lse_a, out_b, lse_b)[0]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
-    """``q [1, nh, Eq, hd]``, ``k/v [1, nkv, Ek, hd]`` → ``[1, nh, Eq, hd]``."""
+    """``q [1, nh, Eq, hd]``, ``k/v [1, nkv, Ek, hd]`` → ``[1, nh, Eq, hd]``: split form, one
+    joint FlexAttention kernel, or dense SDPA, as ``spec`` says."""
+    if spec.split is not None:
+        return split_attention(q, k, v, spec.split)
     if spec.block_mask is not None:
         return _flex(q, k, v, spec.block_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense[None, None], enable_gqa=True)

@@ -16,23 +16,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import GridMeta, build_block_mask, dense_mask
+from .attention import GridMeta, build_block_mask, build_split_masks, dense_mask
 from .drafter import AttnSpec, Drafter
 from .grid import Grid, cod_keep_counts, pad_grid
 from .loss import TargetDist, chunked_loss
 
 
-def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex") -> AttnSpec:
+FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels specialise on the length (bucket it)
+
+
+def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0) -> AttnSpec:
     """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
 
-    ``kind="flex"``: block-sparse ``BlockMask`` (no dense tensor); ``"sdpa"``: dense
-    bool mask ``[E_q, E_kv]`` (small inputs / reference).
+    ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
+    ``min_chain`` = at least this many chain slots, see :func:`~peagle_train.attention.build_chain_index`);
+    ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
+    ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """
     if kind == "flex":
+        return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain))
+    if kind == "flex_joint":
         return AttnSpec(block_mask=build_block_mask(q, kv))
     if kind == "sdpa":
         return AttnSpec(dense=dense_mask(q, kv))
     raise ValueError(f"unknown attention kind {kind!r}")
+
+
+def _default_pad_multiple(attention: str) -> int:
+    """Grid bucket: 1024 elements for FlexAttention kinds (bounded recompiles), none for dense SDPA."""
+    return 1024 if attention in FLEX_KINDS else 1
 
 
 class PEagleObjective(nn.Module):
@@ -41,7 +53,8 @@ class PEagleObjective(nn.Module):
     Args:
         drafter: a :class:`Drafter` with ``parallel_drafting``.
         target_head: ``[Vd, T]`` the target head's draft-vocab rows (frozen buffer).
-        loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk. attention: ``"flex"`` / ``"sdpa"``.
+        loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk.
+        attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"sdpa"`` (see :func:`make_attn_spec`).
         compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
             and the loss chunk body (:func:`~peagle_train.loss.compiled_chunk_loss`); same math.
     """
@@ -55,7 +68,7 @@ class PEagleObjective(nn.Module):
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
         # compiled FlexAttention specialises on the sequence length: bucket it
-        self.pad_multiple = pad_multiple if pad_multiple is not None else (1024 if attention == "flex" else 1)
+        self.pad_multiple = pad_multiple if pad_multiple is not None else _default_pad_multiple(attention)
 
     def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
                 normaliser: float):
@@ -70,7 +83,9 @@ class PEagleObjective(nn.Module):
         """
         E = len(grid)
         grid = pad_grid(grid, self.pad_multiple)
-        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention)
+        # K - 1 chain slots whatever this sample's deepest depth: one compiled layer shape per bucket
+        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention,
+                              min_chain=getattr(self.drafter.config, "num_parallel_depths", 1) - 1)
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
@@ -86,10 +101,12 @@ def _weights(loss_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, float, int | None] | None,
-                        block: int = 128) -> list[int] | None:
+                        block: int = 128, static_tokens: int | None = None) -> list[int] | None:
     """Padded length of every EAGLE-3 TTT step, a function of the depth-0 bucket only.
 
-    ``Q = E0`` rounded up to ``pad_multiple``; step ``k`` is padded to ``Q_k``: ``Q`` for ``k = 0``;
+    ``Q = max(E0, static_tokens)`` rounded up to ``pad_multiple`` (``static_tokens``: the most
+    tokens a micro-batch can hold, so every micro-batch gets the same ``K`` shapes and the compiled
+    attention kernels are built once per run; None: ``Q`` follows ``E0``'s bucket); step ``k`` is padded to ``Q_k``: ``Q`` for ``k = 0``;
     with ``cod = (r, r_min, max_anchors)`` the COD bound ``min(floor(Q·max(r**k, r_min)), max_anchors)``
     rounded up to ``block`` (a step never holds more: COD keeps at most that many of the at most
     ``E0 <= Q`` depth-0 anchors, spec §3), else ``Q``. Step ``k`` then always attends
@@ -103,7 +120,7 @@ def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, fl
     """
     if pad_multiple <= 1:
         return None
-    Q = -(-E0 // pad_multiple) * pad_multiple
+    Q = -(-max(E0, static_tokens or 0) // pad_multiple) * pad_multiple
     if cod is None:
         return [Q] * K
     bounds = cod_keep_counts(Q, K, *cod)  # what COD keeps of Q valid anchors: an upper bound per step
@@ -124,23 +141,28 @@ class Eagle3Objective(nn.Module):
         decay: step weight base (0.8 in EAGLE-3). compile: as :class:`PEagleObjective`.
         cod: ``(r, r_min, max_anchors)`` of the grid's COD sample: bounds each step's padded length
             (:func:`eagle3_step_lengths`); None pads every step to the depth-0 bucket.
+        static_tokens: most tokens one micro-batch can hold (``micro_batch_size ×`` longest sequence):
+            every step is padded as for a grid that long, so the TTT unroll has one set of ``K``
+            shapes per run. Without it, a short 3.5-minute H200 run spent most of its time
+            compiling one kernel set per (bucket, step) (docs/results.md).
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
-                 compile: bool = False, cod: tuple[float, float, int | None] | None = None):
+                 compile: bool = False, cod: tuple[float, float, int | None] | None = None,
+                 static_tokens: int | None = None):
         super().__init__()
-        self.cod = cod
+        self.cod, self.static_tokens = cod, static_tokens
         self.drafter = drafter
         self.compile = compile
         drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
-        self.pad_multiple = pad_multiple if pad_multiple is not None else (1024 if attention == "flex" else 1)
+        self.pad_multiple = pad_multiple if pad_multiple is not None else _default_pad_multiple(attention)
 
     def step_lengths(self, E0: int, K: int) -> list[int] | None:
         """Per-step padded lengths (:func:`eagle3_step_lengths` with this objective's settings)."""
-        return eagle3_step_lengths(E0, K, self.pad_multiple, self.cod)
+        return eagle3_step_lengths(E0, K, self.pad_multiple, self.cod, static_tokens=self.static_tokens)
 
     def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
                 normaliser: float, input_ids: torch.Tensor):

@@ -49,7 +49,8 @@ from .vocab import select_draft_vocab, token_frequencies
 
 
 def resolve_attention(kind: str, device: torch.device) -> str:
-    """``auto`` → ``flex`` on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU backward)."""
+    """``auto`` → ``flex`` (the split form) on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU
+    backward); ``flex`` / ``flex_joint`` / ``sdpa`` are returned as given."""
     if kind != "auto":
         return kind
     return "flex" if device.type == "cuda" else "sdpa"
@@ -133,8 +134,9 @@ class Trainer:
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
         self.attention = resolve_attention(self.tc.attention, self.device)
         Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
-        kw = {} if self.tc.method == "peagle" else {"decay": self.tc.ttt_decay,
-                                                    "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors)}
+        kw = {} if self.tc.method == "peagle" else {
+            "decay": self.tc.ttt_decay, "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors),
+            "static_tokens": self.tc.micro_batch_size * max((len(x) for x in self.train_ids), default=1)}
         objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
                         attention=self.attention, compile=self.tc.compile, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),

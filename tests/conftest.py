@@ -121,6 +121,28 @@ def packed_batch():
     return make
 
 
+@pytest.fixture()
+def objective_problem(packed_batch):
+    """Factory ``objective_problem(doc_lens, n_pad, loss_prob, seed, K, cod_seed, dtype=torch.float32)``
+    -> dict of objective inputs over a COD grid (r = 0.8, r_min = 0.3, mask token 127):
+    ``grid``, ``aux [N, 96]``, ``last [N, 32]``, ``head [60, 32]`` (``dtype``), ``argmax [N]`` zeros,
+    ``norm`` (supervised count), ``input_ids [N]``, ``K``. Values are seeded (``torch.manual_seed(4)``)."""
+    from peagle_train.grid import build_grid, cod_sample, supervised_count
+
+    def make(doc_lens, n_pad, loss_prob, seed, K, cod_seed, dtype=torch.float32):
+        b = packed_batch(doc_lens, n_pad=n_pad, loss_prob=loss_prob, seed=seed)
+        kept = cod_sample(b["loss_mask"], b["doc_ids"], K, 0.8, 0.3, generator=torch.Generator().manual_seed(cod_seed))
+        g = build_grid(b["input_ids"], b["loss_mask"], b["doc_ids"], kept, 127)
+        N = b["N"]
+        torch.manual_seed(4)
+        aux, last, head = torch.randn(N, 96), torch.randn(N, 32), torch.randn(60, 32)
+        return {"grid": g, "aux": aux.to(dtype), "last": last.to(dtype), "head": head.to(dtype),
+                "argmax": torch.zeros(N, dtype=torch.long), "norm": float(supervised_count(g)),
+                "input_ids": b["input_ids"], "K": K}
+
+    return make
+
+
 def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
     """``[start, stop)`` of each maximal run of 1s in a loss mask (imported by the template tests)."""
     out, i = [], 0

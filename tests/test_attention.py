@@ -14,10 +14,11 @@
   8192 × 8 grid (E ≈ 65k, E² bytes = 4 GiB) runs in a subprocess in well under the
   E² memory and a few seconds.
 * FlexAttention output ≡ SDPA with the dense mask (CPU, float32, forward only:
-  flex has no CPU backward) for direct attention calls and through the whole
-  ``Drafter`` forward. Note: eager flex on CPU evaluates only the ``mask_mod``; the
-  block structure is checked by the effective-mask test above and, once, by the
-  compiled CPU flex kernel (which does skip/trust blocks).
+  flex has no CPU backward) for direct attention calls; through the whole ``Drafter``
+  forward in ``tests/test_split_attention.py`` (split, joint and SDPA side by side).
+  Note: eager flex on CPU evaluates only the ``mask_mod``; the block structure is
+  checked by the effective-mask test above and, once, by the compiled CPU flex kernel
+  (which does skip/trust blocks).
 """
 from __future__ import annotations
 
@@ -293,32 +294,6 @@ def test_flex_equals_sdpa_direct(case, data):
     torch.testing.assert_close(sdpa, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_flex_equals_sdpa_through_drafter(tiny_drafter, seed):
-    """Whole Drafter forward (fusion layer + plain layers + RoPE + GQA): flex == sdpa, fp32."""
-    K = 5
-    g, x = make_grid([70, 9, 45], 6, 0.8, K, 0.8, 0.2, None, seed)
-    drafter = tiny_drafter(num_layers=3, K=K, seed=seed).eval()
-    torch.manual_seed(seed)
-    aux = torch.randn(x.numel(), 96)
-    m = GridMeta.of(g)
-    with torch.no_grad():
-        hidden = drafter.grid_hidden(aux, g.hidden_index)
-        h_flex, kv_flex = drafter(g.token_ids, hidden, g.position_ids, make_attn_spec(m, kind="flex"))
-        h_sdpa, kv_sdpa = drafter(g.token_ids, hidden, g.position_ids, make_attn_spec(m, kind="sdpa"))
-    torch.testing.assert_close(h_flex, h_sdpa, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(drafter.logits(h_flex), drafter.logits(h_sdpa), atol=1e-5, rtol=1e-5)
-    for (kf, vf), (ks, vs) in zip(kv_flex, kv_sdpa):
-        torch.testing.assert_close(kf, ks, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(vf, vs, atol=1e-5, rtol=1e-5)
-    # the mask matters: plain causal attention over the depth-major grid gives different outputs
-    E = len(g)
-    causal = AttnSpec(dense=torch.ones(E, E, dtype=torch.bool).tril())
-    with torch.no_grad():
-        h_causal, _ = drafter(g.token_ids, hidden, g.position_ids, causal)
-    assert (h_causal - h_sdpa).abs().max() > 1e-3
-
-
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="needs a C++ compiler")
 def test_compiled_cpu_flex_honours_block_mask():
     """The compiled CPU flex kernel (which skips empty blocks and applies no mask_mod on full
@@ -340,7 +315,8 @@ def test_compiled_cpu_flex_honours_block_mask():
 def test_make_attn_spec_kinds():
     m = GridMeta(torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
     assert make_attn_spec(m, kind="sdpa").dense.shape == (4, 4)
-    assert make_attn_spec(m, kind="flex").block_mask is not None
+    assert make_attn_spec(m, kind="flex").split is not None  # the split form (test_split_attention.py)
+    assert make_attn_spec(m, kind="flex_joint").block_mask is not None
     with pytest.raises(ValueError):
         make_attn_spec(m, kind="dense")
     with pytest.raises(ValueError):

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from peagle_train.compiling import SafeCompiled
-from peagle_train.grid import build_grid, cod_sample, supervised_count
 from peagle_train.loss import compiled_chunk_loss
 from peagle_train.objective import PEagleObjective
 
@@ -25,25 +24,18 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
                               reason="torch.compile on CPU needs a C compiler (Inductor C++ backend)")
 
 
-def _problem(tiny_drafter, packed_batch, ckpt: bool):
-    b = packed_batch([40, 30], n_pad=2, loss_prob=0.9, seed=3)
-    K = 3
-    kept = cod_sample(b["loss_mask"], b["doc_ids"], K, 0.8, 0.3, generator=torch.Generator().manual_seed(1))
-    g = build_grid(b["input_ids"], b["loss_mask"], b["doc_ids"], kept, 127)
-    N = b["N"]
-    torch.manual_seed(4)
-    aux, last, head = torch.randn(N, 96), torch.randn(N, 32), torch.randn(60, 32)
-    argmax = torch.zeros(N, dtype=torch.long)
-    d = tiny_drafter(K=K, draft_vocab_size=60, seed=5)
+def _problem(tiny_drafter, objective_problem, ckpt: bool):
+    P = objective_problem([40, 30], 2, 0.9, 3, 3, 1)
+    d = tiny_drafter(K=P["K"], draft_vocab_size=60, seed=5)
     d.gradient_checkpointing = ckpt
     d.train()
-    return d, head, (g, aux, last, argmax, float(supervised_count(g)))
+    return d, P["head"], (P["grid"], P["aux"], P["last"], P["argmax"], P["norm"])
 
 
 @needs_cc
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_compiled_objective_matches_eager(tiny_drafter, packed_batch, ckpt):
-    d, head, args = _problem(tiny_drafter, packed_batch, ckpt)
+def test_compiled_objective_matches_eager(tiny_drafter, objective_problem, ckpt):
+    d, head, args = _problem(tiny_drafter, objective_problem, ckpt)
     keys = list(d.state_dict())
     params = [p for p in d.parameters() if p.requires_grad]
     out = []

@@ -438,16 +438,9 @@ def test_objectives_weights_exact_in_float64(tiny_drafter, packed_batch, eagle3_
 
 
 @pytest.mark.parametrize("which", ["peagle", "eagle3"])
-def test_bucketed_padding_changes_nothing(tiny_drafter, packed_batch, which):
-    b = packed_batch([17, 12], n_pad=3, loss_prob=0.8, seed=6)
-    K = 3
-    kept = cod_sample(b["loss_mask"], b["doc_ids"], K, 0.8, 0.3, generator=torch.Generator().manual_seed(2))
-    g = build_grid(b["input_ids"], b["loss_mask"], b["doc_ids"], kept, 127)
-    N = b["N"]
-    torch.manual_seed(4)
-    aux, last, head = torch.randn(N, 96).double(), torch.randn(N, 32).double(), torch.randn(60, 32).double()
-    argmax = torch.zeros(N, dtype=torch.long)
-    norm = float(supervised_count(g))
+def test_bucketed_padding_changes_nothing(tiny_drafter, objective_problem, which):
+    P = objective_problem([17, 12], 3, 0.8, 6, 3, 2, dtype=torch.float64)
+    g, aux, last, head, argmax, norm, K = (P[k] for k in ("grid", "aux", "last", "head", "argmax", "norm", "K"))
     if which == "peagle":
         d = tiny_drafter(K=K, draft_vocab_size=60, seed=5).double()
         make = lambda **kw: PEagleObjective(d, head, chunk_size=16, **kw)  # noqa: E731
@@ -455,7 +448,7 @@ def test_bucketed_padding_changes_nothing(tiny_drafter, packed_batch, which):
     else:
         d = tiny_drafter(K=K, draft_vocab_size=60, parallel_drafting=False, num_layers=1, seed=5).double()
         make = lambda **kw: Eagle3Objective(d, head, chunk_size=16, **kw)  # noqa: E731
-        run = lambda o: o(g, aux, last, argmax, norm, b["input_ids"])  # noqa: E731
+        run = lambda o: o(g, aux, last, argmax, norm, P["input_ids"])  # noqa: E731
     params = list(d.parameters())
     results = []
     for pad in (1, 64):
@@ -469,9 +462,11 @@ def test_bucketed_padding_changes_nothing(tiny_drafter, packed_batch, which):
             assert c is None
             continue
         assert torch.isfinite(c).all() and (a - c).abs().max() < 1e-12
-    with torch.no_grad():  # flex objective with bucket padding (forward only on CPU; 128 keeps eager flex cheap)
-        lf, pf = run(make(attention="flex", pad_multiple=128))
-    assert abs(lf.item() - l1.item()) < 1e-9 and torch.equal(pf, p1)
+    # flex objectives with bucket padding, split and joint (forward only on CPU; 128 keeps eager flex cheap)
+    for kind in ("flex", "flex_joint"):
+        with torch.no_grad():
+            lf, pf = run(make(attention=kind, pad_multiple=128))
+        assert abs(lf.item() - l1.item()) < 1e-9 and torch.equal(pf, p1), kind
 
 
 def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
@@ -515,6 +510,11 @@ def test_eagle3_step_lengths_follow_the_cod_bound():
     assert all(x % 128 == 0 for x in lens)
     assert eagle3_step_lengths(11000, 7, 1024, None) == [11264] * 7
     assert eagle3_step_lengths(11000, 3, 1024, (0.7, 0.2, 1000)) == [11264, 1024, 1024]
+    # static_tokens: every micro-batch up to that many tokens gets the same K shapes (one compile per run)
+    static = eagle3_step_lengths(8192, 7, 1024, (0.7, 0.2, None))
+    assert all(eagle3_step_lengths(E0, 7, 1024, (0.7, 0.2, None), static_tokens=8192) == static
+               for E0 in (1, 1000, 1025, 5000, 8192))
+    assert eagle3_step_lengths(9000, 7, 1024, None, static_tokens=8192) == [9216] * 7  # longer: own bucket
     # a COD sample never exceeds its step's length, for any n_valid up to the depth-0 count
     for n_valid in (1, 500, 10239, 11000):
         counts = cod_keep_counts(n_valid, 7, 0.7, 0.2, None)

@@ -43,6 +43,17 @@ def _cfg(tmp_path, **train):
     })
 
 
+def _cached_inputs(run_dir):
+    """Cache the tiny run's features once; returns ``(data, feats, target_config)`` for :class:`Trainer`."""
+    from transformers import AutoConfig
+
+    cfg0 = _cfg(run_dir, max_steps=1)
+    run_cache(cfg0, progress=False)
+    out = Path(cfg0.output_dir)
+    feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
+    return load_prepared(out), feats, AutoConfig.from_pretrained(str(run_dir / "target"))
+
+
 @pytest.fixture()
 def run_dir(tmp_path):
     save_tiny_target(tmp_path / "target")
@@ -95,13 +106,7 @@ def test_exact_resume(run_dir):
 
 def test_grad_accum_equals_bigger_micro_batch_layouts(run_dir):
     """One optimizer step over 2 sequences: (mbs=2, ga=1) and (mbs=1, ga=2, S=3) give the same update."""
-    cfg1 = _cfg(run_dir, micro_batch_size=2, grad_accum=1, max_steps=1)
-    run_cache(cfg1, progress=False)
-    out = Path(cfg1.output_dir)
-    data = load_prepared(out)
-    feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
-    from transformers import AutoConfig
-    tconf = AutoConfig.from_pretrained(str(run_dir / "target"))
+    data, feats, tconf = _cached_inputs(run_dir)
     results = []
     for kw in ({"micro_batch_size": 2, "grad_accum": 1}, {"micro_batch_size": 1, "grad_accum": 2, "partitions": 3}):
         cfg = _cfg(run_dir, max_steps=1, cod_r=1.0, cod_r_min=1.0, **kw)
@@ -145,13 +150,7 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
 
     with pytest.raises(ConfigError, match="only defined for method 'peagle'"):
         _cfg(run_dir, method="eagle3", partitions="auto")
-    cfg0 = _cfg(run_dir, max_steps=1)
-    run_cache(cfg0, progress=False)
-    out = Path(cfg0.output_dir)
-    data = load_prepared(out)
-    feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
-    from transformers import AutoConfig
-    tconf = AutoConfig.from_pretrained(str(run_dir / "target"))
+    data, feats, tconf = _cached_inputs(run_dir)
 
     auto = Trainer(_cfg(run_dir, max_steps=1, partitions="auto"), data, feats, tconf, [1, 3, 4])
     assert auto.partitions([40, 80]) == [1, 1]  # CPU: no GPU memory to plan against
@@ -214,3 +213,19 @@ def test_heldout_rank_matches_eval_prompts_order():
     ranks = [Trainer._heldout_rank(fake, i) for i in range(4)]
     assert ranks[0] == 0 and ranks[2] == 1 and ranks[3] == 2 and ranks[1] > 10**9
     assert len(eval_prompt_ids(rows)) == 3
+
+
+def test_eagle3_ttt_shapes_are_static_per_run(run_dir):
+    """EAGLE-3 TTT pads every micro-batch's steps as for the longest possible micro-batch
+    (``micro_batch_size ×`` longest sequence), so a compiled attention kernel set is built once per run
+    instead of once per (bucket, step) — the compile stalls that left EAGLE-3 with 43 steps in a
+    3.5-minute H200 run (docs/results.md)."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    t = Trainer(_cfg(run_dir, method="eagle3", K=3, max_steps=1, micro_batch_size=2), data, feats, tconf, [1, 3, 4])
+    obj = t.acc.unwrap_model(t.model)
+    longest = max(len(x) for x in data["train"]["input_ids"])
+    assert obj.static_tokens == 2 * longest
+    obj.pad_multiple = 16  # as flex would pad (CPU tests use sdpa: exact lengths)
+    sums = {sum(t.lengths[i] for i in mb) for s in range(t.steps_per_epoch) for mb in t.micro_batches(s)}
+    sums |= {1, 17, obj.static_tokens - 1, obj.static_tokens}  # any micro-batch up to the bound
+    assert len({tuple(obj.step_lengths(n, 3)) for n in sums}) == 1
