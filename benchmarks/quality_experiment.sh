@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
 #   bash benchmarks/quality_experiment.sh prepare    # regenerate responses, one worker per GPU (resumable: re-run)
+#   bash benchmarks/quality_experiment.sh restore    # instead of prepare: unpack .prepared/prepared.tar.xz (the
+#                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
@@ -29,6 +31,33 @@ ngpus() { echo "${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_coun
 P=recipes/smollm2-135m-peagle-gpu.yaml
 E=recipes/smollm2-135m-eagle3-gpu.yaml
 cli() { python3 -m peagle_train.cli "$@"; }
+PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors
+          peagle/data/eval_prompts.json peagle/data/meta.json)
+pack_prepared() {  # $RESULTS/prepared.tar.xz (+ .sha256) from $WORK/peagle's prepared data
+  python3 - "$WORK" "$RESULTS/prepared.tar.xz" "${PREPARED[@]}" <<'PY'
+import sys, tarfile
+work, dest, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+with tarfile.open(dest, "w:xz") as t:
+    for n in names:
+        t.add(f"{work}/{n}", arcname=n)
+PY
+  (cd "$RESULTS" && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
+  ls -l "$RESULTS/prepared.tar.xz"
+}
+restore_prepared() {  # checksum first; refuses to overwrite prepared data already on this disk
+  [ -f .prepared/prepared.tar.xz ] || { echo "restore: carry .prepared/ with prepared.tar.xz (+ .sha256)" >&2; exit 2; }
+  (cd .prepared && sha256sum -c prepared.tar.xz.sha256) || { echo "restore: checksum mismatch" >&2; exit 2; }
+  if [ -f "$WORK/peagle/data/meta.json" ]; then echo "restore: $WORK/peagle/data exists; keeping it"; else
+    python3 - "$WORK" <<'PY'
+import sys, tarfile
+with tarfile.open(".prepared/prepared.tar.xz", "r:xz") as t:
+    t.extractall(sys.argv[1], filter="data")
+PY
+  fi
+  mkdir -p "$WORK/eagle3" && cp -r "$WORK/peagle/data" "$WORK/eagle3/"
+  cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
+  echo "restore: $(python3 -c "import json; m=json.load(open('$WORK/peagle/data/meta.json')); print(m['splits']['train']['sequences'], 'train sequences')")"
+}
 
 case "${1:?step}" in
   part1)  # first half of the GGUF (one transfer is limited to 64 MiB)
@@ -56,8 +85,12 @@ case "${1:?step}" in
       | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     mkdir -p "$WORK/eagle3"
     [ -f "$WORK/peagle/data/meta.json" ] && cp -r "$WORK/peagle/data" "$WORK/eagle3/" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
-    ship data_meta.json prepare_meta.txt
+    # the prepared data, small enough to come back and be carried in later (restore): no re-regeneration
+    [ -f "$WORK/peagle/data/meta.json" ] && pack_prepared
+    ship data_meta.json prepare_meta.txt prepared.tar.xz prepared.tar.xz.sha256
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
+  restore)  # prepared data from an earlier prepare: .prepared/prepared.tar.xz + .sha256 (carry .prepared)
+    restore_prepared ;;
   train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other
     ngpu=$(ngpus)
     i=0
