@@ -17,12 +17,113 @@ are counted in the report, never raised.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 from peagle_train.config import RegenConfig
 
 from .template import build_prompt_ids
 
 Message = dict[str, str]
+Job = tuple[int, int, list[Message], list[int]]  # (conversation index, turn, messages, prompt ids)
+
+
+@dataclass
+class Completion:
+    """One generated assistant turn.
+
+    ``text``: the answer (stripped); ``reasoning``: the reasoning text if the engine
+    separated it (else None); ``tokens``: generated tokens (HF: up to and including the first
+    end-of-turn token; a vLLM server's ``usage.completion_tokens`` or vLLM's output ids);
+    ``finished``: stopped by end-of-turn, not by ``max_new_tokens``.
+    """
+
+    text: str
+    reasoning: str | None
+    tokens: int
+    finished: bool
+
+
+def run_rounds(
+    complete: Callable[[list[Job]], Iterable[tuple[int, Completion]]],
+    tokenizer,
+    conversations: list[list[Message]],
+    max_prompt_tokens: int,
+    progress: bool,
+    desc: str = "regenerate",
+) -> tuple[list[list[Message]], dict]:
+    """Regenerate turn by turn over all conversations (module docstring), with any engine.
+
+    Args:
+        complete: the engine: answers a round's jobs, yielding ``(job position, Completion)``
+            in any order (the HF engine yields batch by batch, so the progress bar moves).
+        tokenizer: target tokenizer (prompt-length check, :func:`build_prompt_ids`).
+        conversations, max_prompt_tokens, progress: as :func:`regenerate`.
+
+    Returns:
+        ``(kept conversations, stats)``; ``stats`` holds the keyword arguments of
+        :func:`regen_report` that the loop knows (``n_in``, ``n_out``, ``cut``,
+        ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine).
+    """
+    from tqdm.auto import tqdm
+
+    parts = [_split(c, k) for k, c in enumerate(conversations)]
+    out: list[list[Message]] = [list(head) for head, _ in parts]
+    alive = [True] * len(parts)
+    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, turns_generated=0)
+    generated_tokens, seconds = 0, 0.0
+    total_turns = sum(len(users) for _, users in parts)
+    bar = tqdm(total=total_turns, unit="turn", desc=desc, disable=not progress)
+
+    def end(k: int, counter: str) -> None:
+        counts[counter] += 1
+        alive[k] = False
+        bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)  # its remaining turns
+
+    for r in range(max((len(u) for _, u in parts), default=0)):
+        jobs: list[Job] = []
+        for k, (_, users) in enumerate(parts):
+            if alive[k] and r < len(users):
+                # role/content only: reasoning is not sent back
+                msgs = [{"role": m["role"], "content": m["content"]} for m in out[k]]
+                msgs.append({"role": "user", "content": users[r]})
+                ids = build_prompt_ids(tokenizer, msgs)
+                if len(ids) > max_prompt_tokens:
+                    end(k, "prompts_too_long")
+                else:
+                    jobs.append((k, r, msgs, ids))
+        if not jobs:
+            continue
+        t0 = time.perf_counter()
+        answers = iter(complete(jobs))  # a list engine works here, a generator engine in next()
+        seconds += time.perf_counter() - t0
+        while True:
+            t0 = time.perf_counter()
+            nxt = next(answers, None)
+            seconds += time.perf_counter() - t0
+            if nxt is None:
+                break
+            i, c = nxt
+            k = jobs[i][0]
+            generated_tokens += c.tokens
+            counts["unfinished_responses"] += not c.finished
+            if not c.text:
+                end(k, "empty_responses")
+            else:
+                turn = {"role": "assistant", "content": c.text}
+                if c.reasoning:
+                    turn["reasoning"] = c.reasoning
+                out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
+                counts["turns_generated"] += 1
+                bar.update(1)
+            bar.set_postfix(tok_s=f"{generated_tokens / max(seconds, 1e-9):.1f}")
+    bar.close()
+
+    n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
+    kept = [o for o, n in zip(out, n_turns) if n > 0]
+    return kept, dict(n_in=len(conversations), n_out=len(kept), turns_requested=total_turns, counts=counts,
+                      cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)),
+                      generated_tokens=generated_tokens, seconds=seconds)
 
 
 def _split(conv: list[Message], k: int) -> tuple[list[Message], list[str]]:
@@ -160,7 +261,6 @@ def regenerate(
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
     import transformers
-    from tqdm.auto import tqdm
 
     transformers.set_seed(cfg.seed)
     model.eval()
@@ -170,52 +270,15 @@ def regenerate(
     if cfg.do_sample:
         gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
 
-    parts = [_split(c, k) for k, c in enumerate(conversations)]
-    out: list[list[Message]] = [list(head) for head, _ in parts]
-    alive = [True] * len(parts)
-    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, turns_generated=0)
-    generated_tokens, seconds = 0, 0.0
-    total_turns = sum(len(users) for _, users in parts)
-    bar = tqdm(total=total_turns, unit="turn", desc="regenerate", disable=not progress)
+    def complete(jobs: list[Job]):
+        """Longest prompts first (ties by conversation index), left-padded batches of ``batch_size``."""
+        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
+        for s in range(0, len(order), cfg.batch_size):
+            idx = order[s : s + cfg.batch_size]
+            for i, (new, finished) in zip(idx, _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids,
+                                                                 gen_kwargs)):
+                yield i, Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), None, len(new), finished)
 
-    def end(k: int, counter: str) -> None:
-        counts[counter] += 1
-        alive[k] = False
-        bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)  # its remaining turns
-
-    for r in range(max((len(u) for _, u in parts), default=0)):
-        jobs = []  # (conversation index, prompt ids)
-        for k, (_, users) in enumerate(parts):
-            if alive[k] and r < len(users):
-                ids = build_prompt_ids(tokenizer, out[k] + [{"role": "user", "content": users[r]}])
-                if len(ids) > max_prompt_tokens:
-                    end(k, "prompts_too_long")
-                else:
-                    jobs.append((k, ids))
-        jobs.sort(key=lambda j: -len(j[1]))
-        for s in range(0, len(jobs), cfg.batch_size):
-            batch = jobs[s : s + cfg.batch_size]
-            t0 = time.perf_counter()
-            results = _generate_batch(model, [ids for _, ids in batch], pad_id, eos_ids, gen_kwargs)
-            seconds += time.perf_counter() - t0
-            for (k, _), (new, finished) in zip(batch, results):
-                generated_tokens += len(new)
-                counts["unfinished_responses"] += not finished
-                text = tokenizer.decode(new, skip_special_tokens=True).strip()
-                if not text:
-                    end(k, "empty_responses")
-                    continue
-                out[k] += [{"role": "user", "content": parts[k][1][r]}, {"role": "assistant", "content": text}]
-                counts["turns_generated"] += 1
-                bar.update(1)
-            bar.set_postfix(tok_s=f"{generated_tokens / max(seconds, 1e-9):.1f}")
-    bar.close()
-
-    n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
-    kept = [o for o, n in zip(out, n_turns) if n > 0]
-    report = regen_report(
-        cfg, {"backend": "hf"}, n_in=len(conversations), n_out=len(kept),
-        cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)), turns_requested=total_turns, counts=counts,
-        generated_tokens=generated_tokens, seconds=seconds, max_prompt_tokens=max_prompt_tokens, eos_ids=eos_ids,
-    )
+    kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
+    report = regen_report(cfg, {"backend": "hf"}, **stats, max_prompt_tokens=max_prompt_tokens, eos_ids=eos_ids)
     return kept, report

@@ -9,8 +9,8 @@ Two engines, chosen by ``regen.server_url``:
 - **offline** (``server_url`` unset): ``vllm.LLM(model).chat(...)`` in this process (vLLM is
   imported only here, lazily); one ``chat`` call per round, batched by vLLM itself.
 
-Semantics match the HF backend (:mod:`data_prep.regenerate`): turns are regenerated in
-rounds; round ``r`` sends, for every conversation still alive, ``system? + (user_1,
+Both engines run the HF backend's round loop (:func:`data_prep.regenerate.run_rounds`): turns
+are regenerated in rounds; round ``r`` sends, for every conversation still alive, ``system? + (user_1,
 regenerated_1, ..., user_r)``, so turn ``r`` conditions on the *regenerated* history. The
 prompt length is measured with the target tokenizer's own template
 (:func:`data_prep.template.build_prompt_ids`); a prompt over ``max_prompt_tokens`` or an
@@ -29,34 +29,14 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 from peagle_train.config import RegenConfig
 
-from .template import build_prompt_ids
-
-Message = dict[str, str]
+from .regenerate import Completion, Job, Message
 
 #: HTTP statuses retried (with ``regen.max_retries``) besides connection errors.
 RETRY_STATUS = {429, 500, 502, 503, 504}
-
-
-@dataclass
-class Completion:
-    """One generated assistant turn.
-
-    ``text``: the answer (stripped); ``reasoning``: the reasoning text if the engine
-    separated it (else None); ``tokens``: generated tokens (the server's
-    ``usage.completion_tokens``, or vLLM's output ids; includes the end-of-turn token when
-    the engine counts it); ``finished``: stopped by end-of-turn, not by ``max_tokens``.
-    """
-
-    text: str
-    reasoning: str | None
-    tokens: int
-    finished: bool
 
 
 class ServerError(RuntimeError):
@@ -180,10 +160,11 @@ class _ServerEngine:
         return Completion(text.strip(), reasoning.strip() if reasoning else None, tokens,
                           choice.get("finish_reason") != "length")
 
-    def __call__(self, jobs: list[tuple[int, int, list[Message]]]) -> list[Completion]:
-        """Complete ``(conversation index, turn, messages)`` jobs, ``concurrency`` at a time, in order."""
+    def __call__(self, jobs: list[Job]) -> list[tuple[int, Completion]]:
+        """Complete ``(conversation index, turn, messages, prompt ids)`` jobs, ``concurrency`` at a
+        time; returns ``(job position, Completion)`` in job order."""
         with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
-            return list(pool.map(lambda j: self._one(*j), jobs))
+            return list(enumerate(pool.map(lambda j: self._one(*j[:3]), jobs)))
 
     def close(self) -> None:
         self.client.close()
@@ -234,86 +215,14 @@ class _OfflineEngine:
         self.llm = _load_llm(name, cfg.seed)
         self.params = vllm.SamplingParams(n=1, **_sampling(cfg))
 
-    def __call__(self, jobs: list[tuple[int, int, list[Message]]]) -> list[Completion]:
-        outs = self.llm.chat([m for _, _, m in jobs], self.params, use_tqdm=self.progress)
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            res.append(Completion(c.text.strip(), None, len(c.token_ids), c.finish_reason != "length"))
-        return res
+    def __call__(self, jobs: list[Job]) -> list[tuple[int, Completion]]:
+        """One ``chat`` call for the whole round; ``(job position, Completion)`` in job order."""
+        outs = self.llm.chat([j[2] for j in jobs], self.params, use_tqdm=self.progress)
+        return [(i, Completion(o.outputs[0].text.strip(), None, len(o.outputs[0].token_ids),
+                               o.outputs[0].finish_reason != "length")) for i, o in enumerate(outs)]
 
     def close(self) -> None:
         pass
-
-
-# --------------------------------------------------------------------------- rounds
-
-
-def _run_rounds(
-    complete: Callable[[list[tuple[int, int, list[Message]]]], list[Completion]],
-    tokenizer,
-    conversations: list[list[Message]],
-    max_prompt_tokens: int,
-    progress: bool,
-) -> tuple[list[list[Message]], dict, float]:
-    """Regenerate turn by turn over all conversations (module docstring).
-
-    Returns:
-        ``(kept conversations, counts, generate seconds)``.
-    """
-    from tqdm.auto import tqdm
-
-    from .regenerate import _split
-
-    parts = [_split(c, k) for k, c in enumerate(conversations)]
-    out: list[list[Message]] = [list(head) for head, _ in parts]
-    alive = [True] * len(parts)
-    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, turns_generated=0,
-                  generated_tokens=0)
-    seconds = 0.0
-    total_turns = sum(len(users) for _, users in parts)
-    bar = tqdm(total=total_turns, unit="turn", desc="regenerate (vllm)", disable=not progress)
-
-    def history(k: int) -> list[Message]:  # role/content only: reasoning is not sent back
-        return [{"role": m["role"], "content": m["content"]} for m in out[k]]
-
-    def end(k: int, counter: str) -> None:
-        counts[counter] += 1
-        alive[k] = False
-        bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)
-
-    for r in range(max((len(u) for _, u in parts), default=0)):
-        jobs = []
-        for k, (_, users) in enumerate(parts):
-            if alive[k] and r < len(users):
-                msgs = history(k) + [{"role": "user", "content": users[r]}]
-                if len(build_prompt_ids(tokenizer, msgs)) > max_prompt_tokens:
-                    end(k, "prompts_too_long")
-                else:
-                    jobs.append((k, r, msgs))
-        if not jobs:
-            continue
-        t0 = time.perf_counter()
-        results = complete(jobs)
-        seconds += time.perf_counter() - t0
-        for (k, _, _), c in zip(jobs, results):
-            counts["generated_tokens"] += c.tokens
-            counts["unfinished_responses"] += not c.finished
-            if not c.text:
-                end(k, "empty_responses")
-                continue
-            turn = {"role": "assistant", "content": c.text}
-            if c.reasoning:
-                turn["reasoning"] = c.reasoning
-            out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
-            counts["turns_generated"] += 1
-            bar.update(1)
-        bar.set_postfix(tok_s=f"{counts['generated_tokens'] / max(seconds, 1e-9):.1f}")
-    bar.close()
-    n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
-    counts["conversations_cut"] = sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts))
-    counts["turns_requested"] = total_turns
-    return [o for o, n in zip(out, n_turns) if n > 0], counts, seconds
 
 
 def regenerate_vllm(
@@ -353,20 +262,17 @@ def regenerate_vllm(
         raise ValueError(f"regenerate_vllm needs regen.backend: vllm (got '{cfg.backend}')")
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
-    from .regenerate import _split, regen_report
+    from .regenerate import _split, regen_report, run_rounds
 
     for k, c in enumerate(conversations):  # fail on a bad row before contacting any engine
         _split(c, k)
     engine = _ServerEngine(cfg) if cfg.server_url else _OfflineEngine(cfg, model, progress)
     try:
-        kept, counts, seconds = _run_rounds(engine, tokenizer, conversations, max_prompt_tokens, progress)
+        kept, stats = run_rounds(engine, tokenizer, conversations, max_prompt_tokens, progress,
+                                 desc="regenerate (vllm)")
     finally:
         engine.close()
-    tokens = counts.pop("generated_tokens")
     head = {"backend": "vllm", "engine": "server" if cfg.server_url else "offline", "server_url": cfg.server_url,
             "model": engine.model, "concurrency": cfg.concurrency if cfg.server_url else None}
-    cut, requested = counts.pop("conversations_cut"), counts.pop("turns_requested")
-    report = regen_report(cfg, head, n_in=len(conversations), n_out=len(kept), cut=cut, turns_requested=requested,
-                          counts=counts, generated_tokens=tokens, seconds=seconds,
-                          max_prompt_tokens=max_prompt_tokens, eos_ids=None)
+    report = regen_report(cfg, head, **stats, max_prompt_tokens=max_prompt_tokens, eos_ids=None)
     return kept, report
