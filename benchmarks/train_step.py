@@ -33,8 +33,9 @@ Usage::
     python benchmarks/train_step.py --seq-len 8192 --attention both        # split vs joint flex, same process
     python benchmarks/train_step.py --check-grads                          # split ≡ joint flex, fp32 grads
 
-Variants (issue #7): ``--compile off|on|both`` times each configuration side by side for
-every N (``train.compile``: compiled decoder layers + compiled loss chunk); ``first_step_s``
+Variants (issue #7): ``--compile off|on|both|autotune|on+autotune`` times each configuration side
+by side for every N (``train.compile``: compiled decoder layers + compiled loss chunk; ``autotune``:
+``train.compile: max-autotune``, Inductor's autotuning of the kernel configs); ``first_step_s``
 is the first step (compilation included) and ``compile_modes`` says whether each compiled
 piece ran fullgraph, with graph breaks, or fell back to eager. ``--partitions auto`` asks
 :func:`peagle_train.planner.plan_step` for S (and activation checkpointing) given the GPU's
@@ -231,10 +232,11 @@ def _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     })
     if compile:
+        from peagle_train.compiling import inductor_mode
         from peagle_train.loss import compiled_chunk_loss
 
         rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
-                                "loss_chunk": compiled_chunk_loss().mode}
+                                "loss_chunk": compiled_chunk_loss(inductor_mode(compile)).mode}
     if sync_debug and cuda:
         rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
     return rec
@@ -462,8 +464,9 @@ def main(argv=None):
     ap.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory for --partitions auto")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the decoder layers "
                     "(with --partitions auto the planner decides)")
-    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
-                    help="train.compile variants to time side by side (both = eager then compiled)")
+    ap.add_argument("--compile", choices=["off", "on", "both", "autotune", "on+autotune"], default="off",
+                    help="train.compile variants to time side by side (both = eager then compiled; autotune = "
+                         "train.compile: max-autotune; on+autotune = compiled then autotuned)")
     ap.add_argument("--attention", choices=["flex", "flex_joint", "both"], default="flex",
                     help="train.attention on CUDA: flex = split form (prefix kernel + gathered chain), flex_joint = "
                          "one kernel of the whole rule, both = each row with both (joint first); CPU runs sdpa")
@@ -497,7 +500,8 @@ def main(argv=None):
     S_list = args.partitions or ["1"]
     if len(S_list) == 1:
         S_list = S_list * len(args.n)
-    variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    variants = {"off": [False], "on": [True], "both": [False, True], "autotune": ["max-autotune"],
+                "on+autotune": [True, "max-autotune"]}[args.compile]
     attentions = {"flex": ["flex"], "flex_joint": ["flex_joint"], "both": ["flex_joint", "flex"]}[args.attention]
     if device.type != "cuda" and len(attentions) > 1:  # both kinds would run the same dense SDPA
         print("--attention both on CPU: one sdpa row per N (FlexAttention has no CPU backward)")
@@ -596,7 +600,7 @@ def main(argv=None):
                                            if matmul_tflops else ""))
     print(hdr)
     for r in rows:
-        comp = "on" if r.get("compile") else "off"
+        comp = {True: "on", False: "off", None: "off"}.get(r.get("compile"), "autotune")
         attn = r.get("attention", "-")
         if "error" in r:
             print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {attn:>10} {r['error']}")

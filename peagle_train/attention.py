@@ -324,7 +324,7 @@ def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
     key_sorted, order = torch.sort(flat_key, stable=True)
     first = torch.searchsorted(key_sorted, key_sorted)  # start of each key's run
     rank = torch.arange(key_sorted.numel(), device=dev) - first
-    if C and bool((rank[key_sorted < n_kv] >= C).any()):
+    if C and bool(((rank >= C) & (key_sorted < n_kv)).any()):  # one host sync
         raise ValueError(f"invert_chain_index: a key is read by more than C={C} (query, slot) pairs")
     keep = (key_sorted < n_kv) & (rank < C)
     slot = torch.where(keep, key_sorted * C + rank, torch.full_like(rank, n_kv * C))  # dummy slot at the end

@@ -23,6 +23,16 @@ import warnings
 import torch
 
 RECOMPILE_LIMIT = 64
+AUTOTUNE = "max-autotune"  # train.compile: max-autotune → Inductor's "max-autotune-no-cudagraphs" mode
+
+
+def inductor_mode(compile) -> str | None:
+    """``torch.compile`` ``mode`` for a ``train.compile`` value: ``"max-autotune"`` →
+    ``"max-autotune-no-cudagraphs"`` (Inductor benchmarks several kernel configs, the
+    FlexAttention and GEMM templates included, at the first compile of each shape; longer
+    first step, possibly faster steps; no CUDA graphs: grids change shape); ``True`` → None
+    (Inductor's default)."""
+    return "max-autotune-no-cudagraphs" if compile == AUTOTUNE else None
 
 
 def raise_recompile_limits(limit: int = RECOMPILE_LIMIT) -> None:
@@ -59,15 +69,16 @@ class SafeCompiled:
     records it as that variant's error row; in training, set ``train.compile: false``).
     """
 
-    def __init__(self, fn, name: str, fullgraph: bool = True):
+    def __init__(self, fn, name: str, fullgraph: bool = True, inductor_mode: str | None = None):
         self.fn, self.name = fn, name
         self.mode = "pending"
+        self.inductor_mode = inductor_mode  # torch.compile(mode=...); None = default
         self._fullgraph = fullgraph
         self._compiled = None
 
     def _make(self, fullgraph: bool):
         raise_recompile_limits()
-        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=False)
+        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=False, mode=self.inductor_mode)
         self.mode = "fullgraph" if fullgraph else "graph-breaks"
 
     def __call__(self, *args, **kwargs):

@@ -211,10 +211,12 @@ class TrainConfig(_Section):
     loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
     mixed_precision: Literal["no", "bf16"] = "no"
     activation_checkpointing: bool = False
-    compile: bool = Field(
+    compile: bool | Literal["max-autotune"] = Field(
         False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
         "dynamic=False; one compile per 1024-bucketed grid length); on failure it falls back to graph breaks, "
-        "then eager, with a warning. Same math as eager. Mostly a GPU speed knob (issue #7).",
+        "then eager, with a warning. Same math as eager. Mostly a GPU speed knob (issue #7). 'max-autotune': "
+        "the same with Inductor's max-autotune-no-cudagraphs mode (benchmarks kernel configs, FlexAttention's "
+        "included, at each first compile: a longer first step).",
     )
     log_every: int = Field(10, ge=1)
     eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")

@@ -296,9 +296,11 @@ class Drafter(nn.Module):
         self._compile_cache: list | None = None
         self.reset_parameters()
 
-    def set_compile(self, enabled: bool = True) -> None:
+    def set_compile(self, enabled: bool | str = True) -> None:
         """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
-        (``train.compile``, issue #7), or back to eager with ``enabled=False``.
+        (``train.compile``, issue #7), or back to eager with ``enabled=False``. ``enabled="max-autotune"``
+        compiles with Inductor's ``max-autotune-no-cudagraphs`` mode
+        (:func:`~peagle_train.compiling.inductor_mode`).
 
         Compilation happens lazily on the first forward, once per distinct (bucketed) grid
         length. Each layer is wrapped in :class:`~peagle_train.compiling.SafeCompiled`: a
@@ -310,10 +312,12 @@ class Drafter(nn.Module):
         if not enabled:
             self._compiled_layers = None
             return
-        from .compiling import SafeCompiled
+        from .compiling import SafeCompiled, inductor_mode
 
-        if self._compile_cache is None or len(self._compile_cache) != len(self.layers):
-            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}")
+        mode = inductor_mode(enabled)
+        if (self._compile_cache is None or len(self._compile_cache) != len(self.layers)
+                or self._compile_cache[0].inductor_mode != mode):
+            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}", inductor_mode=mode)
                                    for i, layer in enumerate(self.layers)]
         self._compiled_layers = self._compile_cache
 

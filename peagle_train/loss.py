@@ -51,20 +51,19 @@ def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):
     return (per * weight).sum(), logp.argmax(-1)
 
 
-_CHUNK_COMPILED = None
+_CHUNK_COMPILED: dict = {}
 
 
-def compiled_chunk_loss():
+def compiled_chunk_loss(inductor_mode: str | None = None):
     """The chunk body (final norm → lm_head → log_softmax → KL/CE → weighted sum, argmax) under
-    ``torch.compile(fullgraph=True, dynamic=False)`` with the safe fallback of
+    ``torch.compile(fullgraph=True, dynamic=False, mode=inductor_mode)`` with the safe fallback of
     :class:`~peagle_train.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
-    One shared instance (one graph per distinct chunk length and loss kind)."""
-    global _CHUNK_COMPILED
-    if _CHUNK_COMPILED is None:
+    One shared instance per mode (one graph per distinct chunk length and loss kind)."""
+    if inductor_mode not in _CHUNK_COMPILED:
         from .compiling import SafeCompiled
 
-        _CHUNK_COMPILED = SafeCompiled(_chunk_loss, "loss._chunk_loss")
-    return _CHUNK_COMPILED
+        _CHUNK_COMPILED[inductor_mode] = SafeCompiled(_chunk_loss, "loss._chunk_loss", inductor_mode=inductor_mode)
+    return _CHUNK_COMPILED[inductor_mode]
 
 
 def chunked_loss(
@@ -76,7 +75,7 @@ def chunked_loss(
     target: TargetDist,
     kind: str = "kl",
     chunk_size: int = 2048,
-    compile: bool = False,
+    compile: bool | str = False,
 ):
     """Sum over elements of ``weight * loss`` and the drafter's greedy draft ids.
 
@@ -91,7 +90,8 @@ def chunked_loss(
         weight: ``[E]`` float (already divided by the normaliser if wanted).
         target: :class:`TargetDist`.
         kind: ``"kl"`` or ``"ce"``. chunk_size: elements per chunk.
-        compile: run the chunk body through :func:`compiled_chunk_loss` (``train.compile``).
+        compile: run the chunk body through :func:`compiled_chunk_loss` (``train.compile``: True, or
+            ``"max-autotune"`` for Inductor's autotuning mode).
             The checkpointing is the same: the compiled body is what
             ``torch.utils.checkpoint`` saves nothing of and recomputes in backward.
 
@@ -103,7 +103,12 @@ def chunked_loss(
     """
     if kind not in ("kl", "ce"):
         raise ValueError(f"unknown loss kind {kind!r}")
-    body = compiled_chunk_loss() if compile else _chunk_loss
+    if compile:
+        from .compiling import inductor_mode
+
+        body = compiled_chunk_loss(inductor_mode(compile))
+    else:
+        body = _chunk_loss
     total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
     preds = []
     for s in range(0, h.shape[0], chunk_size):

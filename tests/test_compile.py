@@ -86,3 +86,33 @@ def test_safe_compiled_does_not_swallow_oom(monkeypatch):
     monkeypatch.setattr(torch, "compile", oom_compile)
     with pytest.raises(torch.OutOfMemoryError):
         SafeCompiled(lambda x: x, "id")(torch.tensor(1.0))
+
+
+def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, monkeypatch):
+    """train.compile: max-autotune compiles the decoder layers and the loss chunk with Inductor's
+    max-autotune-no-cudagraphs mode; train.compile: true with the default mode (None). The recipe
+    accepts both; anything else is refused."""
+    import peagle_train.compiling as compiling
+    import peagle_train.loss as loss_mod
+    from peagle_train.config import ConfigError, config_from_dict
+
+    seen = []
+
+    def fake_compile(fn, **kw):  # record the call, run eagerly
+        seen.append((getattr(fn, "__name__", type(fn).__name__), kw.get("mode")))
+        return fn
+
+    monkeypatch.setattr(compiling.torch, "compile", fake_compile)
+    monkeypatch.setattr(loss_mod, "_CHUNK_COMPILED", {})  # earlier tests' compiled chunk bodies are cached
+    d, head, args = _problem(tiny_drafter, objective_problem, False)
+    for compile, mode in ((True, None), ("max-autotune", "max-autotune-no-cudagraphs")):
+        seen.clear()
+        loss, _ = PEagleObjective(d, head, chunk_size=64, attention="sdpa", compile=compile)(*args)
+        assert torch.isfinite(loss)
+        assert {m for _, m in seen} == {mode} and "_chunk_loss" in {n for n, _ in seen}
+        assert sum(n == "DrafterLayer" for n, _ in seen) == len(d.layers), seen
+    base = {"output_dir": "x", "target": {"name": "t", "path": "p"}, "train": {}}
+    assert config_from_dict(base | {"train": {"compile": "max-autotune"}}).train.compile == "max-autotune"
+    assert config_from_dict(base | {"train": {"compile": True}}).train.compile is True
+    with pytest.raises(ConfigError, match="train.compile"):
+        config_from_dict(base | {"train": {"compile": "fastest"}})
