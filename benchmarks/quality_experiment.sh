@@ -71,18 +71,26 @@ case "${1:?step}" in
     t0=$(date +%s)
     BUDGET=${BUDGET:-540}
     ngpu=$(ngpus)
+    unfinished=0
     if [ "$ngpu" -gt 1 ]; then
+      pids=()
       for r in $(seq 0 $((ngpu - 1))); do
         CUDA_VISIBLE_DEVICES=$r timeout $((BUDGET - 60)) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" \
           --regen-worker "$r/$ngpu" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
+        pids+=($!)
         sleep 2  # the first worker stamps output_dir
       done
-      wait || true
+      for pid in "${pids[@]}"; do wait "$pid" || unfinished=1; done
       tail -n 3 "$WORK"/regen-worker-*.log | cut -c1-300
     fi
-    left=$(( BUDGET - ($(date +%s) - t0) ))
-    timeout $(( left > 30 ? left : 30 )) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" --quiet \
-      | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
+    if [ "$unfinished" = 1 ]; then
+      # a worker ran out of budget: one GPU would only continue its shards slowly; the next call resumes on all
+      echo "regeneration not finished in BUDGET=$BUDGET s: re-run this step (finished shards are kept)"
+    else
+      left=$(( BUDGET - ($(date +%s) - t0) ))
+      timeout $(( left > 30 ? left : 30 )) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" --quiet \
+        | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
+    fi
     mkdir -p "$WORK/eagle3"
     [ -f "$WORK/peagle/data/meta.json" ] && cp -r "$WORK/peagle/data" "$WORK/eagle3/" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
     # the prepared data, small enough to come back and be carried in later (restore): no re-regeneration
