@@ -9,6 +9,7 @@
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
+#   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
 #
 # Inputs expected in the working tree (ignored folders carried to the device):
@@ -150,6 +151,50 @@ PY
          smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json \
          smollm2-135m-peagle-gpu-acceptance_by_position.png smollm2-135m-eagle3-gpu-acceptance_by_position.png \
          comparison.md comparison.png ;;
+  ablate)  # P-EAGLE variants on the same prepared data (after prepare or restore), all at once, several per GPU
+    # ABLATE: space-separated "name=override,override" entries (name= alone: the recipe as is);
+    # ABLATE_MINUTES: each variant's train.max_minutes (wall clock: variants sharing a GPU share it,
+    # so compare variants of the same call only). Result: $RESULTS/ablation.json, one row per variant
+    # with its simulated acceptance lengths from the training log (no decoding loop, no export).
+    minutes=${ABLATE_MINUTES:-2}
+    ngpu=$(ngpus); ngpu=$(( ngpu > 0 ? ngpu : 1 ))
+    i=0; names=()
+    for v in ${ABLATE:-"base= K4=train.K=4,eval.k_max=4 cod_r05=train.cod_r=0.5 cod_r09=train.cod_r=0.9 data_half=train.train_sequences=4733 data_quarter=train.train_sequences=2366"}; do
+      name=${v%%=*}; IFS=, read -r -a vo <<< "${v#*=}"
+      d="$WORK/ablate/$name"; mkdir -p "$d"; [ -d "$d/data" ] || cp -r "$WORK/peagle/data" "$d/"
+      ( CUDA_VISIBLE_DEVICES=$(( i % ngpu )) cli train "$P" "${OVR[@]}" "output_dir=$d" "train.max_minutes=$minutes" \
+          "${vo[@]}" --quiet > "$d.json" 2> "$d.err" || echo "ablation $name failed: $(tail -n 2 "$d.err" | cut -c1-300)" ) &
+      names+=("$name"); i=$((i + 1))
+    done
+    wait
+    python3 - "$WORK/ablate" "$RESULTS/ablation.json" "$minutes" "${names[@]}" <<'PY'
+import json, sys
+from pathlib import Path
+root, dest, minutes, names = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+rows = []
+for n in names:
+    f = root / n / "train_metrics.json"
+    if not f.exists():
+        err = (root / f"{n}.err").read_text().strip().splitlines() if (root / f"{n}.err").exists() else []
+        rows.append({"variant": n, "error": " ".join(err[-2:])[:400] or "no train_metrics.json"})
+        continue
+    m = json.loads(f.read_text())
+    fin, k = m["final"], str(min(7, m["K"]))  # served K <= trained K
+    get = lambda key: (fin.get(key) or {}).get(k)  # noqa: E731
+    rows.append({"variant": n, "K": m["K"], "steps": m["steps"], "train_s": round(m["train_seconds"], 1),
+                 "walk_al_heldout": get("eval_walk_al_heldout"), "walk_al": get("eval_walk_al"),
+                 "sim_al": get("eval_sim_al"), "eval_loss": fin.get("eval_loss"), "al_at_K": int(k)})
+json.dump({"minutes_each": minutes, "rows": rows}, open(dest, "w"), indent=1)
+print(f"{'variant':<14}{'K':>3}{'steps':>7}{'train s':>9}{'walk AL heldout':>17}{'walk AL':>9}{'sim AL':>8}")
+for r in rows:
+    if "error" in r:
+        print(f"{r['variant']:<14} {r['error']}")
+        continue
+    f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+    print(f"{r['variant']:<14}{r['K']:>3}{r['steps']:>7}{r['train_s']:>9}{f(r['walk_al_heldout']):>17}"
+          f"{f(r['walk_al']):>9}{f(r['sim_al']):>8}")
+PY
+    ship ablation.json ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -180,6 +180,9 @@ class TrainConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    train_sequences: int | None = Field(
+        None, ge=1, description="Train on the first this many sequences of the prepared train split only "
+        "(a data-size ablation on the same prepared data; None = all). More than the split holds is an error.")
     max_minutes: float | None = Field(
         None, gt=0, description="Wall-clock training budget (minutes, summed over resumed launches of the run); "
                                 "the cosine schedule still spans the planned steps unless schedule: time."

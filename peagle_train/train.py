@@ -116,6 +116,13 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.layout = layout or requested_layout()
         self.train_ids, self.train_masks = data["train"]["input_ids"], data["train"]["loss_mask"]
+        if self.tc.train_sequences is not None:  # data-size ablation: a prefix of the prepared split
+            if self.tc.train_sequences > len(self.train_ids):
+                raise ConfigError(f"train.train_sequences={self.tc.train_sequences} but the prepared train split in "
+                                  f"{self.out / 'data'} holds {len(self.train_ids)} sequences; lower it or prepare more "
+                                  "data (data.num_conversations)")
+            self.train_ids = self.train_ids[: self.tc.train_sequences]
+            self.train_masks = self.train_masks[: self.tc.train_sequences]
         self.eval_ids, self.eval_masks = data["eval"]["input_ids"], data["eval"]["loss_mask"]
         self.grad_accum = validate_layout(cfg, self.layout, len(self.train_ids))
         self.acc = accelerator or make_accelerator(cfg, self.layout, self.out / "logs")

@@ -229,3 +229,19 @@ def test_eagle3_ttt_shapes_are_static_per_run(run_dir):
     sums = {sum(t.lengths[i] for i in mb) for s in range(t.steps_per_epoch) for mb in t.micro_batches(s)}
     sums |= {1, 17, obj.static_tokens - 1, obj.static_tokens}  # any micro-batch up to the bound
     assert len({tuple(obj.step_lengths(n, 3)) for n in sums}) == 1
+
+
+def test_train_sequences_trains_on_a_prefix_of_the_split(run_dir):
+    """train.train_sequences (data-size ablation): only the first n prepared sequences are dealt
+    to micro-batches and counted for the draft vocab; more than the split holds is a ConfigError."""
+    from peagle_train.config import ConfigError
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    n_all = len(data["train"]["input_ids"])
+    t = Trainer(_cfg(run_dir, max_steps=1, train_sequences=3), data, feats, tconf, [1, 3, 4])
+    assert len(t.train_ids) == 3 and t.steps_per_epoch == 3
+    used = {i for s in range(t.steps_per_epoch) for mb in t.micro_batches(s) for i in mb}
+    assert used == {0, 1, 2}
+    assert torch.isfinite(torch.tensor(t.train_step()["loss"]))
+    with pytest.raises(ConfigError, match=f"train.train_sequences={n_all + 1} but the prepared train split"):
+        Trainer(_cfg(run_dir, max_steps=1, train_sequences=n_all + 1), data, feats, tconf, [1, 3, 4])
