@@ -45,6 +45,9 @@ PY
   (cd "$RESULTS" && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
   ls -l "$RESULTS/prepared.tar.xz"
 }
+share_prepared() {  # $1/data: a copy of the prepared data another output_dir trains on (not the regen shards)
+  mkdir -p "$1/data" && for f in "${PREPARED[@]:1}"; do cp "$WORK/$f" "$1/data/"; done
+}
 restore_prepared() {  # checksum first; refuses to overwrite prepared data already on this disk
   [ -f .prepared/prepared.tar.xz ] || { echo "restore: carry .prepared/ with prepared.tar.xz (+ .sha256)" >&2; exit 2; }
   (cd .prepared && sha256sum -c prepared.tar.xz.sha256) || { echo "restore: checksum mismatch" >&2; exit 2; }
@@ -55,7 +58,7 @@ with tarfile.open(".prepared/prepared.tar.xz", "r:xz") as t:
     t.extractall(sys.argv[1], filter="data")
 PY
   fi
-  mkdir -p "$WORK/eagle3" && cp -r "$WORK/peagle/data" "$WORK/eagle3/"
+  share_prepared "$WORK/eagle3"
   cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
   echo "restore: $(python3 -c "import json; m=json.load(open('$WORK/peagle/data/meta.json')); print(m['splits']['train']['sequences'], 'train sequences')")"
 }
@@ -79,7 +82,7 @@ case "${1:?step}" in
         CUDA_VISIBLE_DEVICES=$r timeout $((BUDGET - 60)) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" \
           --regen-worker "$r/$ngpu" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
         pids+=($!)
-        sleep 2  # the first worker stamps output_dir
+        sleep 2  # staggered starts: the workers load the target one after the other
       done
       for pid in "${pids[@]}"; do wait "$pid" || unfinished=1; done
       tail -n 3 "$WORK"/regen-worker-*.log | cut -c1-300
@@ -92,10 +95,10 @@ case "${1:?step}" in
       timeout $(( left > 30 ? left : 30 )) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" --quiet \
         | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     fi
-    mkdir -p "$WORK/eagle3"
-    [ -f "$WORK/peagle/data/meta.json" ] && cp -r "$WORK/peagle/data" "$WORK/eagle3/" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
-    # the prepared data, small enough to come back and be carried in later (restore): no re-regeneration
-    [ -f "$WORK/peagle/data/meta.json" ] && pack_prepared
+    if [ -f "$WORK/peagle/data/meta.json" ]; then
+      share_prepared "$WORK/eagle3" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
+      pack_prepared  # small enough to come back and be carried in later (restore): no re-regeneration
+    fi
     ship data_meta.json prepare_meta.txt prepared.tar.xz prepared.tar.xz.sha256
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
   restore)  # prepared data from an earlier prepare: .prepared/prepared.tar.xz + .sha256 (carry .prepared)
@@ -159,9 +162,10 @@ PY
     minutes=${ABLATE_MINUTES:-2}
     ngpu=$(ngpus); ngpu=$(( ngpu > 0 ? ngpu : 1 ))
     i=0; names=()
-    for v in ${ABLATE:-"base= K4=train.K=4,eval.k_max=4 cod_r05=train.cod_r=0.5 cod_r09=train.cod_r=0.9 data_half=train.train_sequences=4733 data_quarter=train.train_sequences=2366"}; do
+    n=$(python3 -c "import json; print(json.load(open('$WORK/peagle/data/meta.json'))['splits']['train']['sequences'])")
+    for v in ${ABLATE:-"base= K4=train.K=4,eval.k_max=4 cod_r05=train.cod_r=0.5 cod_r09=train.cod_r=0.9 data_half=train.train_sequences=$((n / 2)) data_quarter=train.train_sequences=$((n / 4))"}; do
       name=${v%%=*}; IFS=, read -r -a vo <<< "${v#*=}"
-      d="$WORK/ablate/$name"; mkdir -p "$d"; [ -d "$d/data" ] || cp -r "$WORK/peagle/data" "$d/"
+      d="$WORK/ablate/$name"; [ -d "$d/data" ] || share_prepared "$d"
       ( CUDA_VISIBLE_DEVICES=$(( i % ngpu )) cli train "$P" "${OVR[@]}" "output_dir=$d" "train.max_minutes=$minutes" \
           "${vo[@]}" --quiet > "$d.json" 2> "$d.err" || echo "ablation $name failed: $(tail -n 2 "$d.err" | cut -c1-300)" ) &
       names+=("$name"); i=$((i + 1))

@@ -357,6 +357,7 @@ def make_batch(shape: dict, N: int, device: str | torch.device, seed: int = 0) -
 
 
 def _raise_recompile_limit(n: int = 64) -> None:
+    # (peagle_train.compiling.raise_recompile_limits, kept separate: this module imports no peagle_train)
     # speculators compiles PEagleDraftModel.forward once at import; every new model
     # instance / N adds guards to the same code object, so a sweep could otherwise hit
     # Dynamo's default limit (8) and silently fall back to eager.

@@ -159,87 +159,81 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     drafter is back to eager, without checkpointing, either way.
     """
     try:
-        return _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk, seed, dist, compile,
-                         checkpointing, sync_debug, attention)
+        cuda = device.type == "cuda"
+        rank = torch.distributed.get_rank() if dist != "none" else 0
+        seed = seed + 1000 * rank
+        A, T = 3, tc.hidden_size
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        aux = (torch.randn(N, A * T, generator=g) * 0.5).to(device, torch.bfloat16)
+        last = torch.randn(N, T, generator=g).to(device, torch.bfloat16)
+        argmax = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
+        input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
+        loss_mask = torch.ones(N, dtype=torch.bool, device=device)
+        doc_ids = torch.zeros(N, dtype=torch.long, device=device)
+        drafter.gradient_checkpointing = checkpointing
+        drafter.train()
+        attention = effective_attention(attention, device)
+        obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk, attention=attention,
+                              compile=compile).to(device)
+        obj = wrap(obj, dist, device)
+        params = [p for p in obj.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+        times, rec = [], {}
+
+        def step(it: int):
+            kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=torch.Generator().manual_seed(seed + it))
+            grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
+            norm = supervised_count(grid)
+            segs = plan_partitions(grid, N, S)
+            for j, seg in enumerate(segs):
+                sync = contextlib.nullcontext() if (dist != "ddp" or j == len(segs) - 1) else obj.no_sync()
+                with sync, torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss, _ = obj(seg.apply(grid), aux, last, argmax, norm)
+                    loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return grid
+
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        for it in range(warmup + steps):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            grid = step(it)
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+                dt = start.elapsed_time(end) / 1e3
+            else:
+                dt = time.perf_counter() - t0
+            if it == 0:
+                rec["first_step_s"] = dt  # includes compilation
+            if it >= warmup:
+                times.append(dt)
+        rec["positions"], rec["flop"] = len(grid), flops(drafter, grid, N)  # the last step's grid
+        med = statistics.median(times)
+        rec.update({
+            "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
+            "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+            "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
+            "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        })
+        if compile:
+            from peagle_train.compiling import inductor_mode
+            from peagle_train.loss import compiled_chunk_loss
+
+            rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
+                                    "loss_chunk": compiled_chunk_loss(inductor_mode(compile)).mode}
+        if sync_debug and cuda:
+            rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
+        return rec
     finally:
         drafter.set_compile(False)
         drafter.gradient_checkpointing = False
-
-
-def _run_case(drafter, head, tc, N, K, S, r, r_min, steps, warmup, device, chunk, seed, dist, compile,
-              checkpointing, sync_debug, attention) -> dict:
-    cuda = device.type == "cuda"
-    rank = torch.distributed.get_rank() if dist != "none" else 0
-    seed = seed + 1000 * rank
-    A, T = 3, tc.hidden_size
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    aux = (torch.randn(N, A * T, generator=g) * 0.5).to(device, torch.bfloat16)
-    last = torch.randn(N, T, generator=g).to(device, torch.bfloat16)
-    argmax = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
-    input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
-    loss_mask = torch.ones(N, dtype=torch.bool, device=device)
-    doc_ids = torch.zeros(N, dtype=torch.long, device=device)
-    drafter.gradient_checkpointing = checkpointing
-    drafter.train()
-    attention = effective_attention(attention, device)
-    obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk, attention=attention,
-                          compile=compile).to(device)
-    obj = wrap(obj, dist, device)
-    params = [p for p in obj.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
-    times, rec = [], {}
-
-    def step(it: int):
-        kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=torch.Generator().manual_seed(seed + it))
-        grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
-        norm = supervised_count(grid)
-        segs = plan_partitions(grid, N, S)
-        for j, seg in enumerate(segs):
-            sync = contextlib.nullcontext() if (dist != "ddp" or j == len(segs) - 1) else obj.no_sync()
-            with sync, torch.autocast(device.type, dtype=torch.bfloat16):
-                loss, _ = obj(seg.apply(grid), aux, last, argmax, norm)
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return grid
-
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    for it in range(warmup + steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        grid = step(it)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            dt = time.perf_counter() - t0
-        if it == 0:
-            rec["first_step_s"] = dt  # includes compilation
-        if it >= warmup:
-            times.append(dt)
-        rec["positions"], rec["flop"] = len(grid), flops(drafter, grid, N)
-    med = statistics.median(times)
-    rec.update({
-        "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
-        "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
-        "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
-        "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-    })
-    if compile:
-        from peagle_train.compiling import inductor_mode
-        from peagle_train.loss import compiled_chunk_loss
-
-        rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
-                                "loss_chunk": compiled_chunk_loss(inductor_mode(compile)).mode}
-    if sync_debug and cuda:
-        rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
-    return rec
 
 
 def count_syncs(fn) -> dict:
@@ -355,16 +349,16 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
     sides = {"split": ("flex", 1024), "reference": ("flex_joint", 1024) if cuda else ("sdpa", 1)}
     res = {}
     saved = drafter_mod._flex_with_lse
+    head32 = head.float()
     try:
-        for side, (kind, pad) in sides.items():
+        for side, (kind, pad) in sides.items():  # split first: the finally restores the flex prefix part
             if side == "split" and not cuda:
                 drafter_mod._flex_with_lse = _dense_prefix
-            obj = PEagleObjective(drafter, head.float(), loss="kl", chunk_size=chunk, attention=kind,
+            obj = PEagleObjective(drafter, head32, loss="kl", chunk_size=chunk, attention=kind,
                                   pad_multiple=pad, compile=compile).to(device)
             loss, _ = obj(grid, aux, last, argmax, norm)
             grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             res[side] = (loss.detach(), grads)
-            drafter_mod._flex_with_lse = saved
     finally:
         drafter_mod._flex_with_lse = saved
         drafter.set_compile(False)

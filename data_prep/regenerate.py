@@ -64,6 +64,9 @@ def run_rounds(
         ``(kept conversations, stats)``; ``stats`` holds the keyword arguments of
         :func:`regen_report` that the loop knows (``n_in``, ``n_out``, ``cut``,
         ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine).
+
+    Raises:
+        ValueError: a conversation not in normal form (names its index).
     """
     from tqdm.auto import tqdm
 
@@ -116,7 +119,7 @@ def run_rounds(
                 out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
                 counts["turns_generated"] += 1
                 bar.update(1)
-            bar.set_postfix(tok_s=f"{generated_tokens / max(seconds, 1e-9):.1f}")
+            bar.set_postfix(tok_s=f"{generated_tokens / max(seconds, 1e-9):.1f}", refresh=False)
     bar.close()
 
     n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]

@@ -71,7 +71,8 @@ def allowed(qa, qd, qdoc, ka, kd, kdoc):
 
 
 def allowed_prefix(qa, qd, qdoc, ka, kd, kdoc):
-    """Prefix part of the rule: same document and ``dk == 0 and ak <= aq`` (bool, broadcast)."""
+    """Prefix part of the rule: same document and ``dk == 0 and ak <= aq`` (bool, broadcast; int
+    tensors of any broadcastable shape). Source: PEAGLE_SPEC §3, split as in the module docstring."""
     return (qdoc == kdoc) & (qdoc >= 0) & (kd == 0) & (ka <= qa)
 
 
@@ -79,6 +80,7 @@ def allowed_chain(qa, qd, qdoc, ka, kd, kdoc):
     """Chain part of the rule: same document and ``ak == aq and 1 <= dk <= dq`` (bool, broadcast).
 
     Disjoint from :func:`allowed_prefix` (``dk >= 1`` vs ``dk == 0``); their union is :func:`allowed`.
+    Source: PEAGLE_SPEC §3, split as in the module docstring.
     """
     return (qdoc == kdoc) & (qdoc >= 0) & (ka == qa) & (kd >= 1) & (kd <= qd)
 
@@ -289,13 +291,15 @@ class SplitMasks:
         prefix_mask: FlexAttention ``BlockMask`` of the prefix part (``seq_lengths = (E_q, E_kv)``).
         chain_index: ``[E_q, C]`` int64 key rows of each query's chain (:func:`build_chain_index`).
         chain_valid: ``[E_q, C]`` bool.
+        chain_inverse, chain_inverse_valid: ``[E_kv, C]`` (:func:`invert_chain_index`): the
+            deterministic backward of the chain gather.
     """
 
     prefix_mask: object
     chain_index: torch.Tensor
     chain_valid: torch.Tensor
-    chain_inverse: torch.Tensor | None = None  # [E_kv, C] int64, see invert_chain_index
-    chain_inverse_valid: torch.Tensor | None = None  # [E_kv, C] bool
+    chain_inverse: torch.Tensor  # [E_kv, C] int64, see invert_chain_index
+    chain_inverse_valid: torch.Tensor  # [E_kv, C] bool
 
 
 def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
@@ -382,6 +386,24 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
+    """Softmax over the last dim of scores ``s`` where ``ok`` (broadcast), and its log-sum-exp.
+
+    Masked before the exponential (no ``inf * 0`` in the backward); a row without any ``ok`` entry
+    gives probabilities 0, ``lse = -inf`` and zero, finite gradients.
+
+    Returns:
+        ``(p`` like ``s``, ``lse`` like ``s`` with the last dim kept as 1``)``.
+    """
+    s = torch.where(ok, s, torch.full_like(s, float("-inf")))
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows without a key: any finite shift
+    e = torch.exp(s - m)  # exactly 0 where masked
+    has = ok.any(-1, keepdim=True)
+    total = torch.where(has, e.sum(-1, keepdim=True), torch.ones_like(m))
+    return e / total, torch.where(has, torch.log(total) + m, torch.full_like(m, float("-inf")))
+
+
 def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                     valid: torch.Tensor, scale: float | None = None, inverse: torch.Tensor | None = None,
                     inverse_valid: torch.Tensor | None = None):
@@ -415,15 +437,7 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     vc = chain_gather(v[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
     kc, vc = kc.view(Eq, C, nkv, hd), vc.view(Eq, C, nkv, hd)  # [Eq, C, nkv, hd]
     s = torch.einsum("engd,ecnd->engc", qg, kc).to(acc) * scale  # [Eq, nkv, g, C]
-    ok = valid[:, None, None, :]  # [Eq, 1, 1, C]
-    s = torch.where(ok, s, torch.full_like(s, float("-inf")))  # masked before exp: no inf * 0 in backward
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows without a slot: any finite shift
-    e = torch.exp(s - m)  # exactly 0 on invalid slots
-    has = valid.any(-1)[:, None, None, None]  # [Eq, 1, 1, 1]
-    total = torch.where(has, e.sum(-1, keepdim=True), torch.ones_like(m))
-    p = e / total
-    lse = torch.where(has, torch.log(total) + m, torch.full_like(m, float("-inf")))  # [Eq, nkv, g, 1]
+    p, lse = _masked_softmax_lse(s, valid[:, None, None, :])  # lse [Eq, nkv, g, 1]
     out = torch.einsum("engc,ecnd->engd", p.to(v.dtype), vc)  # [Eq, nkv, g, hd]
     out = out.permute(1, 2, 0, 3).reshape(1, nh, Eq, hd).to(q.dtype)
     return out, lse[..., 0].permute(1, 2, 0).reshape(1, nh, Eq)
@@ -444,14 +458,8 @@ def dense_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    s = s.masked_fill(~mask, float("-inf"))
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    has = mask.any(-1)[..., None]
-    total = torch.where(has, e.sum(-1, keepdim=True), torch.ones_like(m))
-    lse = torch.where(has, torch.log(total) + m, torch.full_like(m, float("-inf")))[..., 0]
-    return (e / total) @ v, lse
+    p, lse = _masked_softmax_lse(s, mask)
+    return p @ v, lse[..., 0]
 
 
 def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
@@ -460,7 +468,8 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     ``lse = logaddexp(lse_a, lse_b)``; ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
     The lse math runs in float32 for half inputs (float64 stays float64); a row where both lse are
     ``-inf`` (no key at all, e.g. padding) gives ``out = 0``, ``lse = -inf`` and zero, finite
-    gradients (no ``-inf - -inf`` anywhere).
+    gradients (no ``-inf - -inf`` anywhere). Source: the log-sum-exp merge of partial softmaxes
+    (FlashAttention's online softmax, Dao et al. 2022 §3.1), applied to the split of PEAGLE_SPEC §3.
 
     Args:
         out_a, out_b: ``[..., E, hd]`` (same shape and dtype). lse_a, lse_b: ``[..., E]`` natural log.

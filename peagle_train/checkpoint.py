@@ -1,9 +1,7 @@
 """Drafter and checkpoint folders on disk: the trained drafter (fp32 safetensors + config),
-the completeness rule for training checkpoints (a ``COMPLETE`` marker written last), and
-atomic JSON writes for the run's bookkeeping files."""
+and the completeness rule for training checkpoints (a ``COMPLETE`` marker written last)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -11,20 +9,6 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter
-
-
-def write_json_atomic(path: Path, obj, indent: int | None = 1) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temp file and ``os.replace``: a reader sees the
-    old file or the whole new one, never a torn write (manifests, ``train_metrics.json``, ...).
-
-    Raises:
-        TypeError: ``obj`` is not JSON-serialisable (nothing is written). OSError: the folder is
-            missing or not writable.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=indent))
-    os.replace(tmp, path)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -59,7 +59,7 @@ class SafeCompiled:
             hooks run; it is *not* registered as a submodule of anything, so ``state_dict``
             keys do not change).
         name: label for the warning.
-        fullgraph: try ``fullgraph=True`` first.
+        inductor_mode: ``torch.compile``'s ``mode`` (None = default; see :func:`inductor_mode`).
 
     Attributes:
         mode: ``"pending"`` (not called yet), ``"fullgraph"``, ``"graph-breaks"`` or ``"eager"``.
@@ -69,11 +69,10 @@ class SafeCompiled:
     records it as that variant's error row; in training, set ``train.compile: false``).
     """
 
-    def __init__(self, fn, name: str, fullgraph: bool = True, inductor_mode: str | None = None):
+    def __init__(self, fn, name: str, inductor_mode: str | None = None):
         self.fn, self.name = fn, name
         self.mode = "pending"
-        self.inductor_mode = inductor_mode  # torch.compile(mode=...); None = default
-        self._fullgraph = fullgraph
+        self.inductor_mode = inductor_mode
         self._compiled = None
 
     def _make(self, fullgraph: bool):
@@ -85,7 +84,7 @@ class SafeCompiled:
         if self.mode == "eager":
             return self.fn(*args, **kwargs)
         if self.mode == "pending":
-            self._make(self._fullgraph)
+            self._make(True)
         try:
             return self._compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back, see module docstring

@@ -389,8 +389,10 @@ def config_from_dict(tree: dict, source: str = "<dict>", overridden: dict | None
             if err["type"] == "extra_forbidden":
                 close = difflib.get_close_matches(str(err["loc"][-1]), _field_names(err["loc"][:-1]), n=1)
                 msg = "unknown key (misspelled?" + (f" did you mean '{close[0]}'?)" if close else ")")
-            if key in overridden:
-                msg += f" [from the command line: {key}={overridden[key]}]"
+            # a union / list field reports under a longer location (train.compile.bool, eval.datasets.0)
+            given = next((k for k in overridden if key == k or key.startswith(k + ".")), None)
+            if given is not None:
+                msg += f" [from the command line: {given}={overridden[given]}]"
             lines.append(f"  {key}: {msg}")
         raise ConfigError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
 
@@ -398,12 +400,9 @@ def config_from_dict(tree: dict, source: str = "<dict>", overridden: dict | None
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
     """Write the resolved config as YAML (saved next to every checkpoint), atomically: a reader
     (another regeneration worker, a resumed run) sees the old file or the whole new one."""
-    import os
+    from .atomic import write_text_atomic
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 def validate_against_target(cfg: RunConfig, vocab_size: int, num_layers: int) -> None:

@@ -206,12 +206,14 @@ def _validate_deepspeed(tc: TrainConfig, layout: Layout, src: str, ga: int) -> N
                           "set bf16.enabled to \"auto\" (filled from train.mixed_precision)")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{f}: zero_optimization.stage={layout.zero_stage} must be 0..3")
-    # 'auto' may split a sequence (2 stands for "more than one backward")
-    parts = (2 if tc.partitions == "auto" else tc.partitions) if tc.method == "peagle" else 1
-    backwards = ga * parts
+    # 'auto' may split a sequence: count it as more than one backward (partitions > 1 is peagle-only, TrainConfig)
+    auto = tc.partitions == "auto"
+    backwards = ga * (2 if auto else tc.partitions)
     if layout.zero_stage == 3 and backwards > 1 and layout.world_size > 1:
         raise ConfigError(
-            f"{f}: ZeRO-3 with {backwards} backward passes per optimizer step (train.grad_accum={ga} x "
+            f"{f}: ZeRO-3 with {'more than one backward pass' if auto else f'{backwards} backward passes'} per "
+            "optimizer step "
+            f"(train.grad_accum={ga} x "
             f"train.partitions={tc.partitions}): ZeRO-3 partitions gradients at every backward and deadlocked "
             "with accumulation boundaries set by the trainer (2 ranks, DeepSpeed 0.19); use one backward per step "
             "(grow train.micro_batch_size instead, train.partitions=1), or ZeRO-2 / FSDP2 for partitioned "

@@ -57,7 +57,7 @@ def _flex(q, k, v, block_mask, return_lse: bool = False):
             from .compiling import raise_recompile_limits
 
             # one compiled kernel per bucketed grid length (see grid.pad_grid)
-            raise_recompile_limits(64)
+            raise_recompile_limits()
             _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
         return _flex_call(_FLEX_COMPILED, q, k, v, block_mask, return_lse)
     return _flex_call(flex_attention, q, k, v, block_mask, return_lse)

@@ -50,7 +50,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import write_json_atomic
+from .atomic import write_json_atomic
 from .target import sha256_file as _sha256
 
 FORMAT = "peagle-features-v2"

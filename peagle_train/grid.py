@@ -99,6 +99,12 @@ def valid_at_depth(loss_mask: torch.Tensor, doc_ids: torch.Tensor, depth: int) -
     return out
 
 
+def cod_fraction(d: int, r: float, r_min: float) -> float:
+    """Fraction of the valid anchors COD keeps at depth ``d``: 1 at depth 0, else ``max(r**d, r_min)``
+    (spec §3, PARD arXiv 2504.18583)."""
+    return 1.0 if d == 0 else max(r**d, r_min)
+
+
 def cod_keep_counts(n_valid: int, K: int, r: float, r_min: float, max_anchors: int | None) -> list[int]:
     """Target element counts per depth for COD (spec §3, PARD arXiv 2504.18583).
 
@@ -107,7 +113,7 @@ def cod_keep_counts(n_valid: int, K: int, r: float, r_min: float, max_anchors: i
     """
     counts = [n_valid]
     for d in range(1, K):
-        c = math.floor(n_valid * max(r**d, r_min))
+        c = math.floor(n_valid * cod_fraction(d, r, r_min))
         if max_anchors is not None:
             c = min(c, max_anchors)
         counts.append(c)
@@ -136,7 +142,7 @@ def cod_sample(
         generator: CPU ``torch.Generator`` for reproducibility.
 
     Returns:
-        ``K`` sorted int64 tensors of kept anchors (depth 0 = all supervised anchors).
+        ``K`` sorted int64 tensors of kept anchors on the CPU (depth 0 = all supervised anchors).
 
     Raises:
         ValueError: ``K < 1``.
@@ -217,6 +223,10 @@ def pad_grid(grid: Grid, multiple: int, length: int | None = None) -> Grid:
 
     Padding elements have ``doc = -1`` (they attend to nothing and nothing attends to them,
     see :mod:`peagle_train.attention`), ``loss_weight = 0`` and valid indices (row 0).
+
+    Args:
+        grid: ``E`` elements. multiple: bucket size (``1`` = no padding); ignored when ``length``
+            is given. length: the exact padded length (``>= E``), e.g. EAGLE-3's per-step lengths.
 
     Raises:
         ValueError: ``length`` shorter than the grid.

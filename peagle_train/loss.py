@@ -58,7 +58,15 @@ def compiled_chunk_loss(inductor_mode: str | None = None):
     """The chunk body (final norm → lm_head → log_softmax → KL/CE → weighted sum, argmax) under
     ``torch.compile(fullgraph=True, dynamic=False, mode=inductor_mode)`` with the safe fallback of
     :class:`~peagle_train.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
-    One shared instance per mode (one graph per distinct chunk length and loss kind)."""
+    One shared instance per mode (one graph per distinct chunk length and loss kind).
+
+    Args:
+        inductor_mode: ``torch.compile``'s ``mode``: None (default) or ``"max-autotune-no-cudagraphs"``
+            (:func:`~peagle_train.compiling.inductor_mode`).
+
+    Returns:
+        a :class:`~peagle_train.compiling.SafeCompiled` callable with ``_chunk_loss``'s signature.
+    """
     if inductor_mode not in _CHUNK_COMPILED:
         from .compiling import SafeCompiled
 
@@ -91,9 +99,9 @@ def chunked_loss(
         target: :class:`TargetDist`.
         kind: ``"kl"`` or ``"ce"``. chunk_size: elements per chunk.
         compile: run the chunk body through :func:`compiled_chunk_loss` (``train.compile``: True, or
-            ``"max-autotune"`` for Inductor's autotuning mode).
-            The checkpointing is the same: the compiled body is what
-            ``torch.utils.checkpoint`` saves nothing of and recomputes in backward.
+            ``"max-autotune"`` for Inductor's autotuning mode). Checkpointing is unchanged:
+            ``torch.utils.checkpoint`` wraps the compiled body, saves none of its activations and
+            recomputes it in the backward.
 
     Returns:
         ``(loss_sum scalar float32, draft_pred [E] int64 draft-vocab ids)``.
@@ -182,7 +190,7 @@ class DepthStats:
     def simulated_acceptance_length(self, K: int | None = None) -> float:
         """``AL(K) = 1 + sum_{k=1..K} prod_{j<k} acc_cond(j)`` (spec §3); ``acc_cond(0)`` = depth-0 accuracy."""
         cond = self.conditional_accuracy()
-        als = [a for a in simulated_acceptance_lengths(cond[: len(cond) if K is None else K]) if a == a]
+        als = [a for a in simulated_acceptance_lengths(cond[:K]) if a == a]
         return als[-1] if als else 1.0  # the chain stops at the first depth without data
 
 

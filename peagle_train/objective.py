@@ -102,17 +102,16 @@ def _weights(loss_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, float, int | None] | None,
                         block: int = 128, static_tokens: int | None = None) -> list[int] | None:
-    """Padded length of every EAGLE-3 TTT step, a function of the depth-0 bucket only.
+    """Padded length of every EAGLE-3 TTT step, a function of one bucket ``Q`` only.
 
-    ``Q = max(E0, static_tokens)`` rounded up to ``pad_multiple`` (``static_tokens``: the most
-    tokens a micro-batch can hold, so every micro-batch gets the same ``K`` shapes and the compiled
-    attention kernels are built once per run; None: ``Q`` follows ``E0``'s bucket); step ``k`` is padded to ``Q_k``: ``Q`` for ``k = 0``;
-    with ``cod = (r, r_min, max_anchors)`` the COD bound ``min(floor(Q·max(r**k, r_min)), max_anchors)``
-    rounded up to ``block`` (a step never holds more: COD keeps at most that many of the at most
-    ``E0 <= Q`` depth-0 anchors, spec §3), else ``Q``. Step ``k`` then always attends
-    ``[Q_k, Q_0 + … + Q_k]``, so a compiled attention kernel is reused for every micro-batch of
-    the same bucket (one kernel per (bucket, step)) instead of recompiling for each combination of
-    COD sizes.
+    ``Q = max(E0, static_tokens)`` rounded up to ``pad_multiple``. ``static_tokens`` is the most
+    tokens a micro-batch can hold: every micro-batch then gets the same ``K`` shapes, so the
+    compiled attention kernels are built once per run; None: ``Q`` follows ``E0``'s own bucket.
+    Step ``k`` is padded to ``Q_k``: ``Q`` for ``k = 0``; with ``cod = (r, r_min, max_anchors)``
+    the COD bound ``min(floor(Q·max(r**k, r_min)), max_anchors)`` rounded up to ``block`` (a step
+    never holds more: COD keeps at most that many of the at most ``E0 <= Q`` depth-0 anchors,
+    spec §3), else ``Q``. Step ``k`` then always attends ``[Q_k, Q_0 + … + Q_k]``: one compiled
+    kernel per (bucket, step), not one per combination of COD sizes.
 
     Returns:
         ``[K]`` lengths, or None when ``pad_multiple <= 1`` (no padding: dense SDPA gets exact

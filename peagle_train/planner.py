@@ -97,15 +97,12 @@ class Plan:
     Attributes:
         partitions: S. checkpointing: activation checkpointing of the decoder layers.
         predicted_peak_bytes: model peak of the plan. budget_bytes: what it had to fit under.
-        elements: expected grid elements E. segment_elements: expected elements of the largest segment.
     """
 
     partitions: int
     checkpointing: bool
     predicted_peak_bytes: int
     budget_bytes: int
-    elements: int
-    segment_elements: int
 
     def __iter__(self):
         return iter((self.partitions, self.checkpointing))
@@ -114,9 +111,11 @@ class Plan:
 def expected_elements(N: int, K: int, r: float, r_min: float, max_anchors: int | None = None) -> float:
     """Expected grid elements for ``N`` loss-valid tokens: ``N * sum_{d<K} max(r**d, r_min)`` (COD, spec §3),
     each depth >= 1 capped at ``max_anchors``."""
+    from .grid import cod_fraction
+
     total = float(N)
     for d in range(1, K):
-        c = N * max(r**d, r_min)
+        c = N * cod_fraction(d, r, r_min)  # the expectation: no floor, unlike grid.cod_keep_counts
         total += min(c, max_anchors) if max_anchors is not None else c
     return total
 
@@ -144,9 +143,8 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     """
     E = expected_elements(N, K, r, r_min, max_anchors)
     H, T, Vd = shape.hidden_size, shape.target_hidden_size, shape.draft_vocab_size
-    static = 16 * shape.trainable_params(lm_head_trainable) + 4 * Vd * H + target_head_bytes * Vd * T
-    if lm_head_trainable:
-        static -= 4 * Vd * H  # already counted among the 16-byte trainable params
+    frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 16-byte params
+    static = 16 * shape.trainable_params(lm_head_trainable) + frozen_head + target_head_bytes * Vd * T
     workspace = OMEGA * 4 * min(chunk, E) * Vd
     inputs = N * (shape.aux_layers + 1) * T * 2
     act = ALPHA * shape.act_bytes_per_element(checkpointing) * segment_elements(N, S, E)
@@ -179,7 +177,6 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
     if N < 1 or gpu_bytes <= 0 or not 0 < headroom <= 1:
         raise ValueError(f"plan_step needs N >= 1, gpu_bytes > 0, 0 < headroom <= 1 (got {N}, {gpu_bytes}, {headroom})")
     budget = int(headroom * gpu_bytes)
-    E = expected_elements(N, K, r, r_min, max_anchors)
     s_max = max(1, min(max_partitions, N))
     best = None
     for ckpt in ([False, True] if allow_checkpointing else [False]):
@@ -188,7 +185,7 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
                                       lm_head_trainable=lm_head_trainable, target_head_bytes=target_head_bytes,
                                       max_anchors=max_anchors)
             if peak <= budget:
-                return Plan(S, ckpt, peak, budget, int(E), segment_elements(N, S, E))
+                return Plan(S, ckpt, peak, budget)
             best = peak if best is None else min(best, peak)
     raise ValueError(
         f"no plan fits N={N}: the smallest predicted peak ({best / GIB:.1f} GiB with S <= {s_max}"
@@ -200,8 +197,9 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
 def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
                    chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
-    :func:`plan_step` predicts to fit ``gpu_bytes`` without changing activation checkpointing
-    (that stays the recipe's ``train.activation_checkpointing``). ``gpu_bytes`` None (no GPU) → 1.
+    :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing off (it never
+    turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
+    is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
 
     Raises:
         ValueError: from :func:`plan_step` when even 8 segments do not fit (the message gives the

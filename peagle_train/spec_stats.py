@@ -2,7 +2,9 @@
 length, per-position acceptance and timings of :func:`peagle_train.speculative.speculative_generate`
 and :func:`peagle_train.speculative.target_generate`.
 
-Every name is re-exported from :mod:`peagle_train.speculative`.
+The loop's names (``SpecStats``, ``TargetStats``, ``acceptance_length``,
+``per_position_acceptance``) are re-exported from :mod:`peagle_train.speculative`;
+``chain_matrix`` / ``walk_accepted`` (the training-time replay of the loop) live here only.
 """
 from __future__ import annotations
 

@@ -8,15 +8,14 @@ that already holds a run of a *different* recipe is refused before any work.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 import yaml
 
-from .checkpoint import write_json_atomic
-from .tokenized import first_supervised, save_tokenized
+from .atomic import write_json_atomic, write_text_atomic
+from .tokenized import first_supervised, heldout_rows, save_tokenized
 from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
@@ -33,7 +32,9 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     The folder is stamped with ``run_config.yaml``. The stamp is replaced by a recipe that
     differs only where nothing made yet depends on it, so a command corrected after failing on
     bad input can run in the same folder: with no work beside the stamp, any change; with only
-    prepared data (``data/``, ``features/``), changes to the ``drafter`` and ``train`` sections.
+    prepared data (``data/``, ``features/``), changes to the ``drafter`` and ``train`` sections
+    except ``drafter.mask_token_id`` once the data is tokenised (``data/meta.json``: prepare checked
+    that token's absence from it).
     Once training output exists (``drafter/``, ``checkpoints/``, ``export/``, ``eval/``,
     ``train_metrics.json``) every identity change is refused.
 
@@ -53,7 +54,10 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
         trained = any((out / w).exists() for w in _TRAINED)
         prepared = any((out / w).exists() for w in _PREPARED)
         # what exists was made from sections that did not change: the folder can take the new recipe
-        if trained or (prepared and not {d.split(".")[0] for d in diffs} <= {"drafter", "train"}):
+        # the mask token is checked against the data when it is tokenised: finished data needs the same one
+        tokenised = (out / "data" / "meta.json").exists()
+        if trained or (prepared and not {d.split(".")[0] for d in diffs} <= {"drafter", "train"}) \
+                or (tokenised and "drafter.mask_token_id" in diffs):
             raise ConfigError(
                 f"output_dir '{out}' already holds a run of a different recipe (differs in: {', '.join(sorted(diffs))}); "
                 "choose another output_dir (e.g. output_dir=checkpoints/new-run) or pass --overwrite to replace it")
@@ -145,7 +149,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             "reasoning": reasoning_counts,
         }
     meta["seconds"] = time.perf_counter() - t0
-    (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    write_json_atomic(out / "meta.json", meta, default=str)  # written last: marks prepared data
     return meta
 
 
@@ -210,14 +214,11 @@ def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
 
     These are exactly the token ids the training-time evaluation conditions on, so the eval
     stage's ``heldout`` set measures the decoding loop on the same prompts (single-turn data:
-    the whole prompt; multi-turn: the first turn's). Rows without a supervised token are skipped.
+    the whole prompt; multi-turn: the first turn's). Rows without a prompt are skipped: no
+    supervised token, or the first one at index 0 (:func:`~peagle_train.tokenized.heldout_rows`).
     """
-    prompts = []
-    for r in rows:
-        first = first_supervised(r["loss_mask"])
-        if first:
-            prompts.append([int(t) for t in r["input_ids"][:first]])
-    return prompts
+    listed = (rows[i] for i in heldout_rows([r["loss_mask"] for r in rows]))
+    return [[int(t) for t in r["input_ids"][:first_supervised(r["loss_mask"])]] for r in listed]
 
 
 def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
@@ -305,11 +306,12 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
 
 def run_eval(cfg: RunConfig) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``."""
+    from data_prep.eval_prompts import load_eval_prompts
+
     from . import evaluate
     from .export import load_exported
-    from .target import load_target
-
     from .model_card import render_model_card
+    from .target import load_target
 
     out = Path(cfg.output_dir)
     target = load_target(cfg.target)
@@ -317,13 +319,11 @@ def run_eval(cfg: RunConfig) -> dict:
     results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
                                 drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
                                 load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
-                                else evaluate._default_loader(name, n))
+                                else load_eval_prompts(name, n))
     # the model card carries the eval table next to the serve command
     export_cfg = json.loads((out / "export" / "config.json").read_text())
     readme = render_model_card(export_cfg, target_name=cfg.target.name, model_ref="export", card=_card(cfg, results))
-    tmp = out / "export" / "README.md.tmp"
-    tmp.write_text(readme)
-    os.replace(tmp, out / "export" / "README.md")
+    write_text_atomic(out / "export" / "README.md", readme)
     return results
 
 

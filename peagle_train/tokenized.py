@@ -58,6 +58,14 @@ def first_supervised(loss_mask) -> int | None:
     return next((i for i, m in enumerate(loss_mask) if m), None)
 
 
+def heldout_rows(loss_masks) -> list[int]:
+    """Rows of a split that form the ``heldout`` eval set, in order: those with a prompt, i.e. a
+    first supervised token after index 0 (:func:`first_supervised`). The one rule behind both
+    ``data/eval_prompts.json`` (:func:`peagle_train.stages.eval_prompt_ids`) and the training log's
+    ``eval_walk_al_heldout`` subset (``Trainer._heldout_rank``)."""
+    return [i for i, m in enumerate(loss_masks) if first_supervised(m)]
+
+
 def load_prepared(out_dir: Path) -> dict:
     """Read the tokenised ``train``/``eval`` splits written by ``prepare`` (eval falls back to train).
 

@@ -40,10 +40,11 @@ from .features import CachedFeatures, OnlineFeatures, pack
 from .grid import build_grid, cod_sample, supervised_count
 from .loss import DepthStats, depth_stats
 from .spec_stats import chain_matrix, walk_accepted
-from .checkpoint import complete_checkpoints, write_drafter_dir, write_json_atomic
+from .atomic import write_json_atomic
+from .checkpoint import complete_checkpoints, write_drafter_dir
 from .objective import Eagle3Objective, PEagleObjective
 from .partition import plan_partitions
-from .tokenized import first_supervised, load_prepared
+from .tokenized import first_supervised, heldout_rows, load_prepared
 from .tracking import flat_metrics, peak_memory
 from .vocab import select_draft_vocab, token_frequencies
 
@@ -123,6 +124,7 @@ class Trainer:
                                   "data (data.num_conversations)")
             self.train_ids = self.train_ids[: self.tc.train_sequences]
             self.train_masks = self.train_masks[: self.tc.train_sequences]
+        self.lengths = [len(x) for x in self.train_ids]
         self.eval_ids, self.eval_masks = data["eval"]["input_ids"], data["eval"]["loss_mask"]
         self.grad_accum = validate_layout(cfg, self.layout, len(self.train_ids))
         self.acc = accelerator or make_accelerator(cfg, self.layout, self.out / "logs")
@@ -143,7 +145,7 @@ class Trainer:
         Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
         kw = {} if self.tc.method == "peagle" else {
             "decay": self.tc.ttt_decay, "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors),
-            "static_tokens": self.tc.micro_batch_size * max((len(x) for x in self.train_ids), default=1)}
+            "static_tokens": self.tc.micro_batch_size * max(self.lengths, default=1)}
         objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
                         attention=self.attention, compile=self.tc.compile, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
@@ -162,7 +164,7 @@ class Trainer:
         configure_deepspeed(self.acc, self.tc)
         self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
         after_prepare(self.acc, self.model)
-        self.lengths = [len(x) for x in self.train_ids]
+        self._ranks: dict[int, int] | None = None  # heldout rank per eval sequence (_heldout_rank), built on first use
         self._eval_items: list[int] | None = None
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
@@ -371,15 +373,10 @@ class Trainer:
 
     def _heldout_rank(self, i: int) -> int:
         """Position of eval sequence ``i`` in ``data/eval_prompts.json`` (the eval stage's ``heldout``
-        order: sequences whose first supervised token is not at index 0, see
-        :func:`peagle_train.stages.eval_prompt_ids`); a huge number for a sequence not listed."""
-        if getattr(self, "_ranks", None) is None:
-            ranks, r = [], 0
-            for first in map(first_supervised, self.eval_masks):
-                ranks.append(r if first else 1 << 62)
-                r += 1 if first else 0
-            self._ranks = ranks
-        return self._ranks[i]
+        order, :func:`~peagle_train.tokenized.heldout_rows`); a huge number for a sequence not listed."""
+        if self._ranks is None:
+            self._ranks = {row: rank for rank, row in enumerate(heldout_rows(self.eval_masks))}
+        return self._ranks.get(i, 1 << 62)
 
     def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
         """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence

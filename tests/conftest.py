@@ -2,16 +2,32 @@
 
 Kept deliberately small: factories for a tiny random Llama target config, a tiny
 drafter built from it, and a random packed micro-batch (several documents,
-padding at the end, a random loss mask). All factories are session-scoped so
-they can be used from ``hypothesis`` tests. ``torch_single_thread`` (module scope) runs a
+padding at the end, a random loss mask), a whole objective problem over a COD grid
+(``objective_problem``), and ``bench`` (``benchmarks/train_step.py`` as a module). The tiny-model
+factories are session-scoped so they can be used from ``hypothesis`` tests. Plain helpers:
+``conv``, ``mask_runs``, ``save_tiny_target``. ``torch_single_thread`` (module scope) runs a
 module's tiny-tensor math on one intra-op thread: on a small, shared CPU box the OpenMP
 thread pool makes such tiny ops up to ~100x slower.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the benchmark scripts import as modules (train_step, quality_report, ...)
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """``benchmarks/train_step.py`` as a module."""
+    import train_step
+
+    return train_step
 
 
 @pytest.fixture(scope="module")

@@ -53,10 +53,11 @@ def ref_allowed(qa, qd, qdoc, ka, kd, kdoc) -> bool:
     return (kd == 0 and ka <= qa) or (ka == qa and kd <= qd)
 
 
-def ref_dense(q: GridMeta, kv: GridMeta) -> torch.Tensor:
+def ref_dense(q: GridMeta, kv: GridMeta, rule=ref_allowed) -> torch.Tensor:
+    """``rule`` (default: the whole rule) at every (query, key) pair, one pair at a time."""
     Q = list(zip(q.anchor.tolist(), q.depth.tolist(), q.doc.tolist()))
     Kv = list(zip(kv.anchor.tolist(), kv.depth.tolist(), kv.doc.tolist()))
-    return torch.tensor([[ref_allowed(*a, *b) for b in Kv] for a in Q], dtype=torch.bool).view(len(Q), len(Kv))
+    return torch.tensor([[rule(*a, *b) for b in Kv] for a in Q], dtype=torch.bool).view(len(Q), len(Kv))
 
 
 def make_grid(lens, n_pad, loss_prob, K, r, r_min, max_anchors, seed, mask_token_id=127):

@@ -1,26 +1,13 @@
 """CPU smoke test of ``benchmarks/train_step.py`` (issue #7): the tiny shape runs end to end
 with ``--partitions auto`` (planner), two partitions, and ``--profile`` (top-ops table in the
-JSON); rows and the table come out. ``--compile`` is exercised numerically in
+JSON); rows and the table come out; ``--check-grads`` and ``--attention both`` on CPU; the
+block-mask counts of ``mask_density.py``. ``--compile`` is exercised numerically in
 ``test_compile.py`` (compiling the benchmark's step on CPU takes about a minute)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("train_step_bench", ROOT / "benchmarks" / "train_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.usefixtures("torch_single_thread")
@@ -56,10 +43,35 @@ def test_matmul_rate_is_none_on_cpu(bench):
 
 
 def test_mask_density_counts(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import mask_density
 
     res = mask_density.main(["--seq-len", "300", "--out", str(tmp_path / "m.json")])
     assert res["blocks_partial"] + res["blocks_full"] <= res["blocks_total"]
     assert res["pairs_computed"] >= res["pairs_allowed"] > 0  # the block mask never drops an allowed pair
     assert json.loads((tmp_path / "m.json").read_text())["elements"] % 1024 == 0
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_benchmark_check_grads_and_attention_option(bench, tmp_path, capsys):
+    """``benchmarks/train_step.py --check-grads`` on CPU (prefix part dense vs SDPA) reports tiny errors;
+    ``--attention both`` on CPU gives one ``sdpa`` row per N with the ``attention`` field."""
+    out = tmp_path / "g.json"
+    res = bench.main(["--shape", "tiny", "--check-grads", "--check-n", "160", "--K", "4", "--compile", "both",
+                      "--out", str(out)])
+    assert len(res) == 1 and "error" not in res[0], res
+    r = res[0]
+    assert r["grads_finite"] and r["params_compared"] > 10 and r["E"] > 160
+    assert r["loss_rel_err"] < 1e-5 and r["grad_max_rel_err"] < 1e-4, r
+    assert json.loads(out.read_text())["grad_check"][0]["worst_param"] == r["worst_param"]
+    assert "compiled variants skipped" in capsys.readouterr().out
+
+    rows = bench.main(["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0", "--attention", "both",
+                       "--out", str(tmp_path / "b.json")])
+    assert len(rows) == 1 and rows[0]["attention"] == "sdpa" and "error" not in rows[0]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["meta"]["attention_variants"] == ["sdpa"] and data["rows"][0]["attention"] == "sdpa"
+    # the speedup column pairs a split row with the joint row of the same configuration
+    paired = bench.attach_joint_speedup([{"N": 1, "S": 1, "compile": False, "attention": "flex_joint", "step_ms": 30.0},
+                                         {"N": 1, "S": 1, "compile": False, "attention": "flex", "step_ms": 20.0},
+                                         {"N": 2, "S": 1, "compile": False, "attention": "flex", "step_ms": 20.0}])
+    assert paired[1]["speedup_vs_joint"] == pytest.approx(1.5) and "speedup_vs_joint" not in paired[2]

@@ -359,6 +359,8 @@ def test_impossible_layouts_fail_with_the_key_named(base, tmp_path):
     with pytest.raises(ConfigError, match=r"z3.json: ZeRO-3 with 4 backward passes .*train.partitions=2"):
         validate_layout(_cfg(base, "x", grad_accum=2, partitions=2), z3, 100)
     validate_layout(_cfg(base, "x", micro_batch_size=4), z3, 100)  # one backward per step is fine
+    with pytest.raises(ConfigError, match=r"z3.json: ZeRO-3 with more than one backward pass .*train.partitions=auto"):
+        validate_layout(_cfg(base, "x", micro_batch_size=4, partitions="auto"), z3, 100)  # auto may split
     with pytest.raises(ConfigError, match="fsdp_version: 2"):
         requested_layout({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="not found"):

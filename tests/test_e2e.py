@@ -96,7 +96,6 @@ def test_unknown_key_and_bad_values_fail_before_work(tmp_path):
 
 @pytest.mark.parametrize("worker", ["one/two", "2/2"])
 def test_bad_regen_worker_fails_before_work(tmp_path, capsys, worker):
-    from peagle_train.cli import main
 
     assert main(["prepare", str(RECIPE), f"output_dir={tmp_path / 'run'}", "--regen-worker", worker, "--quiet"]) == 2
     assert "--regen-worker" in capsys.readouterr().err
@@ -141,6 +140,9 @@ def test_stamp_follows_what_was_made(tmp_path):
     claim_output_dir(cfg())  # nothing made yet: the corrected recipe takes the folder
     (out / "data").mkdir()
     claim_output_dir(cfg("train.lr=1e-3"))  # data does not depend on train.*
+    (out / "data" / "meta.json").write_text("{}")  # tokenised: checked against the mask token
+    with pytest.raises(ConfigError, match=r"differs in: drafter\.mask_token_id"):
+        claim_output_dir(cfg("train.lr=1e-3", "drafter.mask_token_id=2"))
     with pytest.raises(ConfigError, match=r"differs in: data\.num_conversations"):
         claim_output_dir(cfg("train.lr=1e-3", "data.num_conversations=3"))
     (out / "train_metrics.json").write_text("{}")

@@ -75,9 +75,8 @@ def test_impossible_raises_clear_error():
 def test_partitions_for_training():
     from peagle_train.planner import partitions_for
 
-    shape = GPT_OSS
-    assert partitions_for(65536, 8, 0.7, 0.2, shape, None) == 1  # no GPU: no split
-    assert partitions_for(2048, 8, 0.7, 0.2, shape, int(139.8 * 2**30)) == 1
-    assert partitions_for(65536, 8, 0.7, 0.2, shape, int(139.8 * 2**30)) == 2
+    assert partitions_for(65536, 8, 0.7, 0.2, GPT_OSS, None) == 1  # no GPU: no split
+    assert partitions_for(2048, 8, 0.7, 0.2, GPT_OSS, H200) == 1
+    assert partitions_for(65536, 8, 0.7, 0.2, GPT_OSS, H200) == 2
     with pytest.raises(ValueError, match="no plan fits"):
-        partitions_for(10**6, 8, 0.7, 0.2, shape, int(40 * 2**30))
+        partitions_for(10**6, 8, 0.7, 0.2, GPT_OSS, 40 * GIB)

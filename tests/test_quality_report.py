@@ -1,13 +1,8 @@
 """benchmarks/quality_report.py: the P-EAGLE vs EAGLE-3 comparison tables from the experiment's files."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import quality_report  # noqa: E402
+import quality_report  # benchmarks/ is on sys.path (conftest)
 
 
 def _eval(al7: float, draft_ms: list[float]) -> dict:

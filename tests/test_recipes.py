@@ -53,5 +53,8 @@ def test_errors_suggest_keys_and_name_command_line_overrides():
         load_config(DEFAULT, ["train.lrr=1"])
     with pytest.raises(ConfigError, match=r"train\.K: .*integer.*\[from the command line: train\.K=abc\]"):
         load_config(DEFAULT, ["train.K=abc"])
+    # a union field reports under a longer location (train.compile.bool): still named as the override
+    with pytest.raises(ConfigError, match=r"train\.compile\.bool: .*\[from the command line: train\.compile=fastest\]"):
+        load_config(DEFAULT, ["train.compile=fastest"])
     with pytest.raises(ConfigError, match=r"trian: unknown key \(misspelled\? did you mean 'train'\?\)"):
         load_config(DEFAULT, ["trian.lr=1"])

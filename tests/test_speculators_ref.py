@@ -10,19 +10,14 @@
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import pytest
-import torch
+import speculators_ref as ref  # benchmarks/ is on sys.path (conftest)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import speculators_ref as ref  # noqa: E402
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
             vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0)
@@ -92,12 +87,7 @@ def speculators_available():
 
 
 def test_cpu_smoke_run(speculators_available):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rec = ref.run_reference(TINY, 64, 4, 0.7, 0.2, steps=2, warmup=1, device="cpu", draft_vocab=256, layers=2)
-    finally:
-        torch.set_num_threads(n)
+    rec = ref.run_reference(TINY, 64, 4, 0.7, 0.2, steps=2, warmup=1, device="cpu", draft_vocab=256, layers=2)
     assert rec["status"] == "ok", rec["status"]
     for k in ref.RESULT_KEYS:
         assert k in rec
@@ -127,17 +117,12 @@ def test_bad_optimizer_reports_error(speculators_available):
     assert rec["status"].startswith("error: ValueError")
 
 
-def test_train_step_reference_rows_in_one_run(speculators_available, tmp_path, capsys):
+def test_train_step_reference_rows_in_one_run(speculators_available, bench, tmp_path, capsys):
     """``train_step.py --reference speculators``: ours and speculators' step for the same N in one
     process; every row carries the reference time and the ratio."""
     import json
 
-    spec = importlib.util.spec_from_file_location("train_step_ref", ROOT / "benchmarks" / "train_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
     out = tmp_path / "b.json"
-    torch.set_num_threads(1)
     rows = bench.main(["--shape", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1",
                        "--reference", "speculators", "--out", str(out)])
     assert rows[0]["ref_status"] == "ok" and rows[0]["ref_step_ms"] > 0

@@ -41,13 +41,14 @@ from peagle_train.attention import (GridMeta, SplitMasks, block_structure, build
                                     build_split_masks, chain_attention, chain_gather, dense_attention_with_lse, dense_mask,
                                     invert_chain_index, merge_by_lse)
 from peagle_train.drafter import AttnSpec, attend, split_attention
-from peagle_train.grid import build_grid, cod_sample, pad_grid, supervised_count
+from peagle_train.grid import pad_grid
 from peagle_train.objective import PEagleObjective, make_attn_spec
 from peagle_train.partition import plan_partitions
-from tests.test_attention import cat_meta, decode_blocks, grid_case, make_grid, manual_attention, sub_meta
+from tests.test_attention import (cat_meta, decode_blocks, grid_case, make_grid, manual_attention, ref_dense,
+                                  sub_meta)
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"),
+              pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -58,12 +59,6 @@ def ref_prefix(qa, qd, qdoc, ka, kd, kdoc) -> bool:
 
 def ref_chain(qa, qd, qdoc, ka, kd, kdoc) -> bool:
     return qdoc >= 0 and qdoc == kdoc and ka == qa and 1 <= kd <= qd
-
-
-def ref_dense_part(q: GridMeta, kv: GridMeta, rule) -> torch.Tensor:
-    Q = list(zip(q.anchor.tolist(), q.depth.tolist(), q.doc.tolist()))
-    Kv = list(zip(kv.anchor.tolist(), kv.depth.tolist(), kv.doc.tolist()))
-    return torch.tensor([[rule(*a, *b) for b in Kv] for a in Q], dtype=torch.bool).view(len(Q), len(Kv))
 
 
 def ref_chain_index(q: GridMeta, kv: GridMeta, C: int):
@@ -145,8 +140,8 @@ def test_prefix_and_chain_partition_the_rule(case, data):
     assert not (prefix & chain).any()
     assert torch.equal(prefix | chain, full)
     if len(q) * len(kv) <= 40_000:
-        assert torch.equal(prefix, ref_dense_part(q, kv, ref_prefix))
-        assert torch.equal(chain, ref_dense_part(q, kv, ref_chain))
+        assert torch.equal(prefix, ref_dense(q, kv, ref_prefix))
+        assert torch.equal(chain, ref_dense(q, kv, ref_chain))
 
     # prefix BlockMask ≡ dense prefix mask at element level
     bs = case["block_size"]
@@ -293,19 +288,12 @@ def test_split_equals_sdpa_float64_forward_and_grads(case, data):
     assert (grads[0][:, :, ~rows] == 0).all()
 
 
-def test_split_objective_float64_matches_sdpa(tiny_drafter, packed_batch, monkeypatch):
+def test_split_objective_float64_matches_sdpa(tiny_drafter, objective_problem, monkeypatch):
     """The whole P-EAGLE objective, bucket-padded (padding rows), split attention with the prefix part
     computed densely: loss and every parameter gradient equal the dense-SDPA objective's (1e-12)."""
     monkeypatch.setattr(drafter_mod, "_flex_with_lse", dense_prefix_attention)
-    b = packed_batch([23, 17, 9], n_pad=3, loss_prob=0.8, seed=6)
-    K = 5
-    kept = cod_sample(b["loss_mask"], b["doc_ids"], K, 0.8, 0.3, generator=torch.Generator().manual_seed(2))
-    g = build_grid(b["input_ids"], b["loss_mask"], b["doc_ids"], kept, 127)
-    N = b["N"]
-    torch.manual_seed(4)
-    aux, last, head = torch.randn(N, 96).double(), torch.randn(N, 32).double(), torch.randn(60, 32).double()
-    argmax = torch.zeros(N, dtype=torch.long)
-    norm = float(supervised_count(g))
+    P = objective_problem([23, 17, 9], 3, 0.8, 6, 5, 2, dtype=torch.float64)
+    g, aux, last, head, argmax, norm, K = (P[k] for k in ("grid", "aux", "last", "head", "argmax", "norm", "K"))
     d = tiny_drafter(K=K, num_layers=3, draft_vocab_size=60, seed=5).double()
     params = [p for p in d.parameters() if p.requires_grad]
     res = []
@@ -517,40 +505,3 @@ def test_split_build_no_dense_materialisation_at_scale():
     assert int(prefix_partial) < int(joint_partial) / 4  # the point of the split: few partial blocks
     # a query at depth d sees its d - 1 shallower chain elements and itself
     assert int(n_chain) == int(want_chain) and int(C) == 7
-
-
-# ----------------------------------------------------------------------------- benchmark options
-
-
-def test_benchmark_check_grads_and_attention_option(tmp_path, capsys):
-    """``benchmarks/train_step.py --check-grads`` on CPU (prefix part dense vs SDPA) reports tiny errors;
-    ``--attention both`` on CPU gives one ``sdpa`` row per N with the ``attention`` field."""
-    import importlib.util
-    import json
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("train_step_bench_split", root / "benchmarks" / "train_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
-
-    out = tmp_path / "g.json"
-    res = bench.main(["--shape", "tiny", "--check-grads", "--check-n", "160", "--K", "4", "--compile", "both",
-                      "--out", str(out)])
-    assert len(res) == 1 and "error" not in res[0], res
-    r = res[0]
-    assert r["grads_finite"] and r["params_compared"] > 10 and r["E"] > 160
-    assert r["loss_rel_err"] < 1e-5 and r["grad_max_rel_err"] < 1e-4, r
-    assert json.loads(out.read_text())["grad_check"][0]["worst_param"] == r["worst_param"]
-    assert "compiled variants skipped" in capsys.readouterr().out
-
-    rows = bench.main(["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0", "--attention", "both",
-                       "--out", str(tmp_path / "b.json")])
-    assert len(rows) == 1 and rows[0]["attention"] == "sdpa" and "error" not in rows[0]
-    data = json.loads((tmp_path / "b.json").read_text())
-    assert data["meta"]["attention_variants"] == ["sdpa"] and data["rows"][0]["attention"] == "sdpa"
-    # the speedup column pairs a split row with the joint row of the same configuration
-    paired = bench.attach_joint_speedup([{"N": 1, "S": 1, "compile": False, "attention": "flex_joint", "step_ms": 30.0},
-                                         {"N": 1, "S": 1, "compile": False, "attention": "flex", "step_ms": 20.0},
-                                         {"N": 2, "S": 1, "compile": False, "attention": "flex", "step_ms": 20.0}])
-    assert paired[1]["speedup_vs_joint"] == pytest.approx(1.5) and "speedup_vs_joint" not in paired[2]

@@ -23,7 +23,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
-from conftest import mask_runs  # noqa: E402
+from conftest import conv, mask_runs  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -68,22 +68,15 @@ def harmony():
     return tok
 
 
-
-
 def masked_texts(tok, out) -> list[str]:
     return [tok.decode(out["input_ids"][a:b]) for a, b in mask_runs(out["loss_mask"])]
-
-
-def turns(*texts, system=None):
-    msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(texts)]
 
 
 # --------------------------------------------------------------------------- Llama-3
 
 
 def test_llama3_mask_is_content_plus_eot(llama3):
-    msgs = turns("What is 2+2?", "2+2 = **4**.", "And 3+3?", "It is 6.\n\nDone ✓", system="Be brief.")
+    msgs = conv("What is 2+2?", "2+2 = **4**.", "And 3+3?", "It is 6.\n\nDone ✓", system="Be brief.")
     out = tokenize_conversation(llama3, msgs, 4096, "drop")
     assert out["input_ids"] == list(llama3.apply_chat_template(msgs, tokenize=True)["input_ids"])
     assert out["input_ids"][0] == llama3.convert_tokens_to_ids("<|begin_of_text|>")  # written once, by the template
@@ -107,7 +100,7 @@ def test_llama3_mask_exact_on_real_sharegpt(llama3):
 
 
 def test_qwen3_reasoning_supervised_or_not(qwen3):
-    msgs = turns("Is 7 prime?", "Yes, 7 is prime.")
+    msgs = conv("Is 7 prime?", "Yes, 7 is prime.")
     msgs[1]["reasoning"] = "7 has no divisor between 2 and 6."
     on = tokenize_conversation(qwen3, msgs, 4096, "drop", supervise_reasoning=True)
     off = tokenize_conversation(qwen3, msgs, 4096, "drop", supervise_reasoning=False)
@@ -123,7 +116,7 @@ def test_qwen3_reasoning_supervised_or_not(qwen3):
 
 
 def test_qwen3_multi_turn_drops_earlier_reasoning(qwen3):
-    msgs = turns("Hi", "Hello!", "2*3?", "6")
+    msgs = conv("Hi", "Hello!", "2*3?", "6")
     msgs[1]["reasoning"] = "greet back"
     msgs[3]["reasoning"] = "multiply"
     report: dict = {}
@@ -133,9 +126,9 @@ def test_qwen3_multi_turn_drops_earlier_reasoning(qwen3):
     assert report == {"reasoning_dropped_by_template": 1}
     assert "greet back" not in qwen3.decode(out["input_ids"])
     # no reasoning: the template's empty think block is part of what the model writes
-    plain = tokenize_conversation(qwen3, turns("Hi", "Hello!"), 4096, "drop")
+    plain = tokenize_conversation(qwen3, conv("Hi", "Hello!"), 4096, "drop")
     assert masked_texts(qwen3, plain) == ["<think>\n\n</think>\n\nHello!<|im_end|>"]
-    assert masked_texts(qwen3, tokenize_conversation(qwen3, turns("Hi", "Hello!"), 4096, "drop",
+    assert masked_texts(qwen3, tokenize_conversation(qwen3, conv("Hi", "Hello!"), 4096, "drop",
                                                      supervise_reasoning=False)) == masked_texts(qwen3, plain)
 
 
@@ -143,7 +136,7 @@ def test_qwen3_multi_turn_drops_earlier_reasoning(qwen3):
 
 
 def test_harmony_analysis_and_final_channels(harmony):
-    msgs = turns("What is the capital of France?", "Paris.", system="Answer in one word.")
+    msgs = conv("What is the capital of France?", "Paris.", system="Answer in one word.")
     msgs[2]["reasoning"] = "The user asks for France's capital: Paris."
     on = tokenize_conversation(harmony, msgs, 4096, "drop", supervise_reasoning=True)
     off = tokenize_conversation(harmony, msgs, 4096, "drop", supervise_reasoning=False)
@@ -158,7 +151,7 @@ def test_harmony_analysis_and_final_channels(harmony):
 
 
 def test_harmony_multi_turn(harmony):
-    msgs = turns("Hi", "Hello!", "2*3?", "6")
+    msgs = conv("Hi", "Hello!", "2*3?", "6")
     msgs[1]["reasoning"], msgs[3]["reasoning"] = "greet", "multiply"
     out = tokenize_conversation(harmony, msgs, 4096, "drop", supervise_reasoning=True)
     assert masked_texts(harmony, out) == [
@@ -173,6 +166,6 @@ def test_content_not_rendered_verbatim_is_an_error(llama3):
     llama3.chat_template = original.replace("message['content'] | trim", "message['content'] | upper")
     try:
         with pytest.raises(TemplateError, match="assistant message 1: the chat template does not render its content"):
-            tokenize_conversation(llama3, turns("q", "answer"), 1024, "drop")
+            tokenize_conversation(llama3, conv("q", "answer"), 1024, "drop")
     finally:
         llama3.chat_template = original

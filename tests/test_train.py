@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_target
-from peagle_train.config import config_from_dict
+from peagle_train.config import ConfigError, config_from_dict
 from peagle_train.features import CacheError, CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.tokenized import save_tokenized
@@ -52,6 +52,19 @@ def _cached_inputs(run_dir):
     out = Path(cfg0.output_dir)
     feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
     return load_prepared(out), feats, AutoConfig.from_pretrained(str(run_dir / "target"))
+
+
+def fake_clock(monkeypatch) -> None:
+    """``time.perf_counter`` as the trainer sees it: every read advances 1 s."""
+    import peagle_train.train as train_mod
+
+    clock = {"t": 0.0}
+
+    def tick():
+        clock["t"] += 1.0
+        return clock["t"]
+
+    monkeypatch.setattr(train_mod.time, "perf_counter", tick)
 
 
 @pytest.fixture()
@@ -121,18 +134,9 @@ def test_grad_accum_equals_bigger_micro_batch_layouts(run_dir):
 def test_time_schedule_anneals_within_the_time_budget(run_dir, monkeypatch):
     """schedule: time — a run stopped by max_minutes long before its planned steps still ends near
     min_lr (the step schedule would still be at its peak); a missing max_minutes is refused."""
-    import peagle_train.train as train_mod
-    from peagle_train.config import ConfigError
-
     with pytest.raises(ConfigError, match="schedule=time needs train.max_minutes"):
         _cfg(run_dir, schedule="time")
-    clock = {"t": 0.0}  # a fake clock: every read advances 1 s, so the budget is hit after ~10 steps
-
-    def tick():
-        clock["t"] += 1.0
-        return clock["t"]
-
-    monkeypatch.setattr(train_mod.time, "perf_counter", tick)
+    fake_clock(monkeypatch)  # every read advances 1 s, so the budget is hit after ~10 steps
     cfg = _cfg(run_dir, epochs=200, features="online", max_minutes=0.5, schedule="time", min_lr_ratio=0.1)
     m = run_train(cfg, progress=False)
     lrs = [h["lr"] for h in m["history"]]
@@ -146,7 +150,6 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     (here forced to 3 and given each micro-batch's packed length): the step equals an explicit
     S = 3 step; without a GPU the planner's answer is S = 1."""
     import peagle_train.planner as planner
-    from peagle_train.config import ConfigError
 
     with pytest.raises(ConfigError, match="only defined for method 'peagle'"):
         _cfg(run_dir, method="eagle3", partitions="auto")
@@ -163,6 +166,7 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     monkeypatch.setattr(planner, "partitions_for", fake)
     rec_auto = auto.train_step()
     assert seen and all(n == 40 and gpu is None and h == 32 for n, gpu, h in seen)
+
     def no_fit(*a, **k):
         raise ValueError("no plan fits N=40")
 
@@ -180,15 +184,7 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
 def test_time_schedule_continues_after_resume(run_dir, monkeypatch):
     """A resumed schedule: time run keeps its elapsed time: elapsed_s and the LR continue where the
     checkpoint left them (the LR does not jump back to its step-schedule value)."""
-    import peagle_train.train as train_mod
-
-    clock = {"t": 0.0}
-
-    def tick():
-        clock["t"] += 1.0
-        return clock["t"]
-
-    monkeypatch.setattr(train_mod.time, "perf_counter", tick)
+    fake_clock(monkeypatch)
     cfg = _cfg(run_dir, epochs=200, features="online", max_minutes=1.0, schedule="time", min_lr_ratio=0.1)
     first = run_train(cfg, progress=False, stop_at=8)["history"]
     full = run_train(cfg, progress=False)["history"]
@@ -234,7 +230,6 @@ def test_eagle3_ttt_shapes_are_static_per_run(run_dir):
 def test_train_sequences_trains_on_a_prefix_of_the_split(run_dir):
     """train.train_sequences (data-size ablation): only the first n prepared sequences are dealt
     to micro-batches and counted for the draft vocab; more than the split holds is a ConfigError."""
-    from peagle_train.config import ConfigError
 
     data, feats, tconf = _cached_inputs(run_dir)
     n_all = len(data["train"]["input_ids"])

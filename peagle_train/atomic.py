@@ -1,0 +1,33 @@
+"""Atomic file writes for the run's bookkeeping files (manifests, metrics, configs, model cards).
+
+A reader (another regeneration worker, a resumed run, a crashed writer's successor) sees the old
+file or the whole new one, never a torn write: the text goes to a temp file in the same folder,
+then ``os.replace`` swaps it in. Only the standard library, so any module can use it cheaply.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``.<name>.tmp<pid>`` and ``os.replace``.
+
+    Raises:
+        OSError: the folder is missing or not writable (``path`` is left as it was).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, obj, indent: int | None = 1, default=None) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`write_text_atomic`); ``default`` as in
+    ``json.dumps``.
+
+    Raises:
+        TypeError: ``obj`` is not JSON-serialisable (nothing is written). OSError: as above.
+    """
+    write_text_atomic(path, json.dumps(obj, indent=indent, default=default))
