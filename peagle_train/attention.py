@@ -431,16 +431,26 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     C = index.shape[1]
     scale = hd ** -0.5 if scale is None else scale
     acc = _acc_dtype(q.dtype)
-    qg = q[0].view(nkv, g, Eq, hd).permute(2, 0, 1, 3)  # [Eq, nkv, g, hd]
     Ek = k.shape[2]
     kc = chain_gather(k[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
     vc = chain_gather(v[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
-    kc, vc = kc.view(Eq, C, nkv, hd), vc.view(Eq, C, nkv, hd)  # [Eq, C, nkv, hd]
-    s = torch.einsum("engd,ecnd->engc", qg, kc).to(acc) * scale  # [Eq, nkv, g, C]
-    p, lse = _masked_softmax_lse(s, valid[:, None, None, :])  # lse [Eq, nkv, g, 1]
-    out = torch.einsum("engc,ecnd->engd", p.to(v.dtype), vc)  # [Eq, nkv, g, hd]
-    out = out.permute(1, 2, 0, 3).reshape(1, nh, Eq, hd).to(q.dtype)
-    return out, lse[..., 0].permute(1, 2, 0).reshape(1, nh, Eq)
+    # [nkv, 1, Eq, C, hd]: broadcast over the g query heads of each KV head (no repeat)
+    kc = kc.view(Eq, C, nkv, hd).permute(2, 0, 1, 3).unsqueeze(1)
+    vc = vc.view(Eq, C, nkv, hd).permute(2, 0, 1, 3).unsqueeze(1)
+    qg = q[0].view(nkv, g, Eq, 1, hd)  # head h = n * g + j reads KV head n
+    if torch.compiler.is_compiling():
+        # Products summed over hd / C instead of a batched matmul: C <= K - 1 and the head counts are
+        # tiny, so a bmm runs as thousands of 8x8 tiles (about 40 ms of a 340 ms GPT-OSS-20B step on
+        # an H200, docs/benchmarks.md). Inductor turns each product into one fused reduction that
+        # reads the gathered rows once and never materialises the [nkv, g, Eq, C, hd] product.
+        s = (qg.to(acc) * kc.to(acc)).sum(-1) * scale  # [nkv, g, Eq, C]
+        p, lse = _masked_softmax_lse(s, valid)  # lse [nkv, g, Eq, 1]
+        out = (p.unsqueeze(-1) * vc.to(acc)).sum(-2)  # [nkv, g, Eq, hd]
+    else:  # eager: the same math as batched matmuls (the product above would be materialised)
+        s = (qg @ kc.transpose(-1, -2)).squeeze(-2).to(acc) * scale  # [nkv, g, Eq, C]
+        p, lse = _masked_softmax_lse(s, valid)
+        out = (p.unsqueeze(-2).to(v.dtype) @ vc).squeeze(-2)  # [nkv, g, Eq, hd]
+    return out.reshape(1, nh, Eq, hd).to(q.dtype), lse[..., 0].reshape(1, nh, Eq)
 
 
 def dense_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):

@@ -23,16 +23,31 @@ import warnings
 import torch
 
 RECOMPILE_LIMIT = 64
-AUTOTUNE = "max-autotune"  # train.compile: max-autotune → Inductor's "max-autotune-no-cudagraphs" mode
+AUTOTUNE = "max-autotune"  # train.compile: max-autotune → Inductor options AUTOTUNE_OPTIONS
+# Inductor's max-autotune for the Triton templates (FlexAttention's forward and backward kernels: block
+# sizes, warps, stages benchmarked at the first compile of each shape); GEMMs stay on cuBLAS (ATEN), so
+# the first step does not spend minutes benchmarking Triton GEMMs; no coordinate-descent tuning of
+# pointwise kernels, no CUDA graphs (grids change shape).
+AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN", "coordinate_descent_tuning": False}
 
 
 def inductor_mode(compile) -> str | None:
-    """``torch.compile`` ``mode`` for a ``train.compile`` value: ``"max-autotune"`` →
-    ``"max-autotune-no-cudagraphs"`` (Inductor benchmarks several kernel configs, the
-    FlexAttention and GEMM templates included, at the first compile of each shape; longer
-    first step, possibly faster steps; no CUDA graphs: grids change shape); ``True`` → None
-    (Inductor's default)."""
-    return "max-autotune-no-cudagraphs" if compile == AUTOTUNE else None
+    """The compile mode label for a ``train.compile`` value: ``"max-autotune"`` → ``"max-autotune"``
+    (:data:`AUTOTUNE_OPTIONS`), ``True`` → None (Inductor's defaults). See :func:`compile_kwargs`."""
+    return AUTOTUNE if compile == AUTOTUNE else None
+
+
+def compile_kwargs(mode: str | None) -> dict:
+    """``torch.compile`` keyword arguments for a mode label of :func:`inductor_mode`.
+
+    Raises:
+        ValueError: an unknown label.
+    """
+    if mode is None:
+        return {}
+    if mode == AUTOTUNE:
+        return {"options": dict(AUTOTUNE_OPTIONS)}
+    raise ValueError(f"unknown compile mode {mode!r}: use None or {AUTOTUNE!r}")
 
 
 def raise_recompile_limits(limit: int = RECOMPILE_LIMIT) -> None:
@@ -59,7 +74,7 @@ class SafeCompiled:
             hooks run; it is *not* registered as a submodule of anything, so ``state_dict``
             keys do not change).
         name: label for the warning.
-        inductor_mode: ``torch.compile``'s ``mode`` (None = default; see :func:`inductor_mode`).
+        inductor_mode: compile mode label (None = Inductor's defaults; see :func:`compile_kwargs`).
 
     Attributes:
         mode: ``"pending"`` (not called yet), ``"fullgraph"``, ``"graph-breaks"`` or ``"eager"``.
@@ -77,7 +92,8 @@ class SafeCompiled:
 
     def _make(self, fullgraph: bool):
         raise_recompile_limits()
-        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=False, mode=self.inductor_mode)
+        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=False,
+                                       **compile_kwargs(self.inductor_mode))
         self.mode = "fullgraph" if fullgraph else "graph-breaks"
 
     def __call__(self, *args, **kwargs):

@@ -218,8 +218,8 @@ class TrainConfig(_Section):
         False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
         "dynamic=False; one compile per 1024-bucketed grid length); on failure it falls back to graph breaks, "
         "then eager, with a warning. Same math as eager. Mostly a GPU speed knob (issue #7). 'max-autotune': "
-        "the same with Inductor's max-autotune-no-cudagraphs mode (benchmarks kernel configs, FlexAttention's "
-        "included, at each first compile: a longer first step).",
+        "the same with Inductor's max_autotune for FlexAttention (benchmarks its kernel configs at each first "
+        "compile: a longer first step); GEMMs stay on cuBLAS.",
     )
     log_every: int = Field(10, ge=1)
     eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")

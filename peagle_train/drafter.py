@@ -299,8 +299,8 @@ class Drafter(nn.Module):
     def set_compile(self, enabled: bool | str = True) -> None:
         """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
         (``train.compile``, issue #7), or back to eager with ``enabled=False``. ``enabled="max-autotune"``
-        compiles with Inductor's ``max-autotune-no-cudagraphs`` mode
-        (:func:`~peagle_train.compiling.inductor_mode`).
+        also benchmarks FlexAttention's kernel configs at each first compile
+        (:data:`~peagle_train.compiling.AUTOTUNE_OPTIONS`).
 
         Compilation happens lazily on the first forward, once per distinct (bucketed) grid
         length. Each layer is wrapped in :class:`~peagle_train.compiling.SafeCompiled`: a

@@ -56,13 +56,13 @@ _CHUNK_COMPILED: dict = {}
 
 def compiled_chunk_loss(inductor_mode: str | None = None):
     """The chunk body (final norm → lm_head → log_softmax → KL/CE → weighted sum, argmax) under
-    ``torch.compile(fullgraph=True, dynamic=False, mode=inductor_mode)`` with the safe fallback of
+    ``torch.compile(fullgraph=True, dynamic=False)`` with the safe fallback of
     :class:`~peagle_train.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
     One shared instance per mode (one graph per distinct chunk length and loss kind).
 
     Args:
-        inductor_mode: ``torch.compile``'s ``mode``: None (default) or ``"max-autotune-no-cudagraphs"``
-            (:func:`~peagle_train.compiling.inductor_mode`).
+        inductor_mode: compile mode label: None (Inductor's defaults) or ``"max-autotune"``
+            (:func:`~peagle_train.compiling.compile_kwargs`).
 
     Returns:
         a :class:`~peagle_train.compiling.SafeCompiled` callable with ``_chunk_loss``'s signature.

@@ -89,9 +89,9 @@ def test_safe_compiled_does_not_swallow_oom(monkeypatch):
 
 
 def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, monkeypatch):
-    """train.compile: max-autotune compiles the decoder layers and the loss chunk with Inductor's
-    max-autotune-no-cudagraphs mode; train.compile: true with the default mode (None). The recipe
-    accepts both; anything else is refused."""
+    """train.compile: max-autotune compiles the decoder layers and the loss chunk with
+    AUTOTUNE_OPTIONS (Inductor's max_autotune, GEMMs on cuBLAS); train.compile: true with Inductor's
+    defaults (no options). The recipe accepts both; anything else is refused."""
     import peagle_train.compiling as compiling
     import peagle_train.loss as loss_mod
     from peagle_train.config import ConfigError, config_from_dict
@@ -99,13 +99,17 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
     seen = []
 
     def fake_compile(fn, **kw):  # record the call, run eagerly
-        seen.append((getattr(fn, "__name__", type(fn).__name__), kw.get("mode")))
+        assert "mode" not in kw
+        seen.append((getattr(fn, "__name__", type(fn).__name__), repr(kw.get("options"))))
         return fn
 
     monkeypatch.setattr(compiling.torch, "compile", fake_compile)
     monkeypatch.setattr(loss_mod, "_CHUNK_COMPILED", {})  # earlier tests' compiled chunk bodies are cached
     d, head, args = _problem(tiny_drafter, objective_problem, False)
-    for compile, mode in ((True, None), ("max-autotune", "max-autotune-no-cudagraphs")):
+    assert compiling.AUTOTUNE_OPTIONS["max_autotune"] and compiling.AUTOTUNE_OPTIONS["max_autotune_gemm_backends"] == "ATEN"
+    with pytest.raises(ValueError, match="unknown compile mode"):
+        compiling.compile_kwargs("fastest")
+    for compile, mode in ((True, repr(None)), ("max-autotune", repr(compiling.AUTOTUNE_OPTIONS))):
         seen.clear()
         loss, _ = PEagleObjective(d, head, chunk_size=64, attention="sdpa", compile=compile)(*args)
         assert torch.isfinite(loss)
