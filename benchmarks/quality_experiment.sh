@@ -31,7 +31,9 @@ OVR+=(${EXTRA_OVERRIDES:-})  # e.g. EXTRA_OVERRIDES="data.num_conversations=8 re
 ngpus() { echo "${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}"; }
 P=recipes/smollm2-135m-peagle-gpu.yaml
 E=recipes/smollm2-135m-eagle3-gpu.yaml
-cli() { python3 -m peagle_train.cli "$@"; }
+cli() {  # PEAGLE_CLI: another executable with the same arguments (tests/test_quality_script.py)
+  if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; else python3 -m peagle_train.cli "$@"; fi
+}
 PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors
           peagle/data/eval_prompts.json peagle/data/meta.json)
 pack_prepared() {  # $RESULTS/prepared.tar.xz (+ .sha256) from $WORK/peagle's prepared data
@@ -154,45 +156,56 @@ PY
          smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json \
          smollm2-135m-peagle-gpu-acceptance_by_position.png smollm2-135m-eagle3-gpu-acceptance_by_position.png \
          comparison.md comparison.png ;;
-  ablate)  # P-EAGLE variants on the same prepared data (after prepare or restore), all at once, several per GPU
+  ablate)  # P-EAGLE variants on the same prepared data (after prepare or restore), in waves
     # ABLATE: space-separated "name=override,override" entries (name= alone: the recipe as is);
-    # ABLATE_MINUTES: each variant's train.max_minutes (wall clock: variants sharing a GPU share it,
-    # so compare variants of the same call only). Result: $RESULTS/ablation.json, one row per variant
-    # with its simulated acceptance lengths from the training log (no decoding loop, no export).
+    # ABLATE_MINUTES: each variant's train.max_minutes; ABLATE_PER_GPU: variants sharing one GPU at a
+    # time (default 1: each variant has a GPU to itself for its minutes, so variants of different
+    # waves and calls compare; six at once on two GPUs stalled in the fourth session). A variant with
+    # a finished run is kept, so a long list can be split over several calls. Result:
+    # $RESULTS/ablation.json, one row per finished variant under $WORK/ablate, with its simulated
+    # acceptance lengths from the training log (no decoding loop, no export).
     minutes=${ABLATE_MINUTES:-2}
+    per_gpu=${ABLATE_PER_GPU:-1}
     ngpu=$(ngpus); ngpu=$(( ngpu > 0 ? ngpu : 1 ))
-    i=0; names=()
+    slots=$(( ngpu * per_gpu ))
     n=$(python3 -c "import json; print(json.load(open('$WORK/peagle/data/meta.json'))['splits']['train']['sequences'])")
-    for v in ${ABLATE:-"base= K4=train.K=4,eval.k_max=4 cod_r05=train.cod_r=0.5 cod_r09=train.cod_r=0.9 data_half=train.train_sequences=$((n / 2)) data_quarter=train.train_sequences=$((n / 4))"}; do
+    default="base= K4=train.K=4,eval.k_max=4 cod_r05=train.cod_r=0.5 cod_r09=train.cod_r=0.9"
+    default+=" data_half=train.train_sequences=$((n / 2)) data_quarter=train.train_sequences=$((n / 4))"
+    variants=${ABLATE:-$default}
+    i=0
+    for v in $variants; do  # unquoted on purpose: one word per variant
       name=${v%%=*}; IFS=, read -r -a vo <<< "${v#*=}"
-      d="$WORK/ablate/$name"; [ -d "$d/data" ] || share_prepared "$d"
+      d="$WORK/ablate/$name"
+      if [ -f "$d/train_metrics.json" ]; then echo "ablation $name: finished in an earlier call, kept"; continue; fi
+      [ -d "$d/data" ] || share_prepared "$d"
       ( CUDA_VISIBLE_DEVICES=$(( i % ngpu )) cli train "$P" "${OVR[@]}" "output_dir=$d" "train.max_minutes=$minutes" \
-          "${vo[@]}" --quiet > "$d.json" 2> "$d.err" || echo "ablation $name failed: $(tail -n 2 "$d.err" | cut -c1-300)" ) &
-      names+=("$name"); i=$((i + 1))
+          "${vo[@]}" > "$d.json" 2> "$d.err" || echo "ablation $name failed: $(tail -c 300 "$d.err")" ) &
+      i=$((i + 1))
+      if [ $(( i % slots )) -eq 0 ]; then wait; fi  # next wave once every slot is free
     done
     wait
-    python3 - "$WORK/ablate" "$RESULTS/ablation.json" "$minutes" "${names[@]}" <<'PY'
+    python3 - "$WORK/ablate" "$RESULTS/ablation.json" "$minutes" "$per_gpu" <<'PY'
 import json, sys
 from pathlib import Path
-root, dest, minutes, names = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+root, dest, minutes, per_gpu = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 rows = []
-for n in names:
-    f = root / n / "train_metrics.json"
+for d in sorted(p for p in root.iterdir() if p.is_dir()):
+    f = d / "train_metrics.json"
     if not f.exists():
-        err = (root / f"{n}.err").read_text().strip().splitlines() if (root / f"{n}.err").exists() else []
-        rows.append({"variant": n, "error": " ".join(err[-2:])[:400] or "no train_metrics.json"})
+        err = (root / f"{d.name}.err").read_text().strip()[-400:] if (root / f"{d.name}.err").exists() else ""
+        rows.append({"variant": d.name, "error": err or "no train_metrics.json"})
         continue
     m = json.loads(f.read_text())
     fin, k = m["final"], str(min(7, m["K"]))  # served K <= trained K
     get = lambda key: (fin.get(key) or {}).get(k)  # noqa: E731
-    rows.append({"variant": n, "K": m["K"], "steps": m["steps"], "train_s": round(m["train_seconds"], 1),
+    rows.append({"variant": d.name, "K": m["K"], "steps": m["steps"], "train_s": round(m["train_seconds"], 1),
                  "walk_al_heldout": get("eval_walk_al_heldout"), "walk_al": get("eval_walk_al"),
                  "sim_al": get("eval_sim_al"), "eval_loss": fin.get("eval_loss"), "al_at_K": int(k)})
-json.dump({"minutes_each": minutes, "rows": rows}, open(dest, "w"), indent=1)
+json.dump({"minutes_each": minutes, "variants_per_gpu": per_gpu, "rows": rows}, open(dest, "w"), indent=1)
 print(f"{'variant':<14}{'K':>3}{'steps':>7}{'train s':>9}{'walk AL heldout':>17}{'walk AL':>9}{'sim AL':>8}")
 for r in rows:
     if "error" in r:
-        print(f"{r['variant']:<14} {r['error']}")
+        print(f"{r['variant']:<14} not finished: {r['error'][-200:]}")
         continue
     f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
     print(f"{r['variant']:<14}{r['K']:>3}{r['steps']:>7}{r['train_s']:>9}{f(r['walk_al_heldout']):>17}"

@@ -1,0 +1,110 @@
+"""``benchmarks/quality_experiment.sh ablate``: variant parsing, GPU waves, resume and summary.
+
+The training command is replaced by a fake (``PEAGLE_CLI``) that records its arguments and writes a
+``train_metrics.json`` as the real ``train`` does, so the shell logic runs in seconds on CPU. The
+fourth session's device run lost its ablation to a quoting bug this test catches (the default
+variant list was one word).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "quality_experiment.sh"
+
+FAKE_CLI = r'''#!{python}
+import json, os, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+over = dict(a.split("=", 1) for a in args[2:] if "=" in a)
+out = Path(over["output_dir"])
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"args": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         "start": time.time()}}) + "\n")
+if out.name == "{fail}":
+    print("boom: no GPU memory left", file=sys.stderr)
+    sys.exit(3)
+time.sleep(0.3)
+K = int(over.get("train.K", 8))
+al = {{str(k): 1.0 + 0.01 * k for k in range(1, K + 1)}}
+(out / "train_metrics.json").write_text(json.dumps({{
+    "method": "peagle", "K": K, "steps": 10, "train_seconds": 1.5,
+    "final": {{"eval_loss": 4.0, "eval_walk_al": al, "eval_walk_al_heldout": al, "eval_sim_al": al}}}}))
+print(json.dumps({{"steps": 10}}))
+'''
+
+
+def _setup(tmp_path: Path, fail: str = "-") -> dict:
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    work = tmp_path / "work"
+    data = work / "peagle" / "data"
+    data.mkdir(parents=True)
+    (data / "meta.json").write_text(json.dumps({"splits": {"train": {"sequences": 100}}}))
+    for f in ("train.safetensors", "eval.safetensors", "eval_prompts.json"):
+        (data / f).write_text("x")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_CLI.format(python=sys.executable, fail=fail))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(work), "PEAGLE_CLI": str(fake), "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+                        "NGPU": "2", "ABLATE_MINUTES": "0.5"}
+    env.pop("OUT", None)
+    return env
+
+
+def _run(env: dict, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "ablate"], cwd=ROOT, env=env | extra, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _calls(tmp_path: Path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_ablate_default_variants_waves_and_summary(tmp_path):
+    env = _setup(tmp_path)
+    r = _run(env)
+    assert r.returncode == 0, r.stderr
+    calls = _calls(tmp_path)
+    by_name = {Path(dict(a.split("=", 1) for a in c["args"] if "=" in a)["output_dir"]).name: c for c in calls}
+    assert sorted(by_name) == ["K4", "base", "cod_r05", "cod_r09", "data_half", "data_quarter"]
+    assert "train.K=4" in by_name["K4"]["args"] and "eval.k_max=4" in by_name["K4"]["args"]
+    assert "train.cod_r=0.5" in by_name["cod_r05"]["args"]
+    assert "train.train_sequences=50" in by_name["data_half"]["args"]
+    assert "train.train_sequences=25" in by_name["data_quarter"]["args"]
+    assert all("train.max_minutes=0.5" in c["args"] for c in calls)
+    assert not any(a.startswith("train.") for a in by_name["base"]["args"] if a != "train.max_minutes=0.5")
+    # one variant per GPU at a time: GPUs alternate, and each wave of two starts after the last one ended
+    assert [sorted(c["gpu"] for c in calls[w:w + 2]) for w in (0, 2, 4)] == [["0", "1"]] * 3
+    starts = sorted(c["start"] for c in calls)
+    assert starts[2] - starts[0] >= 0.25 and starts[4] - starts[2] >= 0.25
+    summary = json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())
+    assert summary["variants_per_gpu"] == 1 and summary["minutes_each"] == 0.5
+    rows = {r["variant"]: r for r in summary["rows"]}
+    assert set(rows) == set(by_name)
+    assert rows["K4"]["al_at_K"] == 4 and rows["K4"]["walk_al_heldout"] == pytest.approx(1.04)
+    assert rows["base"]["al_at_K"] == 7 and rows["base"]["sim_al"] == pytest.approx(1.07)
+
+
+def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
+    env = _setup(tmp_path, fail="cod_r09")
+    r = _run(env, ABLATE="base= cod_r09=train.cod_r=0.9", ABLATE_PER_GPU="2")
+    assert r.returncode == 0, r.stderr
+    assert "ablation cod_r09 failed" in r.stdout and "boom" in r.stdout
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())["rows"]}
+    assert "error" in rows["cod_r09"] and "boom" in rows["cod_r09"]["error"] and rows["base"]["steps"] == 10
+    n_before = len(_calls(tmp_path))
+    r = _run(env, ABLATE="base= K4=train.K=4")  # a second call: base is kept, K4 is added
+    assert r.returncode == 0, r.stderr
+    assert "base: finished in an earlier call, kept" in r.stdout
+    new = _calls(tmp_path)[n_before:]
+    assert len(new) == 1 and "train.K=4" in new[0]["args"]
+    rows = {r["variant"] for r in json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())["rows"]}
+    assert rows == {"base", "cod_r09", "K4"}
