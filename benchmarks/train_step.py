@@ -40,7 +40,9 @@ is the first step (compilation included) and ``compile_modes`` says whether each
 piece ran fullgraph, with graph breaks, or fell back to eager. ``--partitions auto`` asks
 :func:`peagle_train.planner.plan_step` for S (and activation checkpointing) given the GPU's
 memory; an out-of-memory step under ``auto`` retries once with S + 1. ``--profile`` writes the
-top-25 kernels (name, ms per step, % of step) to the JSON; ``--sync-debug`` counts the host
+top-25 kernels (name, ms per step, % of step) to the JSON, and on CUDA the GPU's busy and idle
+time per profiled step and the kernel time by category (:func:`timeline_summary`; ``--trace``
+also saves the Chrome trace); ``--sync-debug`` counts the host
 syncs of one extra step (CUDA only).
 
 Attention (``train.attention``): ``--attention flex`` (default) is the split form (FlexAttention
@@ -167,9 +169,10 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         aux = (torch.randn(N, A * T, generator=g) * 0.5).to(device, torch.bfloat16)
         last = torch.randn(N, T, generator=g).to(device, torch.bfloat16)
         argmax = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
-        input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
-        loss_mask = torch.ones(N, dtype=torch.bool, device=device)
-        doc_ids = torch.zeros(N, dtype=torch.long, device=device)
+        # the token side stays on the CPU, as a data loader has it: COD and the grid are built there
+        input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g)
+        loss_mask = torch.ones(N, dtype=torch.bool)
+        doc_ids = torch.zeros(N, dtype=torch.long)
         drafter.gradient_checkpointing = checkpointing
         drafter.train()
         attention = effective_attention(attention, device)
@@ -182,9 +185,10 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
 
         def step(it: int):
             kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=torch.Generator().manual_seed(seed + it))
-            grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
-            norm = supervised_count(grid)
-            segs = plan_partitions(grid, N, S)
+            host_grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
+            norm = supervised_count(host_grid)
+            segs = [seg.to(device, non_blocking=True) for seg in plan_partitions(host_grid, N, S)]
+            grid = host_grid.to(device, non_blocking=True)  # no host sync before the forward (as the trainer)
             for j, seg in enumerate(segs):
                 sync = contextlib.nullcontext() if (dist != "ddp" or j == len(segs) - 1) else obj.no_sync()
                 with sync, torch.autocast(device.type, dtype=torch.bfloat16):
@@ -300,6 +304,76 @@ def kernel_table(prof, step_ms: float, n_steps: int, top: int = 25) -> list[dict
         out.append({"name": name[:120], "ms_per_step": round(ms, 3),
                     "pct_of_step": round(100 * ms / step_ms, 2) if step_ms else None,
                     "calls_per_step": round(count / n_steps, 1)})
+    return out
+
+
+KERNEL_CATEGORIES = (  # first match wins; names as the CUDA profiler reports them (torch 2.11, H200)
+    ("flex attention backward", ("flex_attention_backward",)),
+    ("flex attention forward", ("flex_attention",)),
+    ("GEMM (cuBLAS / CUTLASS)", ("nvjet", "gemm", "cutlass", "magma", "sm90_xmma")),
+    ("optimizer (fused multi-tensor)", ("multi_tensor_apply",)),
+    ("copies", ("memcpy", "memset", "direct_copy", "copy_kernel")),
+    ("Inductor fused (norms, RoPE, loss, chain part, ...)", ("triton_",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    """Coarse category of a CUDA kernel name (:data:`KERNEL_CATEGORIES`; anything else: ``other``)."""
+    low = name.lower()
+    for cat, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def timeline_summary(kernels: list[tuple[str, float, float]], n_steps: int) -> dict:
+    """GPU busy and idle time of a profiled window, from kernel intervals.
+
+    Args:
+        kernels: ``(name, start_us, end_us)`` of every device kernel / copy of ``n_steps`` steps.
+        n_steps: steps in the window (``>= 1``).
+
+    Returns:
+        ``{"window_ms", "busy_ms", "idle_ms"}`` per step (the window spans the first start to the
+        last end; busy is the union of the intervals, so overlapping kernels on several streams
+        count once; idle = window - busy) and ``"by_category"``: ``{category: ms per step}`` of
+        summed kernel time (:func:`kernel_category`), largest first. Empty input gives zeros.
+
+    Raises:
+        ValueError: ``n_steps < 1`` or an interval that ends before it starts.
+    """
+    if n_steps < 1:
+        raise ValueError(f"timeline_summary: n_steps must be >= 1, got {n_steps}")
+    if any(e < b for _, b, e in kernels):
+        raise ValueError("timeline_summary: an interval ends before it starts")
+    cats: dict[str, float] = {}
+    busy, cur_b, cur_e = 0.0, None, None
+    for name, b, e in sorted(kernels, key=lambda x: x[1]):
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + (e - b)
+        if cur_e is None or b > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_b
+            cur_b, cur_e = b, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_b
+    window = (max(e for _, _, e in kernels) - min(b for _, b, _ in kernels)) if kernels else 0.0
+    per = 1e3 * n_steps
+    return {"window_ms": round(window / per, 3), "busy_ms": round(busy / per, 3),
+            "idle_ms": round((window - busy) / per, 3),
+            "by_category": {k: round(v / per, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}}
+
+
+def device_kernels(prof) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of the device kernels and copies in a ``torch.profiler`` run
+    (empty on CPU-only runs)."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
     return out
 
 
@@ -473,6 +547,8 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=8192, help="loss chunk (grid elements)")
     ap.add_argument("--out", type=str, default="train_step.json")
     ap.add_argument("--dist", choices=["none", "ddp", "fsdp2"], default="none")
+    ap.add_argument("--trace", type=str, default=None,
+                    help="with --profile: also write the profiled steps' Chrome trace to this path")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 steps of the first N (last variant) and report the top-25 kernels")
     ap.add_argument("--sync-debug", action="store_true", help="count host syncs of one extra step (CUDA)")
@@ -564,12 +640,21 @@ def main(argv=None):
         table = kernel_table(prof, step_ms or 0.0, 3)
         profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),
                    "step_ms": step_ms,
-                   "kind": "cuda kernels" if device.type == "cuda" else "cpu ops", "top": table}
+                   "kind": "cuda kernels" if device.type == "cuda" else "cpu ops", "top": table,
+                   "timeline": timeline_summary(device_kernels(prof), 3) if device.type == "cuda" else None}
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         print(f"\ntop {len(table)} {profile['kind']} (N={N0}, compile={variants[-1]}; ms per step, % of the "
               f"timed median step {step_ms and round(step_ms, 1)} ms):")
         for t in table:
             print(f"{t['ms_per_step']:>10.2f} ms {t['pct_of_step'] if t['pct_of_step'] is not None else '-':>7}% "
                   f"{t['calls_per_step']:>8} x  {t['name'][:90]}")
+        tl = profile["timeline"]
+        if tl:
+            print(f"GPU per profiled step: window {tl['window_ms']:.1f} ms, busy {tl['busy_ms']:.1f} ms, "
+                  f"idle {tl['idle_ms']:.1f} ms (profiler overhead included)")
+            for cat, ms in tl["by_category"].items():
+                print(f"{ms:>10.2f} ms  {cat}")
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     meta = {
         "shape": args.shape, "draft_vocab": drafter.config.draft_vocab_size, "K": args.K, "r": args.r,

@@ -51,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .atomic import write_json_atomic
+from .grid import to_device
 from .target import sha256_file as _sha256
 
 FORMAT = "peagle-features-v2"
@@ -425,17 +426,34 @@ class OnlineFeatures:
         return self.target.model.get_input_embeddings().weight.detach()
 
 
-def pack(samples: list[dict], input_ids: list[list[int]], loss_masks: list[list[int]], device) -> dict:
+def pack_tokens(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict:
+    """The token side of a packed micro-batch, on the CPU (where the COD sample and the grid are built).
+
+    Returns:
+        dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64 (sequence ``i``
+        of the list is document ``i``).
+    """
+    return {
+        "input_ids": torch.tensor([t for s in input_ids for t in s], dtype=torch.long),
+        "loss_mask": torch.tensor([m for s in loss_masks for m in s], dtype=torch.bool),
+        "doc_ids": torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(input_ids)]),
+    }
+
+
+def pack(samples: list[dict], input_ids: list[list[int]], loss_masks: list[list[int]], device,
+         tokens: dict | None = None) -> dict:
     """Concatenate sequences into one packed micro-batch with document ids.
+
+    Args:
+        tokens: :func:`pack_tokens` of the same sequences, if already built (not rebuilt).
 
     Returns:
         dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64,
-        ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device``.
+        ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device`` (the token tensors
+        copied without blocking the host, see :meth:`~peagle_train.grid.Grid.to`).
     """
-    return {
-        "input_ids": torch.tensor([t for s in input_ids for t in s], dtype=torch.long, device=device),
-        "loss_mask": torch.tensor([m for s in loss_masks for m in s], dtype=torch.bool, device=device),
-        "doc_ids": torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(input_ids)]).to(device),
+    tokens = pack_tokens(input_ids, loss_masks) if tokens is None else tokens
+    return {k: to_device(v, device, non_blocking=True) for k, v in tokens.items()} | {
         "aux": torch.cat([s["aux"] for s in samples]).to(device),
         "last": torch.cat([s["last"] for s in samples]).to(device),
         "argmax": torch.cat([s["argmax"] for s in samples]).to(device),

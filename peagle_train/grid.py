@@ -58,8 +58,20 @@ class Grid:
         """Sub-grid of the elements ``index`` (int64 ``[E']``, order kept)."""
         return Grid(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
-    def to(self, device) -> "Grid":
-        return Grid(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device, non_blocking: bool = False) -> "Grid":
+        """The grid on ``device``. ``non_blocking``: a CPU grid going to a GPU is copied through pinned
+        memory without making the host wait (the step's grid is built on the CPU, as the data loader
+        has the tokens there, so the GPU never idles for it)."""
+        return Grid(**{f.name: to_device(getattr(self, f.name), device, non_blocking) for f in fields(self)})
+
+
+def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
+    """``t.to(device)``; with ``non_blocking`` a CPU tensor bound for CUDA is pinned first, so the copy
+    is asynchronous (the caching host allocator keeps the pinned buffer until the copy is done)."""
+    device = torch.device(device)
+    if non_blocking and t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:

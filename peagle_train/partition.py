@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import Grid
+from .grid import Grid, to_device
 
 
 @dataclass
@@ -41,6 +41,10 @@ class Segment:
 
     index: torch.Tensor
     owned: torch.Tensor
+
+    def to(self, device, non_blocking: bool = False) -> "Segment":
+        """The segment on ``device`` (see :meth:`Grid.to`)."""
+        return Segment(to_device(self.index, device, non_blocking), to_device(self.owned, device, non_blocking))
 
     def apply(self, grid: Grid) -> Grid:
         """Sub-grid with loss weights zeroed on context-only elements."""

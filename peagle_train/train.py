@@ -36,7 +36,7 @@ from .config import ConfigError, RunConfig, dump_config
 from .distributed import (Layout, after_prepare, backward, configure_deepspeed, full_state_dict, grad_norm_value,
                           grad_sync, make_accelerator, rank_batches, requested_layout, shard_target, validate_layout)
 from .drafter import Drafter, make_drafter_config
-from .features import CachedFeatures, OnlineFeatures, pack
+from .features import CachedFeatures, OnlineFeatures, pack, pack_tokens
 from .grid import build_grid, cod_sample, supervised_count
 from .loss import DepthStats, depth_stats
 from .spec_stats import chain_matrix, walk_accepted
@@ -196,15 +196,25 @@ class Trainer:
                             self.tc.length_balance)
 
     def prepare_micro(self, indices, source, ids, masks, gen):
-        """Fetch features for ``indices``, pack them, sample COD and build the grid → ``(packed, grid)``."""
+        """Fetch features for ``indices``, pack them, sample COD and build the grid.
+
+        The COD sample, the grid, and what is derived from it on the host (the supervised count, the
+        partition plan) are built on the CPU from the token lists, and the grid is copied to the
+        device without blocking: no host sync before the forward.
+
+        Returns:
+            ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
+        """
         feats = source.get(indices)
-        packed = pack(feats, [ids[i] for i in indices], [masks[i] for i in indices], self.device)
+        seq_ids, seq_masks = [ids[i] for i in indices], [masks[i] for i in indices]
+        tokens = pack_tokens(seq_ids, seq_masks)
+        packed = pack(feats, seq_ids, seq_masks, self.device, tokens=tokens)
         K = self.tc.K
         r, r_min = (self.tc.cod_r, self.tc.cod_r_min) if self.tc.method == "peagle" else (1.0, 1.0)
-        kept = cod_sample(packed["loss_mask"], packed["doc_ids"], K, r, r_min, self.tc.max_anchors, gen)
+        kept = cod_sample(tokens["loss_mask"], tokens["doc_ids"], K, r, r_min, self.tc.max_anchors, gen)
         mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
-        grid = build_grid(packed["input_ids"], packed["loss_mask"], packed["doc_ids"], kept, mask_id)
-        return packed, grid
+        host_grid = build_grid(tokens["input_ids"], tokens["loss_mask"], tokens["doc_ids"], kept, mask_id)
+        return packed, host_grid.to(self.device, non_blocking=True), host_grid
 
     def _forward(self, packed, grid, normaliser):
         p = self.model
@@ -226,23 +236,28 @@ class Trainer:
         micros = [self.prepare_micro(ix, self.features, self.train_ids, self.train_masks,
                                      step_generator(self.tc.seed, self.step, self.acc.process_index, m))
                   for m, ix in enumerate(self.micro_batches(self.step))]
-        local = torch.tensor([sum(supervised_count(g) for _, g in micros)], dtype=torch.float64, device=self.device)
-        global_count = float(self.acc.reduce(local, reduction="sum").item())
+        local_count = sum(supervised_count(h) for _, _, h in micros)  # host grids: no device sync
+        if self.acc.num_processes > 1:
+            local = torch.tensor([local_count], dtype=torch.float64, device=self.device)
+            global_count = float(self.acc.reduce(local, reduction="sum").item())
+        else:
+            global_count = float(local_count)
         normaliser = max(global_count, 1.0) / self.acc.num_processes
         stats = DepthStats.zeros(self.tc.K)
         loss_total, positions, tokens = 0.0, 0, 0
         plans = []
-        parts = self.partitions([packed["input_ids"].numel() for packed, _ in micros])
-        for (packed, grid), S in zip(micros, parts):
+        parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
+        for (packed, grid, host_grid), S in zip(micros, parts):
             n = packed["input_ids"].numel()
-            segs = plan_partitions(grid, n, S) if self.tc.method == "peagle" else None
+            segs = ([seg.to(self.device, non_blocking=True) for seg in plan_partitions(host_grid, n, S)]
+                    if self.tc.method == "peagle" else None)
             plans.append(segs)
             positions += len(grid)
             tokens += n
         n_backward = sum(len(s) if s else 1 for s in plans)
         done = 0
         self.model.train()
-        for (packed, grid), segs in zip(micros, plans):
+        for (packed, grid, _), segs in zip(micros, plans):
             for seg in (segs or [None]):
                 done += 1
                 last = done == n_backward  # gradients are synchronised on the last backward only (spec §3)

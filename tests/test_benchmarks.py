@@ -75,3 +75,27 @@ def test_benchmark_check_grads_and_attention_option(bench, tmp_path, capsys):
                                          {"N": 1, "S": 1, "compile": False, "attention": "flex", "step_ms": 20.0},
                                          {"N": 2, "S": 1, "compile": False, "attention": "flex", "step_ms": 20.0}])
     assert paired[1]["speedup_vs_joint"] == pytest.approx(1.5) and "speedup_vs_joint" not in paired[2]
+
+
+def test_timeline_summary_busy_idle_and_categories(bench):
+    """Busy time is the union of kernel intervals (overlaps count once), idle the rest of the window,
+    per step; categories sum kernel time by name."""
+    kernels = [("triton_tem_fused_flex_attention_backward_9", 0.0, 4000.0),
+               ("nvjet_sm90_tst_192x192", 3000.0, 5000.0),  # overlaps the first: busy 0..5000
+               ("triton_tem_fused_flex_attention_transpose_view_5", 7000.0, 8000.0),  # 2000 us idle before
+               ("Memcpy HtoD (Pageable -> Device)", 9000.0, 9500.0),
+               ("triton_per_fused_sum_6", 9500.0, 10000.0),
+               ("void at::native::multi_tensor_apply_kernel<FusedAdam>", 10000.0, 12000.0),
+               ("some_other_kernel", 12000.0, 12000.0)]
+    tl = bench.timeline_summary(kernels, 2)
+    assert tl["window_ms"] == 6.0 and tl["busy_ms"] == 4.5 and tl["idle_ms"] == 1.5  # gaps 5000-7000, 8000-9000
+    cats = tl["by_category"]
+    assert cats["flex attention backward"] == 2.0 and cats["flex attention forward"] == 0.5
+    assert cats["GEMM (cuBLAS / CUTLASS)"] == 1.0 and cats["optimizer (fused multi-tensor)"] == 1.0
+    assert cats["copies"] == 0.25 and cats["Inductor fused (norms, RoPE, loss, chain part, ...)"] == 0.25
+    assert cats["other"] == 0.0 and list(cats)[0] == "flex attention backward"
+    assert bench.timeline_summary([], 3) == {"window_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "by_category": {}}
+    with pytest.raises(ValueError, match="n_steps"):
+        bench.timeline_summary(kernels, 0)
+    with pytest.raises(ValueError, match="ends before"):
+        bench.timeline_summary([("x", 5.0, 1.0)], 1)
