@@ -434,23 +434,27 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     Ek = k.shape[2]
     kc = chain_gather(k[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
     vc = chain_gather(v[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
-    # [nkv, 1, Eq, C, hd]: broadcast over the g query heads of each KV head (no repeat)
-    kc = kc.view(Eq, C, nkv, hd).permute(2, 0, 1, 3).unsqueeze(1)
-    vc = vc.view(Eq, C, nkv, hd).permute(2, 0, 1, 3).unsqueeze(1)
-    qg = q[0].view(nkv, g, Eq, 1, hd)  # head h = n * g + j reads KV head n
+    # query-major layout: for one query row e and KV head n, its g query heads, C chain keys and hd
+    # features are contiguous, so a kernel working on (e, n) reads each gathered key row once
+    kc = kc.view(Eq, C, nkv, hd).permute(0, 2, 1, 3)  # [Eq, nkv, C, hd]
+    vc = vc.view(Eq, C, nkv, hd).permute(0, 2, 1, 3)
+    qg = q[0].transpose(0, 1).reshape(Eq, nkv, g, hd)  # head h = n * g + j reads KV head n
+    ok = valid[:, None, :, None]  # [Eq, 1, C, 1]
     if torch.compiler.is_compiling():
-        # Products summed over hd / C instead of a batched matmul: C <= K - 1 and the head counts are
-        # tiny, so a bmm runs as thousands of 8x8 tiles (about 40 ms of a 340 ms GPT-OSS-20B step on
-        # an H200, docs/benchmarks.md). Inductor turns each product into one fused reduction that
-        # reads the gathered rows once and never materialises the [nkv, g, Eq, C, hd] product.
-        s = (qg.to(acc) * kc.to(acc)).sum(-1) * scale  # [nkv, g, Eq, C]
-        p, lse = _masked_softmax_lse(s, valid)  # lse [nkv, g, Eq, 1]
-        out = (p.unsqueeze(-1) * vc.to(acc)).sum(-2)  # [nkv, g, Eq, hd]
+        # Products summed over hd / C instead of a batched matmul: C <= K - 1 and g are tiny, so a
+        # bmm runs as thousands of 8x8 tiles (about 40 ms of a 340 ms GPT-OSS-20B step on an H200,
+        # docs/benchmarks.md). Inductor turns each product into one fused reduction that never
+        # materialises the [Eq, nkv, C, g, hd] product; the scores are laid out [Eq, nkv, C, g]
+        # (query heads innermost) so neighbouring outputs share their key row.
+        s = (qg[:, :, None, :, :].to(acc) * kc[:, :, :, None, :].to(acc)).sum(-1) * scale  # [Eq, nkv, C, g]
+        p, lse = _masked_softmax_lse(s.transpose(-1, -2), ok.transpose(-1, -2))  # softmax over C
+        out = (p.transpose(-1, -2)[..., None] * vc[:, :, :, None, :].to(acc)).sum(2)  # [Eq, nkv, g, hd]
     else:  # eager: the same math as batched matmuls (the product above would be materialised)
-        s = (qg @ kc.transpose(-1, -2)).squeeze(-2).to(acc) * scale  # [nkv, g, Eq, C]
-        p, lse = _masked_softmax_lse(s, valid)
-        out = (p.unsqueeze(-2).to(v.dtype) @ vc).squeeze(-2)  # [nkv, g, Eq, hd]
-    return out.reshape(1, nh, Eq, hd).to(q.dtype), lse[..., 0].reshape(1, nh, Eq)
+        s = (qg @ kc.transpose(-1, -2)).to(acc) * scale  # [Eq, nkv, g, C]
+        p, lse = _masked_softmax_lse(s, ok.transpose(-1, -2))
+        out = p.to(v.dtype) @ vc  # [Eq, nkv, g, hd]
+    out = out.reshape(Eq, nh, hd).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, nh, Eq, hd]
+    return out, lse[..., 0].reshape(Eq, nh).transpose(0, 1).unsqueeze(0)
 
 
 def dense_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
