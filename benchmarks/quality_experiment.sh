@@ -161,11 +161,13 @@ PY
     # ABLATE_MINUTES: each variant's train.max_minutes; ABLATE_PER_GPU: variants sharing one GPU at a
     # time (default 1: each variant has a GPU to itself for its minutes, so variants of different
     # waves and calls compare; six at once on two GPUs stalled in the fourth session). A variant with
-    # a finished run is kept, so a long list can be split over several calls. Result:
-    # $RESULTS/ablation.json, one row per finished variant under $WORK/ablate, with its simulated
-    # acceptance lengths from the training log (no decoding loop, no export).
+    # a finished run of the same settings is kept, so a long list can be split over several calls; one
+    # that finished with other settings is refused (use another name). Result: $RESULTS/ablation.json,
+    # one row per variant folder under $WORK/ablate (its minutes, overrides and simulated acceptance
+    # lengths from the training log, or its error), no decoding loop, no export.
     minutes=${ABLATE_MINUTES:-2}
     per_gpu=${ABLATE_PER_GPU:-1}
+    [[ "$per_gpu" =~ ^[1-9][0-9]*$ ]] || { echo "ABLATE_PER_GPU must be a whole number >= 1, got '$per_gpu'" >&2; exit 2; }
     ngpu=$(ngpus); ngpu=$(( ngpu > 0 ? ngpu : 1 ))
     slots=$(( ngpu * per_gpu ))
     n=$(python3 -c "import json; print(json.load(open('$WORK/peagle/data/meta.json'))['splits']['train']['sequences'])")
@@ -176,8 +178,14 @@ PY
     for v in $variants; do  # unquoted on purpose: one word per variant
       name=${v%%=*}; IFS=, read -r -a vo <<< "${v#*=}"
       d="$WORK/ablate/$name"
-      if [ -f "$d/train_metrics.json" ]; then echo "ablation $name: finished in an earlier call, kept"; continue; fi
+      spec="minutes=$minutes overrides=${v#*=}"
+      if [ -f "$d/train_metrics.json" ]; then
+        if [ "$(cat "$d/variant.txt" 2>/dev/null)" = "$spec" ]; then echo "ablation $name: finished in an earlier call, kept"
+        else echo "ablation $name: finished earlier with other settings ($(cat "$d/variant.txt" 2>/dev/null)); not rerun: use another name"; fi
+        continue
+      fi
       [ -d "$d/data" ] || share_prepared "$d"
+      echo "$spec" > "$d/variant.txt"
       ( CUDA_VISIBLE_DEVICES=$(( i % ngpu )) cli train "$P" "${OVR[@]}" "output_dir=$d" "train.max_minutes=$minutes" \
           "${vo[@]}" > "$d.json" 2> "$d.err" || echo "ablation $name failed: $(tail -c 300 "$d.err")" ) &
       i=$((i + 1))
@@ -195,13 +203,14 @@ for d in sorted(p for p in root.iterdir() if p.is_dir()):
         err = (root / f"{d.name}.err").read_text().strip()[-400:] if (root / f"{d.name}.err").exists() else ""
         rows.append({"variant": d.name, "error": err or "no train_metrics.json"})
         continue
+    spec = (d / "variant.txt").read_text().strip() if (d / "variant.txt").exists() else ""
     m = json.loads(f.read_text())
     fin, k = m["final"], str(min(7, m["K"]))  # served K <= trained K
     get = lambda key: (fin.get(key) or {}).get(k)  # noqa: E731
-    rows.append({"variant": d.name, "K": m["K"], "steps": m["steps"], "train_s": round(m["train_seconds"], 1),
+    rows.append({"variant": d.name, "settings": spec, "K": m["K"], "steps": m["steps"], "train_s": round(m["train_seconds"], 1),
                  "walk_al_heldout": get("eval_walk_al_heldout"), "walk_al": get("eval_walk_al"),
                  "sim_al": get("eval_sim_al"), "eval_loss": fin.get("eval_loss"), "al_at_K": int(k)})
-json.dump({"minutes_each": minutes, "variants_per_gpu": per_gpu, "rows": rows}, open(dest, "w"), indent=1)
+json.dump({"minutes_this_call": minutes, "variants_per_gpu_this_call": per_gpu, "rows": rows}, open(dest, "w"), indent=1)
 print(f"{'variant':<14}{'K':>3}{'steps':>7}{'train s':>9}{'walk AL heldout':>17}{'walk AL':>9}{'sim AL':>8}")
 for r in rows:
     if "error" in r:

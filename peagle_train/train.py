@@ -317,6 +317,8 @@ class Trainer:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
                               f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
                               "train.partitions and train.activation_checkpointing yourself") from None
+        if self.acc.num_processes == 1:  # nothing to agree on: no device round trip
+            return parts
         local = torch.tensor(parts, dtype=torch.int64, device=self.device)
         return [int(x) for x in self.acc.reduce(local, reduction="max").tolist()]
 

@@ -11,12 +11,17 @@ thread pool makes such tiny ops up to ~100x slower.
 """
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig
+
+# torch.compile on CPU (Inductor's C++ backend) needs a C compiler: ``@needs_cc`` skips without one
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="torch.compile on CPU needs a C compiler (Inductor C++ backend)")
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmark scripts import as modules (train_step, quality_report, ...)

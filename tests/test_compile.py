@@ -9,19 +9,16 @@ test is skipped (the fallback test still runs).
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from conftest import needs_cc
 from peagle_train.compiling import SafeCompiled
 from peagle_train.loss import compiled_chunk_loss
 from peagle_train.objective import PEagleObjective
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                              reason="torch.compile on CPU needs a C compiler (Inductor C++ backend)")
 
 
 def _problem(tiny_drafter, objective_problem, ckpt: bool):

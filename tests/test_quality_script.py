@@ -86,10 +86,11 @@ def test_ablate_default_variants_waves_and_summary(tmp_path):
     starts = sorted(c["start"] for c in calls)
     assert starts[2] - starts[0] >= 0.25 and starts[4] - starts[2] >= 0.25
     summary = json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())
-    assert summary["variants_per_gpu"] == 1 and summary["minutes_each"] == 0.5
+    assert summary["variants_per_gpu_this_call"] == 1 and summary["minutes_this_call"] == 0.5
     rows = {r["variant"]: r for r in summary["rows"]}
     assert set(rows) == set(by_name)
     assert rows["K4"]["al_at_K"] == 4 and rows["K4"]["walk_al_heldout"] == pytest.approx(1.04)
+    assert rows["K4"]["settings"] == "minutes=0.5 overrides=train.K=4,eval.k_max=4"
     assert rows["base"]["al_at_K"] == 7 and rows["base"]["sim_al"] == pytest.approx(1.07)
 
 
@@ -108,3 +109,8 @@ def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
     assert len(new) == 1 and "train.K=4" in new[0]["args"]
     rows = {r["variant"] for r in json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())["rows"]}
     assert rows == {"base", "cod_r09", "K4"}
+    r = _run(env, ABLATE="base=train.K=4")  # same name, other settings: refused, not silently reused
+    assert r.returncode == 0 and "base: finished earlier with other settings" in r.stdout
+    assert len(_calls(tmp_path)) == n_before + 1
+    r = _run(env, ABLATE_PER_GPU="0")
+    assert r.returncode == 2 and "ABLATE_PER_GPU must be" in r.stderr

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import peagle_train.drafter as drafter_mod
+from conftest import needs_cc
 from peagle_train.attention import (GridMeta, SplitMasks, block_structure, build_block_mask, build_chain_index,
                                     build_split_masks, chain_attention, chain_gather, dense_attention_with_lse, dense_mask,
                                     invert_chain_index, merge_by_lse)
@@ -359,6 +360,7 @@ def test_chain_attention_gqa_and_dtypes():
         torch.testing.assert_close(ob.double(), ref, atol=5e-2, rtol=5e-2)
 
 
+@needs_cc
 def test_compiled_chain_attention_equals_eager_float64():
     """Under torch.compile the chain part runs as fused products-and-sums (no tiny bmm); Inductor's CPU
     build of it equals the eager batched-matmul path in float64, output, lse and q/k/v gradients
