@@ -164,8 +164,8 @@ class DepthStats:
     cond_den: torch.Tensor
 
     @classmethod
-    def zeros(cls, K: int) -> "DepthStats":
-        z = lambda: torch.zeros(K, dtype=torch.float64)  # noqa: E731
+    def zeros(cls, K: int, device=None) -> "DepthStats":
+        z = lambda: torch.zeros(K, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(), z(), z(), z())
 
     def add(self, other: "DepthStats") -> "DepthStats":
@@ -201,39 +201,52 @@ def depth_stats(
     correct: torch.Tensor,
     in_vocab: torch.Tensor,
     K: int,
+    n_anchors: int | None = None,
 ) -> DepthStats:
     """Per-depth accuracy and conditional accuracy of one grid.
+
+    Computed on the inputs' device; with ``n_anchors`` given there is no host sync (the training step
+    calls it after every micro-batch).
 
     Args:
         anchor, depth: ``[E]`` int64. weight: ``[E]`` (>0 = supervised).
         correct: ``[E]`` bool, drafter greedy == target greedy.
         in_vocab: ``[E]`` bool, target greedy is in the draft vocab (others are excluded).
         K: depths.
+        n_anchors: an upper bound on ``anchor`` + 1 (e.g. the packed token count); None = read it
+            from ``anchor`` (one host sync).
 
     Returns:
-        :class:`DepthStats` (CPU float64).
+        :class:`DepthStats` (float64, on the inputs' device).
+
+    Raises:
+        ValueError: an anchor ``>= n_anchors``.
     """
-    anchor, depth = anchor.cpu(), depth.cpu()
-    sup = (weight.cpu() > 0) & in_vocab.cpu()
-    ok = correct.cpu() & sup
-    n = int(anchor.max()) + 1 if anchor.numel() else 1
-    st = DepthStats.zeros(K)
+    dev = anchor.device
+    sup = (weight > 0) & in_vocab
+    ok = correct & sup
+    n = n_anchors if n_anchors is not None else (int(anchor.max()) + 1 if anchor.numel() else 1)
+    if n_anchors is not None and dev.type == "cpu" and anchor.numel() and int(anchor.max()) >= n:
+        raise ValueError(f"depth_stats: an anchor is >= n_anchors={n}")
+    rows = torch.zeros(4, K, dtype=torch.float64, device=dev)  # acc_num, acc_den, cond_num, cond_den
     chain_ok = None
     for d in range(K):
         sel = depth == d
-        a = anchor[sel]
-        st.acc_num[d] = ok[sel].sum()
-        st.acc_den[d] = sup[sel].sum()
-        ok_d = torch.zeros(n, dtype=torch.bool)
-        ok_d[a] = ok[sel]
-        sup_d = torch.zeros(n, dtype=torch.bool)
-        sup_d[a] = sup[sel]
+        slot = torch.where(sel, anchor, torch.full_like(anchor, n))  # other depths → a dummy slot n
+
+        def per_anchor(x: torch.Tensor) -> torch.Tensor:  # [n] bool: x at this depth, by anchor (OR)
+            z = torch.zeros(n + 1, dtype=torch.uint8, device=dev)
+            return z.scatter_reduce_(0, slot, (x & sel).to(torch.uint8), reduce="amax")[:n].bool()
+
+        ok_d, sup_d = per_anchor(ok), per_anchor(sup)
+        rows[0, d] = (ok & sel).sum()
+        rows[1, d] = (sup & sel).sum()
         if chain_ok is None:
-            st.cond_num[d], st.cond_den[d] = st.acc_num[d], st.acc_den[d]
+            rows[2, d], rows[3, d] = rows[0, d], rows[1, d]
             chain_ok = ok_d
         else:
             given = chain_ok & sup_d
-            st.cond_num[d] = (given & ok_d).sum()
-            st.cond_den[d] = given.sum()
+            rows[2, d] = (given & ok_d).sum()
+            rows[3, d] = given.sum()
             chain_ok = chain_ok & ok_d
-    return st
+    return DepthStats(*rows.unbind(0))

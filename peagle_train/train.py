@@ -37,7 +37,7 @@ from .distributed import (Layout, after_prepare, backward, configure_deepspeed, 
                           grad_sync, make_accelerator, rank_batches, requested_layout, shard_target, validate_layout)
 from .drafter import Drafter, make_drafter_config
 from .features import CachedFeatures, OnlineFeatures, pack, pack_tokens
-from .grid import build_grid, cod_sample, supervised_count
+from .grid import build_grid, cod_sample, supervised_count, to_device
 from .loss import DepthStats, depth_stats
 from .spec_stats import chain_matrix, walk_accepted
 from .atomic import write_json_atomic
@@ -227,7 +227,8 @@ class Trainer:
         drafter = self.acc.unwrap_model(self.model).drafter
         tgt = packed["argmax"][grid.label_index]
         correct = drafter.draft_to_target(pred) == tgt
-        return depth_stats(grid.anchor, grid.depth, grid.loss_weight, correct, drafter.t2d[tgt], self.tc.K)
+        return depth_stats(grid.anchor, grid.depth, grid.loss_weight, correct, drafter.t2d[tgt], self.tc.K,
+                           n_anchors=packed["input_ids"].numel())
 
     # -- one optimizer step ----------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -243,14 +244,16 @@ class Trainer:
         else:
             global_count = float(local_count)
         normaliser = max(global_count, 1.0) / self.acc.num_processes
-        stats = DepthStats.zeros(self.tc.K)
-        loss_total, positions, tokens = 0.0, 0, 0
+        stats = DepthStats.zeros(self.tc.K, self.device)
+        loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
         plans = []
         parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
         for (packed, grid, host_grid), S in zip(micros, parts):
             n = packed["input_ids"].numel()
-            segs = ([seg.to(self.device, non_blocking=True) for seg in plan_partitions(host_grid, n, S)]
-                    if self.tc.method == "peagle" else None)
+            # each segment with the indices of the elements it owns, found on the host (no nonzero sync)
+            segs = ([(seg.to(self.device, non_blocking=True),
+                      to_device(seg.owned.nonzero().flatten(), self.device, non_blocking=True))
+                     for seg in plan_partitions(host_grid, n, S)] if self.tc.method == "peagle" else None)
             plans.append(segs)
             positions += len(grid)
             tokens += n
@@ -258,7 +261,7 @@ class Trainer:
         done = 0
         self.model.train()
         for (packed, grid, _), segs in zip(micros, plans):
-            for seg in (segs or [None]):
+            for seg, owned_at in (segs or [(None, None)]):
                 done += 1
                 last = done == n_backward  # gradients are synchronised on the last backward only (spec §3)
                 g = seg.apply(grid) if seg is not None else grid
@@ -266,9 +269,9 @@ class Trainer:
                     with self.acc.autocast():
                         loss, pred = self._forward(packed, g, normaliser)
                     backward(self.acc, loss, last)
-                loss_total += float(loss.detach())
-                own = g if seg is None else g.select(seg.owned.nonzero().flatten())
-                own_pred = pred if seg is None else pred[seg.owned]
+                loss_total = loss_total + loss.detach().double()  # summed on the device: no sync per backward
+                own = g if seg is None else g.select(owned_at)
+                own_pred = pred if seg is None else pred[owned_at]
                 stats = stats.add(self._stats(packed, own, own_pred))
         grad_norm = grad_norm_value(self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip))
         # DeepSpeed has already stepped inside the last backward (no skip there: see docs/distributed.md)
@@ -280,8 +283,8 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        sums = self.acc.reduce(torch.tensor([loss_total, positions, tokens], dtype=torch.float64, device=self.device),
-                               reduction="sum").cpu()
+        counts = torch.tensor([positions, tokens], dtype=torch.float64, device=self.device)
+        sums = self.acc.reduce(torch.cat([loss_total.reshape(1), counts]), reduction="sum").cpu()
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": float(sums[0]) / self.acc.num_processes,
@@ -359,7 +362,7 @@ class Trainer:
         self.model.eval()
         items = self.eval_items()
         world, rank = self.acc.num_processes, self.acc.process_index
-        stats, loss_sum, count = DepthStats.zeros(self.tc.K), 0.0, 0.0
+        stats, loss_sum, count = DepthStats.zeros(self.tc.K, self.device), 0.0, 0.0
         # loop-equivalent simulated AL: [all eval sequences / the eval stage's heldout subset][tokens, rounds][served K]
         walk = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
         mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0

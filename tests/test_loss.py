@@ -199,3 +199,43 @@ def test_depth_stats_empty_depth_stops_al():
     acc = st.accuracy()
     assert acc[0] == 0.5 and math.isnan(acc[1])
     assert st.simulated_acceptance_length() == pytest.approx(1.5)
+
+
+def _depth_stats_reference(anchor, depth, weight, correct, in_vocab, K):
+    """Plain-Python per-depth counts: accuracy, and accuracy given every shallower depth of the
+    chain was supervised and correct."""
+    ok = {(int(a), int(d)): bool(c) and bool(w > 0) and bool(v)
+          for a, d, w, c, v in zip(anchor, depth, weight, correct, in_vocab)}
+    sup = {(int(a), int(d)): bool(w > 0) and bool(v) for a, d, w, v in zip(anchor, depth, weight, in_vocab)}
+    rows = [[0.0] * K for _ in range(4)]
+    for (a, d), s in sup.items():
+        rows[0][d] += ok[(a, d)]
+        rows[1][d] += s
+        if s and all(ok.get((a, j), False) for j in range(d)):
+            rows[2][d] += ok[(a, d)]
+            rows[3][d] += 1
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_depth_stats_equals_python_reference_without_host_sync(seed):
+    """Random chains (each anchor has depths 0..L-1): the device-side counts equal a plain-Python
+    reference, with and without ``n_anchors`` (the sync-free form the training step uses); an anchor
+    beyond ``n_anchors`` is refused."""
+    g = torch.Generator().manual_seed(seed)
+    K, n = 5, 40
+    lengths = torch.randint(0, K + 1, (n,), generator=g)
+    anchor = torch.cat([torch.full((int(L),), a) for a, L in enumerate(lengths)])
+    depth = torch.cat([torch.arange(int(L)) for L in lengths])
+    perm = torch.randperm(anchor.numel(), generator=g)  # any element order
+    anchor, depth = anchor[perm], depth[perm]
+    E = anchor.numel()
+    correct = torch.rand(E, generator=g) < 0.7
+    weight = (torch.rand(E, generator=g) < 0.9).float()
+    in_vocab = torch.rand(E, generator=g) < 0.95
+    ref = _depth_stats_reference(anchor, depth, weight, correct, in_vocab, K)
+    for n_anchors in (None, n, n + 7):
+        st = depth_stats(anchor, depth, weight, correct, in_vocab, K, n_anchors=n_anchors)
+        assert [t.tolist() for t in st.as_tensor()] == ref
+    with pytest.raises(ValueError, match="n_anchors"):
+        depth_stats(anchor, depth, weight, correct, in_vocab, K, n_anchors=int(anchor.max()))
