@@ -293,14 +293,19 @@ def count_syncs(fn) -> dict:
     return {"count": n, "sites": [[k, v] for k, v in sites.most_common(15)]}
 
 
+def _is_device_kernel(e) -> bool:
+    """A profiler event that is a CUDA kernel or copy, not an annotated range (``Optimizer.step#...``,
+    Inductor's ``## Call CompiledFxGraph ##``), which the profiler also lists on the device."""
+    from torch.autograd import DeviceType
+
+    return getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
 def kernel_table(prof, step_ms: float, n_steps: int, top: int = 25) -> list[dict]:
     """Top ``top`` CUDA kernels of a profile (CPU ops when there are no kernels): name, ms per step
     (total / ``n_steps``), % of the measured step time ``step_ms``, calls per step."""
-    from torch.autograd import DeviceType
-
     events = prof.key_averages()
-    gpu = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
-           and not getattr(e, "is_user_annotation", False)]  # kernels, not ranges such as Optimizer.step#...
+    gpu = [e for e in events if _is_device_kernel(e)]
 
     def dev_us(e):
         for k in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
@@ -365,7 +370,8 @@ def timeline_summary(kernels: list[tuple[str, float, float]], n_steps: int) -> d
     cats: dict[str, float] = {}
     busy, cur_b, cur_e = 0.0, None, None
     for name, b, e in sorted(kernels, key=lambda x: x[1]):
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + (e - b)
+        cat = kernel_category(name)
+        cats[cat] = cats.get(cat, 0.0) + (e - b)
         if cur_e is None or b > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_b
@@ -384,14 +390,8 @@ def timeline_summary(kernels: list[tuple[str, float, float]], n_steps: int) -> d
 def device_kernels(prof) -> list[tuple[str, float, float]]:
     """``(name, start_us, end_us)`` of the device kernels and copies in a ``torch.profiler`` run
     (empty on CPU-only runs)."""
-    from torch.autograd import DeviceType
-
-    out = []
-    for e in prof.events():
-        if (getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                and e.time_range.end > e.time_range.start):  # kernels and copies, not annotated ranges
-            out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
-    return out
+    return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+            if _is_device_kernel(e) and e.time_range.end > e.time_range.start]
 
 
 def _dense_prefix(q, k, v, prefix_mask):

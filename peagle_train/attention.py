@@ -439,7 +439,7 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     kc = kc.view(Eq, C, nkv, hd).permute(0, 2, 1, 3)  # [Eq, nkv, C, hd]
     vc = vc.view(Eq, C, nkv, hd).permute(0, 2, 1, 3)
     qg = q[0].transpose(0, 1).reshape(Eq, nkv, g, hd)  # head h = n * g + j reads KV head n
-    ok = valid[:, None, :, None]  # [Eq, 1, C, 1]
+    ok = valid[:, None, None, :]  # [Eq, 1, 1, C], against scores [Eq, nkv, g, C]
     if torch.compiler.is_compiling():
         # Products summed over hd / C instead of a batched matmul: C <= K - 1 and g are tiny, so a
         # bmm runs as thousands of 8x8 tiles (about 40 ms of a 340 ms GPT-OSS-20B step on an H200,
@@ -447,11 +447,11 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
         # materialises the [Eq, nkv, C, g, hd] product; the scores are laid out [Eq, nkv, C, g]
         # (query heads innermost) so neighbouring outputs share their key row.
         s = (qg[:, :, None, :, :].to(acc) * kc[:, :, :, None, :].to(acc)).sum(-1) * scale  # [Eq, nkv, C, g]
-        p, lse = _masked_softmax_lse(s.transpose(-1, -2), ok.transpose(-1, -2))  # softmax over C
+        p, lse = _masked_softmax_lse(s.transpose(-1, -2), ok)  # softmax over C
         out = (p.transpose(-1, -2)[..., None] * vc[:, :, :, None, :].to(acc)).sum(2)  # [Eq, nkv, g, hd]
     else:  # eager: the same math as batched matmuls (the product above would be materialised)
         s = (qg @ kc.transpose(-1, -2)).to(acc) * scale  # [Eq, nkv, g, C]
-        p, lse = _masked_softmax_lse(s, ok.transpose(-1, -2))
+        p, lse = _masked_softmax_lse(s, ok)
         out = p.to(v.dtype) @ vc  # [Eq, nkv, g, hd]
     out = out.reshape(Eq, nh, hd).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, nh, Eq, hd]
     return out, lse[..., 0].reshape(Eq, nh).transpose(0, 1).unsqueeze(0)

@@ -440,19 +440,18 @@ def pack_tokens(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict
     }
 
 
-def pack(samples: list[dict], input_ids: list[list[int]], loss_masks: list[list[int]], device,
-         tokens: dict | None = None) -> dict:
-    """Concatenate sequences into one packed micro-batch with document ids.
+def pack(samples: list[dict], tokens: dict, device) -> dict:
+    """One packed micro-batch on ``device``: the sequences' features and their :func:`pack_tokens`.
 
     Args:
-        tokens: :func:`pack_tokens` of the same sequences, if already built (not rebuilt).
+        samples: per sequence, ``aux``/``last``/``argmax`` (:meth:`CachedFeatures.get` /
+            :meth:`OnlineFeatures.get`). tokens: :func:`pack_tokens` of the same sequences.
 
     Returns:
         dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64,
         ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device`` (the token tensors
         copied without blocking the host, see :meth:`~peagle_train.grid.Grid.to`).
     """
-    tokens = pack_tokens(input_ids, loss_masks) if tokens is None else tokens
     return {k: to_device(v, device, non_blocking=True) for k, v in tokens.items()} | {
         "aux": torch.cat([s["aux"] for s in samples]).to(device),
         "last": torch.cat([s["last"] for s in samples]).to(device),

@@ -229,16 +229,16 @@ def depth_stats(
     if n_anchors is not None and dev.type == "cpu" and anchor.numel() and int(anchor.max()) >= n:
         raise ValueError(f"depth_stats: an anchor is >= n_anchors={n}")
     rows = torch.zeros(4, K, dtype=torch.float64, device=dev)  # acc_num, acc_den, cond_num, cond_den
+
+    def by_anchor(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:  # [n] bool: x where sel, by anchor (OR)
+        slot = torch.where(sel, anchor, torch.full_like(anchor, n))  # unselected → a dummy slot n
+        z = torch.zeros(n + 1, dtype=torch.uint8, device=dev)
+        return z.scatter_reduce_(0, slot, (x & sel).to(torch.uint8), reduce="amax")[:n].bool()
+
     chain_ok = None
     for d in range(K):
         sel = depth == d
-        slot = torch.where(sel, anchor, torch.full_like(anchor, n))  # other depths → a dummy slot n
-
-        def per_anchor(x: torch.Tensor) -> torch.Tensor:  # [n] bool: x at this depth, by anchor (OR)
-            z = torch.zeros(n + 1, dtype=torch.uint8, device=dev)
-            return z.scatter_reduce_(0, slot, (x & sel).to(torch.uint8), reduce="amax")[:n].bool()
-
-        ok_d, sup_d = per_anchor(ok), per_anchor(sup)
+        ok_d, sup_d = by_anchor(ok, sel), by_anchor(sup, sel)
         rows[0, d] = (ok & sel).sum()
         rows[1, d] = (sup & sel).sum()
         if chain_ok is None:

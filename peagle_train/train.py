@@ -206,9 +206,8 @@ class Trainer:
             ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
         """
         feats = source.get(indices)
-        seq_ids, seq_masks = [ids[i] for i in indices], [masks[i] for i in indices]
-        tokens = pack_tokens(seq_ids, seq_masks)
-        packed = pack(feats, seq_ids, seq_masks, self.device, tokens=tokens)
+        tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
+        packed = pack(feats, tokens, self.device)
         K = self.tc.K
         r, r_min = (self.tc.cod_r, self.tc.cod_r_min) if self.tc.method == "peagle" else (1.0, 1.0)
         kept = cod_sample(tokens["loss_mask"], tokens["doc_ids"], K, r, r_min, self.tc.max_anchors, gen)
@@ -371,7 +370,7 @@ class Trainer:
             counted = j < len(items)
             i = items[j % len(items)]
             feats = self.eval_features.get([i])
-            packed = pack(feats, [self.eval_ids[i]], [self.eval_masks[i]], self.device)
+            packed = pack(feats, pack_tokens([self.eval_ids[i]], [self.eval_masks[i]]), self.device)
             grid = self._eval_grid(i, mask_id, self.device)
             with self.acc.autocast():
                 loss, pred = self._forward(packed, grid, 1.0)

@@ -454,7 +454,7 @@ def test_walk_accepted_by_hand():
 def test_walked_training_predictions_equal_the_decoding_loop(parallel, reduced_vocab):
     """Training-grid predictions replayed by walk_accepted give, round for round, the accepted
     counts of the real decoding loop on the target's own greedy output (every served K)."""
-    from peagle_train.features import OnlineFeatures, pack
+    from peagle_train.features import OnlineFeatures, pack, pack_tokens
     from peagle_train.grid import build_grid, cod_sample
     from peagle_train.objective import Eagle3Objective, PEagleObjective
     from peagle_train.spec_stats import acceptance_length, chain_matrix, walk_accepted
@@ -476,7 +476,7 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel, reduced_v
         seq = p + ref
         lm = [0] * len(p) + [1] * len(ref)
         feats = OnlineFeatures(target, [seq])
-        packed = pack(feats.get([0]), [seq], [lm], "cpu")
+        packed = pack(feats.get([0]), pack_tokens([seq], [lm]), "cpu")
         kept = cod_sample(packed["loss_mask"], packed["doc_ids"], K, 1.0, 1.0)
         mask_id = drafter.config.mask_token_id if parallel else 0
         grid = build_grid(packed["input_ids"], packed["loss_mask"], packed["doc_ids"], kept, mask_id)

@@ -127,15 +127,20 @@ def maybe_pad(q: GridMeta, kv: GridMeta, data):
     return q, kv
 
 
+def case_pair(case, data, K: int | None = None, S_max: int = 4):
+    """A (queries, keys) pair of the hypothesis ``grid_case`` (:func:`pick_pair`, :func:`maybe_pad`)."""
+    g, x = make_grid(case["lens"], case["n_pad"], case["loss_prob"], case["K"] if K is None else K, case["r"],
+                     case["r_min"], case["max_anchors"], case["seed"])
+    return maybe_pad(*pick_pair(g, x.numel(), data, S_max=S_max), data)
+
+
 # ----------------------------------------------------------------------------- masks
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=grid_case, data=st.data())
 def test_prefix_and_chain_partition_the_rule(case, data):
-    g, x = make_grid(case["lens"], case["n_pad"], case["loss_prob"], case["K"], case["r"], case["r_min"],
-                     case["max_anchors"], case["seed"])
-    q, kv = maybe_pad(*pick_pair(g, x.numel(), data), data)
+    q, kv = case_pair(case, data)
     full = dense_mask(q, kv)
     prefix, chain = dense_mask(q, kv, part="prefix"), dense_mask(q, kv, part="chain")
     assert not (prefix & chain).any()
@@ -175,9 +180,7 @@ def test_prefix_and_chain_partition_the_rule(case, data):
 @settings(max_examples=60, deadline=None)
 @given(case=grid_case, data=st.data())
 def test_chain_index_equals_python_reference(case, data):
-    g, x = make_grid(case["lens"], case["n_pad"], case["loss_prob"], case["K"], case["r"], case["r_min"],
-                     case["max_anchors"], case["seed"])
-    q, kv = maybe_pad(*pick_pair(g, x.numel(), data), data)
+    q, kv = case_pair(case, data)
     min_chain = data.draw(st.integers(0, 10), label="min_chain")
     index, valid = build_chain_index(q, kv, min_chain=min_chain)
     deepest = int(torch.where(q.doc >= 0, q.depth, 0).max())
@@ -192,9 +195,7 @@ def test_chain_index_equals_python_reference(case, data):
 @given(case=grid_case, data=st.data())
 def test_chain_inverse_is_the_transpose_of_the_chain_index(case, data):
     """Every valid (query, slot) of the chain index appears once, in its key's row of the inverse."""
-    g, x = make_grid(case["lens"], case["n_pad"], case["loss_prob"], case["K"], case["r"], case["r_min"],
-                     case["max_anchors"], case["seed"])
-    q, kv = maybe_pad(*pick_pair(g, x.numel(), data), data)
+    q, kv = case_pair(case, data)
     index, valid = build_chain_index(q, kv, min_chain=data.draw(st.integers(0, 10), label="min_chain"))
     inverse, inverse_valid = invert_chain_index(index, valid, len(kv))
     C = index.shape[1]
@@ -267,9 +268,7 @@ def _qkv(Eq, Ek, seed, dtype=torch.float64, nh=4, nkv=2, hd=8):
 @settings(max_examples=50, deadline=None)
 @given(case=grid_case, data=st.data())
 def test_split_equals_sdpa_float64_forward_and_grads(case, data):
-    g, x = make_grid(case["lens"], case["n_pad"], case["loss_prob"], case["K"], case["r"], case["r_min"],
-                     case["max_anchors"], case["seed"])
-    qm, km = maybe_pad(*pick_pair(g, x.numel(), data), data)
+    qm, km = case_pair(case, data)
     nkv = data.draw(st.sampled_from([1, 2, 4]), label="nkv")
     q, k, v = _qkv(len(qm), len(km), case["seed"] % 1000, nkv=nkv)
     W = torch.randn(1, 4, len(qm), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -419,9 +418,7 @@ def test_flex_lse_through_the_older_api(monkeypatch):
 @settings(max_examples=25, deadline=None)
 @given(case=grid_case, data=st.data())
 def test_split_flex_equals_sdpa_and_joint(case, data):
-    g, x = make_grid(case["lens"], case["n_pad"], case["loss_prob"], min(case["K"], 6), case["r"], case["r_min"],
-                     case["max_anchors"], case["seed"])
-    qm, km = maybe_pad(*pick_pair(g, x.numel(), data, S_max=3), data)
+    qm, km = case_pair(case, data, K=min(case["K"], 6), S_max=3)
     q, k, v = (t.detach().float() for t in _qkv(len(qm), len(km), case["seed"] % 1000))
     split = attend(q, k, v, make_attn_spec(qm, km, kind="flex"))
     joint = attend(q, k, v, make_attn_spec(qm, km, kind="flex_joint"))
