@@ -220,7 +220,9 @@ def depth_stats(
         :class:`DepthStats` (float64, on the inputs' device).
 
     Raises:
-        ValueError: an anchor ``>= n_anchors``.
+        ValueError: an anchor ``>= n_anchors`` (checked on CPU inputs only: on a GPU the check would
+            be the host sync this argument avoids, and an out-of-range anchor fails as a device-side
+            index assertion instead).
     """
     dev = anchor.device
     sup = (weight > 0) & in_vocab
