@@ -163,8 +163,8 @@ PY
     # waves and calls compare; six at once on two GPUs stalled in the fourth session). A variant with
     # a finished run of the same settings is kept, so a long list can be split over several calls; one
     # that finished with other settings is refused (use another name). Result: $RESULTS/ablation.json,
-    # one row per variant folder under $WORK/ablate (its minutes, overrides and simulated acceptance
-    # lengths from the training log, or its error), no decoding loop, no export.
+    # + ablation.md (benchmarks/ablation_report.py: one row per variant folder under $WORK/ablate with its
+    # settings, steps, simulated acceptance lengths and eval curve, or its error), no decoding loop, no export.
     minutes=${ABLATE_MINUTES:-2}
     per_gpu=${ABLATE_PER_GPU:-1}
     [[ "$per_gpu" =~ ^[1-9][0-9]*$ ]] || { echo "ABLATE_PER_GPU must be a whole number >= 1, got '$per_gpu'" >&2; exit 2; }
@@ -192,35 +192,8 @@ PY
       if [ $(( i % slots )) -eq 0 ]; then wait; fi  # next wave once every slot is free
     done
     wait
-    python3 - "$WORK/ablate" "$RESULTS/ablation.json" "$minutes" "$per_gpu" <<'PY'
-import json, sys
-from pathlib import Path
-root, dest, minutes, per_gpu = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-rows = []
-for d in sorted(p for p in root.iterdir() if p.is_dir()):
-    f = d / "train_metrics.json"
-    if not f.exists():
-        err = (root / f"{d.name}.err").read_text().strip()[-400:] if (root / f"{d.name}.err").exists() else ""
-        rows.append({"variant": d.name, "error": err or "no train_metrics.json"})
-        continue
-    spec = (d / "variant.txt").read_text().strip() if (d / "variant.txt").exists() else ""
-    m = json.loads(f.read_text())
-    fin, k = m["final"], str(min(7, m["K"]))  # served K <= trained K
-    get = lambda key: (fin.get(key) or {}).get(k)  # noqa: E731
-    rows.append({"variant": d.name, "settings": spec, "K": m["K"], "steps": m["steps"], "train_s": round(m["train_seconds"], 1),
-                 "walk_al_heldout": get("eval_walk_al_heldout"), "walk_al": get("eval_walk_al"),
-                 "sim_al": get("eval_sim_al"), "eval_loss": fin.get("eval_loss"), "al_at_K": int(k)})
-json.dump({"minutes_this_call": minutes, "variants_per_gpu_this_call": per_gpu, "rows": rows}, open(dest, "w"), indent=1)
-print(f"{'variant':<14}{'K':>3}{'steps':>7}{'train s':>9}{'walk AL heldout':>17}{'walk AL':>9}{'sim AL':>8}")
-for r in rows:
-    if "error" in r:
-        print(f"{r['variant']:<14} not finished: {r['error'][-200:]}")
-        continue
-    f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
-    print(f"{r['variant']:<14}{r['K']:>3}{r['steps']:>7}{r['train_s']:>9}{f(r['walk_al_heldout']):>17}"
-          f"{f(r['walk_al']):>9}{f(r['sim_al']):>8}")
-PY
-    ship ablation.json ;;
+    python3 benchmarks/ablation_report.py "$WORK/ablate" "$RESULTS/ablation.json" --minutes "$minutes" --per-gpu "$per_gpu"
+    ship ablation.json ablation.md ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -34,9 +34,13 @@ if out.name == "{fail}":
 time.sleep(0.3)
 K = int(over.get("train.K", 8))
 al = {{str(k): 1.0 + 0.01 * k for k in range(1, K + 1)}}
+curve = [{{"step": s, "elapsed_s": 0.1 * s, "eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000
+          for k in range(1, K + 1)}}}} for s in ((5, 10) if K == 8 else (5, 8))]
 (out / "train_metrics.json").write_text(json.dumps({{
     "method": "peagle", "K": K, "steps": 10, "train_seconds": 1.5,
-    "final": {{"eval_loss": 4.0, "eval_walk_al": al, "eval_walk_al_heldout": al, "eval_sim_al": al}}}}))
+    "history": [{{"step": 1, "loss": 9.0}}] + curve,
+    "final": {{"eval_loss": 4.0, "eval_walk_al": al, "eval_walk_al_heldout": al, "eval_sim_al": al,
+              "eval_acc": [0.4, 0.2, 0.1, 0.05]}}}}))
 print(json.dumps({{"steps": 10}}))
 '''
 
@@ -92,6 +96,14 @@ def test_ablate_default_variants_waves_and_summary(tmp_path):
     assert rows["K4"]["al_at_K"] == 4 and rows["K4"]["walk_al_heldout"] == pytest.approx(1.04)
     assert rows["K4"]["settings"] == "minutes=0.5 overrides=train.K=4,eval.k_max=4"
     assert rows["base"]["al_at_K"] == 7 and rows["base"]["sim_al"] == pytest.approx(1.07)
+    # eval curves at the served K; the equal-steps table holds the steps every variant reached
+    assert rows["base"]["eval_curve"] == [{"step": 5, "elapsed_s": 0.5, "walk_al": pytest.approx(1.057)},
+                                          {"step": 10, "elapsed_s": 1.0, "walk_al": pytest.approx(1.107)}]
+    assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 0.8, "walk_al": pytest.approx(1.084)}
+    assert rows["base"]["eval_acc"] == [0.4, 0.2, 0.1, 0.05] and rows["base"]["steps_per_s"] == pytest.approx(6.67)
+    md = (tmp_path / "work" / "results" / "ablation.md").read_text()
+    assert "| variant | step 5 |\n" in md and "| K4 | 1.054 |" in md and "step 10" not in md
+    assert md in r.stdout
 
 
 def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
@@ -114,3 +126,21 @@ def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
     assert len(_calls(tmp_path)) == n_before + 1
     r = _run(env, ABLATE_PER_GPU="0")
     assert r.returncode == 2 and "ABLATE_PER_GPU must be" in r.stderr
+
+
+def test_ablation_report_rejects_a_foreign_metrics_file(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ablation_report
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "train_metrics.json").write_text(json.dumps({"K": 8, "steps": 3}))
+    with pytest.raises(ValueError, match=r"v1/train_metrics.json: missing \['train_seconds', 'final'\]"):
+        ablation_report.summarize(tmp_path)
+    (tmp_path / "v1" / "train_metrics.json").unlink()
+    (tmp_path / "v1.err").write_text("CUDA out of memory")
+    assert ablation_report.summarize(tmp_path) == [{"variant": "v1", "error": "CUDA out of memory"}]
+    assert ablation_report.common_eval_steps(ablation_report.summarize(tmp_path)) == []
+    with pytest.raises(FileNotFoundError, match="no ablation folder"):
+        ablation_report.summarize(tmp_path / "nope")
