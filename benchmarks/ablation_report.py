@@ -8,11 +8,13 @@ Reads one folder per P-EAGLE variant under ROOT (the script's ``$WORK/ablate``):
 
 and writes ``ablation.json`` (one row per variant) and ``ablation.md`` next to it, and prints the
 Markdown. Each row holds the final acceptance lengths at the served K = min(7, trained K), the
-optimizer steps made in the variant's minutes, the per-depth eval accuracy, and the eval curve
-(``eval_walk_al`` at the served K at every eval step). The curves matter as much as the final
-numbers: variants trained for the same minutes make different numbers of steps (a larger K or COD
-r means more grid positions per step; a cold compile cache costs steps too), so the Markdown has
-a second table of AL at the eval steps every variant reached.
+optimizer steps made in the variant's minutes, its step timing (median step, first step, time
+lost to slow steps such as compiles), the per-depth eval accuracy, and the eval curve
+(``eval_walk_al`` at the served K at every eval step, with the learning rate there). The curves
+matter as much as the final numbers: variants trained for the same minutes make different numbers
+of steps (a larger K or COD r means more grid positions per step; each new 1,024-bucketed grid
+length compiles a graph, seconds each with a cold cache), so the Markdown has a second table of AL
+at the eval steps that at least two variants reached.
 
 The acceptance lengths are the trainer's simulated ones (``peagle_train.metrics``): ``walk_al``
 walks the eval split the way the reference decoding loop does, ``walk_al_heldout`` the held-out
@@ -37,6 +39,25 @@ def _at(d: dict | None, k: int) -> float | None:
     return float(v) if v is not None else None
 
 
+def _step_times(history: list[dict]) -> dict:
+    """Timing of a run from its per-step ``elapsed_s`` (seconds since training started).
+
+    Returns:
+        ``first_step_s`` (elapsed at the first logged step: start-up and the first compile),
+        ``median_step_ms`` (median interval between consecutive logged steps, per step) and
+        ``slow_s`` (seconds in intervals longer than 3× that median, beyond the median: compiles of
+        new grid buckets and the in-training evals); all None without timed steps.
+    """
+    t = [(h["step"], h["elapsed_s"]) for h in history if h.get("elapsed_s") is not None and "loss" in h]
+    if len(t) < 2:
+        return {"first_step_s": round(t[0][1], 1) if t else None, "median_step_ms": None, "slow_s": None}
+    per = sorted((b[1] - a[1]) / max(1, b[0] - a[0]) for a, b in zip(t, t[1:]))
+    med = per[len(per) // 2]
+    slow = sum((b[1] - a[1]) - med * (b[0] - a[0]) for a, b in zip(t, t[1:])
+               if (b[1] - a[1]) > 3 * med * max(1, b[0] - a[0]))
+    return {"first_step_s": round(t[0][1], 1), "median_step_ms": round(1000 * med, 1), "slow_s": round(slow, 1)}
+
+
 def variant_row(folder: Path) -> dict:
     """One ablation row from a variant folder.
 
@@ -45,32 +66,39 @@ def variant_row(folder: Path) -> dict:
 
     Returns:
         ``{"variant", "error"}`` when ``train_metrics.json`` is missing (the tail of the run's
-        stderr, or a sentence saying nothing was logged); otherwise ``variant``, ``settings``,
+        stderr, or a sentence saying nothing was logged) or unreadable (the reason, naming the
+        file), so one bad variant never hides the others' rows. Otherwise ``variant``, ``settings``,
         ``K``, ``al_at_K`` (= min(7, K)), ``steps``, ``train_s``, ``steps_per_s``, ``walk_al``,
         ``walk_al_heldout``, ``sim_al`` (at ``al_at_K``), ``eval_loss``, ``eval_acc`` (per depth,
-        final) and ``eval_curve`` (``[{"step", "elapsed_s", "walk_al"}]`` at ``al_at_K``).
-
-    Raises:
-        ValueError: ``train_metrics.json`` lacks ``K``, ``steps``, ``train_seconds`` or
-            ``final``; the message names the file.
+        final), the timing of :func:`_step_times` and ``eval_curve``
+        (``[{"step", "elapsed_s", "lr", "walk_al"}]``, ``walk_al`` at ``al_at_K``; ``lr`` is the
+        learning rate logged at that step, which differs between variants at equal steps under
+        ``train.schedule: time``).
     """
     f = folder / "train_metrics.json"
     if not f.exists():
         err_file = folder.parent / f"{folder.name}.err"
         err = err_file.read_text().strip()[-400:] if err_file.exists() else ""
         return {"variant": folder.name, "error": err or "no train_metrics.json and no stderr"}
-    m = json.loads(f.read_text())
+    try:
+        m = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        return {"variant": folder.name, "error": f"{f}: not JSON ({e}); re-run the variant under another name"}
     missing = [k for k in ("K", "steps", "train_seconds", "final") if k not in m]
     if missing:
-        raise ValueError(f"{f}: missing {missing}; is this a peagle-train train_metrics.json?")
+        return {"variant": folder.name,
+                "error": f"{f}: missing {missing}; not a peagle-train train_metrics.json"}
     k = min(7, int(m["K"]))  # served K <= trained K
     fin = m["final"]
     spec = (folder / "variant.txt").read_text().strip() if (folder / "variant.txt").exists() else ""
+    history = m.get("history", [])
+    lr_at = {h["step"]: h["lr"] for h in history if "lr" in h}
     curve = [{"step": h["step"], "elapsed_s": round(h["elapsed_s"], 1) if h.get("elapsed_s") is not None else None,
-              "walk_al": _at(h.get("eval_walk_al"), k)}
-             for h in m.get("history", []) if "eval_walk_al" in h]
+              "lr": lr_at.get(h["step"]), "walk_al": _at(h.get("eval_walk_al"), k)}
+             for h in history if "eval_walk_al" in h]
     return {"variant": folder.name, "settings": spec, "K": m["K"], "al_at_K": k, "steps": m["steps"],
             "train_s": round(m["train_seconds"], 1), "steps_per_s": round(m["steps"] / m["train_seconds"], 2),
+            **_step_times(history),
             "walk_al": _at(fin.get("eval_walk_al"), k), "walk_al_heldout": _at(fin.get("eval_walk_al_heldout"), k),
             "sim_al": _at(fin.get("eval_sim_al"), k), "eval_loss": fin.get("eval_loss"),
             "eval_acc": fin.get("eval_acc"), "eval_curve": curve}
@@ -87,37 +115,45 @@ def summarize(root: Path) -> list[dict]:
     return [variant_row(d) for d in sorted(p for p in root.iterdir() if p.is_dir())]
 
 
-def common_eval_steps(rows: list[dict]) -> list[int]:
-    """Eval steps present in the curve of every finished row (ascending); ``[]`` if none."""
+def shared_eval_steps(rows: list[dict]) -> list[int]:
+    """Eval steps with an AL in the curves of at least two finished rows (of the only one, if
+    one finished), ascending; ``[]`` if none finished."""
     done = [r for r in rows if "error" not in r]
-    if not done:
-        return []
-    steps = set.intersection(*({c["step"] for c in r["eval_curve"] if c["walk_al"] is not None} for r in done))
-    return sorted(steps)
+    count: dict[int, int] = {}
+    for r in done:
+        for c in r["eval_curve"]:
+            if c["walk_al"] is not None:
+                count[c["step"]] = count.get(c["step"], 0) + 1
+    return sorted(s for s, n in count.items() if n >= min(2, len(done)))
 
 
 def markdown(rows: list[dict]) -> str:
-    """Two Markdown tables: final values in the variants' minutes, and AL at common eval steps."""
+    """Two Markdown tables: final values in the variants' minutes, and AL at shared eval steps."""
     f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
-    out = ["| variant | settings | K (AL at) | steps | steps/s | walk AL heldout | walk AL | sim AL | "
-           "eval acc depth 1..4 |", "|---|---|---|---|---|---|---|---|---|"]
+    g = lambda x: "-" if x is None else f"{x}"  # noqa: E731
+    out = ["| variant | settings | K (AL at) | steps | median step ms | first step s | slow s | walk AL heldout "
+           "| walk AL | sim AL | eval acc depth 1..4 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['variant']} | not finished: {r['error'][-120:]!r} | | | | | | | |")
+            out.append(f"| {r['variant']} | not finished: {r['error'][-120:]!r} |" + " |" * 9)
             continue
         acc = " / ".join(f"{a:.2f}" for a in (r["eval_acc"] or [])[:4])
         out.append(f"| {r['variant']} | {r['settings']} | {r['K']} ({r['al_at_K']}) | {r['steps']} | "
-                   f"{r['steps_per_s']} | {f(r['walk_al_heldout'])} | {f(r['walk_al'])} | {f(r['sim_al'])} | {acc} |")
-    steps = common_eval_steps(rows)
+                   f"{g(r['median_step_ms'])} | {g(r['first_step_s'])} | {g(r['slow_s'])} | "
+                   f"{f(r['walk_al_heldout'])} | {f(r['walk_al'])} | {f(r['sim_al'])} | {acc} |")
+    steps = shared_eval_steps(rows)
     if steps:
-        out += ["", "`eval_walk_al` at the eval steps every variant reached (equal optimizer steps):", "",
+        out += ["", "`eval_walk_al` at the eval steps (learning rate there, in units of 1e-4). Under "
+                "`train.schedule: time` a slower variant has a lower learning rate at the same step:", "",
                 "| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
                 "|---|" + "---|" * len(steps)]
         for r in rows:
             if "error" in r:
                 continue
-            by = {c["step"]: c["walk_al"] for c in r["eval_curve"]}
-            out.append(f"| {r['variant']} | " + " | ".join(f(by[s]) for s in steps) + " |")
+            by = {c["step"]: c for c in r["eval_curve"]}
+            cell = lambda c: "-" if c is None or c["walk_al"] is None else (  # noqa: E731
+                f(c["walk_al"]) + (f" ({c['lr'] * 1e4:.1f})" if c.get("lr") is not None else ""))
+            out.append(f"| {r['variant']} | " + " | ".join(cell(by.get(s)) for s in steps) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -33,14 +33,16 @@ if out.name == "{fail}":
     sys.exit(3)
 time.sleep(0.3)
 K = int(over.get("train.K", 8))
-al = {{str(k): 1.0 + 0.01 * k for k in range(1, K + 1)}}
+per_k = lambda step: {{str(k): 1.0 + step * k for k in range(1, K + 1)}}  # walk / heldout / sim differ
 curve = [{{"step": s, "elapsed_s": 0.1 * s, "eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000
           for k in range(1, K + 1)}}}} for s in ((5, 10) if K == 8 else (5, 8))]
+steps = [{{"step": s, "loss": 9.0 - s / 10, "lr": 1e-4 * (11 - s), "elapsed_s": 1.0 + 0.05 * s + (2.0 if s == 7 else 0.0)}}
+         for s in range(1, 11)]
 (out / "train_metrics.json").write_text(json.dumps({{
     "method": "peagle", "K": K, "steps": 10, "train_seconds": 1.5,
-    "history": [{{"step": 1, "loss": 9.0}}] + curve,
-    "final": {{"eval_loss": 4.0, "eval_walk_al": al, "eval_walk_al_heldout": al, "eval_sim_al": al,
-              "eval_acc": [0.4, 0.2, 0.1, 0.05]}}}}))
+    "history": steps[:5] + [curve[0]] + steps[5:] + curve[1:],
+    "final": {{"eval_loss": 4.0, "eval_walk_al": per_k(0.01), "eval_walk_al_heldout": per_k(0.02),
+              "eval_sim_al": per_k(0.03), "eval_acc": [0.4, 0.2, 0.1, 0.05]}}}}))
 print(json.dumps({{"steps": 10}}))
 '''
 
@@ -93,16 +95,26 @@ def test_ablate_default_variants_waves_and_summary(tmp_path):
     assert summary["variants_per_gpu_this_call"] == 1 and summary["minutes_this_call"] == 0.5
     rows = {r["variant"]: r for r in summary["rows"]}
     assert set(rows) == set(by_name)
-    assert rows["K4"]["al_at_K"] == 4 and rows["K4"]["walk_al_heldout"] == pytest.approx(1.04)
+    assert rows["K4"]["al_at_K"] == 4 and rows["K4"]["walk_al_heldout"] == pytest.approx(1.08)
+    assert rows["K4"]["walk_al"] == pytest.approx(1.04) and rows["K4"]["sim_al"] == pytest.approx(1.12)
     assert rows["K4"]["settings"] == "minutes=0.5 overrides=train.K=4,eval.k_max=4"
-    assert rows["base"]["al_at_K"] == 7 and rows["base"]["sim_al"] == pytest.approx(1.07)
+    assert rows["base"]["al_at_K"] == 7 and rows["base"]["sim_al"] == pytest.approx(1.21)
+    assert rows["base"]["walk_al_heldout"] == pytest.approx(1.14) and rows["base"]["walk_al"] == pytest.approx(1.07)
+    # step timing: 50 ms per step, one 2 s stall (a compile) between steps 6 and 7, first step at 1.05 s
+    assert (rows["base"]["median_step_ms"], rows["base"]["slow_s"], rows["base"]["first_step_s"]) == (50.0, 2.0, 1.1)
     # eval curves at the served K; the equal-steps table holds the steps every variant reached
-    assert rows["base"]["eval_curve"] == [{"step": 5, "elapsed_s": 0.5, "walk_al": pytest.approx(1.057)},
-                                          {"step": 10, "elapsed_s": 1.0, "walk_al": pytest.approx(1.107)}]
-    assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 0.8, "walk_al": pytest.approx(1.084)}
+    assert rows["base"]["eval_curve"] == [
+        {"step": 5, "elapsed_s": 0.5, "lr": pytest.approx(6e-4), "walk_al": pytest.approx(1.057)},
+        {"step": 10, "elapsed_s": 1.0, "lr": pytest.approx(1e-4), "walk_al": pytest.approx(1.107)}]
+    assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 0.8, "lr": pytest.approx(3e-4),
+                                            "walk_al": pytest.approx(1.084)}
     assert rows["base"]["eval_acc"] == [0.4, 0.2, 0.1, 0.05] and rows["base"]["steps_per_s"] == pytest.approx(6.67)
     md = (tmp_path / "work" / "results" / "ablation.md").read_text()
-    assert "| variant | step 5 |\n" in md and "| K4 | 1.054 |" in md and "step 10" not in md
+    assert ("| base | minutes=0.5 overrides= | 8 (7) | 10 | 50.0 | 1.1 | 2.0 | 1.140 | 1.070 | 1.210 | "
+            "0.40 / 0.20 / 0.10 / 0.05 |") in md
+    # step 10 is reached by the four K = 8 variants, step 8 by K4 alone (not shown), step 5 by all
+    assert "| variant | step 5 | step 10 |\n" in md and "| K4 | 1.054 (6.0) | - |" in md
+    assert "| base | 1.057 (6.0) | 1.107 (1.0) |" in md and "step 8" not in md
     assert md in r.stdout
 
 
@@ -113,6 +125,8 @@ def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
     assert "ablation cod_r09 failed" in r.stdout and "boom" in r.stdout
     rows = {r["variant"]: r for r in json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())["rows"]}
     assert "error" in rows["cod_r09"] and "boom" in rows["cod_r09"]["error"] and rows["base"]["steps"] == 10
+    md = (tmp_path / "work" / "results" / "ablation.md").read_text()
+    assert "| cod_r09 | not finished: " in md and "boom" in md and "| base | 1.057 (6.0) | 1.107 (1.0) |" in md
     n_before = len(_calls(tmp_path))
     r = _run(env, ABLATE="base= K4=train.K=4")  # a second call: base is kept, K4 is added
     assert r.returncode == 0, r.stderr
@@ -128,19 +142,33 @@ def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
     assert r.returncode == 2 and "ABLATE_PER_GPU must be" in r.stderr
 
 
-def test_ablation_report_rejects_a_foreign_metrics_file(tmp_path):
+def test_ablation_report_bad_files_become_error_rows(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import ablation_report
     finally:
         sys.path.pop(0)
-    (tmp_path / "v1").mkdir()
+    for name in ("v1", "v2", "v3", "v4"):
+        (tmp_path / name).mkdir()
     (tmp_path / "v1" / "train_metrics.json").write_text(json.dumps({"K": 8, "steps": 3}))
-    with pytest.raises(ValueError, match=r"v1/train_metrics.json: missing \['train_seconds', 'final'\]"):
-        ablation_report.summarize(tmp_path)
-    (tmp_path / "v1" / "train_metrics.json").unlink()
-    (tmp_path / "v1.err").write_text("CUDA out of memory")
-    assert ablation_report.summarize(tmp_path) == [{"variant": "v1", "error": "CUDA out of memory"}]
-    assert ablation_report.common_eval_steps(ablation_report.summarize(tmp_path)) == []
+    (tmp_path / "v2" / "train_metrics.json").write_text("{truncated")
+    (tmp_path / "v3.err").write_text("CUDA out of memory")
+    # int keys (a metrics dict written without a JSON round trip) and steps without elapsed_s
+    (tmp_path / "v4" / "train_metrics.json").write_text(json.dumps({
+        "K": 2, "steps": 4, "train_seconds": 2.0,
+        "history": [{"step": 1, "loss": 3.0}, {"step": 2, "eval_walk_al": {"1": 1.1, "2": 1.2}}],
+        "final": {"eval_walk_al": {"2": 1.25}}}))
+    rows = {r["variant"]: r for r in ablation_report.summarize(tmp_path)}
+    assert "v1/train_metrics.json: missing ['train_seconds', 'final']" in rows["v1"]["error"]
+    assert "v2/train_metrics.json: not JSON" in rows["v2"]["error"]
+    assert rows["v3"] == {"variant": "v3", "error": "CUDA out of memory"}
+    v4 = rows["v4"]
+    assert v4["walk_al"] == 1.25 and v4["walk_al_heldout"] is None and v4["al_at_K"] == 2
+    assert (v4["first_step_s"], v4["median_step_ms"], v4["slow_s"]) == (None, None, None)
+    assert v4["eval_curve"] == [{"step": 2, "elapsed_s": None, "lr": None, "walk_al": 1.2}]
+    assert ablation_report._at({2: 1.5}, 2) == 1.5 and ablation_report._at(None, 2) is None
+    md = ablation_report.markdown(list(rows.values()))
+    assert "| v4 | 1.200 |" in md and "| v1 | not finished:" in md
+    assert ablation_report.shared_eval_steps([rows["v1"]]) == []
     with pytest.raises(FileNotFoundError, match="no ablation folder"):
         ablation_report.summarize(tmp_path / "nope")
