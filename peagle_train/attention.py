@@ -230,7 +230,8 @@ def build_block_mask(q: GridMeta, kv: GridMeta | None = None, block_size: int = 
 _DEPTH_BITS = 20  # composite key anchor * 2**20 + depth: depths < 2**20, anchors < 2**43
 
 
-def build_chain_index(q: GridMeta, kv: GridMeta | None = None, min_chain: int = 0):
+def build_chain_index(q: GridMeta, kv: GridMeta | None = None, min_chain: int = 0,
+                      max_depth: int | None = None):
     """Per query, the keys of its own chain at depths ``1..dq`` (the chain part of the rule).
 
     Slot ``j - 1`` of query ``(aq, dq, docq)`` holds the key ``(aq, j)``; it is valid iff
@@ -239,20 +240,28 @@ def build_chain_index(q: GridMeta, kv: GridMeta | None = None, min_chain: int = 
     segments, EAGLE-3's concatenated TTT steps): the real keys of depth >= 1 are sorted by the
     composite key ``anchor * 2**20 + depth`` and looked up with ``searchsorted``; no Python
     loop over elements, no ``E_q × E_kv`` tensor. One host sync (the chain width and the
-    duplicate check below).
+    duplicate check below), or none when ``max_depth`` is given.
 
     Args:
         q: query metadata (``[E_q]``). kv: key metadata (``[E_kv]``, ``E_kv >= 1``); ``None`` = ``q``.
         min_chain: at least this many slots (``K - 1`` gives every micro-batch the same shape, so a
             compiled layer is not recompiled when a COD sample happens to drop the deepest depths).
+        max_depth: the deepest depth the grid can hold (``K - 1`` for a K-depth grid), known on the
+            host. Then ``C = max(min_chain, max_depth)`` without reading the depths back, and the
+            checks below run on the device (``torch._assert_async``: on CUDA a failed check is a
+            device-side assert that ends the process at the next sync, with the message below;
+            on CPU it raises at once). None: the checks and the chain width read one host sync.
 
     Returns:
         ``(index, valid)``: ``index [E_q, C]`` int64 rows of ``kv`` (0 where invalid) and
-        ``valid [E_q, C]`` bool, ``C = max(min_chain, deepest real query depth)``.
+        ``valid [E_q, C]`` bool, ``C = max(min_chain, deepest real query depth)`` (with
+        ``max_depth``: ``max(min_chain, max_depth)``).
 
     Raises:
         ValueError: no keys; depth ``>= 2**20``; or a real ``(anchor, depth >= 1)`` key occurring
-            twice in ``kv`` (the chain would be ambiguous).
+            twice in ``kv`` (the chain would be ambiguous). With ``max_depth``: RuntimeError for
+            those two, and for a real query deeper than ``max_depth`` (CPU: at once; CUDA: see
+            above).
 
     Source: PEAGLE_SPEC §3 (attention rule), split as in this module's docstring.
     """
@@ -268,12 +277,18 @@ def build_chain_index(q: GridMeta, kv: GridMeta | None = None, min_chain: int = 
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     deepest = torch.where(q_real, q.depth, zero).amax() if len(q) else zero
     too_deep = torch.maximum(deepest, torch.where(k_chain, kv.depth, zero).amax()) >= (1 << _DEPTH_BITS)
-    deepest, dup, too_deep = torch.stack([deepest, dup.long(), too_deep.long()]).tolist()  # the one host sync
-    if too_deep:
-        raise ValueError(f"build_chain_index: depths must be < 2**{_DEPTH_BITS}")
-    if dup:
-        raise ValueError("build_chain_index: a (anchor, depth >= 1) key occurs twice among the keys")
-    C = max(int(min_chain), deepest)
+    if max_depth is not None:  # no host sync: the checks run on the device
+        torch._assert_async(~too_deep, f"build_chain_index: depths must be < 2**{_DEPTH_BITS}")
+        torch._assert_async(~dup, "build_chain_index: a (anchor, depth >= 1) key occurs twice among the keys")
+        torch._assert_async(deepest <= max_depth, f"build_chain_index: a query is deeper than max_depth={max_depth}")
+        C = max(int(min_chain), int(max_depth))
+    else:
+        deepest, dup, too_deep = torch.stack([deepest, dup.long(), too_deep.long()]).tolist()  # the one host sync
+        if too_deep:
+            raise ValueError(f"build_chain_index: depths must be < 2**{_DEPTH_BITS}")
+        if dup:
+            raise ValueError("build_chain_index: a (anchor, depth >= 1) key occurs twice among the keys")
+        C = max(int(min_chain), deepest)
     j = torch.arange(1, C + 1, device=dev)  # [C] depths looked up
     want = (q.anchor[:, None] << _DEPTH_BITS) + j[None, :]  # [E_q, C]
     pos = torch.searchsorted(sorted_code, want).clamp(max=len(kv) - 1)
@@ -302,7 +317,7 @@ class SplitMasks:
     chain_inverse_valid: torch.Tensor  # [E_kv, C] bool
 
 
-def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
+def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int, sync_check: bool = True):
     """Which ``(query, slot)`` pairs read each key row: the transpose of a chain index.
 
     A key ``(a, j)`` is read only in slot ``j - 1`` of the queries ``(a, i)``, ``i >= j``, so at most
@@ -313,6 +328,8 @@ def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
     Args:
         index: ``[E_q, C]`` int64 key rows; valid: ``[E_q, C]`` bool (:func:`build_chain_index`).
         n_kv: number of key rows ``E_kv``.
+        sync_check: check the input with a host sync (ValueError); False: on the device
+            (``torch._assert_async``, see :func:`build_chain_index`'s ``max_depth``).
 
     Returns:
         ``(inverse [E_kv, C]`` int64 flat positions ``q_row * C + slot`` into ``index``, 0 where
@@ -320,7 +337,8 @@ def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
         once, in the row of its key.
 
     Raises:
-        ValueError: a key read by more than ``C`` pairs (not a chain index).
+        ValueError: a key read by more than ``C`` pairs (not a chain index); RuntimeError with
+            ``sync_check=False`` (CPU: at once; CUDA: a device-side assert).
     """
     Eq, C = index.shape
     dev = index.device
@@ -328,8 +346,13 @@ def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int):
     key_sorted, order = torch.sort(flat_key, stable=True)
     first = torch.searchsorted(key_sorted, key_sorted)  # start of each key's run
     rank = torch.arange(key_sorted.numel(), device=dev) - first
-    if C and bool(((rank >= C) & (key_sorted < n_kv)).any()):  # one host sync
-        raise ValueError(f"invert_chain_index: a key is read by more than C={C} (query, slot) pairs")
+    if C:
+        over = ((rank >= C) & (key_sorted < n_kv)).any()
+        msg = f"invert_chain_index: a key is read by more than C={C} (query, slot) pairs"
+        if not sync_check:
+            torch._assert_async(~over, msg)
+        elif bool(over):  # one host sync
+            raise ValueError(msg)
     keep = (key_sorted < n_kv) & (rank < C)
     slot = torch.where(keep, key_sorted * C + rank, torch.full_like(rank, n_kv * C))  # dummy slot at the end
     inverse = torch.zeros(n_kv * C + 1, dtype=torch.int64, device=dev).scatter_(0, slot, order)
@@ -368,13 +391,13 @@ def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor 
 
 
 def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
-                      min_chain: int = 0) -> SplitMasks:
+                      min_chain: int = 0, max_depth: int | None = None) -> SplitMasks:
     """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
     tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
-    for the arguments and errors)."""
+    for the arguments and errors). With ``max_depth`` no step of it waits for the device."""
     kv = q if kv is None else kv
-    index, valid = build_chain_index(q, kv, min_chain)
-    inverse, inverse_valid = invert_chain_index(index, valid, len(kv))
+    index, valid = build_chain_index(q, kv, min_chain, max_depth=max_depth)
+    inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
     return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid)
 
 

@@ -380,25 +380,46 @@ class Drafter(nn.Module):
         """``fc(mask_hidden)`` → ``[H]``: what every mask slot receives (vLLM ``combine_hidden_states``)."""
         return self.fc(self.mask_hidden.view(-1))
 
-    def grid_hidden(self, aux: torch.Tensor, hidden_index: torch.Tensor) -> torch.Tensor:
+    def grid_hidden(self, aux: torch.Tensor, hidden_index: torch.Tensor, max_real: int | None = None) -> torch.Tensor:
         """Per-element fc-projected hidden input.
 
         Args:
             aux: ``[N, A*T]`` aux states of the packed sequence.
             hidden_index: ``[E]`` int64, row of ``aux`` or ``-1`` for ``mask_hidden``.
+            max_real: an upper bound, known on the host, on the number of elements with a real
+                row (``hidden_index >= 0``). Then the rows are found with ``nonzero_static`` (no
+                host sync) and ``fc`` runs on ``max_real`` rows, the unused ones discarded.
+                None: one host sync (``nonzero``) and ``fc`` on exactly the real rows.
 
         Returns:
-            ``[E, H]``; ``fc`` runs on the distinct rows only.
+            ``[E, H]``; ``fc`` runs on the real rows only (up to ``max_real`` of them).
+
+        Raises:
+            ValueError: an EAGLE-3 drafter (no ``mask_hidden``) given a ``-1`` row.
+            RuntimeError: more than ``max_real`` real rows (CPU: at once; CUDA: a device-side
+                assert, ``torch._assert_async``).
         """
-        # one host sync (the nonzero), not two boolean-mask indexings
-        real_at = (hidden_index >= 0).nonzero().flatten()
-        out = self.mask_hidden_projected().expand(hidden_index.numel(), -1).clone() if hasattr(self, "mask_hidden") else None
-        real = self.fc(aux[hidden_index[real_at]].to(self.fc.weight.dtype))
-        if out is None:
-            if real_at.numel() != hidden_index.numel():
-                raise ValueError("an EAGLE-3 drafter has no mask_hidden; every element needs a real hidden state")
-            return real
-        return out.to(real.dtype).index_copy(0, real_at, real)
+        is_real = hidden_index >= 0
+        E = hidden_index.numel()
+        if not hasattr(self, "mask_hidden"):  # EAGLE-3: every element has a real row
+            msg = "an EAGLE-3 drafter has no mask_hidden; every element needs a real hidden state"
+            if max_real is not None:
+                torch._assert_async(is_real.all(), msg)
+            elif not bool(is_real.all()):  # one host sync
+                raise ValueError(msg)
+            return self.fc(aux[hidden_index].to(self.fc.weight.dtype))
+        if max_real is None:
+            real_at = is_real.nonzero().flatten()  # one host sync, not two boolean-mask indexings
+        else:  # no host sync: padded with E (a scratch row dropped below)
+            torch._assert_async(is_real.sum() <= max_real, f"grid_hidden: more than max_real={max_real} real rows")
+            try:
+                real_at = torch.nonzero_static(is_real, size=min(max_real, E), fill_value=E).flatten()
+            except NotImplementedError:  # a backend without nonzero_static: the exact rows, one sync
+                real_at = is_real.nonzero().flatten()
+        rows = hidden_index[real_at.clamp(max=E - 1)].clamp(min=0)  # scratch slots read any valid row
+        real = self.fc(aux[rows].to(self.fc.weight.dtype))
+        out = self.mask_hidden_projected().expand(E + 1, -1).clone()  # row E: scratch for padded slots
+        return out.to(real.dtype).index_copy(0, real_at, real)[:E]
 
     def forward(
         self,

@@ -25,16 +25,18 @@ from .loss import TargetDist, chunked_loss
 FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels specialise on the length (bucket it)
 
 
-def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0) -> AttnSpec:
+def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
+                   max_depth: int | None = None) -> AttnSpec:
     """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
 
     ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
-    ``min_chain`` = at least this many chain slots, see :func:`~peagle_train.attention.build_chain_index`);
+    ``min_chain`` = at least this many chain slots, ``max_depth`` = the deepest depth known on the
+    host, then no host sync; see :func:`~peagle_train.attention.build_chain_index`);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
     ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """
     if kind == "flex":
-        return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain))
+        return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth))
     if kind == "flex_joint":
         return AttnSpec(block_mask=build_block_mask(q, kv))
     if kind == "sdpa":
@@ -83,10 +85,13 @@ class PEagleObjective(nn.Module):
         """
         E = len(grid)
         grid = pad_grid(grid, self.pad_multiple)
-        # K - 1 chain slots whatever this sample's deepest depth: one compiled layer shape per bucket
-        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention,
-                              min_chain=getattr(self.drafter.config, "num_parallel_depths", 1) - 1)
-        hidden = self.drafter.grid_hidden(aux, grid.hidden_index)
+        # K - 1 chain slots whatever this sample's deepest depth: one compiled layer shape per bucket.
+        # Depths never exceed K - 1 and the real rows are at most the N tokens' depth-0 elements plus
+        # the padding (row 0): with both bounds known on the host, building the step's inputs never
+        # waits for the device (the checks run there, torch._assert_async).
+        deepest = getattr(self.drafter.config, "num_parallel_depths", 1) - 1
+        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest)
+        hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
         loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,

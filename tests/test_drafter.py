@@ -228,6 +228,34 @@ def test_grid_hidden_routes_real_and_mask_rows(tiny_drafter):
     torch.testing.assert_close(e3.grid_hidden(aux, torch.tensor([1, 2])), e3.fc(aux[[1, 2]]))
 
 
+@pytest.mark.parametrize("max_real", [3, 4, 9])
+def test_grid_hidden_without_host_sync_equals_the_nonzero_path(tiny_drafter, max_real):
+    """``max_real`` (nonzero_static, scratch row for unused slots) gives the same output and the
+    same gradients, in float64, as the exact nonzero path; too small a bound is an error."""
+    d = tiny_drafter().double()
+    aux = torch.randn(9, 96, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([0, 3, -1, 8, -1])
+    w = torch.randn(5, d.fc.out_features, dtype=torch.float64)
+    params = [aux, d.mask_hidden, d.fc.weight]
+    ref = d.grid_hidden(aux, idx)
+    g_ref = torch.autograd.grad((ref * w).sum(), params)
+    got = d.grid_hidden(aux, idx, max_real=max_real)
+    g_got = torch.autograd.grad((got * w).sum(), params)
+    torch.testing.assert_close(got, ref, atol=1e-14, rtol=1e-14)  # fc on more rows: ULP-level GEMM differences
+    for a, b in zip(g_got, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-14, rtol=1e-14)
+    with pytest.raises(RuntimeError, match="more than max_real=2 real rows"):
+        d.grid_hidden(aux, idx, max_real=2)
+    with pytest.MonkeyPatch.context() as mp:  # a backend without nonzero_static: the nonzero path
+        def missing(*a, **k):
+            raise NotImplementedError("nonzero_static")
+        mp.setattr(torch, "nonzero_static", missing)
+        torch.testing.assert_close(d.grid_hidden(aux, idx, max_real=max_real), ref, atol=0, rtol=0)
+    e3 = tiny_drafter(parallel_drafting=False)
+    with pytest.raises(RuntimeError, match="no mask_hidden"):
+        e3.grid_hidden(aux.float().detach(), idx, max_real=max_real)
+
+
 # ----------------------------------------------------------------------------- train/inference consistency
 
 

@@ -189,6 +189,14 @@ def test_chain_index_equals_python_reference(case, data):
     ref_i, ref_v = ref_chain_index(q, kv, C)
     assert torch.equal(valid, ref_v)
     assert torch.equal(index, ref_i)  # 0 on invalid slots
+    # the host-sync-free form: width from max_depth, checks on the device (at once on CPU)
+    max_depth = deepest + data.draw(st.integers(0, 2), label="max_depth slack")
+    index2, valid2 = build_chain_index(q, kv, min_chain=min_chain, max_depth=max_depth)
+    ref_i, ref_v = ref_chain_index(q, kv, max(min_chain, max_depth))
+    assert torch.equal(valid2, ref_v) and torch.equal(index2, ref_i)
+    if deepest > 0:
+        with pytest.raises(RuntimeError, match=f"deeper than max_depth={deepest - 1}"):
+            build_chain_index(q, kv, min_chain=min_chain, max_depth=deepest - 1)
 
 
 @settings(max_examples=60, deadline=None)
@@ -204,6 +212,8 @@ def test_chain_inverse_is_the_transpose_of_the_chain_index(case, data):
     rows, slots = inverse_valid.nonzero(as_tuple=True)
     backward = [(int(r), int(inverse[r, s])) for r, s in zip(rows.tolist(), slots.tolist())]
     assert len(backward) == len(set(backward)) and set(backward) == forward
+    inverse2, inverse_valid2 = invert_chain_index(index, valid, len(kv), sync_check=False)
+    assert torch.equal(inverse2, inverse) and torch.equal(inverse_valid2, inverse_valid)
 
 
 def test_chain_gather_backward_without_atomics_equals_index_add():
@@ -227,6 +237,9 @@ def test_chain_gather_backward_without_atomics_equals_index_add():
         torch.testing.assert_close(x1, x2, atol=1e-13, rtol=1e-13)
     with pytest.raises(ValueError, match="more than C=1"):
         invert_chain_index(torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1, dtype=torch.bool), 4)
+    with pytest.raises(RuntimeError, match="more than C=1"):  # the device-side check (at once on CPU)
+        invert_chain_index(torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1, dtype=torch.bool), 4,
+                           sync_check=False)
 
 
 def test_chain_index_worked_example_and_errors():
@@ -243,6 +256,13 @@ def test_chain_index_worked_example_and_errors():
     assert index[4].tolist() == [3, 0] and valid[4].all()  # (1,1) is key 3, (1,2) key 0 of kv
     with pytest.raises(ValueError, match="twice"):
         build_chain_index(m, cat_meta(m, sub_meta(m, torch.tensor([3]))))
+    with pytest.raises(RuntimeError, match="twice"):
+        build_chain_index(m, cat_meta(m, sub_meta(m, torch.tensor([3]))), max_depth=2)
+    deep = GridMeta(torch.tensor([0, 0]), torch.tensor([0, 2**20]), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="depths must be < 2\\*\\*20"):
+        build_chain_index(deep)
+    with pytest.raises(RuntimeError, match="depths must be < 2\\*\\*20"):
+        build_chain_index(deep, max_depth=2**20)
     with pytest.raises(ValueError, match="no keys"):
         build_chain_index(m, sub_meta(m, torch.tensor([], dtype=torch.int64)))
     # a duplicate padding element or a duplicate depth-0 key is harmless
