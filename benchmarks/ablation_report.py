@@ -137,7 +137,7 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             out.append(f"| {r['variant']} | not finished: {r['error'][-120:]!r} |" + " |" * 9)
             continue
-        acc = " / ".join(f"{a:.2f}" for a in (r["eval_acc"] or [])[:4])
+        acc = " / ".join("-" if a is None else f"{a:.2f}" for a in (r["eval_acc"] or [])[:4])
         out.append(f"| {r['variant']} | {r['settings']} | {r['K']} ({r['al_at_K']}) | {r['steps']} | "
                    f"{g(r['median_step_ms'])} | {g(r['first_step_s'])} | {g(r['slow_s'])} | "
                    f"{f(r['walk_al_heldout'])} | {f(r['walk_al'])} | {f(r['sim_al'])} | {acc} |")

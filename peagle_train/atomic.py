@@ -7,6 +7,7 @@ then ``os.replace`` swaps it in. Only the standard library, so any module can us
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,11 +24,25 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def finite_or_none(obj):
+    """``obj`` with every NaN / ±inf float (at any depth of dicts, lists and tuples) replaced by
+    None, so it serialises as strict JSON (``null``): Python writes bare ``NaN``, which strict
+    parsers (``jq``, browsers, most languages) reject. Other values are returned as they are."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str | Path, obj, indent: int | None = 1, default=None) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (:func:`write_text_atomic`); ``default`` as in
-    ``json.dumps``.
+    """Write ``obj`` as strict JSON to ``path`` atomically (:func:`write_text_atomic`): non-finite
+    floats become ``null`` (:func:`finite_or_none`; e.g. a conditional accuracy at a depth that
+    no chain reached); ``default`` as in ``json.dumps``.
 
     Raises:
         TypeError: ``obj`` is not JSON-serialisable (nothing is written). OSError: as above.
     """
-    write_text_atomic(path, json.dumps(obj, indent=indent, default=default))
+    write_text_atomic(path, json.dumps(finite_or_none(obj), indent=indent, default=default, allow_nan=False))

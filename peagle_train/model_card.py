@@ -45,7 +45,7 @@ def _per_depth(metrics: Any) -> tuple[list[float], list[float] | None]:
     acc = [float(a) for a in metrics["accuracy"]]
     cond = metrics.get("conditional_accuracy")
     if cond is not None:
-        cond = [float(c) for c in cond]
+        cond = [float("nan") if c is None else float(c) for c in cond]  # null in JSON: no chain reached it
         if len(cond) != len(acc):
             raise ValueError(f"card['metrics']: {len(acc)} accuracies but {len(cond)} conditional accuracies")
     return acc, cond

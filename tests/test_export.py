@@ -23,6 +23,7 @@ from peagle_train.export import (ExportError, build_vllm_config, export_speculat
 from peagle_train.grid import build_grid, cod_sample
 from peagle_train.hub import HubPushError, push_to_hub
 from peagle_train.loss import DepthStats
+from peagle_train.atomic import write_json_atomic
 from peagle_train.model_card import simulated_acceptance_lengths
 from peagle_train.objective import make_attn_spec
 
@@ -267,6 +268,21 @@ def test_card_from_pipeline_outputs(tmp_path):
     assert '- `splits`: {"train": {"sequences": 90}}' in readme
     assert f"| 3 | 0.3 | 0.4 | {simulated_acceptance_lengths([0.7, 0.6, 0.5, 0.4])[3]:.4g} |" in readme
     assert "lr: 0.0003" in readme and "<summary>Resolved recipe</summary>" in readme
+
+
+def test_metrics_files_are_strict_json_and_the_card_reads_nulls(tmp_path):
+    """A conditional accuracy no chain reached is NaN in memory; the metrics file holds null (strict
+    JSON), and the model card built from that file shows it as n/a."""
+    train = {"method": "peagle", "K": K, "steps": 5,
+             "final": {"eval_acc": [0.7, 0.0], "eval_cond_acc": [0.7, float("nan")], "x": (1.0, float("inf"))}}
+    write_json_atomic(tmp_path / "m.json", train)
+    text = (tmp_path / "m.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    loaded = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert loaded["final"]["eval_cond_acc"] == [0.7, None] and loaded["final"]["x"] == [1.0, None]
+    readme = (export_vllm(make_drafter(), tmp_path / "x", target_name="t", card={"train": loaded})
+              / "README.md").read_text()
+    assert "| 1 | 0 | n/a | n/a |" in readme
 
 
 def test_hidden_size_mismatch_opt_in_recorded(exported):
