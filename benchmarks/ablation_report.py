@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 
@@ -48,13 +49,12 @@ def _step_times(history: list[dict]) -> dict:
         ``slow_s`` (seconds in intervals longer than 3× that median, beyond the median: compiles of
         new grid buckets and the in-training evals); all None without timed steps.
     """
-    t = [(h["step"], h["elapsed_s"]) for h in history if h.get("elapsed_s") is not None and "loss" in h]
+    t = [(h["step"], h["elapsed_s"]) for h in history if h.get("elapsed_s") is not None]
     if len(t) < 2:
         return {"first_step_s": round(t[0][1], 1) if t else None, "median_step_ms": None, "slow_s": None}
-    per = sorted((b[1] - a[1]) / max(1, b[0] - a[0]) for a, b in zip(t, t[1:]))
-    med = per[len(per) // 2]
-    slow = sum((b[1] - a[1]) - med * (b[0] - a[0]) for a, b in zip(t, t[1:])
-               if (b[1] - a[1]) > 3 * med * max(1, b[0] - a[0]))
+    gaps = [(b[1] - a[1], max(1, b[0] - a[0])) for a, b in zip(t, t[1:])]  # (seconds, steps) between logs
+    med = statistics.median_high(dt / n for dt, n in gaps)
+    slow = sum(dt - med * n for dt, n in gaps if dt > 3 * med * n)
     return {"first_step_s": round(t[0][1], 1), "median_step_ms": round(1000 * med, 1), "slow_s": round(slow, 1)}
 
 
@@ -91,10 +91,9 @@ def variant_row(folder: Path) -> dict:
     k = min(7, int(m["K"]))  # served K <= trained K
     fin = m["final"]
     spec = (folder / "variant.txt").read_text().strip() if (folder / "variant.txt").exists() else ""
-    history = m.get("history", [])
-    lr_at = {h["step"]: h["lr"] for h in history if "lr" in h}
+    history = m.get("history", [])  # one record per step; an eval step's record also holds the eval
     curve = [{"step": h["step"], "elapsed_s": round(h["elapsed_s"], 1) if h.get("elapsed_s") is not None else None,
-              "lr": lr_at.get(h["step"]), "walk_al": _at(h.get("eval_walk_al"), k)}
+              "lr": h.get("lr"), "walk_al": _at(h.get("eval_walk_al"), k)}
              for h in history if "eval_walk_al" in h]
     return {"variant": folder.name, "settings": spec, "K": m["K"], "al_at_K": k, "steps": m["steps"],
             "train_s": round(m["train_seconds"], 1), "steps_per_s": round(m["steps"] / m["train_seconds"], 2),

@@ -50,6 +50,10 @@ PY
 share_prepared() {  # $1/data: a copy of the prepared data another output_dir trains on (not the regen shards)
   mkdir -p "$1/data" && for f in "${PREPARED[@]:1}"; do cp "$WORK/$f" "$1/data/"; done
 }
+train_sequences() {  # training sequences of the prepared data on this disk
+  python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['splits']['train']['sequences'])" \
+    "$WORK/peagle/data/meta.json"
+}
 restore_prepared() {  # checksum first; refuses to overwrite prepared data already on this disk
   [ -f .prepared/prepared.tar.xz ] || { echo "restore: carry .prepared/ with prepared.tar.xz (+ .sha256)" >&2; exit 2; }
   (cd .prepared && sha256sum -c prepared.tar.xz.sha256) || { echo "restore: checksum mismatch" >&2; exit 2; }
@@ -62,7 +66,7 @@ PY
   fi
   share_prepared "$WORK/eagle3"
   cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
-  echo "restore: $(python3 -c "import json; m=json.load(open('$WORK/peagle/data/meta.json')); print(m['splits']['train']['sequences'], 'train sequences')")"
+  echo "restore: $(train_sequences) train sequences"
 }
 
 case "${1:?step}" in
@@ -170,7 +174,7 @@ PY
     [[ "$per_gpu" =~ ^[1-9][0-9]*$ ]] || { echo "ABLATE_PER_GPU must be a whole number >= 1, got '$per_gpu'" >&2; exit 2; }
     ngpu=$(ngpus); ngpu=$(( ngpu > 0 ? ngpu : 1 ))
     slots=$(( ngpu * per_gpu ))
-    n=$(python3 -c "import json; print(json.load(open('$WORK/peagle/data/meta.json'))['splits']['train']['sequences'])")
+    n=$(train_sequences)
     default="base= K4=train.K=4,eval.k_max=4 cod_r05=train.cod_r=0.5 cod_r09=train.cod_r=0.9"
     default+=" data_half=train.train_sequences=$((n / 2)) data_quarter=train.train_sequences=$((n / 4))"
     variants=${ABLATE:-$default}

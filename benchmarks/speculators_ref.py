@@ -357,7 +357,9 @@ def make_batch(shape: dict, N: int, device: str | torch.device, seed: int = 0) -
 
 
 def _raise_recompile_limit(n: int = 64) -> None:
-    # (peagle_train.compiling.raise_recompile_limits, kept separate: this module imports no peagle_train)
+    # A standalone copy of peagle_train.compiling.raise_recompile_limits: the reference harness imports
+    # nothing of the project it is compared with. Unlike that one it leaves Dynamo's accumulated
+    # (all code objects) limits at their defaults: speculators compiles one code object.
     # speculators compiles PEagleDraftModel.forward once at import; every new model
     # instance / N adds guards to the same code object, so a sweep could otherwise hit
     # Dynamo's default limit (8) and silently fall back to eager.

@@ -3,7 +3,11 @@
 One step = COD sample + grid + block-mask build + partition plan + forward +
 chunked KL loss + backward + grad clip + AdamW, timed with CUDA events (wall
 clock on CPU): ``--warmup`` untimed steps, then the median and spread of
-``--steps`` timed steps. Prints a table and writes JSON.
+``--steps`` timed steps. Prints a table and writes JSON. The COD sample, grid,
+supervised count and partition plan are built on the CPU one step ahead, while
+the previous step's kernels run (as a data-loader worker would; the row says
+``"host_inputs": "prefetched"``); ``peagle_train``'s Trainer builds them on the CPU
+at the start of its own step, so its GPU waits for that CPU work.
 
 Trainable parameters (stated in the JSON): everything except the lm_head
 (frozen, as vLLM's speculators does); embeddings trainable. bf16 autocast with
@@ -81,6 +85,8 @@ from peagle_train.grid import build_grid, cod_sample, supervised_count  # noqa: 
 from peagle_train.objective import PEagleObjective  # noqa: E402
 from peagle_train.partition import plan_partitions  # noqa: E402
 from peagle_train.planner import ShapeParams, plan_step  # noqa: E402
+
+PROFILED_STEPS = 3  # --profile records this many steps after a skipped one and a warm-up one
 
 SHAPES = {
     # GPT-OSS-20B P-EAGLE drafter: hidden 2880, 64 heads x 64, 8 KV heads, intermediate 7680, vocab 201,088
@@ -194,10 +200,11 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             host_grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
             return host_grid, supervised_count(host_grid), plan_partitions(host_grid, N, S)
 
-        ahead: dict[int, tuple] = {}
+        ahead = None  # (step index, host_inputs of it), built during the previous step
 
         def step(it: int):
-            host_grid, norm, host_segs = ahead.pop(it) if it in ahead else host_inputs(it)
+            nonlocal ahead
+            host_grid, norm, host_segs = ahead[1] if ahead and ahead[0] == it else host_inputs(it)
             segs = [seg.to(device, non_blocking=True) for seg in host_segs]
             grid = host_grid.to(device, non_blocking=True)  # no host sync before the forward
             for j, seg in enumerate(segs):
@@ -208,8 +215,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            ahead.clear()
-            ahead[it + 1] = host_inputs(it + 1)  # while this step's kernels run
+            ahead = (it + 1, host_inputs(it + 1))  # while this step's kernels run
             return grid
 
         if cuda:
@@ -237,6 +243,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         med = statistics.median(times)
         rec.update({
             "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
+            "host_inputs": "prefetched",
             "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
             "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
             "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -442,7 +449,9 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
     saved = drafter_mod._flex_with_lse
     head32 = head.float()
     try:
-        for side, (kind, pad) in sides.items():  # split first: the finally restores the flex prefix part
+        for side, (kind, pad) in sides.items():
+            # CPU has no flex backward: the split side's prefix part runs dense; the reference side
+            # (SDPA) never calls _flex_with_lse, and the finally restores it
             if side == "split" and not cuda:
                 drafter_mod._flex_with_lse = _dense_prefix
             obj = PEagleObjective(drafter, head32, loss="kl", chunk_size=chunk, attention=kind,
@@ -651,17 +660,17 @@ def main(argv=None):
               and r.get("attention") == effective_attention(attentions[-1], device)]
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         # compile caches are warm from the timed run; the schedule skips the set-up (inputs, optimizer state)
-        # and the first step, warms up on the second, and records the next 3 steps only
-        sched = torch.profiler.schedule(wait=1, warmup=1, active=3)
+        # and the first step, warms up on the second, and records the next PROFILED_STEPS steps only
+        sched = torch.profiler.schedule(wait=1, warmup=1, active=PROFILED_STEPS)
         with torch_profile(activities=acts, schedule=sched) as prof:
-            run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, 3, 2, device, args.chunk,
+            run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, PROFILED_STEPS, 2, device, args.chunk,
                      compile=variants[-1], checkpointing=ck0, attention=attentions[-1], on_step=prof.step)
         step_ms = ok[0]["step_ms"] if ok else None
-        table = kernel_table(prof, step_ms or 0.0, 3)
+        table = kernel_table(prof, step_ms or 0.0, PROFILED_STEPS)
         profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),
                    "step_ms": step_ms,
                    "kind": "cuda kernels" if device.type == "cuda" else "cpu ops", "top": table,
-                   "timeline": timeline_summary(device_kernels(prof), 3) if device.type == "cuda" else None}
+                   "timeline": timeline_summary(device_kernels(prof), PROFILED_STEPS) if device.type == "cuda" else None}
         if args.trace:
             prof.export_chrome_trace(args.trace)
         print(f"\ntop {len(table)} {profile['kind']} (N={N0}, compile={variants[-1]}; ms per step, % of the "

@@ -249,8 +249,12 @@ def build_chain_index(q: GridMeta, kv: GridMeta | None = None, min_chain: int = 
         max_depth: the deepest depth the grid can hold (``K - 1`` for a K-depth grid), known on the
             host. Then ``C = max(min_chain, max_depth)`` without reading the depths back, and the
             checks below run on the device (``torch._assert_async``: on CUDA a failed check is a
-            device-side assert that ends the process at the next sync, with the message below;
-            on CPU it raises at once). None: the checks and the chain width read one host sync.
+            device-side assert that ends the process at the next sync; recent torch builds print
+            the message below with it, older ones a generic "device-side assert triggered"; on
+            CPU it raises at once). The checks guard against a bug in grid construction, not
+            against user data (validated before any grid is built); training checkpoints are
+            written atomically, so an abort loses only the current step. None: the checks and
+            the chain width read one host sync.
 
     Returns:
         ``(index, valid)``: ``index [E_q, C]`` int64 rows of ``kv`` (0 where invalid) and

@@ -9,18 +9,9 @@ import json
 import math
 from pathlib import Path
 
+from .atomic import finite_or_none
+
 PLOTS = ("acceptance_by_position.png", "al_speedup_vs_k.png")
-
-
-def _clean(x):
-    """NaN/inf → None so ``eval.json`` is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 def _fmt(x, digits=2) -> str:
@@ -130,7 +121,7 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "eval.json", "md": out / "eval.md"}
-    paths["json"].write_text(json.dumps(_clean(results), indent=2, allow_nan=False) + "\n")
+    paths["json"].write_text(json.dumps(finite_or_none(results), indent=2, allow_nan=False) + "\n")
     paths["md"].write_text(render_markdown(results))
     for fn, name in zip((plot_acceptance_by_position, plot_al_speedup), PLOTS):
         paths[name[:-4]] = out / name

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import ablation_report  # benchmarks/ is on sys.path (conftest)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "quality_experiment.sh"
 
@@ -34,13 +36,15 @@ if out.name == "{fail}":
 time.sleep(0.3)
 K = int(over.get("train.K", 8))
 per_k = lambda step: {{str(k): 1.0 + step * k for k in range(1, K + 1)}}  # walk / heldout / sim differ
-curve = [{{"step": s, "elapsed_s": 0.1 * s, "eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000
-          for k in range(1, K + 1)}}}} for s in ((5, 10) if K == 8 else (5, 8))]
-steps = [{{"step": s, "loss": 9.0 - s / 10, "lr": 1e-4 * (11 - s), "elapsed_s": 1.0 + 0.05 * s + (2.0 if s == 7 else 0.0)}}
-         for s in range(1, 11)]
+evals = {{s: {{"eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000 for k in range(1, K + 1)}}}}
+         for s in ((5, 10) if K == 8 else (5, 8))}}
+# as Trainer.fit logs: one record per step, an eval step's record also holding the eval; a 2 s stall
+# (a compile) before step 7
+steps = [{{"step": s, "loss": 9.0 - s / 10, "lr": 1e-4 * (11 - s), "elapsed_s": 1.0 + 0.05 * s + (2.0 if s >= 7 else 0.0),
+          **evals.get(s, {{}})}} for s in range(1, 11)]
 (out / "train_metrics.json").write_text(json.dumps({{
     "method": "peagle", "K": K, "steps": 10, "train_seconds": 1.5,
-    "history": steps[:5] + [curve[0]] + steps[5:] + curve[1:],
+    "history": steps,
     "final": {{"eval_loss": 4.0, "eval_walk_al": per_k(0.01), "eval_walk_al_heldout": per_k(0.02),
               "eval_sim_al": per_k(0.03), "eval_acc": [0.4, 0.2, 0.1, 0.05]}}}}))
 print(json.dumps({{"steps": 10}}))
@@ -104,9 +108,9 @@ def test_ablate_default_variants_waves_and_summary(tmp_path):
     assert (rows["base"]["median_step_ms"], rows["base"]["slow_s"], rows["base"]["first_step_s"]) == (50.0, 2.0, 1.1)
     # eval curves at the served K; the equal-steps table holds the steps every variant reached
     assert rows["base"]["eval_curve"] == [
-        {"step": 5, "elapsed_s": 0.5, "lr": pytest.approx(6e-4), "walk_al": pytest.approx(1.057)},
-        {"step": 10, "elapsed_s": 1.0, "lr": pytest.approx(1e-4), "walk_al": pytest.approx(1.107)}]
-    assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 0.8, "lr": pytest.approx(3e-4),
+        {"step": 5, "elapsed_s": 1.2, "lr": pytest.approx(6e-4), "walk_al": pytest.approx(1.057)},
+        {"step": 10, "elapsed_s": 3.5, "lr": pytest.approx(1e-4), "walk_al": pytest.approx(1.107)}]
+    assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 3.4, "lr": pytest.approx(3e-4),
                                             "walk_al": pytest.approx(1.084)}
     assert rows["base"]["eval_acc"] == [0.4, 0.2, 0.1, 0.05] and rows["base"]["steps_per_s"] == pytest.approx(6.67)
     md = (tmp_path / "work" / "results" / "ablation.md").read_text()
@@ -143,17 +147,12 @@ def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
 
 
 def test_ablation_report_bad_files_become_error_rows(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ablation_report
-    finally:
-        sys.path.pop(0)
     for name in ("v1", "v2", "v3", "v4"):
         (tmp_path / name).mkdir()
     (tmp_path / "v1" / "train_metrics.json").write_text(json.dumps({"K": 8, "steps": 3}))
     (tmp_path / "v2" / "train_metrics.json").write_text("{truncated")
     (tmp_path / "v3.err").write_text("CUDA out of memory")
-    # int keys (a metrics dict written without a JSON round trip) and steps without elapsed_s
+    # a K = 2 run whose history has no elapsed_s (no step timing) and an eval on its own record
     (tmp_path / "v4" / "train_metrics.json").write_text(json.dumps({
         "K": 2, "steps": 4, "train_seconds": 2.0,
         "history": [{"step": 1, "loss": 3.0}, {"step": 2, "eval_walk_al": {"1": 1.1, "2": 1.2}}],

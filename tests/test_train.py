@@ -229,7 +229,7 @@ def test_eagle3_ttt_shapes_are_static_per_run(run_dir):
 
 def test_train_sequences_trains_on_a_prefix_of_the_split(run_dir):
     """train.train_sequences (data-size ablation): only the first n prepared sequences are dealt
-    to micro-batches and counted for the draft vocab; more than the split holds is a ConfigError."""
+    to micro-batches; more than the split holds is a ConfigError."""
 
     data, feats, tconf = _cached_inputs(run_dir)
     n_all = len(data["train"]["input_ids"])
