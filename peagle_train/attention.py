@@ -312,6 +312,8 @@ class SplitMasks:
         chain_valid: ``[E_q, C]`` bool.
         chain_inverse, chain_inverse_valid: ``[E_kv, C]`` (:func:`invert_chain_index`): the
             deterministic backward of the chain gather.
+        chain_kernel: ``"torch"`` (:func:`chain_attention` in PyTorch) or ``"triton"`` (the kernels of
+            :mod:`peagle_train.chain_kernel`); same math.
     """
 
     prefix_mask: object
@@ -319,6 +321,7 @@ class SplitMasks:
     chain_valid: torch.Tensor
     chain_inverse: torch.Tensor  # [E_kv, C] int64, see invert_chain_index
     chain_inverse_valid: torch.Tensor  # [E_kv, C] bool
+    chain_kernel: str = "torch"  # "torch" or "triton": how chain_attention runs (chain_kernel.resolve)
 
 
 def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int, sync_check: bool = True):
@@ -395,14 +398,20 @@ def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor 
 
 
 def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
-                      min_chain: int = 0, max_depth: int | None = None) -> SplitMasks:
+                      min_chain: int = 0, max_depth: int | None = None, chain_kernel: str = "torch") -> SplitMasks:
     """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
     tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
-    for the arguments and errors). With ``max_depth`` no step of it waits for the device."""
+    for the arguments and errors). With ``max_depth`` no step of it waits for the device.
+    ``chain_kernel``: ``"auto"``, ``"triton"`` or ``"torch"``, resolved for the grid's device
+    (:func:`peagle_train.chain_kernel.resolve`, which raises where Triton cannot run)."""
+    from .chain_kernel import resolve
+
     kv = q if kv is None else kv
+    kernel = resolve(chain_kernel, q.anchor.device)
     index, valid = build_chain_index(q, kv, min_chain, max_depth=max_depth)
     inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
-    return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid)
+    return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
+                      kernel)
 
 
 # ----------------------------------------------------------------------------- split form: the math
@@ -433,7 +442,7 @@ def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
 
 def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                     valid: torch.Tensor, scale: float | None = None, inverse: torch.Tensor | None = None,
-                    inverse_valid: torch.Tensor | None = None):
+                    inverse_valid: torch.Tensor | None = None, kernel: str = "torch"):
     """Softmax attention of each query over its own chain keys only (the chain part).
 
     GQA without repeating k/v: query head ``h`` reads KV head ``h // (nh // nkv)``, as
@@ -445,13 +454,27 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
         inverse, inverse_valid: :func:`invert_chain_index` of ``index``: the k/v gradient is then a
             deterministic gather (:func:`chain_gather`); None = autograd's ``index_add``.
         scale: score scale; default ``1 / sqrt(hd)`` (FlexAttention's and SDPA's).
+        kernel: ``"torch"`` (below) or ``"triton"``: the fused kernels of
+            :func:`peagle_train.chain_kernel.chain_attention_triton` (needs ``inverse``; CUDA, or
+            ``TRITON_INTERPRET=1`` on CPU), same contract.
 
     Returns:
         ``(out [1, nh, E_q, hd]`` in ``q.dtype``, ``lse [1, nh, E_q]`` natural-log log-sum-exp of
         the scaled scores over the valid slots, ``-inf`` where there is none, in float32 for half
         inputs (float64 stays float64)``)``. Rows without a valid slot give ``out = 0``, and
         finite (zero) gradients.
+
+    Raises:
+        ValueError: ``kernel="triton"`` without ``inverse``, or an unknown ``kernel``.
     """
+    if kernel == "triton":
+        if inverse is None:
+            raise ValueError("chain_attention(kernel='triton') needs the inverse index (invert_chain_index)")
+        from .chain_kernel import chain_attention_triton
+
+        return chain_attention_triton(q, k, v, index, valid, inverse, inverse_valid, scale)
+    if kernel != "torch":
+        raise ValueError(f"chain_attention: unknown kernel {kernel!r}; expected 'torch' or 'triton'")
     _, nh, Eq, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv

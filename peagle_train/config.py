@@ -173,6 +173,10 @@ class TrainConfig(_Section):
                             "merged by log-sum-exp); flex_joint: one FlexAttention kernel over the whole rule "
                             "(same math, kept for comparison); sdpa: dense mask (small inputs)."
     )
+    chain_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="How the split form's chain part runs: auto = the Triton kernels "
+                            "(peagle_train.chain_kernel) on CUDA when Triton is installed, PyTorch otherwise; "
+                            "triton: those kernels or an error; torch: the PyTorch chain part. Same math.")
     lr: float = Field(3e-4, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0.0)

@@ -124,7 +124,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
     if split.chain_index.shape[1] == 0:  # no query deeper than 0 (a static shape, not data)
         return out_a
     out_b, lse_b = chain_attention(q, k, v, split.chain_index, split.chain_valid,
-                                   inverse=split.chain_inverse, inverse_valid=split.chain_inverse_valid)
+                                   inverse=split.chain_inverse, inverse_valid=split.chain_inverse_valid,
+                                   kernel=split.chain_kernel)
     return merge_by_lse(out_a, lse_a, out_b, lse_b)[0]
 
 

@@ -26,17 +26,19 @@ FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels spe
 
 
 def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
-                   max_depth: int | None = None) -> AttnSpec:
+                   max_depth: int | None = None, chain_kernel: str = "auto") -> AttnSpec:
     """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
 
     ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
     ``min_chain`` = at least this many chain slots, ``max_depth`` = the deepest depth known on the
-    host, then no host sync; see :func:`~peagle_train.attention.build_chain_index`);
+    host, then no host sync; see :func:`~peagle_train.attention.build_chain_index`; ``chain_kernel``:
+    ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.chain_kernel.resolve`);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
     ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """
     if kind == "flex":
-        return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth))
+        return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth,
+                                                chain_kernel=chain_kernel))
     if kind == "flex_joint":
         return AttnSpec(block_mask=build_block_mask(q, kv))
     if kind == "sdpa":
@@ -57,14 +59,17 @@ class PEagleObjective(nn.Module):
         target_head: ``[Vd, T]`` the target head's draft-vocab rows (frozen buffer).
         loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk.
         attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"sdpa"`` (see :func:`make_attn_spec`).
+        chain_kernel: the split form's chain part, ``"auto"`` (Triton on CUDA) / ``"triton"`` / ``"torch"``.
         compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
             and the loss chunk body (:func:`~peagle_train.loss.compiled_chunk_loss`); same math.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
-                 attention: str = "flex", pad_multiple: int | None = None, compile: bool = False):
+                 attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
+                 chain_kernel: str = "auto"):
         super().__init__()
         self.drafter = drafter
+        self.chain_kernel = chain_kernel
         self.compile = compile
         drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
@@ -90,7 +95,8 @@ class PEagleObjective(nn.Module):
         # the padding (row 0): with both bounds known on the host, building the step's inputs never
         # waits for the device (the checks run there, torch._assert_async).
         deepest = getattr(self.drafter.config, "num_parallel_depths", 1) - 1
-        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest)
+        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest,
+                              chain_kernel=self.chain_kernel)
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
@@ -141,7 +147,7 @@ class Eagle3Objective(nn.Module):
 
     Args:
         drafter: a :class:`Drafter` without parallel drafting (usually 1 layer).
-        target_head, loss, chunk_size, attention: as :class:`PEagleObjective`.
+        target_head, loss, chunk_size, attention, chain_kernel: as :class:`PEagleObjective`.
         decay: step weight base (0.8 in EAGLE-3). compile: as :class:`PEagleObjective`.
         cod: ``(r, r_min, max_anchors)`` of the grid's COD sample: bounds each step's padded length
             (:func:`eagle3_step_lengths`); None pads every step to the depth-0 bucket.
@@ -154,9 +160,10 @@ class Eagle3Objective(nn.Module):
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
                  compile: bool = False, cod: tuple[float, float, int | None] | None = None,
-                 static_tokens: int | None = None):
+                 static_tokens: int | None = None, chain_kernel: str = "auto"):
         super().__init__()
         self.cod, self.static_tokens = cod, static_tokens
+        self.chain_kernel = chain_kernel
         self.drafter = drafter
         self.compile = compile
         drafter.set_compile(compile)
@@ -197,7 +204,7 @@ class Eagle3Objective(nn.Module):
             qm = GridMeta.of(step)
             kv_meta = qm if kv_meta is None else GridMeta(*(torch.cat([a, b]) for a, b in zip(
                 (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
-            spec = make_attn_spec(qm, kv_meta, kind=self.attention)
+            spec = make_attn_spec(qm, kv_meta, kind=self.attention, chain_kernel=self.chain_kernel)
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
             w = _weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,

@@ -321,8 +321,14 @@ def test_split_objective_float64_matches_sdpa(tiny_drafter, objective_problem, m
         loss, pred = PEagleObjective(d, head, chunk_size=16, attention=kind, pad_multiple=pad)(g, aux, last, argmax,
                                                                                                  norm)
         res.append((loss.detach(), pred, torch.autograd.grad(loss, params, allow_unused=True)))
-    (l0, p0, g0), (l1, p1, g1) = res
     assert len(pad_grid(g, 64)) > len(g)  # padding rows were present
+    assert_same_loss_and_grads(*res)
+
+
+def assert_same_loss_and_grads(ref, got):
+    """``(loss, pred, grads)`` of two objectives: loss to 1e-12 relative, the same predictions, every
+    parameter gradient finite and equal (1e-12 absolute / 1e-10 relative; None on both sides or neither)."""
+    (l0, p0, g0), (l1, p1, g1) = ref, got
     assert abs(l0.item() - l1.item()) < 1e-12 * abs(l0.item()) and torch.equal(p0, p1)
     for a, c in zip(g0, g1):
         if a is None:
