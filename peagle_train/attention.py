@@ -455,7 +455,8 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
             deterministic gather (:func:`chain_gather`); None = autograd's ``index_add``.
         scale: score scale; default ``1 / sqrt(hd)`` (FlexAttention's and SDPA's).
         kernel: ``"torch"`` (below) or ``"triton"``: the fused kernels of
-            :func:`peagle_train.chain_kernel.chain_attention_triton` (needs ``inverse``; CUDA, or
+            :func:`peagle_train.chain_kernel.chain_attention_triton` (needs ``inverse`` and
+            ``inverse_valid``; CUDA, or
             ``TRITON_INTERPRET=1`` on CPU), same contract.
 
     Returns:
@@ -465,10 +466,10 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
         finite (zero) gradients.
 
     Raises:
-        ValueError: ``kernel="triton"`` without ``inverse``, or an unknown ``kernel``.
+        ValueError: ``kernel="triton"`` without ``inverse``/``inverse_valid``, or an unknown ``kernel``.
     """
     if kernel == "triton":
-        if inverse is None:
+        if inverse is None or inverse_valid is None:
             raise ValueError("chain_attention(kernel='triton') needs the inverse index (invert_chain_index)")
         from .chain_kernel import chain_attention_triton
 

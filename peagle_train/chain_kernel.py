@@ -12,7 +12,7 @@ kernels with materialised intermediates (about 27 ms of a 306 ms GPT-OSS-20B ste
   share the KV head; writes ``out`` and the log-sum-exp ``lse`` that
   :func:`~peagle_train.attention.merge_by_lse` needs;
 * backward of the queries: recomputes the probabilities from ``lse``, writes ``dq`` and the
-  per-slot score gradients ``ds`` and probabilities ``p`` (``[E_q, nkv, C, g]``, small);
+  per-slot score gradients ``ds`` and probabilities ``p`` (``[E_q, nkv, C, g_pad]``, small);
 * backward of the keys and values, one program per ``(block of key rows, KV head)``: sums the
   contributions of the ``<= C`` ``(query, slot)`` pairs that read each key through the inverse
   index (:func:`~peagle_train.attention.invert_chain_index`). No atomics: deterministic.
@@ -79,8 +79,9 @@ def _pow2(n: int) -> int:
 
 TILING = {"fwd": (4096, 4), "bwd_q": (4096, 4), "bwd_kv": (8192, 4)}
 """Per kernel ``(tile elements, num_warps)``: a program of that kernel works on ``rows`` query (or
-key) rows of ``[rows, g, hd]`` tiles, ``rows = tile elements / (g_pad * hd_pad)`` (1 to 64). Read
-when an op is traced or called. The defaults are the fastest of ``benchmarks/chain_kernel.py``'s
+key) rows of ``[rows, g, hd]`` tiles, ``rows`` = the power of two at or below ``tile elements /
+(g_pad * hd_pad)``, 1 to 64. Read when an op is called eagerly or traced; a compiled graph keeps
+the tiling it was traced with. The defaults are the fastest of ``benchmarks/chain_kernel.py``'s
 sweep at the GPT-OSS-20B shape (g = 8, hd = 64, N = 8192, K = 8) on an H200
 (``docs/data/chain_kernel_s6.json``)."""
 
@@ -89,7 +90,8 @@ def _blocks(g: int, hd: int, kernel: str) -> tuple[int, int, int, int]:
     """``(rows per program, padded g, padded hd, num_warps)`` of ``kernel`` (:data:`TILING`)."""
     elems, warps = TILING[kernel]
     gp, hdp = _pow2(g), _pow2(hd)
-    return max(1, min(64, elems // (gp * hdp))), gp, hdp, warps
+    rows = max(1, min(64, elems // (gp * hdp)))
+    return 1 << (rows.bit_length() - 1), gp, hdp, warps  # a power of two (tl.arange)
 
 
 if triton is not None:
@@ -106,7 +108,7 @@ if triton is not None:
                           Eq, scale,
                           G: tl.constexpr, C: tl.constexpr, HD: tl.constexpr,
                           BE: tl.constexpr, GP: tl.constexpr, HDP: tl.constexpr, F64: tl.constexpr):
-        n = tl.program_id(1)
+        n = tl.program_id(1).to(tl.int64)  # head offsets h * stride can pass 2**31 on long grids
         e = (tl.program_id(0) * BE + tl.arange(0, BE)).to(tl.int64)
         j = tl.arange(0, GP)
         d = tl.arange(0, HDP)
@@ -149,7 +151,7 @@ if triton is not None:
                             Eq, NKV, scale,
                             G: tl.constexpr, C: tl.constexpr, HD: tl.constexpr,
                             BE: tl.constexpr, GP: tl.constexpr, HDP: tl.constexpr, F64: tl.constexpr):
-        n = tl.program_id(1)
+        n = tl.program_id(1).to(tl.int64)  # head offsets h * stride can pass 2**31 on long grids
         e = (tl.program_id(0) * BE + tl.arange(0, BE)).to(tl.int64)
         j = tl.arange(0, GP)
         d = tl.arange(0, HDP)
@@ -175,7 +177,7 @@ if triton is not None:
             s = tl.sum(q * kc[:, None, :], axis=2) * scale
             p = tl.where(ok[:, None], tl.exp(s - lse_safe), 0.0)
             dp = tl.sum(do * vc[:, None, :], axis=2)
-            ds = p * (dp - delta + dlse)
+            ds = tl.where(ok[:, None], p * (dp - delta + dlse), 0.0)  # 0 on unread slots even for non-finite cotangents
             dq += ds[:, :, None] * kc[:, None, :]
             slot = ((e[:, None] * NKV + n) * C + c) * GP + j[None, :]
             tl.store(DS + slot, ds.to(DS.dtype.element_ty), mask=row_ok)
@@ -188,7 +190,7 @@ if triton is not None:
                              Ek, NKV, scale,
                              G: tl.constexpr, C: tl.constexpr, HD: tl.constexpr,
                              BK: tl.constexpr, GP: tl.constexpr, HDP: tl.constexpr, F64: tl.constexpr):
-        n = tl.program_id(1)
+        n = tl.program_id(1).to(tl.int64)  # head offsets h * stride can pass 2**31 on long grids
         r = (tl.program_id(0) * BK + tl.arange(0, BK)).to(tl.int64)
         j = tl.arange(0, GP)
         d = tl.arange(0, HDP)
@@ -282,7 +284,7 @@ if triton is not None:
         C = inverse.shape[1]
         be, gp, hdp, warps = _blocks(nh // nkv, hd, "bwd_kv")
         dk = torch.empty_like(k)
-        dv = torch.empty_like(k)
+        dv = torch.empty_like(k)  # k and v share shape and dtype (chain_attention_triton checks)
         if Ek:  # an empty grid launches nothing
             _launch(_chain_bwd_kv_kernel)[(triton.cdiv(Ek, be), nkv)](
                 q, dout, inverse, inverse_valid, ds, p, dk, dv,
@@ -316,10 +318,14 @@ def chain_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in
     Triton kernels of this module, differentiable in ``q``, ``k`` and ``v``.
 
     Args:
-        q: ``[1, nh, E_q, hd]``; k, v: ``[1, nkv, E_kv, hd]`` (any strides; ``nh % nkv == 0``).
+        q: ``[1, nh, E_q, hd]``; k, v: ``[1, nkv, E_kv, hd]``, same shape and dtype as each other
+            (any strides; ``nh % nkv == 0``).
         index, valid: ``[E_q, C]`` int64 / bool chain index; inverse, inverse_valid: ``[E_kv, C]``
             (:func:`~peagle_train.attention.invert_chain_index`), used by the key/value backward.
-        scale: score scale, default ``1 / sqrt(hd)``.
+            Made contiguous here (the kernels read them row-major).
+        scale: score scale, default ``1 / sqrt(hd)``. Triton passes it as float32: in float64 on
+            CUDA the result is exact to float64 only where the scale is (``hd`` a power of 4, e.g.
+            64); the interpreter keeps it in float64.
 
     Returns:
         ``(out [1, nh, E_q, hd]`` in ``q.dtype``, ``lse [1, nh, E_q]`` float32 (float64 for float64),
@@ -327,10 +333,20 @@ def chain_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in
 
     Raises:
         RuntimeError: Triton is not installed or cannot run on this device (:func:`available`).
-        ValueError: ``nh`` not a multiple of ``nkv``, or index shapes that do not match.
+        ValueError: a batch other than 1, k and v of different shapes or dtypes, a head dim that
+            differs between q and k, ``nh`` not a multiple of ``nkv``, or index shapes that do not
+            match (``inverse_valid`` missing included).
     """
-    _, nh, Eq, hd = q.shape
+    B, nh, Eq, hd = q.shape
     nkv, Ek = k.shape[1], k.shape[2]
+    if B != 1 or k.shape[0] != 1:
+        raise ValueError(f"chain_attention_triton: batch must be 1 (the grid is one flat sequence); got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    if k.shape != v.shape or k.dtype != v.dtype or k.shape[3] != hd:
+        raise ValueError(f"chain_attention_triton: k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} "
+                         f"must match each other and q's head dim {hd}")
+    if inverse is None or inverse_valid is None:
+        raise ValueError("chain_attention_triton: needs inverse and inverse_valid (invert_chain_index)")
     if nh % nkv:
         raise ValueError(f"chain_attention_triton: {nh} query heads are not a multiple of {nkv} KV heads")
     if index.shape != valid.shape or index.shape[0] != Eq:
@@ -343,4 +359,5 @@ def chain_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in
         raise RuntimeError(f"chain_attention_triton: Triton cannot run on {q.device} "
                            f"({'no triton' if triton is None else 'set TRITON_INTERPRET=1 for CPU'})")
     scale = hd ** -0.5 if scale is None else float(scale)
+    index, valid, inverse, inverse_valid = (t.contiguous() for t in (index, valid, inverse, inverse_valid))
     return torch.ops.peagle.chain_attention_fwd(q, k, v, index, valid, inverse, inverse_valid, scale)

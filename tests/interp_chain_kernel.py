@@ -11,7 +11,9 @@ interpreter). Run by hand::
   q/k/v gradients under cotangents on both output and lse (1e-12), over the (queries, keys)
   pairs the trainer produces (hypothesis: self, EAGLE-3 steps, partition segments, subsets,
   padding), GQA with g = 1, 2, 3, 4, head dims 8 and 12 (padded tiles), strided q.
-* Rows without a chain key: ``out = 0``, ``lse = -inf``, zero gradients; C = 0 and an empty grid.
+* Rows without a chain key: ``out = 0``, ``lse = -inf``, zero gradients; C = 0 and an empty grid;
+  non-contiguous index tensors, a non-default scale, a tiling rounded to a power of two, NaN
+  cotangents on rows without a key (gradients stay finite).
 * The whole P-EAGLE objective with the triton chain part (prefix part dense) ≡ the dense-SDPA
   objective: loss and every parameter gradient (float64).
 * ``benchmarks/chain_kernel.py`` runs (smoke) and writes its JSON.
@@ -95,6 +97,39 @@ def test_no_chain_slots_and_empty_grid():
     out, lse = chain_attention(*_inputs(0, len(m), 4, 2, 8, 1)[:3], index0, valid0, inverse=inverse,
                                inverse_valid=inverse_valid, kernel="triton")
     assert out.shape == (1, 4, 0, 8) and lse.shape == (1, 4, 0)
+
+
+def test_strided_index_custom_scale_odd_tiling_and_nonfinite_cotangents(monkeypatch):
+    """Index tensors with non-contiguous storage, a non-default scale, a tiling whose row count is not
+    a power of two (rounded down), and NaN cotangents on rows without a chain key: still ≡ torch
+    (1e-12), and the gradients stay finite."""
+    g, _ = make_grid([30, 17], 3, 0.9, 6, 0.8, 0.3, None, 3)
+    m = GridMeta.of(pad_grid(g, 16))
+    index, valid = build_chain_index(m)
+    inverse, inverse_valid = invert_chain_index(index, valid, len(m))
+    strided = [t.t().contiguous().t() for t in (index, valid, inverse, inverse_valid)]
+    assert not strided[0].is_contiguous()
+    monkeypatch.setitem(ck.TILING, "fwd", (3 * 4 * 8, 1))  # 3 rows -> 2
+    q, k, v, go, gl = _inputs(len(m), len(m), 6, 2, 8, 5)
+    empty = ~valid.any(1)
+    assert empty.any()
+    gl_nan = gl.clone()
+    gl_nan[:, :, empty] = float("nan")  # a merge would never send these; the kernel must not spread them
+
+    def run(kernel, idx, cot):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = chain_attention(qs, ks, vs, idx[0], idx[1], scale=0.3, inverse=idx[2], inverse_valid=idx[3],
+                                   kernel=kernel)
+        grads = torch.autograd.grad((out, lse), (qs, ks, vs), (go, cot))
+        return (out, lse, *grads)
+
+    ref = run("torch", (index, valid, inverse, inverse_valid), gl)
+    got = run("triton", strided, gl_nan)
+    for a, b in zip(got, ref):
+        fin = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), fin)
+        torch.testing.assert_close(a[fin], b[fin], atol=1e-12, rtol=1e-12)
+    assert all(torch.isfinite(t).all() for t in got[2:])
 
 
 def test_objective_with_triton_chain_matches_sdpa_float64(tiny_drafter, objective_problem, monkeypatch):

@@ -73,6 +73,25 @@ def test_split_masks_record_the_kernel_and_errors(monkeypatch):
         ck.chain_attention_triton(q, k, v, index[1:], valid[1:], inverse, inverse_valid)
     with pytest.raises(ValueError, match="E_kv"):
         ck.chain_attention_triton(q, k, v, index, valid, inverse[1:], inverse_valid[1:])
+    with pytest.raises(ValueError, match="batch must be 1"):
+        ck.chain_attention_triton(q.expand(2, -1, -1, -1), k, v, index, valid, inverse, inverse_valid)
+    with pytest.raises(ValueError, match="must match"):
+        ck.chain_attention_triton(q, k, v.double(), index, valid, inverse, inverse_valid)
+    with pytest.raises(ValueError, match="must match"):
+        ck.chain_attention_triton(q, k[..., :4], v[..., :4], index, valid, inverse, inverse_valid)
+    with pytest.raises(ValueError, match="inverse_valid"):
+        ck.chain_attention_triton(q, k, v, index, valid, inverse, None)
+
+
+def test_tiling_rows_are_powers_of_two(monkeypatch):
+    """Rows per program = the power of two at or below elems / (g_pad * hd_pad), within 1..64."""
+    monkeypatch.setitem(ck.TILING, "fwd", (3000, 4))
+    assert ck._blocks(8, 64, "fwd") == (4, 8, 64, 4)  # 3000 / 512 = 5 -> 4
+    assert ck._blocks(3, 12, "fwd") == (32, 4, 16, 4)  # 3000 / 64 = 46 -> 32
+    monkeypatch.setitem(ck.TILING, "fwd", (10 ** 6, 8))
+    assert ck._blocks(1, 8, "fwd")[0] == 64
+    monkeypatch.setitem(ck.TILING, "fwd", (1, 1))
+    assert ck._blocks(8, 64, "fwd")[0] == 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed (setup.sh --test)")
@@ -84,7 +103,7 @@ def test_kernels_under_the_interpreter():
                        timeout=900)
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
-    assert "4 passed" in r.stdout and "skipped" not in r.stdout, tail
+    assert "5 passed" in r.stdout and "skipped" not in r.stdout, tail
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
