@@ -508,9 +508,9 @@ def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
     shapes = []
     real = objective.make_attn_spec
 
-    def spy(q, kv=None, kind="flex"):
+    def spy(q, kv=None, kind="flex", **kw):
         shapes.append((q.anchor.numel(), (kv or q).anchor.numel()))
-        return real(q, kv, kind)
+        return real(q, kv, kind, **kw)
 
     monkeypatch.setattr(objective, "make_attn_spec", spy)
     args = (g, P["aux"], P["last"], P["argmax"], 10.0, P["b"]["input_ids"])
