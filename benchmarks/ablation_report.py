@@ -157,6 +157,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: read every variant folder under ``root``, write ``out`` (JSON) and the Markdown
+    table next to it (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("root", type=Path, help="folder with one sub-folder per variant")
     ap.add_argument("out", type=Path, help="ablation.json to write (ablation.md goes next to it)")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -30,7 +29,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peagle_train.chain_kernel as ck  # noqa: E402
 from peagle_train.attention import GridMeta, build_split_masks, chain_attention  # noqa: E402
@@ -61,9 +59,19 @@ def timed(fn, repeats: int, device) -> float:
 
 def make_problem(shape: str, N: int, K: int, r: float, r_min: float, dtype, device, seed: int = 0,
                  pad_multiple: int = 1024):
-    """Split masks of a bucket-padded COD grid of ``N`` supervised tokens, and random ``q [1, nh, E, hd]``
-    (laid out ``[E, nh, hd]`` in memory, as the drafter's projections leave it), ``k, v [1, nkv, E, hd]``,
-    output/lse cotangents."""
+    """One chain-attention problem at a benchmark shape (``train_step.SHAPES``).
+
+    Returns:
+        ``(split, q, k, v, go, gl)``: ``split`` the :class:`~peagle_train.attention.SplitMasks` of a COD
+        grid of ``N`` supervised tokens (one document, ``K`` depths) padded to a multiple of
+        ``pad_multiple`` elements (E, the padded length), chain part ``torch``; random
+        ``q [1, nh, E, hd]`` (laid out ``[E, nh, hd]`` in memory, as the drafter's projections leave
+        it), ``k, v [1, nkv, E, hd]`` and output cotangent ``go [1, nh, E, hd]``, all in ``dtype`` on
+        ``device``; lse cotangent ``gl [1, nh, E]`` float32.
+
+    Raises:
+        KeyError: an unknown ``shape``.
+    """
     s = SHAPES[shape]
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     g = torch.Generator().manual_seed(seed)
@@ -71,8 +79,7 @@ def make_problem(shape: str, N: int, K: int, r: float, r_min: float, dtype, devi
     mask = torch.ones(N, dtype=torch.bool)
     docs = torch.zeros(N, dtype=torch.long)
     grid = pad_grid(build_grid(ids, mask, docs, cod_sample(mask, docs, K, r, r_min, generator=g), 100), pad_multiple)
-    meta = GridMeta(*(t.to(device) for t in (grid.anchor, grid.depth, grid.doc)))
-    split = build_split_masks(meta, min_chain=K - 1, max_depth=K - 1, chain_kernel="torch")
+    split = build_split_masks(GridMeta.of(grid.to(device)), min_chain=K - 1, max_depth=K - 1, chain_kernel="torch")
     E = len(grid)
     q = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
     k = torch.randn(1, E, nkv, hd, generator=g).to(device, dtype).transpose(1, 2)
@@ -82,16 +89,34 @@ def make_problem(shape: str, N: int, K: int, r: float, r_min: float, dtype, devi
     return split, q, k, v, go, gl
 
 
-def fwd_bwd(fn, split, q, k, v, go, gl):
-    """One forward + backward of a chain-part function ``fn`` (``chain_attention`` signature)."""
+def fwd_bwd(fn, q, k, v, go, gl, index, valid, inverse, inverse_valid, acc: torch.dtype = torch.float32):
+    """One forward + backward of a chain-part function ``fn`` (``attention.chain_attention``'s signature)
+    under the objective ``sum(out * go) + sum(lse * gl)`` (lse's ``-inf`` rows count 0), summed in ``acc``.
+
+    Args:
+        q ``[1, nh, E_q, hd]``, k/v ``[1, nkv, E_kv, hd]`` (detached views get the gradients); go like
+        ``out``, gl like ``lse``; the chain index and its inverse as ``chain_attention`` takes them.
+
+    Returns:
+        ``(out, lse, dq, dk, dv)``, the gradients in the inputs' dtypes.
+    """
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = fn(qs, ks, vs, split.chain_index, split.chain_valid, inverse=split.chain_inverse,
-                  inverse_valid=split.chain_inverse_valid)
-    obj = (out.float() * go.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0).float() * gl).sum()
-    return torch.autograd.grad(obj, (qs, ks, vs))
+    out, lse = fn(qs, ks, vs, index, valid, inverse=inverse, inverse_valid=inverse_valid)
+    obj = (out.to(acc) * go.to(acc)).sum() + (torch.where(torch.isfinite(lse), lse, 0).to(acc) * gl.to(acc)).sum()
+    return (out, lse, *torch.autograd.grad(obj, (qs, ks, vs)))
 
 
-def main(argv=None):
+def split_args(split) -> tuple:
+    """``(index, valid, inverse, inverse_valid)`` of a :class:`~peagle_train.attention.SplitMasks`."""
+    return split.chain_index, split.chain_valid, split.chain_inverse, split.chain_inverse_valid
+
+
+def main(argv=None) -> list[dict]:
+    """Command line (module docstring): times the rows, prints the table, writes ``--out``; returns the rows.
+
+    Raises:
+        SystemExit: the kernels cannot run on this machine (no Triton, or CPU without the interpreter).
+    """
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
     ap.add_argument("--N", type=int, default=8192)
@@ -121,7 +146,7 @@ def main(argv=None):
     triton_fn = lambda *a, **kw: chain_attention(*a, **kw, kernel="triton")  # noqa: E731
     default = dict(ck.TILING)
     for name, fn in (("torch", torch_fn), ("triton", triton_fn)):
-        ms = timed(lambda: fwd_bwd(fn, split, q, k, v, go, gl), args.repeats, device)
+        ms = timed(lambda: fwd_bwd(fn, q, k, v, go, gl, *split_args(split)), args.repeats, device)
         rows.append({"impl": name, "kernel": "fwd+bwd", "tiling": default if name == "triton" else None, "ms": ms})
     # the kernels alone, per tiling: inputs of the backward from one forward
     scale = q.shape[-1] ** -0.5
@@ -138,7 +163,7 @@ def main(argv=None):
                                                                   split.chain_inverse_valid, ds, p, scale),
     }
     best = {}
-    try:
+    try:  # every change of TILING below is undone, whatever fails
         for kern in KERNELS:
             for spec in args.tiling:
                 elems, warps = (int(x) for x in spec.split(","))
@@ -153,13 +178,12 @@ def main(argv=None):
                 if kern not in best or ms < best[kern][1]:
                     best[kern] = ((elems, warps), ms)
             ck.TILING[kern] = default[kern]
+        best_tiling = {kern: list(t) for kern, (t, _) in best.items()}
+        ck.TILING.update({kern: tuple(t) for kern, t in best_tiling.items()})
+        ms = timed(lambda: fwd_bwd(triton_fn, q, k, v, go, gl, *split_args(split)), args.repeats, device)
+        rows.append({"impl": "triton", "kernel": "fwd+bwd", "tiling": best_tiling, "ms": ms})
     finally:
         ck.TILING.update(default)
-    best_tiling = {kern: list(t) for kern, (t, _) in best.items()}
-    ck.TILING.update({kern: tuple(t) for kern, t in best_tiling.items()})
-    ms = timed(lambda: fwd_bwd(triton_fn, split, q, k, v, go, gl), args.repeats, device)
-    rows.append({"impl": "triton", "kernel": "fwd+bwd", "tiling": best_tiling, "ms": ms})
-    ck.TILING.update(default)
     meta = {"shape": args.shape, "N": args.N, "K": args.K, "E": E, "C": C, "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "interpreter": ck.interpreting(), "torch": torch.__version__,

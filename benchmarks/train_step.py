@@ -87,7 +87,8 @@ from peagle_train.objective import PEagleObjective  # noqa: E402
 from peagle_train.partition import plan_partitions  # noqa: E402
 from peagle_train.planner import ShapeParams, plan_step  # noqa: E402
 
-PROFILED_STEPS = 3  # --profile records this many steps after a skipped one and a warm-up one
+PROFILED_STEPS = 3  # --profile records this many steps after PROFILE_WAIT skipped and PROFILE_WARMUP warm-up ones
+PROFILE_WAIT, PROFILE_WARMUP = 1, 1
 
 SHAPES = {
     # GPT-OSS-20B P-EAGLE drafter: hidden 2880, 64 heads x 64, 8 KV heads, intermediate 7680, vocab 201,088
@@ -345,7 +346,8 @@ KERNEL_CATEGORIES = (  # first match wins; names as the CUDA profiler reports th
     ("GEMM (cuBLAS / CUTLASS)", ("nvjet", "gemm", "cutlass", "magma", "sm90_xmma")),
     ("optimizer (fused multi-tensor)", ("multi_tensor_apply",)),
     ("copies", ("memcpy", "memset", "direct_copy", "copy_kernel")),
-    ("Inductor fused (norms, RoPE, loss, chain part, ...)", ("triton_",)),
+    ("chain part (Triton kernels, train.chain_kernel)", ("_chain_",)),
+    ("Inductor fused (norms, RoPE, loss, chain part, ...)", ("triton_",)),  # the chain part: chain_kernel torch
 )
 
 
@@ -676,11 +678,11 @@ def main(argv=None):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         # compile caches are warm from the timed run; the schedule skips the set-up (inputs, optimizer state)
         # and the first step, warms up on the second, and records the next PROFILED_STEPS steps only
-        sched = torch.profiler.schedule(wait=1, warmup=1, active=PROFILED_STEPS)
+        sched = torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILED_STEPS)
         with torch_profile(activities=acts, schedule=sched) as prof:
-            run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, PROFILED_STEPS, 2, device, args.chunk,
-                     compile=variants[-1], checkpointing=ck0, attention=attentions[-1], on_step=prof.step,
-                     chain_kernel=args.chain_kernel[-1])
+            run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, PROFILED_STEPS,
+                     PROFILE_WAIT + PROFILE_WARMUP, device, args.chunk, compile=variants[-1], checkpointing=ck0,
+                     attention=attentions[-1], on_step=prof.step, chain_kernel=args.chain_kernel[-1])
         step_ms = ok[0]["step_ms"] if ok else None
         table = kernel_table(prof, step_ms or 0.0, PROFILED_STEPS)
         profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),

@@ -103,30 +103,51 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
+    def _query_rows(Eq, G: tl.constexpr, HD: tl.constexpr, BE: tl.constexpr, GP: tl.constexpr,
+                    HDP: tl.constexpr):
+        """This program's KV head ``n``, query rows ``e [BE]``, head lanes ``j [GP]``, features
+        ``d [HDP]``, query heads ``h = n * G + j`` and the masks of real rows / rows x heads /
+        rows x heads x features. 64-bit offsets: ``h * stride`` can pass 2**31 on long grids."""
+        n = tl.program_id(1).to(tl.int64)
+        e = (tl.program_id(0) * BE + tl.arange(0, BE)).to(tl.int64)
+        j = tl.arange(0, GP)
+        d = tl.arange(0, HDP)
+        e_ok = e < Eq
+        row_ok = e_ok[:, None] & (j < G)[None, :]
+        tile_ok = row_ok[:, :, None] & (d < HD)[None, None, :]
+        return n, e, j, d, n * G + j, e_ok, row_ok, tile_ok
+
+    @triton.jit
+    def _tile(X, h, e, d, s_h, s_e, s_d, mask, F64: tl.constexpr):
+        """``X[h, e, d]`` as a ``[rows, GP, HDP]`` tile in the accumulation dtype (0 where masked)."""
+        return _acc(tl.load(X + h[None, :, None] * s_h + e[:, None, None] * s_e + d[None, None, :] * s_d,
+                            mask=mask, other=0.0), F64)
+
+    @triton.jit
+    def _chain_slot(IDX, OK, K, V, n, e, e_ok, d, c, sk_h, sk_e, sk_d, sv_h, sv_e, sv_d,
+                    C: tl.constexpr, HD: tl.constexpr, F64: tl.constexpr):
+        """Slot ``c`` of rows ``e``: whether it is read (``ok [BE]``) and its key and value rows of
+        KV head ``n`` (``[BE, HDP]``, 0 where not read)."""
+        idx = tl.load(IDX + e * C + c, mask=e_ok, other=0)
+        ok = (tl.load(OK + e * C + c, mask=e_ok, other=0) != 0) & e_ok
+        kv_ok = ok[:, None] & (d < HD)[None, :]
+        kc = _acc(tl.load(K + n * sk_h + idx[:, None] * sk_e + d[None, :] * sk_d, mask=kv_ok, other=0.0), F64)
+        vc = _acc(tl.load(V + n * sv_h + idx[:, None] * sv_e + d[None, :] * sv_d, mask=kv_ok, other=0.0), F64)
+        return ok, kc, vc
+
+    @triton.jit
     def _chain_fwd_kernel(Q, K, V, IDX, OK, OUT, LSE,
                           sq_h, sq_e, sq_d, sk_h, sk_e, sk_d, sv_h, sv_e, sv_d, so_h, so_e, so_d,
                           Eq, scale,
                           G: tl.constexpr, C: tl.constexpr, HD: tl.constexpr,
                           BE: tl.constexpr, GP: tl.constexpr, HDP: tl.constexpr, F64: tl.constexpr):
-        n = tl.program_id(1).to(tl.int64)  # head offsets h * stride can pass 2**31 on long grids
-        e = (tl.program_id(0) * BE + tl.arange(0, BE)).to(tl.int64)
-        j = tl.arange(0, GP)
-        d = tl.arange(0, HDP)
-        e_ok = e < Eq
-        h = n * G + j
-        row_ok = e_ok[:, None] & (j < G)[None, :]
-        tile_ok = row_ok[:, :, None] & (d < HD)[None, None, :]
-        q = _acc(tl.load(Q + h[None, :, None] * sq_h + e[:, None, None] * sq_e + d[None, None, :] * sq_d,
-                         mask=tile_ok, other=0.0), F64)
+        n, e, j, d, h, e_ok, row_ok, tile_ok = _query_rows(Eq, G, HD, BE, GP, HDP)
+        q = _tile(Q, h, e, d, sq_h, sq_e, sq_d, tile_ok, F64)
         m = _acc(tl.full([BE, GP], float("-inf"), tl.float32), F64)
         l = _acc(tl.zeros([BE, GP], tl.float32), F64)
         acc = _acc(tl.zeros([BE, GP, HDP], tl.float32), F64)
         for c in tl.static_range(C):
-            idx = tl.load(IDX + e * C + c, mask=e_ok, other=0)
-            ok = (tl.load(OK + e * C + c, mask=e_ok, other=0) != 0) & e_ok
-            kv_ok = ok[:, None] & (d < HD)[None, :]
-            kc = _acc(tl.load(K + n * sk_h + idx[:, None] * sk_e + d[None, :] * sk_d, mask=kv_ok, other=0.0), F64)
-            vc = _acc(tl.load(V + n * sv_h + idx[:, None] * sv_e + d[None, :] * sv_d, mask=kv_ok, other=0.0), F64)
+            ok, kc, vc = _chain_slot(IDX, OK, K, V, n, e, e_ok, d, c, sk_h, sk_e, sk_d, sv_h, sv_e, sv_d, C, HD, F64)
             s = tl.sum(q * kc[:, None, :], axis=2) * scale
             s = tl.where(ok[:, None], s, float("-inf"))
             m_new = tl.maximum(m, s)
@@ -151,29 +172,17 @@ if triton is not None:
                             Eq, NKV, scale,
                             G: tl.constexpr, C: tl.constexpr, HD: tl.constexpr,
                             BE: tl.constexpr, GP: tl.constexpr, HDP: tl.constexpr, F64: tl.constexpr):
-        n = tl.program_id(1).to(tl.int64)  # head offsets h * stride can pass 2**31 on long grids
-        e = (tl.program_id(0) * BE + tl.arange(0, BE)).to(tl.int64)
-        j = tl.arange(0, GP)
-        d = tl.arange(0, HDP)
-        e_ok = e < Eq
-        h = n * G + j
-        row_ok = e_ok[:, None] & (j < G)[None, :]
-        tile_ok = row_ok[:, :, None] & (d < HD)[None, None, :]
-        hh, ee, dd = h[None, :, None], e[:, None, None], d[None, None, :]
-        q = _acc(tl.load(Q + hh * sq_h + ee * sq_e + dd * sq_d, mask=tile_ok, other=0.0), F64)
-        o = _acc(tl.load(OUT + hh * so_h + ee * so_e + dd * so_d, mask=tile_ok, other=0.0), F64)
-        do = _acc(tl.load(DOUT + hh * sdo_h + ee * sdo_e + dd * sdo_d, mask=tile_ok, other=0.0), F64)
+        n, e, j, d, h, e_ok, row_ok, tile_ok = _query_rows(Eq, G, HD, BE, GP, HDP)
+        q = _tile(Q, h, e, d, sq_h, sq_e, sq_d, tile_ok, F64)
+        o = _tile(OUT, h, e, d, so_h, so_e, so_d, tile_ok, F64)
+        do = _tile(DOUT, h, e, d, sdo_h, sdo_e, sdo_d, tile_ok, F64)
         lse = _acc(tl.load(LSE + h[None, :] * Eq + e[:, None], mask=row_ok, other=float("-inf")), F64)
         dlse = _acc(tl.load(DLSE + h[None, :] * Eq + e[:, None], mask=row_ok, other=0.0), F64)
         lse_safe = tl.where(lse == float("-inf"), 0.0, lse)  # such a row has only -inf scores: p = 0
         delta = tl.sum(do * o, axis=2)
         dq = _acc(tl.zeros([BE, GP, HDP], tl.float32), F64)
         for c in tl.static_range(C):
-            idx = tl.load(IDX + e * C + c, mask=e_ok, other=0)
-            ok = (tl.load(OK + e * C + c, mask=e_ok, other=0) != 0) & e_ok
-            kv_ok = ok[:, None] & (d < HD)[None, :]
-            kc = _acc(tl.load(K + n * sk_h + idx[:, None] * sk_e + d[None, :] * sk_d, mask=kv_ok, other=0.0), F64)
-            vc = _acc(tl.load(V + n * sv_h + idx[:, None] * sv_e + d[None, :] * sv_d, mask=kv_ok, other=0.0), F64)
+            ok, kc, vc = _chain_slot(IDX, OK, K, V, n, e, e_ok, d, c, sk_h, sk_e, sk_d, sv_h, sv_e, sv_d, C, HD, F64)
             s = tl.sum(q * kc[:, None, :], axis=2) * scale
             p = tl.where(ok[:, None], tl.exp(s - lse_safe), 0.0)
             dp = tl.sum(do * vc[:, None, :], axis=2)
@@ -182,7 +191,8 @@ if triton is not None:
             slot = ((e[:, None] * NKV + n) * C + c) * GP + j[None, :]
             tl.store(DS + slot, ds.to(DS.dtype.element_ty), mask=row_ok)
             tl.store(P + slot, p.to(P.dtype.element_ty), mask=row_ok)
-        tl.store(DQ + hh * sdq_h + ee * sdq_e + dd * sdq_d, (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
+        tl.store(DQ + h[None, :, None] * sdq_h + e[:, None, None] * sdq_e + d[None, None, :] * sdq_d,
+                 (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
 
     @triton.jit
     def _chain_bwd_kv_kernel(Q, DOUT, INV, INV_OK, DS, P, DK, DV,
@@ -190,27 +200,21 @@ if triton is not None:
                              Ek, NKV, scale,
                              G: tl.constexpr, C: tl.constexpr, HD: tl.constexpr,
                              BK: tl.constexpr, GP: tl.constexpr, HDP: tl.constexpr, F64: tl.constexpr):
-        n = tl.program_id(1).to(tl.int64)  # head offsets h * stride can pass 2**31 on long grids
-        r = (tl.program_id(0) * BK + tl.arange(0, BK)).to(tl.int64)
-        j = tl.arange(0, GP)
-        d = tl.arange(0, HDP)
-        r_ok = r < Ek
-        h = n * G + j
+        n, r, j, d, h, r_ok, _, _ = _query_rows(Ek, G, HD, BK, GP, HDP)  # here the rows are key rows
         dk = _acc(tl.zeros([BK, HDP], tl.float32), F64)
         dv = _acc(tl.zeros([BK, HDP], tl.float32), F64)
         for t in tl.static_range(C):
             inv = tl.load(INV + r * C + t, mask=r_ok, other=0)
             ok = (tl.load(INV_OK + r * C + t, mask=r_ok, other=0) != 0) & r_ok
-            e = inv // C
+            e = inv // C  # the query row and slot that read this key in its t-th reader
             c = inv % C
             row_ok = ok[:, None] & (j < G)[None, :]
             tile_ok = row_ok[:, :, None] & (d < HD)[None, None, :]
             slot = ((e[:, None] * NKV + n) * C + c[:, None]) * GP + j[None, :]
             ds = _acc(tl.load(DS + slot, mask=row_ok, other=0.0), F64)
             p = _acc(tl.load(P + slot, mask=row_ok, other=0.0), F64)
-            hh, ee, dd = h[None, :, None], e[:, None, None], d[None, None, :]
-            q = _acc(tl.load(Q + hh * sq_h + ee * sq_e + dd * sq_d, mask=tile_ok, other=0.0), F64)
-            do = _acc(tl.load(DOUT + hh * sdo_h + ee * sdo_e + dd * sdo_d, mask=tile_ok, other=0.0), F64)
+            q = _tile(Q, h, e, d, sq_h, sq_e, sq_d, tile_ok, F64)
+            do = _tile(DOUT, h, e, d, sdo_h, sdo_e, sdo_d, tile_ok, F64)
             dk += tl.sum(ds[:, :, None] * q, axis=1)
             dv += tl.sum(p[:, :, None] * do, axis=1)
         out_ok = r_ok[:, None] & (d < HD)[None, :]
@@ -220,13 +224,16 @@ if triton is not None:
 
     from torch.library import triton_op, wrap_triton
 
+    from .attention import _acc_dtype
+
+    def _strides(*ts: torch.Tensor) -> list:
+        """(head, row, feature) strides of each ``[1, heads, rows, hd]`` tensor, in order."""
+        return [x for t in ts for x in t.stride()[1:]]
+
     def _launch(kernel):
         """``wrap_triton(kernel)`` (so torch.compile traces the launch), or the kernel itself under the
         interpreter (``wrap_triton`` accepts only compiled kernels)."""
         return kernel if interpreting() else wrap_triton(kernel)
-
-    def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-        return torch.promote_types(dtype, torch.float32)
 
     @triton_op("peagle::chain_attention_fwd", mutates_args={})
     def chain_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -244,9 +251,7 @@ if triton is not None:
         if Eq:  # an empty grid launches nothing
             _launch(_chain_fwd_kernel)[(triton.cdiv(Eq, be), nkv)](
                 q, k, v, index, valid, out, lse,
-                q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
-                v.stride(1), v.stride(2), v.stride(3), out.stride(1), out.stride(2), out.stride(3),
-                Eq, scale, G=nh // nkv, C=C, HD=hd, BE=be, GP=gp, HDP=hdp, F64=q.dtype == torch.float64,
+                *_strides(q, k, v, out), Eq, scale, G=nh // nkv, C=C, HD=hd, BE=be, GP=gp, HDP=hdp, F64=q.dtype == torch.float64,
                 num_warps=warps)
         return out, lse
 
@@ -266,10 +271,7 @@ if triton is not None:
         if Eq:  # an empty grid launches nothing
             _launch(_chain_bwd_q_kernel)[(triton.cdiv(Eq, be), nkv)](
                 q, k, v, index, valid, out, dout, lse, dlse, dq, ds, p,
-                q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
-                v.stride(1), v.stride(2), v.stride(3), out.stride(1), out.stride(2), out.stride(3),
-                dout.stride(1), dout.stride(2), dout.stride(3), dq.stride(1), dq.stride(2), dq.stride(3),
-                Eq, nkv, scale, G=nh // nkv, C=C, HD=hd, BE=be, GP=gp, HDP=hdp, F64=q.dtype == torch.float64,
+                *_strides(q, k, v, out, dout, dq), Eq, nkv, scale, G=nh // nkv, C=C, HD=hd, BE=be, GP=gp, HDP=hdp, F64=q.dtype == torch.float64,
                 num_warps=warps)
         return dq, ds, p
 
@@ -288,9 +290,7 @@ if triton is not None:
         if Ek:  # an empty grid launches nothing
             _launch(_chain_bwd_kv_kernel)[(triton.cdiv(Ek, be), nkv)](
                 q, dout, inverse, inverse_valid, ds, p, dk, dv,
-                q.stride(1), q.stride(2), q.stride(3), dout.stride(1), dout.stride(2), dout.stride(3),
-                dk.stride(1), dk.stride(2), dk.stride(3), dv.stride(1), dv.stride(2), dv.stride(3),
-                Ek, nkv, scale, G=nh // nkv, C=C, HD=hd, BK=be, GP=gp, HDP=hdp, F64=q.dtype == torch.float64,
+                *_strides(q, dout, dk, dv), Ek, nkv, scale, G=nh // nkv, C=C, HD=hd, BK=be, GP=gp, HDP=hdp, F64=q.dtype == torch.float64,
                 num_warps=warps)
         return dk, dv
 

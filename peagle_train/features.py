@@ -451,7 +451,18 @@ def pack(samples: list[dict], tokens: dict, device) -> dict:
         dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64,
         ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device`` (the token tensors
         copied without blocking the host, see :meth:`~peagle_train.grid.Grid.to`).
+
+    Raises:
+        ValueError: the features and the tokens do not hold the same number of tokens (per sequence,
+            or in total), naming both counts: features cached for other token lists (re-run
+            ``peagle-train cache``).
     """
+    n_feat = [s["aux"].shape[0] for s in samples]  # shapes only: no device sync
+    n_tok = torch.bincount(tokens["doc_ids"], minlength=len(samples)).tolist()  # the token side is on the CPU
+    if n_feat != n_tok or any(s["last"].shape[0] != n or s["argmax"].shape[0] != n for s, n in zip(samples, n_feat)):
+        raise ValueError(f"pack: the features hold {sum(n_feat)} tokens (per sequence {n_feat}, aux rows) but the "
+                         f"token lists hold {sum(n_tok)} (per sequence {n_tok}), or last/argmax rows differ from aux "
+                         "rows; the feature cache does not match the prepared data: re-run `peagle-train cache`")
     return {k: to_device(v, device, non_blocking=True) for k, v in tokens.items()} | {
         "aux": torch.cat([s["aux"] for s in samples]).to(device),
         "last": torch.cat([s["last"] for s in samples]).to(device),

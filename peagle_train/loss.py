@@ -165,6 +165,7 @@ class DepthStats:
 
     @classmethod
     def zeros(cls, K: int, device=None) -> "DepthStats":
+        """All-zero counts for ``K`` depths, float64 on ``device`` (None: the default device)."""
         z = lambda: torch.zeros(K, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(), z(), z(), z())
 
@@ -203,7 +204,8 @@ def depth_stats(
     K: int,
     n_anchors: int | None = None,
 ) -> DepthStats:
-    """Per-depth accuracy and conditional accuracy of one grid.
+    """Per-depth accuracy and conditional accuracy of one grid (the inputs of the simulated
+    acceptance length, PEAGLE_SPEC §3: depth d counts when depths 0..d-1 of its anchor's chain were right).
 
     Computed on the inputs' device; with ``n_anchors`` given there is no host sync (the training step
     calls it after every micro-batch).
@@ -220,35 +222,36 @@ def depth_stats(
         :class:`DepthStats` (float64, on the inputs' device).
 
     Raises:
-        ValueError: an anchor ``>= n_anchors`` (checked on CPU inputs only: on a GPU the check would
-            be the host sync this argument avoids, and an out-of-range anchor fails as a device-side
-            index assertion instead).
+        ValueError: an anchor ``>= n_anchors`` on CPU inputs; on a GPU the same check runs on the
+            device (``torch._assert_async``, a device-side assert with this message), since reading
+            it on the host would be the sync this argument avoids.
     """
     dev = anchor.device
     sup = (weight > 0) & in_vocab
     ok = correct & sup
     n = n_anchors if n_anchors is not None else (int(anchor.max()) + 1 if anchor.numel() else 1)
-    if n_anchors is not None and dev.type == "cpu" and anchor.numel() and int(anchor.max()) >= n:
-        raise ValueError(f"depth_stats: an anchor is >= n_anchors={n}")
-    rows = torch.zeros(4, K, dtype=torch.float64, device=dev)  # acc_num, acc_den, cond_num, cond_den
+    if n_anchors is not None and anchor.numel():
+        msg = f"depth_stats: an anchor is >= n_anchors={n}"
+        if dev.type == "cpu":
+            if int(anchor.max()) >= n:
+                raise ValueError(msg)
+        else:  # checked on the device: no host sync
+            torch._assert_async(anchor.max() < n, msg)
+    in_range = depth < K
+    d_at = torch.where(in_range, depth, torch.zeros_like(depth))
+    acc_num = torch.zeros(K, dtype=torch.float64, device=dev).index_add_(0, d_at, (ok & in_range).double())
+    acc_den = torch.zeros(K, dtype=torch.float64, device=dev).index_add_(0, d_at, (sup & in_range).double())
+    # per-anchor tables [n, K]: (anchor, depth) correct / supervised, OR over repeated elements
+    slot = torch.where(in_range, anchor * K + depth, torch.full_like(anchor, n * K))  # others → a dummy slot
 
-    def by_anchor(x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:  # [n] bool: x where sel, by anchor (OR)
-        slot = torch.where(sel, anchor, torch.full_like(anchor, n))  # unselected → a dummy slot n
-        z = torch.zeros(n + 1, dtype=torch.uint8, device=dev)
-        return z.scatter_reduce_(0, slot, (x & sel).to(torch.uint8), reduce="amax")[:n].bool()
+    def table(x: torch.Tensor) -> torch.Tensor:
+        z = torch.zeros(n * K + 1, dtype=torch.uint8, device=dev)
+        return z.scatter_reduce_(0, slot, x.to(torch.uint8), reduce="amax")[:-1].view(n, K).bool()
 
-    chain_ok = None
-    for d in range(K):
-        sel = depth == d
-        ok_d, sup_d = by_anchor(ok, sel), by_anchor(sup, sel)
-        rows[0, d] = (ok & sel).sum()
-        rows[1, d] = (sup & sel).sum()
-        if chain_ok is None:
-            rows[2, d], rows[3, d] = rows[0, d], rows[1, d]
-            chain_ok = ok_d
-        else:
-            given = chain_ok & sup_d
-            rows[2, d] = (given & ok_d).sum()
-            rows[3, d] = given.sum()
-            chain_ok = chain_ok & ok_d
+    ok_t, sup_t = table(ok), table(sup)
+    chain_ok = ok_t.int().cummin(1).values.bool()  # [n, K]: every depth <= d correct
+    given = chain_ok[:, :-1] & sup_t[:, 1:]  # depth d >= 1 supervised after a correct chain up to d - 1
+    cond_num = torch.cat([acc_num[:1], (given & ok_t[:, 1:]).sum(0).double()])
+    cond_den = torch.cat([acc_den[:1], given.sum(0).double()])
+    rows = torch.stack([acc_num, acc_den, cond_num, cond_den])
     return DepthStats(*rows.unbind(0))

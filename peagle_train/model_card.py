@@ -36,16 +36,22 @@ from .loss import simulated_acceptance_lengths
 CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id", "license", "notes")
 
 
+def _floats(xs) -> list[float]:
+    """Floats of a per-depth list read back from strict JSON, where ``null`` stands for NaN (a depth
+    without supervised elements, or one no chain reached: :func:`~peagle_train.atomic.finite_or_none`)."""
+    return [float("nan") if x is None else float(x) for x in xs]
+
+
 def _per_depth(metrics: Any) -> tuple[list[float], list[float] | None]:
     """``(accuracy, conditional_accuracy or None)`` from a DepthStats-like object or a dict."""
     if hasattr(metrics, "accuracy") and callable(metrics.accuracy):
         return list(metrics.accuracy()), list(metrics.conditional_accuracy())
     if not isinstance(metrics, dict) or "accuracy" not in metrics:
         raise ValueError("card['metrics'] must be a DepthStats or a dict with an 'accuracy' list (one per depth)")
-    acc = [float(a) for a in metrics["accuracy"]]
+    acc = _floats(metrics["accuracy"])
     cond = metrics.get("conditional_accuracy")
     if cond is not None:
-        cond = [float("nan") if c is None else float(c) for c in cond]  # null in JSON: no chain reached it
+        cond = _floats(cond)
         if len(cond) != len(acc):
             raise ValueError(f"card['metrics']: {len(acc)} accuracies but {len(cond)} conditional accuracies")
     return acc, cond

@@ -5,11 +5,10 @@ Input is the results dict of :func:`peagle_train.evaluate.run_eval`. Plots are d
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from .atomic import finite_or_none
+from .atomic import write_json_atomic
 
 PLOTS = ("acceptance_by_position.png", "al_speedup_vs_k.png")
 
@@ -121,7 +120,7 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "eval.json", "md": out / "eval.md"}
-    paths["json"].write_text(json.dumps(finite_or_none(results), indent=2, allow_nan=False) + "\n")
+    write_json_atomic(paths["json"], results, indent=2)
     paths["md"].write_text(render_markdown(results))
     for fn, name in zip((plot_acceptance_by_position, plot_al_speedup), PLOTS):
         paths[name[:-4]] = out / name

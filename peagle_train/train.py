@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
+from .chain_kernel import resolve as resolve_chain_kernel
 from .config import ConfigError, RunConfig, dump_config
 from .distributed import (Layout, after_prepare, backward, configure_deepspeed, full_state_dict, grad_norm_value,
-                          grad_sync, make_accelerator, rank_batches, requested_layout, shard_target, validate_layout)
+                          grad_sync, make_accelerator, rank_batches, reduce_values, requested_layout, shard_target,
+                          validate_layout)
 from .drafter import Drafter, make_drafter_config
 from .features import CachedFeatures, OnlineFeatures, pack, pack_tokens
 from .grid import build_grid, cod_sample, supervised_count, to_device
@@ -105,7 +107,8 @@ class Trainer:
         layout: the launch layout (default: :func:`~peagle_train.distributed.requested_layout`).
 
     Raises:
-        ConfigError: an impossible layout (:func:`~peagle_train.distributed.validate_layout`).
+        ConfigError: an impossible layout (:func:`~peagle_train.distributed.validate_layout`), or
+            ``train.chain_kernel: triton`` where Triton cannot run.
         RuntimeError: processes that do not form one group (each rank would train alone).
     """
 
@@ -142,12 +145,16 @@ class Trainer:
         drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head)
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
         self.attention = resolve_attention(self.tc.attention, self.device)
+        try:  # once, at set-up: a recipe asking for Triton where it cannot run fails here, not at the first step
+            self.chain_kernel = resolve_chain_kernel(self.tc.chain_kernel, self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"{cfg.source_file}: train.chain_kernel: {e}") from None
         Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
         kw = {} if self.tc.method == "peagle" else {
             "decay": self.tc.ttt_decay, "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors),
             "static_tokens": self.tc.micro_batch_size * max(self.lengths, default=1)}
         objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
-                        attention=self.attention, compile=self.tc.compile, chain_kernel=self.tc.chain_kernel, **kw)
+                        attention=self.attention, compile=self.tc.compile, chain_kernel=self.chain_kernel, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
                                 weight_decay=self.tc.weight_decay)
         per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
@@ -237,11 +244,7 @@ class Trainer:
                                      step_generator(self.tc.seed, self.step, self.acc.process_index, m))
                   for m, ix in enumerate(self.micro_batches(self.step))]
         local_count = sum(supervised_count(h) for _, _, h in micros)  # host grids: no device sync
-        if self.acc.num_processes > 1:
-            local = torch.tensor([local_count], dtype=torch.float64, device=self.device)
-            global_count = float(self.acc.reduce(local, reduction="sum").item())
-        else:
-            global_count = float(local_count)
+        global_count = float(reduce_values(self.acc, [local_count], "sum")[0])
         normaliser = max(global_count, 1.0) / self.acc.num_processes
         stats = DepthStats.zeros(self.tc.K, self.device)
         loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
@@ -283,8 +286,10 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         counts = torch.tensor([positions, tokens], dtype=torch.float64, device=self.device)
-        sums = self.acc.reduce(torch.cat([loss_total.reshape(1), counts]), reduction="sum").cpu()
-        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
+        # one collective and one device-to-host copy for the step's loss, counts and depth statistics
+        sums = self.acc.reduce(torch.cat([loss_total.reshape(1), counts, stats.stacked().flatten()]),
+                               reduction="sum").cpu()
+        st = DepthStats.from_stacked(sums[3:].view(4, self.tc.K))
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": float(sums[0]) / self.acc.num_processes,
                "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped,
@@ -319,10 +324,7 @@ class Trainer:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
                               f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
                               "train.partitions and train.activation_checkpointing yourself") from None
-        if self.acc.num_processes == 1:  # nothing to agree on: no device round trip
-            return parts
-        local = torch.tensor(parts, dtype=torch.int64, device=self.device)
-        return [int(x) for x in self.acc.reduce(local, reduction="max").tolist()]
+        return [int(x) for x in reduce_values(self.acc, parts, "max", dtype=torch.int64)]
 
     def _target_bytes(self) -> int:
         """Bytes of the online target's weights on this device (0 with cached features)."""
@@ -380,7 +382,7 @@ class Trainer:
                 stats = stats.add(self._stats(packed, grid, pred))
                 walk += self._walk(packed, grid, pred, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
         tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
-        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked().to(self.device), reduction="sum"))
+        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
         walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
         self.model.train()
         al = lambda w: {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan")  # noqa: E731

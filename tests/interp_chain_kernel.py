@@ -20,6 +20,7 @@ interpreter). Run by hand::
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -33,12 +34,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 import peagle_train.chain_kernel as ck  # noqa: E402
-import peagle_train.drafter as drafter_mod  # noqa: E402
 from peagle_train.attention import GridMeta, build_chain_index, chain_attention, invert_chain_index  # noqa: E402
 from peagle_train.grid import pad_grid  # noqa: E402
-from peagle_train.objective import PEagleObjective  # noqa: E402
+from chain_kernel import fwd_bwd  # noqa: E402  (benchmarks/, on sys.path through conftest)
 from tests.test_attention import grid_case, make_grid  # noqa: E402
-from tests.test_split_attention import assert_same_loss_and_grads, case_pair, dense_prefix_attention  # noqa: E402
+from tests.test_split_attention import case_pair, check_split_objective_matches_sdpa  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -55,10 +55,10 @@ def _inputs(Eq, Ek, nh, nkv, hd, seed, dtype=torch.float64, strided=True):
 
 
 def _run(kernel, q, k, v, go, gl, index, valid, inverse, inverse_valid):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = chain_attention(q, k, v, index, valid, inverse=inverse, inverse_valid=inverse_valid, kernel=kernel)
-    obj = (out * go).sum() + (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * gl).sum()
-    return (out, lse, *torch.autograd.grad(obj, (q, k, v)))
+    """``(out, lse, dq, dk, dv)`` of ``chain_attention(kernel=kernel)`` (benchmarks/chain_kernel.py's
+    ``fwd_bwd``, summed in float64)."""
+    return fwd_bwd(functools.partial(chain_attention, kernel=kernel), q, k, v, go, gl, index, valid, inverse,
+                   inverse_valid, acc=torch.float64)
 
 
 @settings(max_examples=25, deadline=None)
@@ -135,27 +135,13 @@ def test_strided_index_custom_scale_odd_tiling_and_nonfinite_cotangents(monkeypa
 def test_objective_with_triton_chain_matches_sdpa_float64(tiny_drafter, objective_problem, monkeypatch):
     """The whole P-EAGLE objective, bucket-padded, split attention with the Triton chain part and the
     prefix part dense: loss and every parameter gradient equal the dense-SDPA objective's."""
-    monkeypatch.setattr(drafter_mod, "_flex_with_lse", dense_prefix_attention)
-    P = objective_problem([23, 17, 9], 3, 0.8, 6, 5, 2, dtype=torch.float64)
-    g, aux, last, head, argmax, norm, K = (P[k] for k in ("grid", "aux", "last", "head", "argmax", "norm", "K"))
-    d = tiny_drafter(K=K, num_layers=2, draft_vocab_size=60, seed=5).double()
-    params = [p for p in d.parameters() if p.requires_grad]
-    res = []
-    for kind, pad, chain in (("sdpa", 1, "auto"), ("flex", 64, "triton")):
-        obj = PEagleObjective(d, head, chunk_size=16, attention=kind, pad_multiple=pad, chain_kernel=chain)
-        loss, pred = obj(g, aux, last, argmax, norm)
-        res.append((loss.detach(), pred, torch.autograd.grad(loss, params, allow_unused=True)))
-    assert len(pad_grid(g, 64)) > len(g)  # padding rows were present
-    assert_same_loss_and_grads(*res)
+    check_split_objective_matches_sdpa(tiny_drafter, objective_problem, monkeypatch, num_layers=2,
+                                       chain_kernel="triton")
 
 
 def test_benchmark_smoke(tmp_path):
     """``benchmarks/chain_kernel.py`` on the tiny shape: rows for both implementations, the sweep, and
     the best tiling it writes (which train_step.py --chain-tiling reads); TILING is restored."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import chain_kernel as bench
 
     before = dict(ck.TILING)

@@ -115,23 +115,20 @@ def test_cuda_kernels_match_torch_float64(dtype, compiled):
     the kernels (eager, and inside ``torch.compile(fullgraph=True)``) against the PyTorch chain part in
     float64. Measured on an H200 (docs/data/chain_kernel_s6_cuda_check.log): float64 ~5e-16,
     float32 ~2e-7, bfloat16 ~5e-3 relative to the largest entry."""
+    from chain_kernel import fwd_bwd, split_args  # benchmarks/, on sys.path through conftest
+    from train_step import max_rel_err
+
     dev = torch.device("cuda")
     g2 = pad_grid(make_grid([300, 170, 90], 20, 0.8, 8, 0.7, 0.2, None, 1)[0], 128)
-    meta = GridMeta(g2.anchor.to(dev), g2.depth.to(dev), g2.doc.to(dev))
-    sm = build_split_masks(meta, min_chain=7, chain_kernel="triton")
+    sm = build_split_masks(GridMeta.of(g2.to(dev)), min_chain=7, chain_kernel="triton")
     E, nh, nkv, hd = len(g2), 64, 8, 64
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, go = (torch.randn(1, E, n, hd, device=dev, generator=gen).transpose(1, 2) for n in (nh, nkv, nh))
+    v = torch.randn(1, nkv, E, hd, device=dev, generator=gen)
+    gl = torch.randn(1, nh, E, device=dev, generator=gen)
 
     def run(fn, dt):
-        gen = torch.Generator(device=dev).manual_seed(0)
-        q = torch.randn(1, E, nh, hd, device=dev, generator=gen).to(dt).transpose(1, 2).requires_grad_()
-        k = torch.randn(1, E, nkv, hd, device=dev, generator=gen).to(dt).transpose(1, 2).requires_grad_()
-        v = torch.randn(1, nkv, E, hd, device=dev, generator=gen).to(dt).requires_grad_()
-        o, lse = fn(q, k, v, sm.chain_index, sm.chain_valid, inverse=sm.chain_inverse,
-                    inverse_valid=sm.chain_inverse_valid)
-        go = torch.randn(o.shape, device=dev, generator=gen).to(dt)
-        gl = torch.randn(lse.shape, device=dev, generator=gen)
-        obj = (o.double() * go.double()).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * gl).sum()
-        return [o, lse, *torch.autograd.grad(obj, (q, k, v))]
+        return fwd_bwd(fn, *(t.to(dt) for t in (q, k, v, go)), gl, *split_args(sm), acc=torch.float64)
 
     def tri(*a, **kw):
         return chain_attention(*a, **kw, kernel="triton")
@@ -142,5 +139,5 @@ def test_cuda_kernels_match_torch_float64(dtype, compiled):
     for a, b in zip(got, ref):
         fin = torch.isfinite(b)
         assert torch.equal(torch.isfinite(a), fin)
-        err = (a.double()[fin] - b[fin]).abs().max() / b[fin].abs().max()
-        assert err < tol, (dtype, compiled, err.item())
+        err = max_rel_err(a.double()[fin], b[fin])
+        assert err < tol, (dtype, compiled, err)

@@ -229,7 +229,7 @@ def test_grid_hidden_routes_real_and_mask_rows(tiny_drafter):
 
 
 @pytest.mark.parametrize("max_real", [3, 4, 9])
-def test_grid_hidden_without_host_sync_equals_the_nonzero_path(tiny_drafter, max_real):
+def test_grid_hidden_sync_free_form_equals_the_nonzero_path(tiny_drafter, max_real):
     """``max_real`` (nonzero_static, scratch row for unused slots) gives the same output and the
     same gradients, in float64, as the exact nonzero path; too small a bound is an error."""
     d = tiny_drafter().double()

@@ -352,3 +352,18 @@ def test_draft_vocab_d2t_t2d_consistent(Vd):
             assert counts[ids].min() >= counts[rest].max()
     with pytest.raises(ValueError, match=r"must be in \[1, 128\]"):
         select_draft_vocab(counts, 129)
+
+
+def test_pack_refuses_features_of_other_token_lists():
+    """Features whose token counts differ from the token lists (a stale cache) fail with both counts."""
+    samples = [{"aux": torch.zeros(n, 6), "last": torch.zeros(n, 2), "argmax": torch.zeros(n, dtype=torch.long)}
+               for n in (3, 4)]
+    ok = F.pack(samples, F.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")
+    assert ok["aux"].shape == (7, 6) and ok["input_ids"].numel() == 7
+    with pytest.raises(ValueError, match=r"7 tokens \(per sequence \[3, 4\].*hold 6.*peagle-train cache"):
+        F.pack(samples, F.pack_tokens([[1, 2, 3], [4, 5, 6]], [[0, 1, 1], [0, 0, 1]]), "cpu")
+    with pytest.raises(ValueError, match=r"per sequence \[3, 4\].*per sequence \[4, 3\]"):  # same total
+        F.pack(samples, F.pack_tokens([[1, 2, 3, 4], [5, 6, 7]], [[0, 1, 1, 1], [0, 0, 1]]), "cpu")
+    samples[1]["last"] = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="last/argmax rows differ"):
+        F.pack(samples, F.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")

@@ -218,7 +218,7 @@ def _depth_stats_reference(anchor, depth, weight, correct, in_vocab, K):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_depth_stats_equals_python_reference_without_host_sync(seed):
+def test_depth_stats_equals_python_reference_sync_free_form(seed):
     """Random chains (each anchor has depths 0..L-1): the device-side counts equal a plain-Python
     reference, with and without ``n_anchors`` (the sync-free form the training step uses); an anchor
     beyond ``n_anchors`` is refused."""

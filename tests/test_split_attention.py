@@ -311,15 +311,23 @@ def test_split_equals_sdpa_float64_forward_and_grads(case, data):
 def test_split_objective_float64_matches_sdpa(tiny_drafter, objective_problem, monkeypatch):
     """The whole P-EAGLE objective, bucket-padded (padding rows), split attention with the prefix part
     computed densely: loss and every parameter gradient equal the dense-SDPA objective's (1e-12)."""
+    check_split_objective_matches_sdpa(tiny_drafter, objective_problem, monkeypatch, num_layers=3,
+                                       chain_kernel="auto")
+
+
+def check_split_objective_matches_sdpa(tiny_drafter, objective_problem, monkeypatch, num_layers: int,
+                                       chain_kernel: str):
+    """float64 P-EAGLE objective on a bucket-padded three-document grid: split attention (prefix part
+    dense, chain part by ``chain_kernel``) vs dense SDPA, :func:`assert_same_loss_and_grads`."""
     monkeypatch.setattr(drafter_mod, "_flex_with_lse", dense_prefix_attention)
     P = objective_problem([23, 17, 9], 3, 0.8, 6, 5, 2, dtype=torch.float64)
     g, aux, last, head, argmax, norm, K = (P[k] for k in ("grid", "aux", "last", "head", "argmax", "norm", "K"))
-    d = tiny_drafter(K=K, num_layers=3, draft_vocab_size=60, seed=5).double()
+    d = tiny_drafter(K=K, num_layers=num_layers, draft_vocab_size=60, seed=5).double()
     params = [p for p in d.parameters() if p.requires_grad]
     res = []
-    for kind, pad in (("sdpa", 1), ("flex", 64)):
-        loss, pred = PEagleObjective(d, head, chunk_size=16, attention=kind, pad_multiple=pad)(g, aux, last, argmax,
-                                                                                                 norm)
+    for kind, pad, chain in (("sdpa", 1, "auto"), ("flex", 64, chain_kernel)):
+        obj = PEagleObjective(d, head, chunk_size=16, attention=kind, pad_multiple=pad, chain_kernel=chain)
+        loss, pred = obj(g, aux, last, argmax, norm)
         res.append((loss.detach(), pred, torch.autograd.grad(loss, params, allow_unused=True)))
     assert len(pad_grid(g, 64)) > len(g)  # padding rows were present
     assert_same_loss_and_grads(*res)

@@ -240,3 +240,14 @@ def test_train_sequences_trains_on_a_prefix_of_the_split(run_dir):
     assert torch.isfinite(torch.tensor(t.train_step()["loss"]))
     with pytest.raises(ConfigError, match=f"train.train_sequences={n_all + 1} but the prepared train split"):
         Trainer(_cfg(run_dir, max_steps=1, train_sequences=n_all + 1), data, feats, tconf, [1, 3, 4])
+
+
+def test_chain_kernel_is_resolved_at_set_up(run_dir, monkeypatch):
+    """train.chain_kernel is resolved once when the trainer is built: ``auto`` on CPU runs the PyTorch
+    chain part, and ``triton`` where Triton cannot run is a ConfigError naming the key, before any step."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    data, feats, tconf = _cached_inputs(run_dir)
+    t = Trainer(_cfg(run_dir, max_steps=1), data, feats, tconf, [1, 3, 4])
+    assert t.chain_kernel == "torch"
+    with pytest.raises(ConfigError, match="train.chain_kernel: .*set chain_kernel: auto or torch"):
+        Trainer(_cfg(run_dir, max_steps=1, chain_kernel="triton"), data, feats, tconf, [1, 3, 4])
