@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in STAGES:
             result = _stage(args)
+            from .distributed import end_process_group
+
+            end_process_group()  # every rank got here: tear the process group down before exit
         elif args.command == "check":
             from .check import check_export
 

@@ -28,6 +28,8 @@ Order of application (the trainer calls these, in this order):
    last backward of an optimizer step, spec §3), :func:`grad_norm_value`.
 6. :func:`full_state_dict` gathers unsharded weights (export, tests);
    :func:`shard_target` FSDP2-shards the frozen target in online mode.
+7. :func:`end_process_group` — once, at the end of a process's successful ``main``
+   (the ``peagle-train`` console script does it).
 
 CPU hosts (tests; gloo backend): accelerate selects FSDP and DeepSpeed only for
 accelerator devices. torch's FSDP2 and DeepSpeed (``DS_ACCELERATOR=cpu``) both run on
@@ -411,6 +413,28 @@ def reduce_values(acc, values: list, reduction: str, dtype: torch.dtype = torch.
         return list(values)
     out = acc.reduce(torch.tensor(values, dtype=dtype, device=acc.device), reduction=reduction)
     return out.tolist()
+
+
+def end_process_group() -> None:
+    """End a successful multi-process run: wait for every rank, then destroy the default process group.
+
+    Without it the process group is torn down during interpreter finalisation, where gloo's
+    worker threads can still hold work objects: a rank whose work is done then aborts with
+    ``terminate called without an active exception`` (SIGABRT, non-zero exit), at random
+    (pytorch issue #190489; torch's "Shutdown" docs ask for ``destroy_process_group`` near the
+    end of ``main``). Call it once per process and only on success: a rank that failed must not
+    wait at the barrier for ranks that never arrive (torchtitan PR #1342). Uses accelerate's
+    ``PartialState.destroy_process_group``. No-op when no process group exists (one process).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from accelerate import PartialState
+
+    state = PartialState()
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 def grad_norm_value(norm) -> float:

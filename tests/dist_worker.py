@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peagle_train import train as train_mod  # noqa: E402
 from peagle_train.config import config_from_dict  # noqa: E402
-from peagle_train.distributed import full_state_dict  # noqa: E402
+from peagle_train.distributed import end_process_group, full_state_dict  # noqa: E402
 from peagle_train.features import CachedFeatures, OnlineFeatures  # noqa: E402
 from peagle_train.train import Trainer, load_prepared, run_train  # noqa: E402
 
@@ -182,6 +182,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cmd_step(args) if args.cmd == "step" else cmd_train(args)
+    end_process_group()  # as the console script does: no gloo teardown at interpreter exit
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ import yaml
 
 from conftest import save_tiny_target  # noqa: E402
 from peagle_train.config import ConfigError, config_from_dict
-from peagle_train.distributed import (Layout, check_accelerator, rank_batches, requested_layout, validate_layout)
+from peagle_train.distributed import (Layout, check_accelerator, end_process_group, rank_batches, requested_layout,
+                                      validate_layout)
 from peagle_train.features import CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.tokenized import save_tokenized
@@ -411,6 +412,41 @@ def test_ranks_that_would_train_alone_are_refused(fresh_accelerate_state):
     with pytest.raises(RuntimeError, match="WORLD_SIZE=2 .* accelerate sees 1: each rank would train alone"):
         check_accelerator(acc, Layout("ddp", 2))
     check_accelerator(acc, Layout("single", 1))
+
+
+def test_end_process_group_destroys_the_group_and_is_a_no_op_without_one(fresh_accelerate_state, tmp_path):
+    """A gloo group (one rank, file store) is gone afterwards; a second call, with no group, does nothing."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert dist.is_initialized()
+        end_process_group()
+        assert not dist.is_initialized()
+        end_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_console_script_ends_the_process_group_after_a_stage_only(monkeypatch):
+    """``peagle-train <stage>`` ends the group once the stage succeeded, never after a failed one
+    (a failed rank must not wait at the barrier), so launched ranks do not abort at exit."""
+    from peagle_train import cli, distributed
+
+    calls = []
+    monkeypatch.setattr(distributed, "end_process_group", lambda: calls.append("end"))
+    monkeypatch.setattr(cli, "_stage", lambda args: calls.append("stage") or "done")
+    assert cli.main(["train", "recipes/smollm2-135m.yaml"]) == 0
+    assert calls == ["stage", "end"]
+
+    def bad_stage(args):
+        raise ConfigError("bad recipe")
+
+    calls.clear()
+    monkeypatch.setattr(cli, "_stage", bad_stage)
+    assert cli.main(["train", "recipes/smollm2-135m.yaml"]) == 2
+    assert calls == []
 
 
 # -- sampling ------------------------------------------------------------------------------------------
