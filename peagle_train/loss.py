@@ -31,14 +31,28 @@ class TargetDist:
     argmax: torch.Tensor
 
     def draft_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """Target logits restricted to the draft vocab, ``[c, Vd]`` (float32, or float64 for float64 inputs)."""
-        dt = _acc_dtype(self.last.dtype)
+        """Target logits restricted to the draft vocab for the ``[c]`` int64 token ``rows``: ``[c, Vd]``.
+
+        The matmul runs in the loss accumulation dtype (float32; float64 for float64 inputs), or, under
+        autocast, in autocast's dtype: there autocast would cast float32 operands straight back, so
+        the operands are not upcast first (same result, bitwise, without a float32 copy of the
+        ``[Vd, T]`` head for every chunk). The output dtype is the matmul's (bf16 under bf16 autocast).
+        """
+        dt = _matmul_dtype(self.last.device.type, _acc_dtype(self.last.dtype))
         return self.last[rows].to(dt) @ self.head.to(dt).T
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Loss accumulation dtype: float32 for half types, else the input's (float64 stays exact)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _matmul_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a matmul of ``dtype`` operands runs in on ``device_type``: autocast's dtype where
+    autocast is on (``torch.get_autocast_dtype``), else ``dtype``."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
 
 
 def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):

@@ -97,6 +97,38 @@ def test_chunked_loss_accumulates_in_float32_for_bf16():
     assert abs(loss.item() - ref.item()) < 0.05 * abs(ref.item())
 
 
+def test_target_logits_under_autocast_need_no_float32_head_copy():
+    """Under bf16 autocast the target matmul is bf16 whatever its operands: draft_logits gives the same
+    bits as upcasting first (what autocast would undo), without any float32 copy of the head; without
+    autocast it runs in float32 as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(3)
+    last, head = (torch.randn(n, 64, generator=g).bfloat16() for n in (50, 300))
+    target, rows = TargetDist(last, head, torch.zeros(50, dtype=torch.long)), torch.arange(0, 50, 3)
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default:
+                self.made.append((tuple(out.shape), out.dtype))
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        upcast_first = last[rows].float() @ head.float().T
+        with Copies() as copies:
+            got = target.draft_logits(rows)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, upcast_first)
+    assert ((300, 64), torch.float32) not in copies.made and ((64, 300), torch.float32) not in copies.made
+    plain = target.draft_logits(rows)
+    assert plain.dtype == torch.float32
+    torch.testing.assert_close(plain, last[rows].float() @ head.float().T, rtol=0, atol=0)
+
+
 def test_kl_zero_when_draft_equals_restricted_target():
     """Drafter logits = target logits on the draft vocab (+ any per-row shift) -> KL == 0."""
     target, _, _, _, li, w, full_head, draft_ids = _setup(1)
