@@ -158,7 +158,8 @@ def effective_attention(kind: str, device) -> str:
 
 def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, steps: int, warmup: int, device,
              chunk: int, seed: int = 0, dist: str = "none", compile: bool = False, checkpointing: bool = False,
-             sync_debug: bool = False, attention: str = "flex", on_step=None, chain_kernel: str = "auto") -> dict:
+             sync_debug: bool = False, attention: str = "flex", on_step=None, chain_kernel: str = "auto",
+             fused_loss: bool = True) -> dict:
     """Time ``warmup + steps`` full training steps of one configuration; returns the JSON row.
 
     Each step builds the next step's COD sample, grid, normaliser and partition plan on the CPU
@@ -169,6 +170,8 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     ``attention``: ``flex`` (split form) or ``flex_joint`` on CUDA (see :func:`effective_attention`).
     ``chain_kernel``: ``train.chain_kernel`` of the split form (``auto``/``triton``/``torch``); the row
     records the one that ran (None for ``flex_joint`` and ``sdpa``, which have no chain part).
+    ``fused_loss``: ``train.fused_loss`` (lm_head + loss gradients computed in the loss forward, or
+    checkpoint + recompute).
     ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
     activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
     under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
@@ -192,7 +195,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         drafter.train()
         attention = effective_attention(attention, device)
         obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk, attention=attention,
-                              compile=compile, chain_kernel=chain_kernel).to(device)
+                              compile=compile, chain_kernel=chain_kernel, fused_loss=fused_loss).to(device)
         obj = wrap(obj, dist, device)
         params = [p for p in obj.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
@@ -248,7 +251,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         rec.update({
             "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
             "chain_kernel": resolve_chain_kernel(chain_kernel, device) if attention == "flex" else None,
-            "host_inputs": "prefetched",
+            "fused_loss": fused_loss, "host_inputs": "prefetched",
             "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
             "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
             "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -489,10 +492,13 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
 
 def attach_joint_speedup(rows: list[dict]) -> list[dict]:
     """``speedup_vs_joint = joint step_ms / split step_ms`` on each split row (``attention == "flex"``)
-    that has a successful ``flex_joint`` row of the same N, S and compile (in place; returns ``rows``)."""
-    joint = {(r["N"], r["S"], r["compile"]): r for r in rows if r.get("attention") == "flex_joint" and "step_ms" in r}
+    that has a successful ``flex_joint`` row of the same N, S, compile and fused_loss (in place; returns ``rows``)."""
+    def key(r):
+        return r["N"], r["S"], r["compile"], r.get("fused_loss", True)
+
+    joint = {key(r): r for r in rows if r.get("attention") == "flex_joint" and "step_ms" in r}
     for r in rows:
-        j = joint.get((r["N"], r["S"], r["compile"]))
+        j = joint.get(key(r))
         if r.get("attention") == "flex" and "step_ms" in r and j is not None:
             r["speedup_vs_joint"] = j["step_ms"] / r["step_ms"]
     return rows
@@ -574,6 +580,9 @@ def main(argv=None):
     ap.add_argument("--chain-kernel", choices=["auto", "triton", "torch"], nargs="+", default=["auto"],
                     help="train.chain_kernel of the split form; several = one row each, same process "
                          "(--profile and --check-grads use the last)")
+    ap.add_argument("--fused-loss", choices=["on", "off"], nargs="+", default=["on"],
+                    help="train.fused_loss: on = lm_head + loss gradients computed in the loss forward, off = "
+                         "checkpoint + recompute; several = one row each, same process (--profile uses the last)")
     ap.add_argument("--chain-tiling", default=None, help="JSON of benchmarks/chain_kernel.py: apply its "
                     "best_tiling to the Triton chain kernels (peagle_train.chain_kernel.TILING)")
     ap.add_argument("--check-grads", action="store_true",
@@ -623,20 +632,22 @@ def main(argv=None):
     lead = world == 1 or torch.distributed.get_rank() == 0
     for N, S_spec in zip(args.n, S_list):
         S, ckpt, plan = resolve_partitions(S_spec, N, args, drafter, device)
-        cases = [(c, a, ck) for c in variants for a in attentions
-                 for ck in (args.chain_kernel if effective_attention(a, device) == "flex" else ["auto"])]
-        for comp, attn, ck in cases:
+        cases = [(c, a, ck, fl == "on") for c in variants for a in attentions
+                 for ck in (args.chain_kernel if effective_attention(a, device) == "flex" else ["auto"])
+                 for fl in args.fused_loss]
+        for comp, attn, ck, fused in cases:
             S_try = S
             ran = effective_attention(attn, device)
             for attempt in range(2 if S_spec == "auto" else 1):
                 try:
                     row = run_case(drafter, head, tc, N, args.K, S_try, args.r, args.r_min, args.steps, args.warmup,
                                    device, args.chunk, dist=args.dist, compile=comp, checkpointing=ckpt,
-                                   sync_debug=args.sync_debug, attention=attn, chain_kernel=ck)
+                                   sync_debug=args.sync_debug, attention=attn, chain_kernel=ck, fused_loss=fused)
                 except torch.OutOfMemoryError as e:  # report, keep going (auto: one retry with S + 1)
-                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "error": f"OOM: {str(e)[:120]}"}
+                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "fused_loss": fused,
+                           "error": f"OOM: {str(e)[:120]}"}
                 except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
-                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran,
+                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "fused_loss": fused,
                            "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 drafter.zero_grad(set_to_none=True)
                 if device.type == "cuda":
@@ -682,7 +693,8 @@ def main(argv=None):
         with torch_profile(activities=acts, schedule=sched) as prof:
             run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, PROFILED_STEPS,
                      PROFILE_WAIT + PROFILE_WARMUP, device, args.chunk, compile=variants[-1], checkpointing=ck0,
-                     attention=attentions[-1], on_step=prof.step, chain_kernel=args.chain_kernel[-1])
+                     attention=attentions[-1], on_step=prof.step, chain_kernel=args.chain_kernel[-1],
+                     fused_loss=args.fused_loss[-1] == "on")
         step_ms = ok[0]["step_ms"] if ok else None
         table = kernel_table(prof, step_ms or 0.0, PROFILED_STEPS)
         profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),
@@ -728,7 +740,8 @@ def main(argv=None):
     print(hdr)
     for r in rows:
         comp = {True: "on", False: "off", None: "off"}.get(r.get("compile"), "autotune")
-        attn = r.get("attention", "-") + ("/" + r["chain_kernel"] if r.get("chain_kernel") else "")
+        attn = (r.get("attention", "-") + ("/" + r["chain_kernel"] if r.get("chain_kernel") else "")
+                + ("" if r.get("fused_loss", True) else "/recompute"))
         if "error" in r:
             print(f"{r['N']:>7} {r['S']:>2} {'':>4} {comp:>7} {attn:>12} {r['error']}")
             continue

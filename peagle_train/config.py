@@ -216,6 +216,12 @@ class TrainConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0.0)
     loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
+    fused_loss: bool = Field(
+        True, description="Compute the lm_head + loss gradients in the loss forward, chunk by chunk (no lm_head "
+        "recompute in the backward, no chunk logits kept); false: activation-checkpoint each chunk and recompute "
+        "it. Same loss and gradients (peagle_train.loss.chunked_loss). A head sharded at loss time (ZeRO-3) "
+        "always recomputes.",
+    )
     mixed_precision: Literal["no", "bf16"] = "no"
     activation_checkpointing: bool = False
     compile: bool | Literal["max-autotune"] = Field(

@@ -3,9 +3,16 @@
 Shape legend: ``E`` grid elements, ``c`` a chunk of elements, ``H`` drafter
 hidden, ``T`` target hidden, ``Vd`` draft vocab, ``N`` tokens.
 
-The ``[E, Vd]`` fp32 logits never exist at once: each chunk's lm_head + loss runs
-under activation checkpointing, so only one chunk's logits are alive in forward
-and in backward.
+The ``[E, Vd]`` fp32 logits never exist at once. Two ways to get the gradients
+(``chunked_loss(fused=...)``, ``train.fused_loss``):
+
+* fused (default): each chunk's forward also computes the gradient of its loss with
+  respect to its logits, ``w * (softmax(draft) * sum(p_t) - p_t)``, and from it the
+  gradients of the normed hidden states and of the head (the "fused linear + loss" of
+  issue #7). The backward only scales them: no lm_head recompute, no logits kept;
+* recompute: each chunk's lm_head + loss runs under activation checkpointing and is
+  recomputed in the backward (also the fallback where the head's weight is sharded by
+  DeepSpeed ZeRO-3 or FSDP2 at loss time).
 """
 from __future__ import annotations
 
@@ -65,6 +72,57 @@ def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):
     return (per * weight).sum(), logp.argmax(-1)
 
 
+def _fused_chunk(hn, head_w, t_logits, w, kind: str, need_w: bool):
+    """One chunk of the fused head + loss: loss, greedy ids and the loss's gradients, in one pass.
+
+    Args:
+        hn: ``[c, H]`` normed drafter states, in the matmul dtype. head_w: ``[Vd, H]``, same dtype.
+        t_logits: ``[c, Vd]`` target logits over the draft vocab. w: ``[c]`` weights (accumulation dtype).
+        kind: ``"kl"`` / ``"ce"``. need_w: also return the gradient w.r.t. ``head_w`` (a trainable head).
+
+    Returns:
+        ``(loss_sum, pred [c] int64, grad_hn [c, H], grad_head [Vd, H] or None)``; the
+        gradients are those of ``loss_sum``, in the matmul dtype (as autograd through an autocast
+        matmul would give them). With ``L = sum_v p_t,v (log p_t,v - log softmax(z)_v)``,
+        ``dL/dz = softmax(z) * sum(p_t) - p_t`` (``sum(p_t)`` is 1 up to rounding; kept for exactness).
+    """
+    acc = _acc_dtype(hn.dtype)
+    logp = F.log_softmax(F.linear(hn, head_w).to(acc), dim=-1)  # the op lm_head runs
+    if kind == "kl":
+        tlogp = F.log_softmax(t_logits.to(acc), dim=-1)
+        pt = tlogp.exp()
+        per = (pt * (tlogp - logp)).sum(-1)
+    else:
+        tgt = t_logits.argmax(-1, keepdim=True)
+        per = -logp.gather(-1, tgt).squeeze(-1)
+        pt = torch.zeros_like(logp).scatter_(-1, tgt, 1.0)
+    grad_z = ((logp.exp() * pt.sum(-1, keepdim=True) - pt) * w[:, None]).to(hn.dtype)
+    return (per * w).sum(), logp.argmax(-1), grad_z @ head_w, grad_z.T @ hn if need_w else None
+
+
+class _GradFromForward(torch.autograd.Function):
+    """``loss`` (a value) whose gradients w.r.t. ``hn`` and ``head_w`` were computed in the forward
+    (``grad_hn``, ``grad_head``); the backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, loss, hn, head_w, grad_hn, grad_head):
+        ctx.save_for_backward(grad_hn, grad_head)
+        ctx.dtypes = (hn.dtype, head_w.dtype)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_hn, grad_head = ctx.saved_tensors
+        gh = (grad_hn * g).to(ctx.dtypes[0])
+        gw = None if grad_head is None else (grad_head * g).to(ctx.dtypes[1])
+        return None, gh, gw, None, None
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    """The head weight is a shard at loss time (ZeRO-3 partitioned parameter, or an FSDP2 ``DTensor``)."""
+    return hasattr(weight, "ds_id") or hasattr(weight, "full_tensor")
+
+
 _CHUNK_COMPILED: dict = {}
 
 
@@ -81,11 +139,16 @@ def compiled_chunk_loss(inductor_mode: str | None = None):
     Returns:
         a :class:`~peagle_train.compiling.SafeCompiled` callable with ``_chunk_loss``'s signature.
     """
-    if inductor_mode not in _CHUNK_COMPILED:
+    return _compiled(_chunk_loss, inductor_mode)
+
+
+def _compiled(fn, inductor_mode: str | None):
+    key = (fn.__name__, inductor_mode)
+    if key not in _CHUNK_COMPILED:
         from .compiling import SafeCompiled
 
-        _CHUNK_COMPILED[inductor_mode] = SafeCompiled(_chunk_loss, "loss._chunk_loss", inductor_mode=inductor_mode)
-    return _CHUNK_COMPILED[inductor_mode]
+        _CHUNK_COMPILED[key] = SafeCompiled(fn, f"loss.{fn.__name__}", inductor_mode=inductor_mode)
+    return _CHUNK_COMPILED[key]
 
 
 def chunked_loss(
@@ -98,6 +161,7 @@ def chunked_loss(
     kind: str = "kl",
     chunk_size: int = 2048,
     compile: bool | str = False,
+    fused: bool = True,
 ):
     """Sum over elements of ``weight * loss`` and the drafter's greedy draft ids.
 
@@ -113,9 +177,13 @@ def chunked_loss(
         target: :class:`TargetDist`.
         kind: ``"kl"`` or ``"ce"``. chunk_size: elements per chunk.
         compile: run the chunk body through :func:`compiled_chunk_loss` (``train.compile``: True, or
-            ``"max-autotune"`` for Inductor's autotuning mode). Checkpointing is unchanged:
-            ``torch.utils.checkpoint`` wraps the compiled body, saves none of its activations and
-            recomputes it in the backward.
+            ``"max-autotune"`` for Inductor's autotuning mode): the fused chunk, or the recompute
+            path's chunk body, which ``torch.utils.checkpoint`` still wraps (it saves none of its
+            activations and recomputes it in the backward).
+        fused: when gradients are needed, compute them in the forward (:func:`_fused_chunk`; no
+            lm_head recompute in the backward, no chunk logits kept) instead of checkpoint +
+            recompute. Falls back to recompute where the head weight is sharded at loss time
+            (ZeRO-3, FSDP2 ``DTensor``). Same loss and gradients (float64 tests, ``test_loss.py``).
 
     Returns:
         ``(loss_sum scalar float32, draft_pred [E] int64 draft-vocab ids)``.
@@ -125,12 +193,15 @@ def chunked_loss(
     """
     if kind not in ("kl", "ce"):
         raise ValueError(f"unknown loss kind {kind!r}")
-    if compile:
-        from .compiling import inductor_mode
+    from .compiling import inductor_mode
 
-        body = compiled_chunk_loss(inductor_mode(compile))
-    else:
-        body = _chunk_loss
+    mode = inductor_mode(compile)
+    grads = torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad
+                                         or any(p.requires_grad for p in norm.parameters()))
+    if fused and grads and not _sharded(lm_head.weight):
+        return _fused_loss(norm, lm_head.weight, h, label_index, weight, target, kind, chunk_size,
+                           _compiled(_fused_chunk, mode) if compile else _fused_chunk)
+    body = compiled_chunk_loss(mode) if compile else _chunk_loss
     total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
     preds = []
     for s in range(0, h.shape[0], chunk_size):
@@ -145,6 +216,32 @@ def chunked_loss(
         total = total + part
         preds.append(pred)
     return total, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)
+
+
+def _fused_loss(norm, head_w, h, label_index, weight, target: TargetDist, kind: str, chunk_size: int, body):
+    """:func:`chunked_loss` with ``fused=True``: the chunk loop runs without autograd, collecting each
+    chunk's gradients (:func:`_fused_chunk`); :class:`_GradFromForward` hands them to autograd at
+    the normed states (the final norm's backward stays autograd's) and at the head weight."""
+    hn = norm(h)  # [E, H], autograd as usual
+    dt = _matmul_dtype(hn.device.type, _acc_dtype(hn.dtype))
+    acc = _acc_dtype(h.dtype)
+    need_w = head_w.requires_grad
+    total = hn.new_zeros((), dtype=acc)
+    preds, grad_hn = [], torch.empty(hn.shape, dtype=dt, device=hn.device)
+    grad_head = torch.zeros(head_w.shape, dtype=acc, device=head_w.device) if need_w else None
+    with torch.no_grad():
+        hd, wd = hn.detach().to(dt), head_w.detach().to(dt)
+        for s in range(0, hn.shape[0], chunk_size):
+            sl = slice(s, s + chunk_size)
+            t_logits = target.draft_logits(label_index[sl])
+            part, pred, gh, gw = body(hd[sl], wd, t_logits, weight[sl].to(acc), kind, need_w)
+            total = total + part
+            preds.append(pred)
+            grad_hn[sl] = gh
+            if need_w:
+                grad_head += gw
+    loss = _GradFromForward.apply(total, hn, head_w, grad_hn, grad_head)
+    return loss, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)
 
 
 def simulated_acceptance_lengths(cond: list[float]) -> list[float]:

@@ -60,14 +60,17 @@ class PEagleObjective(nn.Module):
         loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk.
         attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"sdpa"`` (see :func:`make_attn_spec`).
         chain_kernel: the split form's chain part, ``"auto"`` (Triton on CUDA) / ``"triton"`` / ``"torch"``.
+        fused_loss: gradients of the lm_head + loss computed in the loss forward (``train.fused_loss``,
+            :func:`~peagle_train.loss.chunked_loss`).
         compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
             and the loss chunk body (:func:`~peagle_train.loss.compiled_chunk_loss`); same math.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
-                 chain_kernel: str = "auto"):
+                 chain_kernel: str = "auto", fused_loss: bool = True):
         super().__init__()
+        self.fused_loss = fused_loss
         self.drafter = drafter
         self.chain_kernel = chain_kernel
         self.compile = compile
@@ -102,7 +105,7 @@ class PEagleObjective(nn.Module):
         target = TargetDist(last, self.target_head, argmax)
         loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
                                   _weights(grid.loss_weight, h) / normaliser, target, self.loss_kind, self.chunk_size,
-                                  compile=self.compile)
+                                  compile=self.compile, fused=self.fused_loss)
         return loss, pred[:E]
 
 
@@ -147,7 +150,7 @@ class Eagle3Objective(nn.Module):
 
     Args:
         drafter: a :class:`Drafter` without parallel drafting (usually 1 layer).
-        target_head, loss, chunk_size, attention, chain_kernel: as :class:`PEagleObjective`.
+        target_head, loss, chunk_size, attention, chain_kernel, fused_loss: as :class:`PEagleObjective`.
         decay: step weight base (0.8 in EAGLE-3). compile: as :class:`PEagleObjective`.
         cod: ``(r, r_min, max_anchors)`` of the grid's COD sample: bounds each step's padded length
             (:func:`eagle3_step_lengths`); None pads every step to the depth-0 bucket.
@@ -160,8 +163,9 @@ class Eagle3Objective(nn.Module):
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
                  compile: bool = False, cod: tuple[float, float, int | None] | None = None,
-                 static_tokens: int | None = None, chain_kernel: str = "auto"):
+                 static_tokens: int | None = None, chain_kernel: str = "auto", fused_loss: bool = True):
         super().__init__()
+        self.fused_loss = fused_loss
         self.cod, self.static_tokens = cod, static_tokens
         self.chain_kernel = chain_kernel
         self.drafter = drafter
@@ -208,7 +212,7 @@ class Eagle3Objective(nn.Module):
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
             w = _weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
-                                      self.loss_kind, self.chunk_size, compile=self.compile)
+                                      self.loss_kind, self.chunk_size, compile=self.compile, fused=self.fused_loss)
             total = part if total is None else total + part
             preds[idx] = pred[:Ek]
             prev_h, prev_anchor = h[:Ek], step.anchor[:Ek]

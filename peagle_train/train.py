@@ -154,7 +154,8 @@ class Trainer:
             "decay": self.tc.ttt_decay, "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors),
             "static_tokens": self.tc.micro_batch_size * max(self.lengths, default=1)}
         objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
-                        attention=self.attention, compile=self.tc.compile, chain_kernel=self.chain_kernel, **kw)
+                        attention=self.attention, compile=self.tc.compile, chain_kernel=self.chain_kernel,
+                        fused_loss=self.tc.fused_loss, **kw)
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
                                 weight_decay=self.tc.weight_decay)
         per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes

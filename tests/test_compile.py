@@ -1,5 +1,6 @@
 """Pins the ``train.compile`` knob (issue #7; ``compiling.py``, ``Drafter.set_compile``,
-``loss.compiled_chunk_loss``): a compiled drafter + compiled loss chunk gives the same
+``loss.compiled_chunk_loss`` and the fused loss chunk): a compiled drafter + compiled loss chunk
+(fused or recompute, ``train.fused_loss``) gives the same
 loss, predictions and gradients as eager (fp32, within 1e-4), keeps the ``state_dict``
 keys, composes with activation checkpointing, and :class:`SafeCompiled` falls back to
 eager when compiling fails.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import peagle_train.loss as loss_mod
 from conftest import needs_cc
 from peagle_train.compiling import SafeCompiled
 from peagle_train.loss import compiled_chunk_loss
@@ -30,19 +32,22 @@ def _problem(tiny_drafter, objective_problem, ckpt: bool):
 
 
 @needs_cc
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_loss", "recompute"])
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_compiled_objective_matches_eager(tiny_drafter, objective_problem, ckpt):
+def test_compiled_objective_matches_eager(tiny_drafter, objective_problem, ckpt, fused):
     d, head, args = _problem(tiny_drafter, objective_problem, ckpt)
     keys = list(d.state_dict())
     params = [p for p in d.parameters() if p.requires_grad]
     out = []
     for compile in (False, True):
-        obj = PEagleObjective(d, head, chunk_size=64, attention="sdpa", pad_multiple=32, compile=compile)
+        obj = PEagleObjective(d, head, chunk_size=64, attention="sdpa", pad_multiple=32, compile=compile,
+                              fused_loss=fused)
         loss, pred = obj(*args)
         out.append((loss.detach(), pred, torch.autograd.grad(loss, params, allow_unused=True)))
     assert d.compiled and list(d.state_dict()) == keys
     assert all(c.mode == "fullgraph" for c in d._compiled_layers), [c.mode for c in d._compiled_layers]
-    assert compiled_chunk_loss().mode == "fullgraph"
+    chunk_body = loss_mod._compiled(loss_mod._fused_chunk, None) if fused else compiled_chunk_loss()
+    assert chunk_body.mode == "fullgraph"
     (l0, p0, g0), (l1, p1, g1) = out
     torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
     assert (p0 == p1).float().mean() > 0.99  # argmax ties may flip at fp32 rounding
@@ -90,7 +95,6 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
     AUTOTUNE_OPTIONS (Inductor's max_autotune, GEMMs on cuBLAS); train.compile: true with Inductor's
     defaults (no options). The recipe accepts both; anything else is refused."""
     import peagle_train.compiling as compiling
-    import peagle_train.loss as loss_mod
     from peagle_train.config import ConfigError, config_from_dict
 
     seen = []
@@ -107,11 +111,14 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
     with pytest.raises(ValueError, match="unknown compile mode"):
         compiling.compile_kwargs("fastest")
     for compile, mode in ((True, repr(None)), ("max-autotune", repr(compiling.AUTOTUNE_OPTIONS))):
-        seen.clear()
-        loss, _ = PEagleObjective(d, head, chunk_size=64, attention="sdpa", compile=compile)(*args)
-        assert torch.isfinite(loss)
-        assert {m for _, m in seen} == {mode} and "_chunk_loss" in {n for n, _ in seen}
-        assert sum(n == "DrafterLayer" for n, _ in seen) == len(d.layers), seen
+        for fused, body in ((True, "_fused_chunk"), (False, "_chunk_loss")):
+            seen.clear()
+            loss, _ = PEagleObjective(d, head, chunk_size=64, attention="sdpa", compile=compile,
+                                      fused_loss=fused)(*args)
+            assert torch.isfinite(loss)
+            assert {m for _, m in seen} == {mode} and body in {n for n, _ in seen}
+            if fused:  # the first objective of this mode compiles the layers; the second reuses them
+                assert sum(n == "DrafterLayer" for n, _ in seen) == len(d.layers), seen
     base = {"output_dir": "x", "target": {"name": "t", "path": "p"}, "train": {}}
     assert config_from_dict(base | {"train": {"compile": "max-autotune"}}).train.compile == "max-autotune"
     assert config_from_dict(base | {"train": {"compile": True}}).train.compile is True

@@ -251,3 +251,21 @@ def test_chain_kernel_is_resolved_at_set_up(run_dir, monkeypatch):
     assert t.chain_kernel == "torch"
     with pytest.raises(ConfigError, match="train.chain_kernel: .*set chain_kernel: auto or torch"):
         Trainer(_cfg(run_dir, max_steps=1, chain_kernel="triton"), data, feats, tconf, [1, 3, 4])
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_fused_loss_trains_like_the_recompute_path(run_dir, method):
+    """train.fused_loss reaches the objective (P-EAGLE, partitioned, and the EAGLE-3 baseline) and two
+    optimizer steps give the same losses and weights as the checkpoint + recompute path."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    results = {}
+    for fused in (True, False):
+        cfg = _cfg(run_dir, max_steps=2, method=method, partitions=2 if method == "peagle" else 1,
+                   fused_loss=fused)
+        tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+        assert tr.acc.unwrap_model(tr.model).fused_loss is fused
+        recs = [tr.train_step()["loss"] for _ in range(2)]
+        results[fused] = (recs, {k: v.detach().clone() for k, v in tr.acc.unwrap_model(tr.model).state_dict().items()})
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+    for k, v in results[True][1].items():
+        torch.testing.assert_close(v, results[False][1][k], atol=1e-5, rtol=1e-4, msg=k)
