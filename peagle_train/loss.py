@@ -11,8 +11,8 @@ The ``[E, Vd]`` fp32 logits never exist at once. Two ways to get the gradients
   gradients of the normed hidden states and of the head (the "fused linear + loss" of
   issue #7). The backward only scales them: no lm_head recompute, no logits kept;
 * recompute: each chunk's lm_head + loss runs under activation checkpointing and is
-  recomputed in the backward (also the fallback where the head's weight is sharded by
-  DeepSpeed ZeRO-3 or FSDP2 at loss time).
+  recomputed in the backward (also the fallback for a head that is not a plain bias-free
+  ``nn.Linear``, or whose weight is sharded by DeepSpeed ZeRO-3 or FSDP2 at loss time).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 
@@ -72,37 +73,43 @@ def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):
     return (per * weight).sum(), logp.argmax(-1)
 
 
-def _fused_chunk(hn, head_w, t_logits, w, kind: str, need_w: bool):
+def _fused_chunk(hn, head_w, t_logits, w, kind: str, need_h: bool, need_w: bool):
     """One chunk of the fused head + loss: loss, greedy ids and the loss's gradients, in one pass.
 
     Args:
         hn: ``[c, H]`` normed drafter states, in the matmul dtype. head_w: ``[Vd, H]``, same dtype.
         t_logits: ``[c, Vd]`` target logits over the draft vocab. w: ``[c]`` weights (accumulation dtype).
-        kind: ``"kl"`` / ``"ce"``. need_w: also return the gradient w.r.t. ``head_w`` (a trainable head).
+        kind: ``"kl"`` / ``"ce"``. need_h / need_w: return the gradient w.r.t. ``hn`` (trainable
+            drafter or final norm) / ``head_w`` (a trainable head), else None.
 
     Returns:
-        ``(loss_sum, pred [c] int64, grad_hn [c, H], grad_head [Vd, H] or None)``; the
-        gradients are those of ``loss_sum``, in the matmul dtype (as autograd through an autocast
-        matmul would give them). With ``L = sum_v p_t,v (log p_t,v - log softmax(z)_v)``,
-        ``dL/dz = softmax(z) * sum(p_t) - p_t`` (``sum(p_t)`` is 1 up to rounding; kept for exactness).
+        ``(loss_sum, pred [c] int64, grad_hn [c, H] or None, grad_head [Vd, H] or None)``; loss_sum in
+        the accumulation dtype (float32; float64 for float64), the gradients those of ``loss_sum``
+        in the matmul dtype, as autograd through the same matmul would give them. With
+        ``L = sum_v p_t,v (log p_t,v - log softmax(z)_v)``, ``dL/dz = softmax(z) * sum(p_t) - p_t``
+        (``sum(p_t)`` is 1 up to rounding, kept for exactness; CE: ``p_t`` is one-hot).
     """
     acc = _acc_dtype(hn.dtype)
     logp = F.log_softmax(F.linear(hn, head_w).to(acc), dim=-1)  # the op lm_head runs
+    p = logp.exp()
     if kind == "kl":
         tlogp = F.log_softmax(t_logits.to(acc), dim=-1)
         pt = tlogp.exp()
         per = (pt * (tlogp - logp)).sum(-1)
+        grad_z = p * pt.sum(-1, keepdim=True) - pt
     else:
         tgt = t_logits.argmax(-1, keepdim=True)
         per = -logp.gather(-1, tgt).squeeze(-1)
-        pt = torch.zeros_like(logp).scatter_(-1, tgt, 1.0)
-    grad_z = ((logp.exp() * pt.sum(-1, keepdim=True) - pt) * w[:, None]).to(hn.dtype)
-    return (per * w).sum(), logp.argmax(-1), grad_z @ head_w, grad_z.T @ hn if need_w else None
+        grad_z = p.scatter_add_(-1, tgt, torch.full(tgt.shape, -1.0, dtype=acc, device=p.device))
+    grad_z = (grad_z * w[:, None]).to(hn.dtype)
+    return ((per * w).sum(), logp.argmax(-1), grad_z @ head_w if need_h else None,
+            grad_z.T @ hn if need_w else None)
 
 
 class _GradFromForward(torch.autograd.Function):
     """``loss`` (a value) whose gradients w.r.t. ``hn`` and ``head_w`` were computed in the forward
-    (``grad_hn``, ``grad_head``); the backward scales them by the incoming gradient."""
+    (``grad_hn``, ``grad_head``, None where not needed); the backward scales them by the incoming
+    gradient. First-order only (``once_differentiable``)."""
 
     @staticmethod
     def forward(ctx, loss, hn, head_w, grad_hn, grad_head):
@@ -111,16 +118,30 @@ class _GradFromForward(torch.autograd.Function):
         return loss.clone()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         grad_hn, grad_head = ctx.saved_tensors
-        gh = (grad_hn * g).to(ctx.dtypes[0])
-        gw = None if grad_head is None else (grad_head * g).to(ctx.dtypes[1])
+        gh = None if grad_hn is None else grad_hn.to(ctx.dtypes[0]) * g.to(ctx.dtypes[0])
+        gw = None if grad_head is None else grad_head.to(ctx.dtypes[1]) * g.to(ctx.dtypes[1])
         return None, gh, gw, None, None
 
 
-def _sharded(weight: torch.Tensor) -> bool:
-    """The head weight is a shard at loss time (ZeRO-3 partitioned parameter, or an FSDP2 ``DTensor``)."""
-    return hasattr(weight, "ds_id") or hasattr(weight, "full_tensor")
+def _fusable(lm_head: torch.nn.Module) -> bool:
+    """The fused path reads ``lm_head.weight`` instead of calling the module, which is only the same
+    for a bias-free ``nn.Linear`` (not a subclass, wrapper or parametrized head) with no hooks of
+    its own or global module hooks, whose weight is whole at loss time (not a ZeRO-3 partitioned
+    parameter, ``ds_id``, nor an FSDP2 ``DTensor``)."""
+    from torch.nn.modules import module as nn_module
+
+    if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
+        return False
+    own = (lm_head._forward_hooks, lm_head._forward_pre_hooks, lm_head._backward_hooks, lm_head._backward_pre_hooks)
+    glob = (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
+            nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks)
+    if any(own) or any(glob):
+        return False
+    w = lm_head.weight
+    return not (hasattr(w, "ds_id") or hasattr(w, "full_tensor"))
 
 
 _CHUNK_COMPILED: dict = {}
@@ -182,11 +203,12 @@ def chunked_loss(
             activations and recomputes it in the backward).
         fused: when gradients are needed, compute them in the forward (:func:`_fused_chunk`; no
             lm_head recompute in the backward, no chunk logits kept) instead of checkpoint +
-            recompute. Falls back to recompute where the head weight is sharded at loss time
-            (ZeRO-3, FSDP2 ``DTensor``). Same loss and gradients (float64 tests, ``test_loss.py``).
+            recompute. Falls back to recompute where the head is not a plain bias-free ``nn.Linear``
+            or its weight is sharded at loss time (ZeRO-3, FSDP2 ``DTensor``): :func:`_fusable`.
+            Same loss and gradients (float64 tests, ``test_loss.py``).
 
     Returns:
-        ``(loss_sum scalar float32, draft_pred [E] int64 draft-vocab ids)``.
+        ``(loss_sum scalar float32 (float64 for float64 inputs), draft_pred [E] int64 draft-vocab ids)``.
 
     Raises:
         ValueError: unknown ``kind``.
@@ -198,8 +220,11 @@ def chunked_loss(
     mode = inductor_mode(compile)
     grads = torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad
                                          or any(p.requires_grad for p in norm.parameters()))
-    if fused and grads and not _sharded(lm_head.weight):
-        return _fused_loss(norm, lm_head.weight, h, label_index, weight, target, kind, chunk_size,
+    if fused and grads and _fusable(lm_head):
+        norm_fn = _compiled(_apply_norm, mode) if compile else _apply_norm
+        # checkpointed: the norm keeps nothing of its own ([E, H] float32 under autocast) for the backward
+        hn = checkpoint(norm_fn, norm, h, use_reentrant=False)
+        return _fused_loss(hn, lm_head.weight, label_index, weight, target, kind, chunk_size,
                            _compiled(_fused_chunk, mode) if compile else _fused_chunk)
     body = compiled_chunk_loss(mode) if compile else _chunk_loss
     total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
@@ -218,30 +243,44 @@ def chunked_loss(
     return total, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)
 
 
-def _fused_loss(norm, head_w, h, label_index, weight, target: TargetDist, kind: str, chunk_size: int, body):
-    """:func:`chunked_loss` with ``fused=True``: the chunk loop runs without autograd, collecting each
-    chunk's gradients (:func:`_fused_chunk`); :class:`_GradFromForward` hands them to autograd at
-    the normed states (the final norm's backward stays autograd's) and at the head weight."""
-    hn = norm(h)  # [E, H], autograd as usual
-    dt = _matmul_dtype(hn.device.type, _acc_dtype(hn.dtype))
-    acc = _acc_dtype(h.dtype)
-    need_w = head_w.requires_grad
+def _apply_norm(norm, h):
+    """``norm(h)``: the final norm as a function, so that ``train.compile`` can compile it (fused path)."""
+    return norm(h)
+
+
+def _fused_loss(hn, head_w, label_index, weight, target: TargetDist, kind: str, chunk_size: int, body):
+    """:func:`chunked_loss` with ``fused=True``, given the normed states ``hn [E, H]`` (autograd as usual).
+
+    The chunk loop runs without autograd, collecting each chunk's gradients (:func:`_fused_chunk`);
+    :class:`_GradFromForward` hands them to autograd at ``hn`` and at the head weight. The head
+    matmuls run in autocast's dtype under autocast, else in ``promote(hn, head_w)`` (bf16 for a bf16
+    model, as ``lm_head(hn)`` would). Kept for the backward: ``grad_hn [E, H]`` in that dtype and,
+    for a trainable head, ``grad_head [Vd, H]`` in the accumulation dtype. ``weight`` gets no gradient.
+
+    Returns:
+        ``(loss_sum scalar, float32 or float64 for float64 inputs; draft_pred [E] int64)``.
+    """
+    dt = _matmul_dtype(hn.device.type, torch.promote_types(hn.dtype, head_w.dtype))
+    acc = _acc_dtype(hn.dtype)
+    need_h, need_w = hn.requires_grad, head_w.requires_grad
     total = hn.new_zeros((), dtype=acc)
-    preds, grad_hn = [], torch.empty(hn.shape, dtype=dt, device=hn.device)
+    preds = []
+    grad_hn = torch.empty(hn.shape, dtype=dt, device=hn.device) if need_h else None
     grad_head = torch.zeros(head_w.shape, dtype=acc, device=head_w.device) if need_w else None
     with torch.no_grad():
         hd, wd = hn.detach().to(dt), head_w.detach().to(dt)
         for s in range(0, hn.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
             t_logits = target.draft_logits(label_index[sl])
-            part, pred, gh, gw = body(hd[sl], wd, t_logits, weight[sl].to(acc), kind, need_w)
+            part, pred, gh, gw = body(hd[sl], wd, t_logits, weight[sl].to(acc), kind, need_h, need_w)
             total = total + part
             preds.append(pred)
-            grad_hn[sl] = gh
+            if need_h:
+                grad_hn[sl] = gh
             if need_w:
                 grad_head += gw
     loss = _GradFromForward.apply(total, hn, head_w, grad_hn, grad_head)
-    return loss, torch.cat(preds) if preds else h.new_zeros(0, dtype=torch.long)
+    return loss, torch.cat(preds) if preds else hn.new_zeros(0, dtype=torch.long)
 
 
 def simulated_acceptance_lengths(cond: list[float]) -> list[float]:

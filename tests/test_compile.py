@@ -111,12 +111,13 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
     with pytest.raises(ValueError, match="unknown compile mode"):
         compiling.compile_kwargs("fastest")
     for compile, mode in ((True, repr(None)), ("max-autotune", repr(compiling.AUTOTUNE_OPTIONS))):
-        for fused, body in ((True, "_fused_chunk"), (False, "_chunk_loss")):
+        for fused, body in ((True, "_fused_chunk"), (False, "_chunk_loss")):  # fused: also "_apply_norm"
             seen.clear()
             loss, _ = PEagleObjective(d, head, chunk_size=64, attention="sdpa", compile=compile,
                                       fused_loss=fused)(*args)
             assert torch.isfinite(loss)
             assert {m for _, m in seen} == {mode} and body in {n for n, _ in seen}
+            assert ("_apply_norm" in {n for n, _ in seen}) is fused  # the final norm outside the fused chunk
             if fused:  # the first objective of this mode compiles the layers; the second reuses them
                 assert sum(n == "DrafterLayer" for n, _ in seen) == len(d.layers), seen
     base = {"output_dir": "x", "target": {"name": "t", "path": "p"}, "train": {}}

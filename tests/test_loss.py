@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -131,14 +132,21 @@ def test_target_logits_under_autocast_need_no_float32_head_copy():
 
 
 @pytest.mark.parametrize("kind", ["kl", "ce"])
-def test_fused_loss_keeps_no_logits_and_never_recomputes_the_head(kind):
+def test_fused_loss_keeps_no_logits_and_never_recomputes_the_head(kind, monkeypatch):
     """The fused path saves nothing of width Vd for the backward and never runs the lm_head module
     (the recompute path does both); scaling the loss scales every gradient (the backward multiplies
     by the incoming gradient); a frozen head gets no gradient."""
     target, norm, head, h, li, w, *_ = _setup()
     params = [h, norm.weight, head.weight]
     calls = []
-    head.register_forward_hook(lambda *a: calls.append("lm_head"))
+    linear_forward = nn.Linear.forward
+
+    def counted(self, x):
+        if self is head:
+            calls.append("lm_head")
+        return linear_forward(self, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", counted)  # a hook on the head would (rightly) disable fusing
     grads = {}
     for fused in (True, False):
         saved, calls[:] = [], []
@@ -184,22 +192,88 @@ def test_fused_loss_under_bf16_autocast_matches_recompute():
             torch.testing.assert_close(a.double(), b, atol=2e-2 * float(b.abs().max()), rtol=0)
 
 
-def test_fused_loss_falls_back_where_the_head_is_sharded(monkeypatch):
-    """A ZeRO-3 partitioned head (``ds_id``) or an FSDP2 ``DTensor`` cannot be read whole at loss time:
-    the recompute path (through the lm_head module, whose hooks gather it) runs instead."""
+def _head_gemms(fn):
+    """Run ``fn``; return ``(out shape, operand dtypes)`` of every matmul whose operands have H columns
+    or rows (the drafter head's forward and gradient GEMMs; the target's have T)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    seen = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in mm:
+                ops = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+                if any(H in a.shape for a in ops):
+                    seen.append((tuple(out.shape), tuple(a.dtype for a in ops)))
+            return out
+
+    with Probe():
+        fn()
+    return seen
+
+
+def test_fused_loss_gemms_run_in_the_models_dtype_and_only_where_needed():
+    """A bf16 model without autocast (DeepSpeed bf16): the fused head GEMMs run in bf16, as
+    ``lm_head(norm(h))`` does, not on float32 copies. A frozen head costs no head-gradient GEMM and
+    a frozen body (states and norm) no state-gradient GEMM; the gradients that remain are right."""
+    target, norm, head, h, li, w, full_head, draft_ids = _setup()
+    nb, hb = copy.deepcopy(norm).to(torch.bfloat16), copy.deepcopy(head).to(torch.bfloat16)  # .to is in place
+    xb = h.detach().to(torch.bfloat16).requires_grad_(True)
+    t32 = TargetDist(target.last.float(), target.head.float(), target.argmax)
+
+    def run(fused):
+        loss, _ = chunked_loss(nb, hb, xb, li, w.float(), t32, chunk_size=8, fused=fused)
+        loss.backward()
+
+    fused, recompute = _head_gemms(lambda: run(True)), _head_gemms(lambda: run(False))
+    assert fused and {d for _, d in fused} == {(torch.bfloat16, torch.bfloat16)}, fused
+    assert {d for _, d in recompute} == {(torch.bfloat16, torch.bfloat16)}, recompute
+
+    ref, _ = reference_loss(norm, head, h, li, w, target.last, full_head, draft_ids, "kl")
+    ref_h, ref_w = torch.autograd.grad(ref, [h, head.weight])
+    head.weight.requires_grad_(False)
+    gemms = _head_gemms(lambda: torch.autograd.grad(chunked_loss(norm, head, h, li, w, target, chunk_size=8)[0], h))
+    assert (Vd, H) not in {o for o, _ in gemms} and gemms  # no [Vd, H] head-gradient GEMM
+    head.weight.requires_grad_(True)
+    h0 = h.detach()
+    norm.weight.requires_grad_(False)
+    gemms = _head_gemms(lambda: chunked_loss(norm, head, h0, li, w, target, chunk_size=8)[0].backward())
+    assert (Vd, H) in {o for o, _ in gemms} and all(o[-1] != H or o == (Vd, H) for o, _ in gemms), gemms
+    torch.testing.assert_close(head.weight.grad, ref_w, atol=1e-10, rtol=1e-10)
+
+
+def test_fused_loss_falls_back_for_heads_it_cannot_read_as_a_weight(monkeypatch):
+    """The fused path reads ``lm_head.weight``; a head whose module call means more than that (a bias,
+    a subclass or a forward hook) or whose weight is a shard at loss time (ZeRO-3 ``ds_id``, an FSDP2
+    ``DTensor``) takes the recompute path, through the module, and still gives the reference loss."""
     import peagle_train.loss as loss_mod
 
-    target, norm, head, h, li, w, *_ = _setup()
-    assert not loss_mod._sharded(head.weight)
-    head.weight.ds_id = 7
-    assert loss_mod._sharded(head.weight)
+    target, norm, head, h, li, w, full_head, draft_ids = _setup()
     used = []
-    monkeypatch.setattr(loss_mod, "_fused_loss", lambda *a, **k: used.append("fused"))
-    chunked_loss(norm, head, h, li, w, target, chunk_size=7)
-    assert used == []
-    del head.weight.ds_id
+    fused_loss = loss_mod._fused_loss
+    monkeypatch.setattr(loss_mod, "_fused_loss", lambda *a, **k: used.append("fused") or fused_loss(*a, **k))
     chunked_loss(norm, head, h, li, w, target, chunk_size=7)
     assert used == ["fused"]
+
+    class Biased(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 0.5
+
+    biased = nn.Linear(H, Vd, bias=True).double()
+    sub = Biased(H, Vd, bias=False).double()
+    hooked = nn.Linear(H, Vd, bias=False).double()
+    hooked.register_forward_hook(lambda m, i, o: o * 2.0)
+    sharded = nn.Linear(H, Vd, bias=False).double()
+    sharded.weight.ds_id = 7
+    for other in (biased, sub, hooked, sharded):
+        with torch.no_grad():
+            other.weight.copy_(head.weight)
+        used.clear()
+        got, _ = chunked_loss(norm, other, h, li, w, target, chunk_size=7)
+        ref, _ = reference_loss(norm, other, h, li, w, target.last, full_head, draft_ids, "kl")
+        assert used == [] and abs(got.item() - ref.item()) < 1e-10 * abs(ref.item()), type(other)
 
 
 def test_kl_zero_when_draft_equals_restricted_target():
