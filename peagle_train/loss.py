@@ -16,7 +16,7 @@ The ``[E, Vd]`` fp32 logits never exist at once. Two ways to get the gradients
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +37,21 @@ class TargetDist:
     last: torch.Tensor
     head: torch.Tensor
     argmax: torch.Tensor
+    _head_as: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype → head cast
 
     def draft_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """Target logits restricted to the draft vocab for the ``[c]`` int64 token ``rows``: ``[c, Vd]``.
 
         The matmul runs in the loss accumulation dtype (float32; float64 for float64 inputs), or, under
         autocast, in autocast's dtype: there autocast would cast float32 operands straight back, so
-        the operands are not upcast first (same result, bitwise, without a float32 copy of the
-        ``[Vd, T]`` head for every chunk). The output dtype is the matmul's (bf16 under bf16 autocast).
+        the operands are not upcast first (same result, bitwise). The head is cast to that dtype once
+        per :class:`TargetDist` (one per objective call), not once per chunk. The output dtype is the
+        matmul's (bf16 under bf16 autocast).
         """
         dt = _matmul_dtype(self.last.device.type, _acc_dtype(self.last.dtype))
-        return self.last[rows].to(dt) @ self.head.to(dt).T
+        if dt not in self._head_as:
+            self._head_as[dt] = self.head.to(dt)
+        return self.last[rows].to(dt) @ self._head_as[dt].T
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -99,33 +99,39 @@ def test_chunked_loss_accumulates_in_float32_for_bf16():
     assert abs(loss.item() - ref.item()) < 0.05 * abs(ref.item())
 
 
+def _dispatched(fn) -> list:
+    """Run ``fn``; return ``(aten op, args, output)`` of every op it dispatched (a TorchDispatchMode probe)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ops.append((func, args, out))
+            return out
+
+    with Probe():
+        fn()
+    return ops
+
+
 def test_target_logits_under_autocast_need_no_float32_head_copy():
     """Under bf16 autocast the target matmul is bf16 whatever its operands: draft_logits gives the same
     bits as upcasting first (what autocast would undo), without any float32 copy of the head; without
     autocast it runs in float32 as before."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     g = torch.Generator().manual_seed(3)
     last, head = (torch.randn(n, 64, generator=g).bfloat16() for n in (50, 300))
     target, rows = TargetDist(last, head, torch.zeros(50, dtype=torch.long)), torch.arange(0, 50, 3)
 
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.made = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default:
-                self.made.append((tuple(out.shape), out.dtype))
-            return out
-
     with torch.autocast("cpu", dtype=torch.bfloat16):
         upcast_first = last[rows].float() @ head.float().T
-        with Copies() as copies:
-            got = target.draft_logits(rows)
+        got = []
+        ops = _dispatched(lambda: got.append(target.draft_logits(rows)))
+    made = [(tuple(out.shape), out.dtype) for func, _, out in ops if func is torch.ops.aten._to_copy.default]
+    got = got[0]
     assert got.dtype == torch.bfloat16 and torch.equal(got, upcast_first)
-    assert ((300, 64), torch.float32) not in copies.made and ((64, 300), torch.float32) not in copies.made
+    assert ((300, 64), torch.float32) not in made and ((64, 300), torch.float32) not in made
     plain = target.draft_logits(rows)
     assert plain.dtype == torch.float32
     torch.testing.assert_close(plain, last[rows].float() @ head.float().T, rtol=0, atol=0)
@@ -195,22 +201,12 @@ def test_fused_loss_under_bf16_autocast_matches_recompute():
 def _head_gemms(fn):
     """Run ``fn``; return ``(out shape, operand dtypes)`` of every matmul whose operands have H columns
     or rows (the drafter head's forward and gradient GEMMs; the target's have T)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     seen = []
-
-    class Probe(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in mm:
-                ops = [a for a in args if isinstance(a, torch.Tensor)][-2:]
-                if any(H in a.shape for a in ops):
-                    seen.append((tuple(out.shape), tuple(a.dtype for a in ops)))
-            return out
-
-    with Probe():
-        fn()
+    for func, args, out in _dispatched(fn):
+        ops = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+        if func in mm and any(H in a.shape for a in ops):
+            seen.append((tuple(out.shape), tuple(a.dtype for a in ops)))
     return seen
 
 
