@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import json
 import platform
@@ -172,12 +173,26 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
     records the one that ran (None for ``flex_joint`` and ``sdpa``, which have no chain part).
     ``fused_loss``: ``train.fused_loss`` (lm_head + loss gradients computed in the loss forward, or
     checkpoint + recompute).
+    The row records every timed step (``step_ms_all``), and Python's garbage-collector time in each
+    (``gc_ms_all``) with its number of full (generation-2) collections (``gc_full_all``), from
+    :data:`gc.callbacks`, so a slow step can be told apart from a collection pause.
     ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
     activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
     under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
     and their top call sites. Raises whatever the step raises (the caller records it); the
     drafter is back to eager, without checkpointing, either way.
     """
+    gc_now = {"ms": 0.0, "full": 0, "t0": None}
+
+    def gc_clock(phase, info):
+        if phase == "start":
+            gc_now["t0"] = time.perf_counter()
+        elif gc_now["t0"] is not None:
+            gc_now["ms"] += (time.perf_counter() - gc_now["t0"]) * 1e3
+            gc_now["full"] += info["generation"] == 2
+            gc_now["t0"] = None
+
+    gc.callbacks.append(gc_clock)
     try:
         cuda = device.type == "cuda"
         rank = torch.distributed.get_rank() if dist != "none" else 0
@@ -228,11 +243,13 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        gc_ms, gc_full = [], []
         for it in range(warmup + steps):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
+            gc_now.update(ms=0.0, full=0)
             grid = step(it)
             if cuda:
                 end.record()
@@ -244,6 +261,8 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
                 rec["first_step_s"] = dt  # includes compilation
             if it >= warmup:
                 times.append(dt)
+                gc_ms.append(gc_now["ms"])
+                gc_full.append(gc_now["full"])
             if on_step is not None:
                 on_step()
         rec["positions"], rec["flop"] = len(grid), flops(drafter, grid, N)  # the last step's grid
@@ -253,6 +272,8 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             "chain_kernel": resolve_chain_kernel(chain_kernel, device) if attention == "flex" else None,
             "fused_loss": fused_loss, "host_inputs": "prefetched",
             "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+            "step_ms_all": [t * 1e3 for t in times],
+            "gc_ms_all": gc_ms, "gc_full_all": gc_full,
             "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
             "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         })
@@ -260,12 +281,14 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             from peagle_train.compiling import inductor_mode
             from peagle_train.loss import compiled_chunk_loss
 
+            # the chunk body this row ran (the fused path's, or the recompute path's)
             rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
-                                    "loss_chunk": compiled_chunk_loss(inductor_mode(compile)).mode}
+                                    "loss_chunk": compiled_chunk_loss(inductor_mode(compile), fused=fused_loss).mode}
         if sync_debug and cuda:
             rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
         return rec
     finally:
+        gc.callbacks.remove(gc_clock)
         drafter.set_compile(False)
         drafter.gradient_checkpointing = False
 
@@ -513,7 +536,8 @@ def resolve_partitions(spec: str, N: int, args, drafter, device) -> tuple[int, b
     else:  # CPU smoke runs: pretend an 80 GiB device
         gpu_bytes = 80 * 2**30
     plan = plan_step(N, args.K, args.r, args.r_min, ShapeParams.from_config(drafter.config), gpu_bytes,
-                     chunk=args.chunk, headroom=args.headroom)
+                     chunk=args.chunk, headroom=args.headroom,
+                     fused_loss="off" not in args.fused_loss)  # one S for every row of this N: the larger need
     return plan.partitions, plan.checkpointing, {
         "predicted_peak_gb": plan.predicted_peak_bytes / 2**30, "budget_gb": plan.budget_bytes / 2**30,
         "gpu_gb": gpu_bytes / 2**30}
@@ -752,6 +776,9 @@ def main(argv=None):
               f"{r['first_step_s']:>8.1f} {r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}{sp}")
         if r.get("compile_modes"):
             print(f"{'':>24} compile modes: {r['compile_modes']}")
+        if r.get("gc_ms_all"):
+            print(f"{'':>24} garbage collector: {sum(r['gc_full_all'])} full collections in "
+                  f"{len(r['gc_ms_all'])} timed steps, {max(r['gc_ms_all']):.1f} ms at most in one step")
         if r.get("plan"):
             print(f"{'':>24} plan: {r['plan']}")
         if "ref_status" in r:

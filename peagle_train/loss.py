@@ -151,20 +151,24 @@ def _fusable(lm_head: torch.nn.Module) -> bool:
 _CHUNK_COMPILED: dict = {}
 
 
-def compiled_chunk_loss(inductor_mode: str | None = None):
-    """The chunk body (final norm → lm_head → log_softmax → KL/CE → weighted sum, argmax) under
+def compiled_chunk_loss(inductor_mode: str | None = None, fused: bool = False):
+    """The compiled chunk body :func:`chunked_loss` runs: under
     ``torch.compile(fullgraph=True, dynamic=False)`` with the safe fallback of
     :class:`~peagle_train.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
-    One shared instance per mode (one graph per distinct chunk length and loss kind).
+    One shared instance per (body, mode): one graph per distinct chunk length and loss kind.
 
     Args:
         inductor_mode: compile mode label: None (Inductor's defaults) or ``"max-autotune"``
             (:func:`~peagle_train.compiling.compile_kwargs`).
+        fused: False: the recompute path's body ``_chunk_loss`` (final norm → lm_head →
+            log_softmax → KL/CE → weighted sum, argmax); True: the fused path's ``_fused_chunk``
+            (lm_head → loss and its gradients in the forward, :func:`_fused_chunk`).
 
     Returns:
-        a :class:`~peagle_train.compiling.SafeCompiled` callable with ``_chunk_loss``'s signature.
+        a :class:`~peagle_train.compiling.SafeCompiled` callable with that body's signature; its
+        ``mode`` says whether it compiled (``"pending"`` until first called).
     """
-    return _compiled(_chunk_loss, inductor_mode)
+    return _compiled(_fused_chunk if fused else _chunk_loss, inductor_mode)
 
 
 def _compiled(fn, inductor_mode: str | None):
@@ -229,7 +233,7 @@ def chunked_loss(
         # checkpointed: the norm keeps nothing of its own ([E, H] float32 under autocast) for the backward
         hn = checkpoint(norm_fn, norm, h, use_reentrant=False)
         return _fused_loss(hn, lm_head.weight, label_index, weight, target, kind, chunk_size,
-                           _compiled(_fused_chunk, mode) if compile else _fused_chunk)
+                           compiled_chunk_loss(mode, fused=True) if compile else _fused_chunk)
     body = compiled_chunk_loss(mode) if compile else _chunk_loss
     total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
     preds = []

@@ -3,10 +3,16 @@ whether activation checkpointing are needed for an ``N``-token sequence to fit a
 
 Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_step.py``)::
 
-    peak(N, S) = static + workspace + inputs + ALPHA * act_bytes_per_element * E_seg
-    static     = 16 * P_trainable            # fp32 weight + grad + AdamW m, v
+    peak(N, S) = static + grads + workspace + inputs + ALPHA * act_bytes_per_element * E_seg + kept_logits
+    static     = 12 * P_trainable            # fp32 weight + AdamW m, v
                + 4 * Vd * H                  # frozen fp32 lm_head (12 more per param if trainable)
                + target_head_bytes * Vd * T  # frozen target head rows (bf16 in the benchmark)
+    grads      = 4 * P_trainable if gradients are resident during the forward, else 0
+                                             # (S > 1: the first segment's gradients are kept while
+                                             # the next segment runs; likewise after the first of
+                                             # several micro-batches). With S = 1 and one micro-batch
+                                             # the peak comes before any gradient exists (the
+                                             # optimizer's zero_grad sets them to None).
     workspace  = OMEGA * 4 * chunk * Vd      # one loss chunk's fp32 [chunk, Vd] buffers
     inputs     = N * (A + 1) * T * 2         # bf16 aux [N, A*T] + final hidden [N, T]
     E          = e_ratio * N,  e_ratio = sum_{d<K} max(r**d, r_min)   (3.373 for K=8, r=0.7, r_min=0.2)
@@ -15,34 +21,39 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
     act_bytes_per_element = L * (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd) + 12 H
                                              # saved activations per grid element, no checkpointing
     with checkpointing: L * 2 H + 12 H + one layer's (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd)
+    kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
+                                             # recompute path keeps every chunk's bf16 target logits)
 
 ``act_bytes_per_element`` counts, per decoder layer, the bf16/fp32 tensors autograd keeps
 (two RMSNorms, q/k/v/o, the SwiGLU intermediates), plus the embedding, fc output and final
 hidden state; it is 571,136 bytes for the GPT-OSS-20B shape. ``ALPHA`` and ``OMEGA`` are a
-least-squares fit to the measured peaks of ``docs/benchmarks.md`` (one H200, GPT-OSS-20B
-shape, Vd = 32,000, K = 8, r = 0.7, r_min = 0.2, chunk 8,192, lm_head frozen)::
+least-squares fit (relative error) to the peaks measured on one H200 in the eighth session
+(``docs/benchmarks.md``; GPT-OSS-20B shape, Vd = 32,000, K = 8, r = 0.7, r_min = 0.2, chunk
+8,192, lm_head frozen, ``train.compile``, the Triton chain kernels, ``train.fused_loss``)::
 
     N       S  measured GiB  model GiB  error
-    2,048   1  21.8          21.4       -1.8 %
-    4,096   1  26.8          26.7       -0.4 %
-    8,192   1  35.7          36.1       +1.1 %
-    16,384  1  53.6          55.7       +3.9 %
-    32,768  2  69.1          67.5       -2.3 %
+    2,048   1  17.2          17.1       -0.8 %
+    4,096   1  20.6          20.7       +0.6 %
+    8,192   1  26.6          26.7       +0.2 %
+    16,384  1  38.9          39.0       +0.3 %
+    32,768  1  63.6          63.7       +0.3 %
+    65,536  2  83.3          82.6       -0.9 %
+    65,536  1  112.9         113.2      +0.2 %
+    8,192   1  27.6          28.3       +2.7 %   (fused_loss off; not in the fit)
 
-(E_seg padded to a multiple of 1024.) Predictions on a 139.8 GiB H200 with the default
-``headroom = 0.9``: N = 32,768 fits at S = 1 (101.8 GiB); N = 65,536 needs S = 2 (118.5 GiB;
-S = 1 would be 173 GiB); N = 131,072 needs checkpointing.
-
-giving ``ALPHA = 1.318`` (allocator rounding, transient copies) and ``OMEGA = 1.305``. The
-model is calibrated on one shape; the per-element terms scale with the shape's widths, so
-other shapes are an extrapolation (the ``headroom`` factor absorbs part of that).
+(E_seg padded to a multiple of 1024.) giving ``ALPHA = 0.828`` (below 1: the chain kernels and
+the fused loss keep less than the per-layer count; allocator rounding) and ``OMEGA = 2.812``.
+Predictions on a 139.8 GiB H200 with the default ``headroom = 0.9`` (125.8 GiB): N = 65,536
+fits at S = 1 (113.2 GiB); N = 131,072 needs S = 3 (124.5 GiB; not measured). The model is
+calibrated on one shape; the per-element terms scale with the shape's widths, so other shapes
+are an extrapolation (the ``headroom`` factor absorbs part of that).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALPHA = 1.318
-OMEGA = 1.305
+ALPHA = 0.828
+OMEGA = 2.812
 GIB = 2**30
 
 
@@ -128,7 +139,8 @@ def segment_elements(N: int, S: int, E: float, pad_multiple: int = 1024) -> int:
 
 def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float = 0.7, r_min: float = 0.2, *,
                        checkpointing: bool = False, chunk: int = 8192, lm_head_trainable: bool = False,
-                       target_head_bytes: int = 2, max_anchors: int | None = None) -> int:
+                       target_head_bytes: int = 2, max_anchors: int | None = None, fused_loss: bool = True,
+                       grads_resident: bool | None = None) -> int:
     """Predicted peak allocated bytes of one step (module docstring model).
 
     Args:
@@ -137,6 +149,9 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
         checkpointing: activation checkpointing of the decoder layers. chunk: loss chunk (elements).
         lm_head_trainable: whether the lm_head gets grads and AdamW state.
         target_head_bytes: bytes per element of the frozen target head rows (2 bf16, 4 fp32).
+        fused_loss: ``train.fused_loss`` (False adds the recompute path's kept target logits).
+        grads_resident: whether gradients already exist while the peak segment runs (None:
+            exactly when ``S > 1``; pass True when one step has several micro-batches).
 
     Returns:
         bytes (int).
@@ -144,16 +159,21 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     E = expected_elements(N, K, r, r_min, max_anchors)
     H, T, Vd = shape.hidden_size, shape.target_hidden_size, shape.draft_vocab_size
     frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 16-byte params
-    static = 16 * shape.trainable_params(lm_head_trainable) + frozen_head + target_head_bytes * Vd * T
+    P = shape.trainable_params(lm_head_trainable)
+    static = 12 * P + frozen_head + target_head_bytes * Vd * T
+    grads = 4 * P if (S > 1 if grads_resident is None else grads_resident) else 0
     workspace = OMEGA * 4 * min(chunk, E) * Vd
     inputs = N * (shape.aux_layers + 1) * T * 2
-    act = ALPHA * shape.act_bytes_per_element(checkpointing) * segment_elements(N, S, E)
-    return int(static + workspace + inputs + act)
+    E_seg = segment_elements(N, S, E)
+    act = ALPHA * shape.act_bytes_per_element(checkpointing) * E_seg
+    kept_logits = 0 if fused_loss else 2 * Vd * E_seg
+    return int(static + grads + workspace + inputs + act + kept_logits)
 
 
 def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int, *, chunk: int = 8192,
               max_partitions: int = 8, allow_checkpointing: bool = True, headroom: float = 0.9,
-              lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None) -> Plan:
+              lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None,
+              fused_loss: bool = True, grads_resident: bool | None = None) -> Plan:
     """The fewest partitions ``S`` whose predicted peak fits ``headroom * gpu_bytes``.
 
     Tries ``S = 1..max_partitions`` without checkpointing first; only if none fits, the same
@@ -164,8 +184,8 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         gpu_bytes: device memory in bytes (e.g. ``torch.cuda.get_device_properties(0).total_memory``).
         chunk: loss chunk. max_partitions: largest S tried (capped at N). allow_checkpointing: may
             fall back to checkpointing. headroom: usable fraction of ``gpu_bytes`` (allocator
-            fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes:
-            as :func:`predict_peak_bytes`.
+            fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes,
+            fused_loss, grads_resident: as :func:`predict_peak_bytes`.
 
     Returns:
         :class:`Plan` (unpacks as ``S, checkpointing``).
@@ -183,7 +203,7 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         for S in range(1, s_max + 1):
             peak = predict_peak_bytes(N, S, shape, K, r, r_min, checkpointing=ckpt, chunk=chunk,
                                       lm_head_trainable=lm_head_trainable, target_head_bytes=target_head_bytes,
-                                      max_anchors=max_anchors)
+                                      max_anchors=max_anchors, fused_loss=fused_loss, grads_resident=grads_resident)
             if peak <= budget:
                 return Plan(S, ckpt, peak, budget)
             best = peak if best is None else min(best, peak)
@@ -195,11 +215,14 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
 
 
 def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
-                   chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9) -> int:
+                   chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9,
+                   fused_loss: bool = True, grads_resident: bool | None = None) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
     :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing off (it never
     turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
     is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
+    ``fused_loss``, ``grads_resident``: as :func:`predict_peak_bytes` (the trainer passes
+    ``grads_resident=True`` when a step has several micro-batches).
 
     Raises:
         ValueError: from :func:`plan_step` when even 8 segments do not fit (the message gives the
@@ -208,4 +231,5 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
     if gpu_bytes is None:
         return 1
     return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, allow_checkpointing=False,
-                     max_anchors=max_anchors, headroom=headroom).partitions
+                     max_anchors=max_anchors, headroom=headroom, fused_loss=fused_loss,
+                     grads_resident=grads_resident).partitions

@@ -319,8 +319,11 @@ class Trainer:
             self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
         shape, gpu = self._plan_inputs
         try:
+            # after the first of several micro-batches the step's gradients are resident
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
-                                    chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors) for n in lengths]
+                                    chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors,
+                                    fused_loss=self.tc.fused_loss, grads_resident=True if len(lengths) > 1 else None)
+                     for n in lengths]
         except ValueError as e:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
                               f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "

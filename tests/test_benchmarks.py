@@ -24,6 +24,29 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
     assert 0 < len(top) <= 25 and {"name", "ms_per_step", "pct_of_step"} <= set(top[0])
     printed = capsys.readouterr().out
     assert "step ms" in printed and "first s" in printed and "top" in printed
+    for r in rows:  # every timed step is kept, with the garbage collector's share of it
+        assert len(r["step_ms_all"]) == len(r["gc_ms_all"]) == len(r["gc_full_all"]) == 2
+        assert r["step_ms_min"] == min(r["step_ms_all"]) and r["step_ms_max"] == max(r["step_ms_all"])
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_train_step_records_garbage_collection_inside_a_step(bench, tmp_path, monkeypatch):
+    import gc
+
+    import torch
+
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clip_and_collect(*a, **k):  # a full collection inside every step
+        gc.collect()
+        return clip(*a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_collect)
+    callbacks = list(gc.callbacks)
+    (row,) = bench.main(["--shape", "tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1",
+                         "--out", str(tmp_path / "gc.json")])
+    assert row["gc_full_all"] == [1, 1] and all(ms > 0 for ms in row["gc_ms_all"])
+    assert gc.callbacks == callbacks  # the benchmark's clock is removed again
 
 
 def test_reference_rows_carry_the_ratio(bench):

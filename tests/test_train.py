@@ -160,12 +160,16 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     seen = []
 
     def fake(N, K, r, r_min, shape, gpu_bytes, **kw):
-        seen.append((N, gpu_bytes, shape.hidden_size))
+        seen.append((N, gpu_bytes, shape.hidden_size, kw["fused_loss"], kw["grads_resident"]))
         return 3
 
     monkeypatch.setattr(planner, "partitions_for", fake)
     rec_auto = auto.train_step()
-    assert seen and all(n == 40 and gpu is None and h == 32 for n, gpu, h in seen)
+    # one micro-batch: the planner decides when gradients are resident (S > 1); the config's loss path
+    assert seen and all(s == (40, None, 32, auto.tc.fused_loss, None) for s in seen), seen
+    seen.clear()
+    assert auto.partitions([40, 80]) == [3, 3]  # several micro-batches: gradients resident after the first
+    assert [s[0] for s in seen] == [40, 80] and all(s[4] is True for s in seen)
 
     def no_fit(*a, **k):
         raise ValueError("no plan fits N=40")
