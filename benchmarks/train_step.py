@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import LlamaConfig  # noqa: E402
 
 import peagle_train.drafter as drafter_mod  # noqa: E402
+import peagle_train.loss as loss_mod  # noqa: E402
 from peagle_train.attention import dense_attention_with_lse  # noqa: E402
 from peagle_train.chain_kernel import TILING as CHAIN_TILING, resolve as resolve_chain_kernel  # noqa: E402
 from peagle_train.drafter import Drafter, make_drafter_config  # noqa: E402
@@ -277,20 +278,22 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
             "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         })
+        # the loss path the steps took: fused_loss falls back to recompute where the head is sharded (fsdp2)
+        rec["loss_path"] = loss_mod.last_path
         if compile:
             from peagle_train.compiling import inductor_mode
-            from peagle_train.loss import compiled_chunk_loss
 
-            # the chunk body this row ran (the fused path's, or the recompute path's)
             rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
-                                    "loss_chunk": compiled_chunk_loss(inductor_mode(compile), fused=fused_loss).mode}
+                                    "loss_chunk": loss_mod.compiled_chunk_loss(
+                                        inductor_mode(compile), fused=rec["loss_path"] == "fused").mode}
         if sync_debug and cuda:
             rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
         return rec
     finally:
-        gc.callbacks.remove(gc_clock)
         drafter.set_compile(False)
         drafter.gradient_checkpointing = False
+        if gc_clock in gc.callbacks:
+            gc.callbacks.remove(gc_clock)
 
 
 def count_syncs(fn) -> dict:
@@ -537,7 +540,8 @@ def resolve_partitions(spec: str, N: int, args, drafter, device) -> tuple[int, b
         gpu_bytes = 80 * 2**30
     plan = plan_step(N, args.K, args.r, args.r_min, ShapeParams.from_config(drafter.config), gpu_bytes,
                      chunk=args.chunk, headroom=args.headroom,
-                     fused_loss="off" not in args.fused_loss)  # one S for every row of this N: the larger need
+                     fused_loss="off" not in args.fused_loss,  # one S for every row of this N: the larger need
+                     grads_resident=True if args.dist != "none" else None)  # DDP's gradient buckets always exist
     return plan.partitions, plan.checkpointing, {
         "predicted_peak_gb": plan.predicted_peak_bytes / 2**30, "budget_gb": plan.budget_bytes / 2**30,
         "gpu_gb": gpu_bytes / 2**30}

@@ -80,9 +80,39 @@ def _stage(args) -> object:
     return {**stages.run_eval(cfg), "report": report}
 
 
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+
+
+def default_allocator_conf(environ=None) -> bool:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set the CUDA caching
+    allocator's configuration (``PYTORCH_CUDA_ALLOC_CONF`` or its newer name ``PYTORCH_ALLOC_CONF``).
+
+    Why: grid lengths change from step to step (COD sampling, packing, S partitions); expandable
+    segments let the allocator grow one mapping instead of leaving fragments between differently
+    sized blocks. The N = 65,536 GPT-OSS-20B-shaped step in one partition (112.9 GiB of an H200's
+    139.8, ``docs/benchmarks.md``, eighth session) was measured with it. It takes effect only
+    before the first CUDA allocation, which is why the console script sets it first.
+
+    Args:
+        environ: the environment mapping (default ``os.environ``).
+
+    Returns:
+        True when it set the variable, False when the user's setting was kept.
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    if "PYTORCH_CUDA_ALLOC_CONF" in env or "PYTORCH_ALLOC_CONF" in env:
+        return False
+    env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF_DEFAULT
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point. Returns 0 on success, 1 when ``check`` finds problems, 2 on bad input."""
     args = build_parser().parse_args(argv)
+    if args.command in STAGES:
+        default_allocator_conf()  # before anything allocates on a GPU
     from .config import ConfigError
     from .features import CacheError
     from .target import TargetLoadError

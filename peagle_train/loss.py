@@ -149,6 +149,10 @@ def _fusable(lm_head: torch.nn.Module) -> bool:
 
 
 _CHUNK_COMPILED: dict = {}
+last_path: str | None = None
+"""Which path the latest :func:`chunked_loss` call in this process took: ``"fused"``,
+``"recompute"`` or ``"no-grad"`` (None before the first call). A diagnostic for benchmarks and
+tests: the fused path falls back to recompute by itself where :func:`_fusable` says no."""
 
 
 def compiled_chunk_loss(inductor_mode: str | None = None, fused: bool = False):
@@ -228,12 +232,15 @@ def chunked_loss(
     mode = inductor_mode(compile)
     grads = torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad
                                          or any(p.requires_grad for p in norm.parameters()))
+    global last_path
     if fused and grads and _fusable(lm_head):
+        last_path = "fused"
         norm_fn = _compiled(_apply_norm, mode) if compile else _apply_norm
         # checkpointed: the norm keeps nothing of its own ([E, H] float32 under autocast) for the backward
         hn = checkpoint(norm_fn, norm, h, use_reentrant=False)
         return _fused_loss(hn, lm_head.weight, label_index, weight, target, kind, chunk_size,
                            compiled_chunk_loss(mode, fused=True) if compile else _fused_chunk)
+    last_path = "recompute" if grads else "no-grad"
     body = compiled_chunk_loss(mode) if compile else _chunk_loss
     total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
     preds = []

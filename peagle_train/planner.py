@@ -5,12 +5,14 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
 
     peak(N, S) = static + grads + workspace + inputs + ALPHA * act_bytes_per_element * E_seg + kept_logits
     static     = 12 * P_trainable            # fp32 weight + AdamW m, v
-               + 4 * Vd * H                  # frozen fp32 lm_head (12 more per param if trainable)
+               + 4 * Vd * H                  # frozen fp32 lm_head (a trainable one: 8 more per param for m, v,
+                                             # and 4 for its gradient where gradients are resident)
                + target_head_bytes * Vd * T  # frozen target head rows (bf16 in the benchmark)
     grads      = 4 * P_trainable if gradients are resident during the forward, else 0
                                              # (S > 1: the first segment's gradients are kept while
                                              # the next segment runs; likewise after the first of
-                                             # several micro-batches). With S = 1 and one micro-batch
+                                             # several micro-batches, and always under DDP, whose
+                                             # gradient buckets exist from the start). With S = 1 and one micro-batch
                                              # the peak comes before any gradient exists (the
                                              # optimizer's zero_grad sets them to None).
     workspace  = OMEGA * 4 * chunk * Vd      # one loss chunk's fp32 [chunk, Vd] buffers
@@ -22,7 +24,9 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
                                              # saved activations per grid element, no checkpointing
     with checkpointing: L * 2 H + 12 H + one layer's (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd)
     kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
-                                             # recompute path keeps every chunk's bf16 target logits)
+                                             # recompute path keeps every chunk's bf16 target logits);
+                  with fused_loss and a trainable lm_head, 4 * Vd * H more (its gradient, summed over
+                                             # the chunks in the forward)
 
 ``act_bytes_per_element`` counts, per decoder layer, the bf16/fp32 tensors autograd keeps
 (two RMSNorms, q/k/v/o, the SwiGLU intermediates), plus the embedding, fc output and final
@@ -44,7 +48,7 @@ least-squares fit (relative error) to the peaks measured on one H200 in the eigh
 (E_seg padded to a multiple of 1024.) giving ``ALPHA = 0.828`` (below 1: the chain kernels and
 the fused loss keep less than the per-layer count; allocator rounding) and ``OMEGA = 2.812``.
 Predictions on a 139.8 GiB H200 with the default ``headroom = 0.9`` (125.8 GiB): N = 65,536
-fits at S = 1 (113.2 GiB); N = 131,072 needs S = 3 (124.5 GiB; not measured). The model is
+fits at S = 1 (113.2 GiB); N = 131,072 needs S = 3 (124.6 GiB; not measured). The model is
 calibrated on one shape; the per-element terms scale with the shape's widths, so other shapes
 are an extrapolation (the ``headroom`` factor absorbs part of that).
 """
@@ -158,7 +162,7 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     """
     E = expected_elements(N, K, r, r_min, max_anchors)
     H, T, Vd = shape.hidden_size, shape.target_hidden_size, shape.draft_vocab_size
-    frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 16-byte params
+    frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 12-byte params
     P = shape.trainable_params(lm_head_trainable)
     static = 12 * P + frozen_head + target_head_bytes * Vd * T
     grads = 4 * P if (S > 1 if grads_resident is None else grads_resident) else 0
@@ -167,7 +171,8 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     E_seg = segment_elements(N, S, E)
     act = ALPHA * shape.act_bytes_per_element(checkpointing) * E_seg
     kept_logits = 0 if fused_loss else 2 * Vd * E_seg
-    return int(static + grads + workspace + inputs + act + kept_logits)
+    head_grad = 4 * Vd * H if (fused_loss and lm_head_trainable) else 0  # the fused path's head-gradient buffer
+    return int(static + grads + workspace + inputs + act + kept_logits + head_grad)
 
 
 def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int, *, chunk: int = 8192,

@@ -303,7 +303,10 @@ class Trainer:
         """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
         asks :func:`~peagle_train.planner.partitions_for` with this GPU's memory minus what the
         online target holds, and takes the maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks
-        run the same number of forwards.
+        run the same number of forwards. The planner is told ``train.fused_loss`` (the recompute
+        path keeps more) and that gradients are resident during the forward when the step has
+        several micro-batches (after the first) or several processes (DDP allocates its gradient
+        buckets up front); otherwise it assumes they are only where a micro-batch has S > 1.
 
         Raises:
             ConfigError: ``auto`` and no partition count fits (names the micro-batch size and what to change).
@@ -319,10 +322,10 @@ class Trainer:
             self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
         shape, gpu = self._plan_inputs
         try:
-            # after the first of several micro-batches the step's gradients are resident
+            resident = len(lengths) > 1 or self.acc.num_processes > 1
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
                                     chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors,
-                                    fused_loss=self.tc.fused_loss, grads_resident=True if len(lengths) > 1 else None)
+                                    fused_loss=self.tc.fused_loss, grads_resident=True if resident else None)
                      for n in lengths]
         except ValueError as e:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "

@@ -24,6 +24,7 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
     assert 0 < len(top) <= 25 and {"name", "ms_per_step", "pct_of_step"} <= set(top[0])
     printed = capsys.readouterr().out
     assert "step ms" in printed and "first s" in printed and "top" in printed
+    assert all(r["loss_path"] == "fused" for r in rows)  # train.fused_loss's default, and it applied
     for r in rows:  # every timed step is kept, with the garbage collector's share of it
         assert len(r["step_ms_all"]) == len(r["gc_ms_all"]) == len(r["gc_full_all"]) == 2
         assert r["step_ms_min"] == min(r["step_ms_all"]) and r["step_ms_max"] == max(r["step_ms_all"])

@@ -449,6 +449,29 @@ def test_console_script_ends_the_process_group_after_a_stage_only(monkeypatch):
     assert calls == []
 
 
+def test_console_script_defaults_the_cuda_allocator_to_expandable_segments(monkeypatch):
+    """``peagle-train <stage>`` sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the setting
+    the long-sequence benchmarks ran with) before the stage runs, and keeps a user's own setting
+    under either variable name."""
+    import os
+
+    from peagle_train import cli
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)  # absent now; monkeypatch restores the original state afterwards
+    seen = []
+    monkeypatch.setattr(cli, "_stage", lambda args: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    monkeypatch.setattr("peagle_train.distributed.end_process_group", lambda: None)
+    assert cli.main(["train", "recipes/smollm2-135m.yaml"]) == 0
+    assert seen == ["expandable_segments:True"]
+    assert not cli.default_allocator_conf({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    assert not cli.default_allocator_conf(env) and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    env = {}
+    assert cli.default_allocator_conf(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 # -- sampling ------------------------------------------------------------------------------------------
 
 def test_length_balanced_sampling_gives_ranks_similar_work():

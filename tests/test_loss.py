@@ -251,7 +251,10 @@ def test_fused_loss_falls_back_for_heads_it_cannot_read_as_a_weight(monkeypatch)
     fused_loss = loss_mod._fused_loss
     monkeypatch.setattr(loss_mod, "_fused_loss", lambda *a, **k: used.append("fused") or fused_loss(*a, **k))
     chunked_loss(norm, head, h, li, w, target, chunk_size=7)
-    assert used == ["fused"]
+    assert used == ["fused"] and loss_mod.last_path == "fused"
+    with torch.no_grad():
+        chunked_loss(norm, head, h, li, w, target, chunk_size=7)
+    assert loss_mod.last_path == "no-grad"
 
     class Biased(nn.Linear):
         def forward(self, x):
@@ -270,6 +273,7 @@ def test_fused_loss_falls_back_for_heads_it_cannot_read_as_a_weight(monkeypatch)
         got, _ = chunked_loss(norm, other, h, li, w, target, chunk_size=7)
         ref, _ = reference_loss(norm, other, h, li, w, target.last, full_head, draft_ids, "kl")
         assert used == [] and abs(got.item() - ref.item()) < 1e-10 * abs(ref.item()), type(other)
+        assert loss_mod.last_path == "recompute"  # what the benchmark reports for the row
 
 
 def test_kl_zero_when_draft_equals_restricted_target():

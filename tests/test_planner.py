@@ -41,6 +41,8 @@ def test_recompute_loss_and_resident_gradients_cost_memory():
     resident = predict_peak_bytes(8192, 1, GPT_OSS, grads_resident=True, **COD)
     assert resident - fused == 4 * GPT_OSS.trainable_params()
     assert predict_peak_bytes(8192, 2, GPT_OSS, grads_resident=False, **COD) < predict_peak_bytes(8192, 2, GPT_OSS, **COD)
+    trainable = predict_peak_bytes(8192, 1, GPT_OSS, lm_head_trainable=True, **COD)
+    assert trainable - fused == 8 * 32000 * 2880 + 4 * 32000 * 2880  # AdamW m, v + the fused head gradient
     # the recompute path's extra logits make N = 65,536 need two segments on an H200
     assert plan_step(65536, gpu_bytes=H200, shape=GPT_OSS, fused_loss=False, **COD).partitions == 2
 

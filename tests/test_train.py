@@ -155,7 +155,7 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
         _cfg(run_dir, method="eagle3", partitions="auto")
     data, feats, tconf = _cached_inputs(run_dir)
 
-    auto = Trainer(_cfg(run_dir, max_steps=1, partitions="auto"), data, feats, tconf, [1, 3, 4])
+    auto = Trainer(_cfg(run_dir, max_steps=1, partitions="auto", fused_loss=False), data, feats, tconf, [1, 3, 4])
     assert auto.partitions([40, 80]) == [1, 1]  # CPU: no GPU memory to plan against
     seen = []
 
@@ -166,7 +166,7 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     monkeypatch.setattr(planner, "partitions_for", fake)
     rec_auto = auto.train_step()
     # one micro-batch: the planner decides when gradients are resident (S > 1); the config's loss path
-    assert seen and all(s == (40, None, 32, auto.tc.fused_loss, None) for s in seen), seen
+    assert seen and all(s == (40, None, 32, False, None) for s in seen), seen
     seen.clear()
     assert auto.partitions([40, 80]) == [3, 3]  # several micro-batches: gradients resident after the first
     assert [s[0] for s in seen] == [40, 80] and all(s[4] is True for s in seen)
@@ -177,7 +177,7 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     monkeypatch.setattr(planner, "partitions_for", no_fit)
     with pytest.raises(ConfigError, match="train.partitions=auto found no plan for a micro-batch of 40 tokens"):
         auto.partitions([40])
-    fixed = Trainer(_cfg(run_dir, max_steps=1, partitions=3), data, feats, tconf, [1, 3, 4])
+    fixed = Trainer(_cfg(run_dir, max_steps=1, partitions=3, fused_loss=False), data, feats, tconf, [1, 3, 4])
     rec_fixed = fixed.train_step()
     assert rec_auto["loss"] == pytest.approx(rec_fixed["loss"], rel=1e-6)
     wa = auto.acc.unwrap_model(auto.model).drafter.fc.weight
