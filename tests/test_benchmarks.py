@@ -46,7 +46,8 @@ def test_train_step_records_garbage_collection_inside_a_step(bench, tmp_path, mo
     callbacks = list(gc.callbacks)
     (row,) = bench.main(["--shape", "tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1",
                          "--out", str(tmp_path / "gc.json")])
-    assert row["gc_full_all"] == [1, 1] and all(ms > 0 for ms in row["gc_ms_all"])
+    # at least the forced one per step (Python may add its own)
+    assert all(n >= 1 for n in row["gc_full_all"]) and all(ms > 0 for ms in row["gc_ms_all"])
     assert gc.callbacks == callbacks  # the benchmark's clock is removed again
 
 
