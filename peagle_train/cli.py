@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,8 +100,6 @@ def default_allocator_conf(environ=None) -> bool:
     Returns:
         True when it set the variable, False when the user's setting was kept.
     """
-    import os
-
     env = os.environ if environ is None else environ
     if "PYTORCH_CUDA_ALLOC_CONF" in env or "PYTORCH_ALLOC_CONF" in env:
         return False

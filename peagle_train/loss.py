@@ -225,6 +225,7 @@ def chunked_loss(
     Raises:
         ValueError: unknown ``kind``.
     """
+    global last_path
     if kind not in ("kl", "ce"):
         raise ValueError(f"unknown loss kind {kind!r}")
     from .compiling import inductor_mode
@@ -232,7 +233,6 @@ def chunked_loss(
     mode = inductor_mode(compile)
     grads = torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad
                                          or any(p.requires_grad for p in norm.parameters()))
-    global last_path
     if fused and grads and _fusable(lm_head):
         last_path = "fused"
         norm_fn = _compiled(_apply_norm, mode) if compile else _apply_norm

@@ -227,7 +227,7 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
     turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
     is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
     ``fused_loss``, ``grads_resident``: as :func:`predict_peak_bytes` (the trainer passes
-    ``grads_resident=True`` when a step has several micro-batches).
+    ``grads_resident=True`` when a step has several micro-batches or several processes).
 
     Raises:
         ValueError: from :func:`plan_step` when even 8 segments do not fit (the message gives the

@@ -321,8 +321,8 @@ class Trainer:
                 gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
             self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
         shape, gpu = self._plan_inputs
+        resident = len(lengths) > 1 or self.acc.num_processes > 1
         try:
-            resident = len(lengths) > 1 or self.acc.num_processes > 1
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
                                     chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors,
                                     fused_loss=self.tc.fused_loss, grads_resident=True if resident else None)
