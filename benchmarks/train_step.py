@@ -277,9 +277,9 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             "gc_ms_all": gc_ms, "gc_full_all": gc_full,
             "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
             "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            # the loss path the steps took: fused_loss falls back to recompute where the head is sharded (fsdp2)
+            "loss_path": loss_mod.last_path,
         })
-        # the loss path the steps took: fused_loss falls back to recompute where the head is sharded (fsdp2)
-        rec["loss_path"] = loss_mod.last_path
         if compile:
             from peagle_train.compiling import inductor_mode
 
@@ -643,7 +643,10 @@ def main(argv=None):
     matmul_tflops = matmul_rate(device)
     drafter, head, tc = build(args.shape, args.draft_vocab, args.K, device)
     if args.chain_tiling:
-        best = json.loads(Path(args.chain_tiling).read_text())["best_tiling"]
+        best = json.loads(Path(args.chain_tiling).read_text()).get("best_tiling")
+        if not isinstance(best, dict) or not set(best) <= set(CHAIN_TILING):
+            raise SystemExit(f"--chain-tiling {args.chain_tiling}: no 'best_tiling' of kernels {sorted(CHAIN_TILING)} "
+                             "in it; pass the JSON that benchmarks/chain_kernel.py --out wrote")
         CHAIN_TILING.update({kern: tuple(t) for kern, t in best.items()})
     S_list = args.partitions or ["1"]
     if len(S_list) == 1:

@@ -51,6 +51,16 @@ def test_train_step_records_garbage_collection_inside_a_step(bench, tmp_path, mo
     assert gc.callbacks == callbacks  # the benchmark's clock is removed again
 
 
+def test_chain_tiling_file_without_best_tiling_is_a_clear_error(bench, tmp_path):
+    bad = tmp_path / "tiling.json"
+    bad.write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match=r"--chain-tiling .*tiling.json: no 'best_tiling'.*chain_kernel.py"):
+        bench.main(["--shape", "tiny", "--seq-len", "64", "--chain-tiling", str(bad), "--out", str(tmp_path / "o.json")])
+    bad.write_text('{"best_tiling": {"fwd_typo": [64, 4]}}')
+    with pytest.raises(SystemExit, match="no 'best_tiling' of kernels"):
+        bench.main(["--shape", "tiny", "--seq-len", "64", "--chain-tiling", str(bad), "--out", str(tmp_path / "o.json")])
+
+
 def test_reference_rows_carry_the_ratio(bench):
     rows = [{"N": 2048, "step_ms": 100.0}, {"N": 65536, "step_ms": 9000.0}, {"N": 4096, "error": "OOM"}]
     refs = {2048: {"status": "ok", "step_ms_median": 150.0, "peak_alloc_gb": 20.0, "grid_positions": 6897},
