@@ -37,9 +37,10 @@ import torch  # noqa: E402
 from data_prep.regenerate import regenerate  # noqa: E402
 from data_prep.sources import load_conversations  # noqa: E402
 from data_prep.template import tokenize_conversation  # noqa: E402
-from peagle_train.config import DataConfig, RegenConfig, load_config  # noqa: E402
-from peagle_train.features import CachedFeatures, cache_size_report, write_cache  # noqa: E402
-from peagle_train.target import load_target  # noqa: E402
+from data_prep.config import DataConfig, RegenConfig  # noqa: E402
+from peagle_train.core.config import load_config  # noqa: E402
+from peagle_train.features.cache import CachedFeatures, cache_size_report, write_cache  # noqa: E402
+from peagle_train.features.target import load_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -79,15 +79,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig  # noqa: E402
 
-import peagle_train.drafter as drafter_mod  # noqa: E402
-import peagle_train.loss as loss_mod  # noqa: E402
-from peagle_train.attention import dense_attention_with_lse  # noqa: E402
-from peagle_train.chain_kernel import TILING as CHAIN_TILING, resolve as resolve_chain_kernel  # noqa: E402
-from peagle_train.drafter import Drafter, make_drafter_config  # noqa: E402
-from peagle_train.grid import build_grid, cod_sample, supervised_count  # noqa: E402
-from peagle_train.objective import PEagleObjective  # noqa: E402
-from peagle_train.partition import plan_partitions  # noqa: E402
-from peagle_train.planner import ShapeParams, plan_step  # noqa: E402
+import peagle_train.model.drafter as drafter_mod  # noqa: E402
+import peagle_train.kernels.loss as loss_mod  # noqa: E402
+from peagle_train.kernels.attention import dense_attention_with_lse  # noqa: E402
+from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING, resolve as resolve_chain_kernel  # noqa: E402
+from peagle_train.model.drafter import Drafter, make_drafter_config  # noqa: E402
+from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count  # noqa: E402
+from peagle_train.methods.objectives import PEagleObjective  # noqa: E402
+from peagle_train.peagle.partition import plan_partitions  # noqa: E402
+from peagle_train.peagle.planner import ShapeParams, plan_step  # noqa: E402
 
 PROFILED_STEPS = 3  # --profile records this many steps after PROFILE_WAIT skipped and PROFILE_WARMUP warm-up ones
 PROFILE_WAIT, PROFILE_WARMUP = 1, 1
@@ -281,7 +281,7 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             "loss_path": loss_mod.last_path,
         })
         if compile:
-            from peagle_train.compiling import inductor_mode
+            from peagle_train.kernels.compiling import inductor_mode
 
             rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
                                     "loss_chunk": loss_mod.compiled_chunk_loss(

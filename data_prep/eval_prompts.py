@@ -18,7 +18,7 @@ import json
 from importlib.resources import files
 from typing import Literal
 
-from .sources import locate_package_file
+from data_prep.sources import locate_package_file
 
 #: EvalPlus's instruction prefix for chat models (evalplus/codegen.py).
 HUMANEVAL_INSTRUCTION = (

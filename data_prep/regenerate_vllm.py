@@ -31,9 +31,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
-from peagle_train.config import RegenConfig
+from data_prep.config import RegenConfig
 
-from .regenerate import Completion, Job, Message
+from data_prep.rounds import Completion, Job, Message
 
 #: HTTP statuses retried (with ``regen.max_retries``) besides connection errors.
 RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -262,10 +262,10 @@ def regenerate_vllm(
         raise ValueError(f"regenerate_vllm needs regen.backend: vllm (got '{cfg.backend}')")
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
-    from .regenerate import _split, regen_report, run_rounds
+    from data_prep.rounds import split_turns as split_turns, regen_report, run_rounds
 
     for k, c in enumerate(conversations):  # fail on a bad row before contacting any engine
-        _split(c, k)
+        split_turns(c, k)
     engine = _ServerEngine(cfg) if cfg.server_url else _OfflineEngine(cfg, model, progress)
     try:
         kept, stats = run_rounds(engine, tokenizer, conversations, max_prompt_tokens, progress,

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peagle_train.config import DataConfig
+from data_prep.config import DataConfig
 
-from .sharegpt import TruncatedTail, iter_json_array  # noqa: F401 -- re-exported (public API of this module)
+from data_prep.sharegpt import TruncatedTail, iter_json_array  # noqa: F401 -- re-exported (public API of this module)
 
 Message = dict[str, str]
 Conversation = list[Message]

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stage(args) -> object:
-    from .config import ConfigError, load_config
-    from . import stages
+    from peagle_train.core.config import ConfigError, load_config
+    from peagle_train import stages
 
     cfg = load_config(args.recipe, args.overrides)
     progress = not args.quiet
@@ -72,7 +72,7 @@ def _stage(args) -> object:
     if args.command == "cache":
         return str(stages.run_cache(cfg, progress))
     if args.command == "train":
-        from .train import run_train
+        from peagle_train.trainer.trainer import run_train
 
         m = run_train(cfg, progress)
         return {k: v for k, v in m.items() if k != "history"}
@@ -112,18 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in STAGES:
         default_allocator_conf()  # before anything allocates on a GPU
-    from .config import ConfigError
-    from .features import CacheError
-    from .target import TargetLoadError
+    from peagle_train.core.config import ConfigError
+    from peagle_train.features.cache import CacheError
+    from peagle_train.features.target import TargetLoadError
 
     try:
         if args.command in STAGES:
             result = _stage(args)
-            from .distributed import end_process_group
+            from peagle_train.distributed.accelerator import end_process_group
 
             end_process_group()  # every rank got here: tear the process group down before exit
         elif args.command == "check":
-            from .check import check_export
+            from peagle_train.export.check import check_export
 
             problems = check_export(args.export_dir)
             for pr in problems:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print("OK: export matches the vLLM contract" if not problems else f"{len(problems)} problem(s)")
             return 1 if problems else 0
         else:
-            from .hub import push_to_hub
+            from peagle_train.export.hub import push_to_hub
 
             result = push_to_hub(args.export_dir, args.repo_id, private=not args.public, dry_run=args.dry_run)
     except (ConfigError, FileNotFoundError, TargetLoadError, CacheError) as e:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from .atomic import write_json_atomic, write_text_atomic
-from .tokenized import first_supervised, heldout_rows, save_tokenized
-from .config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
+from peagle_train.core.atomic import write_json_atomic, write_text_atomic
+from peagle_train.features.tokenized import first_supervised, heldout_rows, save_tokenized
+from peagle_train.core.config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
 _PREPARED = ("data", "features")  # made from the target/data/regen sections only
@@ -97,7 +97,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import tokenize_conversation
 
-    from .target import load_target
+    from peagle_train.features.target import load_target
 
     out = Path(cfg.output_dir) / "data"
     if regen_worker is not None:
@@ -223,9 +223,9 @@ def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
 
 def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     """Write the hidden-state cache for both splits (``features: cache`` only; resumable)."""
-    from .features import write_cache
-    from .target import load_target
-    from .tokenized import load_prepared
+    from peagle_train.features.cache import write_cache
+    from peagle_train.features.target import load_target
+    from peagle_train.features.tokenized import load_prepared
 
     if cfg.train.features != "cache":
         return None
@@ -263,9 +263,9 @@ def run_export(cfg: RunConfig) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from .export import export_vllm
-    from .target import materialise_target
-    from .checkpoint import load_drafter_dir
+    from peagle_train.export.writer import export_vllm
+    from peagle_train.features.target import materialise_target
+    from peagle_train.model.checkpoint import load_drafter_dir
 
     out = Path(cfg.output_dir)
     drafter = load_drafter_dir(out / "drafter")
@@ -275,7 +275,7 @@ def run_export(cfg: RunConfig) -> Path:
     path = export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name,
                        dtype=getattr(torch, cfg.export.dtype), card=card, overwrite=True)
     if cfg.export.speculators_format:
-        from .export import export_speculators
+        from peagle_train.export.writer import export_speculators
 
         if cfg.export.verifier is None:
             raise ConfigError(f"{cfg.source_file}: export.speculators_format needs export.verifier "
@@ -293,7 +293,7 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
         FileNotFoundError: ``data/eval_prompts.json`` is missing (data prepared by an older
             version, or ``data.eval_fraction`` gave no eval split): says what to re-run.
     """
-    from .evaluate import TokenPrompt
+    from peagle_train.eval.evaluate import TokenPrompt
 
     path = Path(out_dir) / "data" / "eval_prompts.json"
     if not path.exists():
@@ -308,10 +308,10 @@ def run_eval(cfg: RunConfig) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``."""
     from data_prep.eval_prompts import load_eval_prompts
 
-    from . import evaluate
-    from .export import load_exported
-    from .model_card import render_model_card
-    from .target import load_target
+    from peagle_train.eval import evaluate
+    from peagle_train.export.writer import load_exported
+    from peagle_train.export.model_card import render_model_card
+    from peagle_train.features.target import load_target
 
     out = Path(cfg.output_dir)
     target = load_target(cfg.target)
@@ -329,7 +329,7 @@ def run_eval(cfg: RunConfig) -> dict:
 
 def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> dict:
     """prepare → cache → train → export → eval; returns the eval summary."""
-    from .train import run_train
+    from peagle_train.trainer.trainer import run_train
 
     claim_output_dir(cfg, overwrite)
     run_prepare(cfg, progress)

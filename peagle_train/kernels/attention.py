@@ -1,0 +1,330 @@
+"""Attention compute for the drafter: the split form (FlexAttention prefix + gathered chain,
+merged by log-sum-exp), one joint FlexAttention kernel, or dense SDPA (spec §3).
+
+The masks these kernels read are built by :mod:`peagle_train.peagle.masks` (pure);
+:func:`make_attn_spec` turns grid metadata into the :class:`AttnSpec` the drafter's layers take.
+Shape legend: ``E`` grid elements, ``nh``/``nkv`` query/KV heads, ``hd`` head dim, ``C`` chain slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from peagle_train.peagle.masks import SplitMasks
+from peagle_train.peagle.masks import GridMeta, build_block_mask, dense_mask
+from peagle_train.peagle.masks import build_chain_index, invert_chain_index
+
+
+class _ChainGather(torch.autograd.Function):
+    """``rows[index]`` whose backward gathers through the inverse index (deterministic, no atomics)."""
+
+    @staticmethod
+    def forward(ctx, rows, index, inverse, inverse_valid):
+        ctx.save_for_backward(inverse, inverse_valid)
+        return rows[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, inverse_valid = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])[inverse]  # [E_kv, C, D]
+        g = torch.where(inverse_valid[..., None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+        return g.sum(1), None, None, None
+
+
+def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None,
+                 inverse_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows [E_kv, D]`` gathered at ``index [E_q, C]`` → ``[E_q, C, D]``.
+
+    With the inverse of a chain index (:func:`invert_chain_index`) the gradient of ``rows`` is a
+    gather-and-sum over each key's readers, counting only valid slots: exact for the chain part,
+    whose invalid slots carry zero gradient (their scores are masked to ``-inf`` before the softmax).
+    Without it: plain indexing (autograd's ``index_add`` backward).
+    """
+    if inverse is None:
+        return rows[index]
+    return _ChainGather.apply(rows, index, inverse, inverse_valid)
+
+
+def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
+                      min_chain: int = 0, max_depth: int | None = None, chain_kernel: str = "torch") -> SplitMasks:
+    """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
+    tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
+    for the arguments and errors). With ``max_depth`` no step of it waits for the device.
+    ``chain_kernel``: ``"auto"``, ``"triton"`` or ``"torch"``, resolved for the grid's device
+    (:func:`peagle_train.chain_kernel.resolve`, which raises where Triton cannot run)."""
+    from peagle_train.kernels.chain_kernel import resolve
+
+    kv = q if kv is None else kv
+    kernel = resolve(chain_kernel, q.anchor.device)
+    index, valid = build_chain_index(q, kv, min_chain, max_depth=max_depth)
+    inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
+    return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
+                      kernel)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax / log-sum-exp accumulation dtype: float32 for half types, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
+    """Softmax over the last dim of scores ``s`` where ``ok`` (broadcast), and its log-sum-exp.
+
+    Masked before the exponential (no ``inf * 0`` in the backward); a row without any ``ok`` entry
+    gives probabilities 0, ``lse = -inf`` and zero, finite gradients.
+
+    Returns:
+        ``(p`` like ``s``, ``lse`` like ``s`` with the last dim kept as 1``)``.
+    """
+    s = torch.where(ok, s, torch.full_like(s, float("-inf")))
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows without a key: any finite shift
+    e = torch.exp(s - m)  # exactly 0 where masked
+    has = ok.any(-1, keepdim=True)
+    total = torch.where(has, e.sum(-1, keepdim=True), torch.ones_like(m))
+    return e / total, torch.where(has, torch.log(total) + m, torch.full_like(m, float("-inf")))
+
+
+def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                    valid: torch.Tensor, scale: float | None = None, inverse: torch.Tensor | None = None,
+                    inverse_valid: torch.Tensor | None = None, kernel: str = "torch"):
+    """Softmax attention of each query over its own chain keys only (the chain part).
+
+    GQA without repeating k/v: query head ``h`` reads KV head ``h // (nh // nkv)``, as
+    FlexAttention/SDPA with ``enable_gqa``. The gathered keys are ``[E_q, C, nkv, hd]``.
+
+    Args:
+        q: ``[1, nh, E_q, hd]``. k, v: ``[1, nkv, E_kv, hd]``.
+        index: ``[E_q, C]`` int64 rows of k/v. valid: ``[E_q, C]`` bool.
+        inverse, inverse_valid: :func:`invert_chain_index` of ``index``: the k/v gradient is then a
+            deterministic gather (:func:`chain_gather`); None = autograd's ``index_add``.
+        scale: score scale; default ``1 / sqrt(hd)`` (FlexAttention's and SDPA's).
+        kernel: ``"torch"`` (below) or ``"triton"``: the fused kernels of
+            :func:`peagle_train.chain_kernel.chain_attention_triton` (needs ``inverse`` and
+            ``inverse_valid``; CUDA, or
+            ``TRITON_INTERPRET=1`` on CPU), same contract.
+
+    Returns:
+        ``(out [1, nh, E_q, hd]`` in ``q.dtype``, ``lse [1, nh, E_q]`` natural-log log-sum-exp of
+        the scaled scores over the valid slots, ``-inf`` where there is none, in float32 for half
+        inputs (float64 stays float64)``)``. Rows without a valid slot give ``out = 0``, and
+        finite (zero) gradients.
+
+    Raises:
+        ValueError: ``kernel="triton"`` without ``inverse``/``inverse_valid``, or an unknown ``kernel``.
+    """
+    if kernel == "triton":
+        if inverse is None or inverse_valid is None:
+            raise ValueError("chain_attention(kernel='triton') needs the inverse index (invert_chain_index)")
+        from peagle_train.kernels.chain_kernel import chain_attention_triton
+
+        return chain_attention_triton(q, k, v, index, valid, inverse, inverse_valid, scale)
+    if kernel != "torch":
+        raise ValueError(f"chain_attention: unknown kernel {kernel!r}; expected 'torch' or 'triton'")
+    _, nh, Eq, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    C = index.shape[1]
+    scale = hd ** -0.5 if scale is None else scale
+    acc = _acc_dtype(q.dtype)
+    Ek = k.shape[2]
+    kc = chain_gather(k[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
+    vc = chain_gather(v[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
+    # query-major layout: for one query row e and KV head n, its g query heads, C chain keys and hd
+    # features are contiguous, so a kernel working on (e, n) reads each gathered key row once
+    kc = kc.view(Eq, C, nkv, hd).permute(0, 2, 1, 3)  # [Eq, nkv, C, hd]
+    vc = vc.view(Eq, C, nkv, hd).permute(0, 2, 1, 3)
+    qg = q[0].transpose(0, 1).reshape(Eq, nkv, g, hd)  # head h = n * g + j reads KV head n
+    ok = valid[:, None, None, :]  # [Eq, 1, 1, C], against scores [Eq, nkv, g, C]
+    if torch.compiler.is_compiling():
+        # Products summed over hd / C instead of a batched matmul: C <= K - 1 and g are tiny, so a
+        # bmm runs as thousands of 8x8 tiles (about 40 ms of a 340 ms GPT-OSS-20B step on an H200,
+        # docs/benchmarks.md). Inductor turns each product into one fused reduction that never
+        # materialises the [Eq, nkv, C, g, hd] product; the scores are laid out [Eq, nkv, C, g]
+        # (query heads innermost) so neighbouring outputs share their key row.
+        s = (qg[:, :, None, :, :].to(acc) * kc[:, :, :, None, :].to(acc)).sum(-1) * scale  # [Eq, nkv, C, g]
+        p, lse = _masked_softmax_lse(s.transpose(-1, -2), ok)  # softmax over C
+        out = (p.transpose(-1, -2)[..., None] * vc[:, :, :, None, :].to(acc)).sum(2)  # [Eq, nkv, g, hd]
+    else:  # eager: the same math as batched matmuls (the product above would be materialised)
+        s = (qg @ kc.transpose(-1, -2)).to(acc) * scale  # [Eq, nkv, g, C]
+        p, lse = _masked_softmax_lse(s, ok)
+        out = p.to(v.dtype) @ vc  # [Eq, nkv, g, hd]
+    out = out.reshape(Eq, nh, hd).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, nh, Eq, hd]
+    return out, lse[..., 0].reshape(Eq, nh).transpose(0, 1).unsqueeze(0)
+
+
+def dense_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """Reference softmax attention under a dense bool mask, with its log-sum-exp. Materialises
+    ``[nh, E_q, E_kv]`` scores: for tests and CPU checks only (eager FlexAttention has no CPU backward).
+
+    Args:
+        q: ``[1, nh, E_q, hd]``. k, v: ``[1, nkv, E_kv, hd]`` (GQA: head ``h`` reads ``h // (nh // nkv)``).
+        mask: ``[E_q, E_kv]`` bool.
+
+    Returns:
+        ``(out [1, nh, E_q, hd], lse [1, nh, E_q])`` in ``q.dtype``, scale ``1 / sqrt(hd)``; rows without a
+        key give ``out = 0``, ``lse = -inf`` and zero gradients.
+    """
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p, lse = _masked_softmax_lse(s, mask)
+    return p @ v, lse[..., 0]
+
+
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Exact softmax over the union of two disjoint key sets from each set's normalised output and lse.
+
+    ``lse = logaddexp(lse_a, lse_b)``; ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+    The lse math runs in float32 for half inputs (float64 stays float64); a row where both lse are
+    ``-inf`` (no key at all, e.g. padding) gives ``out = 0``, ``lse = -inf`` and zero, finite
+    gradients (no ``-inf - -inf`` anywhere). Source: the log-sum-exp merge of partial softmaxes
+    (FlashAttention's online softmax, Dao et al. 2022 §3.1), applied to the split of PEAGLE_SPEC §3.
+
+    Args:
+        out_a, out_b: ``[..., E, hd]`` (same shape and dtype). lse_a, lse_b: ``[..., E]`` natural log.
+
+    Returns:
+        ``(out [..., E, hd]`` in ``out_a.dtype``, ``lse [..., E]`` in the accumulation dtype``)``.
+    """
+    acc = _acc_dtype(out_a.dtype)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
+    m = torch.maximum(la, lb).detach()
+    any_key = torch.isfinite(m)
+    m = torch.where(any_key, m, torch.zeros_like(m))
+    total = torch.exp(la - m) + torch.exp(lb - m)  # in [1, 2] where any_key, else 0
+    lse_safe = torch.log(torch.where(any_key, total, torch.ones_like(total))) + m  # finite everywhere
+    wa = torch.exp(la - lse_safe)[..., None]  # 0 where lse_a = -inf
+    wb = torch.exp(lb - lse_safe)[..., None]
+    out = (out_a * wa + out_b * wb).to(out_a.dtype)  # half * float32 promotes: summed in acc
+    return out, torch.where(any_key, lse_safe, torch.full_like(lse_safe, float("-inf")))
+
+
+_FLEX_COMPILED = None
+
+
+try:  # torch >= 2.7: ``return_aux=AuxRequest(lse=True)``; ``return_lse`` is deprecated there
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # older torch: only ``return_lse``
+    _AuxRequest = None
+
+
+def _flex_call(fn, q, k, v, block_mask, return_lse: bool):
+    """``fn`` = ``flex_attention`` (or its compiled form) → ``out``, or ``(out, lse)`` with
+    ``return_lse`` (``lse [1, nh, E_q]`` natural log, float32 for half inputs, ``-inf`` on rows
+    without any allowed key), through whichever lse API this torch has."""
+    if not return_lse:
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _AuxRequest is not None:
+        out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=_AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+
+
+def _flex(q, k, v, block_mask, return_lse: bool = False):
+    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU).
+
+    Returns ``out [1, nh, E_q, hd]``, or ``(out, lse)`` with ``return_lse`` (see :func:`_flex_call`).
+    """
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
+        return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
+    if q.is_cuda:
+        if _FLEX_COMPILED is None:
+            from peagle_train.kernels.compiling import raise_recompile_limits
+
+            # one compiled kernel per bucketed grid length (see grid.pad_grid)
+            raise_recompile_limits()
+            _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+        return _flex_call(_FLEX_COMPILED, q, k, v, block_mask, return_lse)
+    return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
+
+
+def _flex_with_lse(q, k, v, block_mask):
+    """Part A of the split form: FlexAttention over the prefix ``BlockMask`` → ``(out, lse)``."""
+    return _flex(q, k, v, block_mask, return_lse=True)
+
+
+@dataclass
+class AttnSpec:
+    """How queries see keys; exactly one of:
+
+    * ``block_mask``: one FlexAttention ``BlockMask`` of the whole rule (``train.attention: flex_joint``);
+    * ``split``: :class:`~peagle_train.attention.SplitMasks`, the prefix ``BlockMask`` + the chain
+      index (``train.attention: flex``, the default on CUDA);
+    * ``dense``: a dense bool mask ``[E_q, E_kv]`` for SDPA (CPU / small inputs / references).
+    """
+
+    block_mask: object | None = None
+    dense: torch.Tensor | None = None
+    split: SplitMasks | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("block_mask", "dense", "split") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"AttnSpec needs exactly one of block_mask, dense or split; got {given or 'none'}")
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SplitMasks,
+                    prefix_attention=None) -> torch.Tensor:
+    """Attention under the split form of the rule (``attention.py``): prefix part + chain part,
+    merged exactly by log-sum-exp.
+
+    Args:
+        q: ``[1, nh, E_q, hd]``. k, v: ``[1, nkv, E_kv, hd]``.
+        split: the prefix ``BlockMask`` and the chain index of this (queries, keys) pair.
+        prefix_attention: ``(q, k, v, prefix_mask) -> (out [1, nh, E_q, hd], lse [1, nh, E_q])``
+            of the prefix part; None = FlexAttention (:func:`_flex_with_lse`, looked up at call time
+            so tests can swap in a dense reference with a backward on CPU).
+
+    Returns:
+        ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).
+    """
+    out_a, lse_a = (prefix_attention or _flex_with_lse)(q, k, v, split.prefix_mask)
+    if split.chain_index.shape[1] == 0:  # no query deeper than 0 (a static shape, not data)
+        return out_a
+    out_b, lse_b = chain_attention(q, k, v, split.chain_index, split.chain_valid,
+                                   inverse=split.chain_inverse, inverse_valid=split.chain_inverse_valid,
+                                   kernel=split.chain_kernel)
+    return merge_by_lse(out_a, lse_a, out_b, lse_b)[0]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+    """``q [1, nh, Eq, hd]``, ``k/v [1, nkv, Ek, hd]`` → ``[1, nh, Eq, hd]``: split form, one
+    joint FlexAttention kernel, or dense SDPA, as ``spec`` says."""
+    if spec.split is not None:
+        return split_attention(q, k, v, spec.split)
+    if spec.block_mask is not None:
+        return _flex(q, k, v, spec.block_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense[None, None], enable_gqa=True)
+
+
+FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels specialise on the length (bucket it)
+
+
+def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
+                   max_depth: int | None = None, chain_kernel: str = "auto") -> AttnSpec:
+    """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
+
+    ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
+    ``min_chain`` = at least this many chain slots, ``max_depth`` = the deepest depth known on the
+    host, then no host sync; see :func:`~peagle_train.attention.build_chain_index`; ``chain_kernel``:
+    ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.chain_kernel.resolve`);
+    ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
+    ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
+    """
+    if kind == "flex":
+        return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth,
+                                                chain_kernel=chain_kernel))
+    if kind == "flex_joint":
+        return AttnSpec(block_mask=build_block_mask(q, kv))
+    if kind == "sdpa":
+        return AttnSpec(dense=dense_mask(q, kv))
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
+def _default_pad_multiple(attention: str) -> int:
+    """Grid bucket: 1024 elements for FlexAttention kinds (bounded recompiles), none for dense SDPA."""
+    return 1024 if attention in FLEX_KINDS else 1

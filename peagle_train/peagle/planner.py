@@ -1,0 +1,240 @@
+"""Memory planner for one training step: how many sequence partitions ``S`` (spec §3) and
+whether activation checkpointing are needed for an ``N``-token sequence to fit a GPU.
+
+Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_step.py``)::
+
+    peak(N, S) = static + grads + workspace + inputs + ALPHA * act_bytes_per_element * E_seg + kept_logits
+    static     = 12 * P_trainable            # fp32 weight + AdamW m, v
+               + 4 * Vd * H                  # frozen fp32 lm_head (a trainable one: 8 more per param for m, v,
+                                             # and 4 for its gradient where gradients are resident)
+               + target_head_bytes * Vd * T  # frozen target head rows (bf16 in the benchmark)
+    grads      = 4 * P_trainable if gradients are resident during the forward, else 0
+                                             # (S > 1: the first segment's gradients are kept while
+                                             # the next segment runs; likewise after the first of
+                                             # several micro-batches, and always under DDP, whose
+                                             # gradient buckets exist from the start). With S = 1 and one micro-batch
+                                             # the peak comes before any gradient exists (the
+                                             # optimizer's zero_grad sets them to None).
+    workspace  = OMEGA * 4 * chunk * Vd      # one loss chunk's fp32 [chunk, Vd] buffers
+    inputs     = N * (A + 1) * T * 2         # bf16 aux [N, A*T] + final hidden [N, T]
+    E          = e_ratio * N,  e_ratio = sum_{d<K} max(r**d, r_min)   (3.373 for K=8, r=0.7, r_min=0.2)
+    E_seg      = E / S + N * (S - 1) / S     # the largest (last) segment: its owned elements
+                                             # plus every earlier depth-0 element as context
+    act_bytes_per_element = L * (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd) + 12 H
+                                             # saved activations per grid element, no checkpointing
+    with checkpointing: L * 2 H + 12 H + one layer's (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd)
+    kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
+                                             # recompute path keeps every chunk's bf16 target logits);
+                  with fused_loss and a trainable lm_head, 4 * Vd * H more (its gradient, summed over
+                                             # the chunks in the forward)
+
+``act_bytes_per_element`` counts, per decoder layer, the bf16/fp32 tensors autograd keeps
+(two RMSNorms, q/k/v/o, the SwiGLU intermediates), plus the embedding, fc output and final
+hidden state; it is 571,136 bytes for the GPT-OSS-20B shape. ``ALPHA`` and ``OMEGA`` are a
+least-squares fit (relative error) to the peaks measured on one H200 in the eighth session
+(``docs/benchmarks.md``; GPT-OSS-20B shape, Vd = 32,000, K = 8, r = 0.7, r_min = 0.2, chunk
+8,192, lm_head frozen, ``train.compile``, the Triton chain kernels, ``train.fused_loss``)::
+
+    N       S  measured GiB  model GiB  error
+    2,048   1  17.2          17.1       -0.8 %
+    4,096   1  20.6          20.7       +0.6 %
+    8,192   1  26.6          26.7       +0.2 %
+    16,384  1  38.9          39.0       +0.3 %
+    32,768  1  63.6          63.7       +0.3 %
+    65,536  2  83.3          82.6       -0.9 %
+    65,536  1  112.9         113.2      +0.2 %
+    8,192   1  27.6          28.3       +2.7 %   (fused_loss off; not in the fit)
+
+(E_seg padded to a multiple of 1024.) giving ``ALPHA = 0.828`` (below 1: the chain kernels and
+the fused loss keep less than the per-layer count; allocator rounding) and ``OMEGA = 2.812``.
+Predictions on a 139.8 GiB H200 with the default ``headroom = 0.9`` (125.8 GiB): N = 65,536
+fits at S = 1 (113.2 GiB); N = 131,072 needs S = 3 (124.6 GiB; not measured). The model is
+calibrated on one shape; the per-element terms scale with the shape's widths, so other shapes
+are an extrapolation (the ``headroom`` factor absorbs part of that).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPHA = 0.828
+OMEGA = 2.812
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ShapeParams:
+    """Drafter shape. ``aux_layers`` = A (3 tapped target layers); ``target_hidden_size`` = T."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: int = 3
+
+    @classmethod
+    def from_config(cls, cfg) -> "ShapeParams":
+        """From a drafter ``LlamaConfig`` made by :func:`~peagle_train.drafter.make_drafter_config`."""
+        return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, cfg.draft_vocab_size,
+                   cfg.target_hidden_size, len(cfg.eagle_aux_hidden_state_layer_ids))
+
+    def trainable_params(self, lm_head_trainable: bool = False) -> int:
+        """Parameter count of the drafter except (by default) the lm_head; embeddings included."""
+        H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        layer = lambda w, norms: w * (q + 2 * kv) + q * H + 3 * H * I + norms * H  # noqa: E731
+        n = self.vocab_size * H + self.aux_layers * self.target_hidden_size * (H + 1)  # embed, fc, mask_hidden
+        n += layer(2 * H, 3) + (self.num_layers - 1) * layer(H, 2) + H  # layers, final norm
+        return n + (self.draft_vocab_size * H if lm_head_trainable else 0)
+
+    def layer_act_bytes(self) -> int:
+        """Saved activation bytes of one decoder layer per grid element (no checkpointing)."""
+        H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        return 16 * H + 8 * I + 2 * (self.num_heads + 2 * self.num_kv_heads) * hd + 4 * self.num_heads * hd
+
+    def act_bytes_per_element(self, checkpointing: bool = False) -> int:
+        """Saved activation bytes per grid element for the whole drafter (before ``ALPHA``)."""
+        H, L = self.hidden_size, self.num_layers
+        if checkpointing:
+            return L * 2 * H + 12 * H + self.layer_act_bytes()
+        return L * self.layer_act_bytes() + 12 * H
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A step plan. Unpacks as ``S, checkpointing = plan``.
+
+    Attributes:
+        partitions: S. checkpointing: activation checkpointing of the decoder layers.
+        predicted_peak_bytes: model peak of the plan. budget_bytes: what it had to fit under.
+    """
+
+    partitions: int
+    checkpointing: bool
+    predicted_peak_bytes: int
+    budget_bytes: int
+
+    def __iter__(self):
+        return iter((self.partitions, self.checkpointing))
+
+
+def expected_elements(N: int, K: int, r: float, r_min: float, max_anchors: int | None = None) -> float:
+    """Expected grid elements for ``N`` loss-valid tokens: ``N * sum_{d<K} max(r**d, r_min)`` (COD, spec §3),
+    each depth >= 1 capped at ``max_anchors``."""
+    from peagle_train.peagle.grid import cod_fraction
+
+    total = float(N)
+    for d in range(1, K):
+        c = N * cod_fraction(d, r, r_min)  # the expectation: no floor, unlike grid.cod_keep_counts
+        total += min(c, max_anchors) if max_anchors is not None else c
+    return total
+
+
+def segment_elements(N: int, S: int, E: float, pad_multiple: int = 1024) -> int:
+    """Expected elements of the largest segment (the last): ``E/S`` owned + ``N (S-1)/S`` context, padded."""
+    e = E / S + N * (S - 1) / S
+    return int(-(-e // pad_multiple) * pad_multiple)
+
+
+def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float = 0.7, r_min: float = 0.2, *,
+                       checkpointing: bool = False, chunk: int = 8192, lm_head_trainable: bool = False,
+                       target_head_bytes: int = 2, max_anchors: int | None = None, fused_loss: bool = True,
+                       grads_resident: bool | None = None) -> int:
+    """Predicted peak allocated bytes of one step (module docstring model).
+
+    Args:
+        N: tokens in the sequence (all loss-valid: the worst case). S: partitions.
+        shape: the drafter's :class:`ShapeParams`. K, r, r_min, max_anchors: COD settings.
+        checkpointing: activation checkpointing of the decoder layers. chunk: loss chunk (elements).
+        lm_head_trainable: whether the lm_head gets grads and AdamW state.
+        target_head_bytes: bytes per element of the frozen target head rows (2 bf16, 4 fp32).
+        fused_loss: ``train.fused_loss`` (False adds the recompute path's kept target logits).
+        grads_resident: whether gradients already exist while the peak segment runs (None:
+            exactly when ``S > 1``; pass True when one step has several micro-batches).
+
+    Returns:
+        bytes (int).
+    """
+    E = expected_elements(N, K, r, r_min, max_anchors)
+    H, T, Vd = shape.hidden_size, shape.target_hidden_size, shape.draft_vocab_size
+    frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 12-byte params
+    P = shape.trainable_params(lm_head_trainable)
+    static = 12 * P + frozen_head + target_head_bytes * Vd * T
+    grads = 4 * P if (S > 1 if grads_resident is None else grads_resident) else 0
+    workspace = OMEGA * 4 * min(chunk, E) * Vd
+    inputs = N * (shape.aux_layers + 1) * T * 2
+    E_seg = segment_elements(N, S, E)
+    act = ALPHA * shape.act_bytes_per_element(checkpointing) * E_seg
+    kept_logits = 0 if fused_loss else 2 * Vd * E_seg
+    head_grad = 4 * Vd * H if (fused_loss and lm_head_trainable) else 0  # the fused path's head-gradient buffer
+    return int(static + grads + workspace + inputs + act + kept_logits + head_grad)
+
+
+def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int, *, chunk: int = 8192,
+              max_partitions: int = 8, allow_checkpointing: bool = True, headroom: float = 0.9,
+              lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None,
+              fused_loss: bool = True, grads_resident: bool | None = None) -> Plan:
+    """The fewest partitions ``S`` whose predicted peak fits ``headroom * gpu_bytes``.
+
+    Tries ``S = 1..max_partitions`` without checkpointing first; only if none fits, the same
+    with activation checkpointing (if allowed).
+
+    Args:
+        N: tokens per sequence. K, r, r_min, max_anchors: COD settings. shape: :class:`ShapeParams`.
+        gpu_bytes: device memory in bytes (e.g. ``torch.cuda.get_device_properties(0).total_memory``).
+        chunk: loss chunk. max_partitions: largest S tried (capped at N). allow_checkpointing: may
+            fall back to checkpointing. headroom: usable fraction of ``gpu_bytes`` (allocator
+            fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes,
+            fused_loss, grads_resident: as :func:`predict_peak_bytes`.
+
+    Returns:
+        :class:`Plan` (unpacks as ``S, checkpointing``).
+
+    Raises:
+        ValueError: ``N < 1``, ``gpu_bytes <= 0`` or ``headroom`` outside ``(0, 1]``; or no plan fits
+            (the message gives the smallest predicted peak and the budget).
+    """
+    if N < 1 or gpu_bytes <= 0 or not 0 < headroom <= 1:
+        raise ValueError(f"plan_step needs N >= 1, gpu_bytes > 0, 0 < headroom <= 1 (got {N}, {gpu_bytes}, {headroom})")
+    budget = int(headroom * gpu_bytes)
+    s_max = max(1, min(max_partitions, N))
+    best = None
+    for ckpt in ([False, True] if allow_checkpointing else [False]):
+        for S in range(1, s_max + 1):
+            peak = predict_peak_bytes(N, S, shape, K, r, r_min, checkpointing=ckpt, chunk=chunk,
+                                      lm_head_trainable=lm_head_trainable, target_head_bytes=target_head_bytes,
+                                      max_anchors=max_anchors, fused_loss=fused_loss, grads_resident=grads_resident)
+            if peak <= budget:
+                return Plan(S, ckpt, peak, budget)
+            best = peak if best is None else min(best, peak)
+    raise ValueError(
+        f"no plan fits N={N}: the smallest predicted peak ({best / GIB:.1f} GiB with S <= {s_max}"
+        f"{', checkpointing' if allow_checkpointing else ''}) exceeds the budget {budget / GIB:.1f} GiB "
+        f"({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise max_partitions, allow checkpointing, "
+        "shorten the sequence or use more memory")
+
+
+def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
+                   chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9,
+                   fused_loss: bool = True, grads_resident: bool | None = None) -> int:
+    """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
+    :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing off (it never
+    turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
+    is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
+    ``fused_loss``, ``grads_resident``: as :func:`predict_peak_bytes` (the trainer passes
+    ``grads_resident=True`` when a step has several micro-batches or several processes).
+
+    Raises:
+        ValueError: from :func:`plan_step` when even 8 segments do not fit (the message gives the
+            predicted peak and the budget).
+    """
+    if gpu_bytes is None:
+        return 1
+    return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, allow_checkpointing=False,
+                     max_anchors=max_anchors, headroom=headroom, fused_loss=fused_loss,
+                     grads_resident=grads_resident).partitions

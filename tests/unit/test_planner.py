@@ -1,0 +1,101 @@
+"""Pins the memory planner (``planner.py``, issue #7): it reproduces the measured peaks of
+``docs/benchmarks.md`` within 2 %, predicted peaks grow with N and shrink with S, small
+sequences need no partitions, the fewest fitting S is chosen (checkpointing only when no
+S fits without it), and an impossible request raises a clear error."""
+from __future__ import annotations
+
+import pytest
+
+from peagle_train.peagle.planner import GIB, ShapeParams, expected_elements, plan_step, predict_peak_bytes
+
+GPT_OSS = ShapeParams(hidden_size=2880, intermediate_size=7680, num_layers=4, num_heads=64, num_kv_heads=8,
+                      head_dim=64, vocab_size=201088, draft_vocab_size=32000, target_hidden_size=2880)
+H200 = int(139.8 * GIB)
+COD = dict(K=8, r=0.7, r_min=0.2)
+
+
+def test_trainable_params_match_the_benchmark_count():
+    assert GPT_OSS.trainable_params() == 990_388_800  # docs/benchmarks.md
+
+
+def test_expected_elements():
+    assert expected_elements(8192, **COD) == pytest.approx(27_626, rel=2e-3)  # measured grid positions
+    assert expected_elements(8192, **COD) / 8192 == pytest.approx(3.373, abs=1e-3)
+
+
+# peaks measured on one H200 in the eighth session (docs/data/train_step_s8_*.json; docs/benchmarks.md)
+@pytest.mark.parametrize("N,S,measured_gib", [(2048, 1, 17.23), (4096, 1, 20.61), (8192, 1, 26.62), (16384, 1, 38.91),
+                                              (32768, 1, 63.56), (65536, 2, 83.32), (65536, 1, 112.87)])
+def test_calibration_points_within_2_percent(N, S, measured_gib):
+    got = predict_peak_bytes(N, S, GPT_OSS, **COD) / GIB
+    assert got == pytest.approx(measured_gib, rel=0.02)  # the fit is within 1 %
+
+
+def test_recompute_loss_and_resident_gradients_cost_memory():
+    """``fused_loss=False`` keeps every chunk's bf16 target logits (measured 27.59 GiB at N = 8,192, S = 1:
+    predicted within 3 %, from above); resident gradients (S > 1, or several micro-batches) add 4 bytes
+    per trainable parameter."""
+    fused, recompute = (predict_peak_bytes(8192, 1, GPT_OSS, fused_loss=f, **COD) for f in (True, False))
+    assert recompute - fused == 2 * 32000 * 27648  # 2 Vd E_seg bytes
+    assert recompute / GIB == pytest.approx(27.59, rel=0.03) and recompute / GIB > 27.59
+    resident = predict_peak_bytes(8192, 1, GPT_OSS, grads_resident=True, **COD)
+    assert resident - fused == 4 * GPT_OSS.trainable_params()
+    assert predict_peak_bytes(8192, 2, GPT_OSS, grads_resident=False, **COD) < predict_peak_bytes(8192, 2, GPT_OSS, **COD)
+    trainable = predict_peak_bytes(8192, 1, GPT_OSS, lm_head_trainable=True, **COD)
+    assert trainable - fused == 8 * 32000 * 2880 + 4 * 32000 * 2880  # AdamW m, v + the fused head gradient
+    # the recompute path's extra logits make N = 65,536 need two segments on an H200
+    assert plan_step(65536, gpu_bytes=H200, shape=GPT_OSS, fused_loss=False, **COD).partitions == 2
+
+
+def test_monotone():
+    Ns = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    peaks = [predict_peak_bytes(N, 1, GPT_OSS, **COD) for N in Ns]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+    by_S = [predict_peak_bytes(65536, S, GPT_OSS, **COD) for S in range(1, 9)]
+    assert by_S == sorted(by_S, reverse=True)
+    assert predict_peak_bytes(65536, 1, GPT_OSS, checkpointing=True, **COD) < by_S[0]
+    plans = [plan_step(N, gpu_bytes=H200, shape=GPT_OSS, **COD) for N in Ns]
+    assert [p.partitions for p in plans] == sorted(p.partitions for p in plans)
+
+
+def test_small_N_needs_one_partition():
+    S, ckpt = plan_step(2048, gpu_bytes=H200, shape=GPT_OSS, **COD)
+    assert (S, ckpt) == (1, False)
+    tiny = ShapeParams(64, 128, 4, 4, 2, 16, 512, 256, 64)
+    assert tuple(plan_step(256, gpu_bytes=80 * GIB, shape=tiny, **COD)) == (1, False)
+
+
+def test_fewest_partitions_that_fit():
+    assert tuple(plan_step(65536, gpu_bytes=H200, shape=GPT_OSS, **COD)) == (1, False)  # measured: 112.9 GiB
+    plan = plan_step(131072, gpu_bytes=H200, shape=GPT_OSS, **COD)
+    assert plan.partitions == 3 and not plan.checkpointing
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert predict_peak_bytes(131072, 2, GPT_OSS, **COD) > plan.budget_bytes
+
+
+def test_checkpointing_only_when_no_S_fits():
+    plan = plan_step(262144, gpu_bytes=H200, shape=GPT_OSS, **COD)
+    assert plan.checkpointing
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan_step(262144, gpu_bytes=H200, shape=GPT_OSS, allow_checkpointing=False, **COD)
+
+
+def test_impossible_raises_clear_error():
+    with pytest.raises(ValueError, match=r"no plan fits N=1048576.*exceeds the budget"):
+        plan_step(1 << 20, gpu_bytes=H200, shape=GPT_OSS, **COD)
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan_step(2048, gpu_bytes=8 * GIB, shape=GPT_OSS, **COD)  # weights + AdamW alone are ~11 GiB
+    with pytest.raises(ValueError, match="headroom"):
+        plan_step(2048, gpu_bytes=H200, shape=GPT_OSS, headroom=0.0, **COD)
+
+
+def test_partitions_for_training():
+    from peagle_train.peagle.planner import partitions_for
+
+    assert partitions_for(65536, 8, 0.7, 0.2, GPT_OSS, None) == 1  # no GPU: no split
+    assert partitions_for(2048, 8, 0.7, 0.2, GPT_OSS, H200) == 1
+    assert partitions_for(65536, 8, 0.7, 0.2, GPT_OSS, H200) == 1
+    assert partitions_for(65536, 8, 0.7, 0.2, GPT_OSS, H200, grads_resident=True) == 1  # 116.8 GiB
+    assert partitions_for(65536, 8, 0.7, 0.2, GPT_OSS, H200, fused_loss=False) == 2
+    with pytest.raises(ValueError, match="no plan fits"):
+        partitions_for(10**6, 8, 0.7, 0.2, GPT_OSS, 40 * GIB)
