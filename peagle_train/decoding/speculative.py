@@ -49,6 +49,7 @@ from peagle_train.model.drafter import Drafter
 from peagle_train.decoding.rejection import AcceptRule, standard_accept_rule, verify_greedy, verify_sampling
 from peagle_train.decoding.spec_stats import SpecStats, TargetStats, acceptance_length, per_position_acceptance
 from peagle_train.features.target import Target
+from peagle_train.core.dtypes import acc_dtype
 
 
 def _sync(device: torch.device) -> None:
@@ -63,7 +64,7 @@ def _causal(n_new: int, n_past: int, device) -> torch.Tensor:
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``softmax(logits / temperature)`` in float32 (float64 stays float64)."""
-    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    return torch.softmax(logits.to(acc_dtype(logits.dtype)) / temperature, dim=-1)
 
 
 @dataclass

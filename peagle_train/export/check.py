@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, safetensors_name
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -43,9 +44,6 @@ UNSUPPORTED_TRUE_FIELDS = ("norm_before_fc", "fc_norm", "norm_output")
 #: (``vllm/model_executor/models/registry.py``, ``_SPECULATIVE_DECODING_MODELS``).
 VLLM_EAGLE3_LLAMA_NAMES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")
 
-_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_ST_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-                   "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16"}
 
 
 class ExportCheckError(ValueError):
@@ -360,16 +358,16 @@ def _check_weights(cfg: dict, tensors: dict, problems: list[str], check_values: 
             P(f"{WEIGHTS_FILE}: '{key}' has shape {list(got_shape)}, expected {list(shape)}{hint}; the tensor "
               f"does not match config.json")
         if kind == "float":
-            if got_dtype not in _FLOAT_DTYPES:
-                P(f"{WEIGHTS_FILE}: '{key}' has dtype {_ST_DTYPE_NAMES.get(got_dtype, got_dtype)}, expected a "
+            if got_dtype not in FLOAT_EXPORT_DTYPES:
+                P(f"{WEIGHTS_FILE}: '{key}' has dtype {safetensors_name(got_dtype)}, expected a "
                   f"floating type (bfloat16 for serving)")
             else:
                 float_dtypes.setdefault(got_dtype, []).append(key)
         elif kind == "int64" and got_dtype != "I64":
-            P(f"{WEIGHTS_FILE}: '{key}' has dtype {_ST_DTYPE_NAMES.get(got_dtype, got_dtype)}, expected int64 "
+            P(f"{WEIGHTS_FILE}: '{key}' has dtype {safetensors_name(got_dtype)}, expected int64 "
               f"(vLLM's draft_id_to_target_id is torch.long)")
     if len(float_dtypes) > 1:
-        summary = {_ST_DTYPE_NAMES[k]: len(v) for k, v in float_dtypes.items()}
+        summary = {safetensors_name(k): len(v) for k, v in float_dtypes.items()}
         P(f"{WEIGHTS_FILE}: floating tensors mix dtypes {summary}; export every float in one dtype (bfloat16)")
     for key, (shape, _kind) in opt.items():
         if key != "t2d" and key in tensors and tensors[key][0] != shape:
@@ -377,7 +375,7 @@ def _check_weights(cfg: dict, tensors: dict, problems: list[str], check_values: 
     if "t2d" in tensors:
         got_shape, got_dtype, _ = tensors["t2d"]
         if got_shape != (V,) or got_dtype != "BOOL":
-            P(f"{WEIGHTS_FILE}: 't2d' is {list(got_shape)} {_ST_DTYPE_NAMES.get(got_dtype, got_dtype)}, expected "
+            P(f"{WEIGHTS_FILE}: 't2d' is {list(got_shape)} {safetensors_name(got_dtype)}, expected "
               f"[{V}] bool")
     # what vLLM would reject or silently drop
     for key in sorted(set(tensors) - set(req) - set(opt)):
@@ -417,7 +415,7 @@ def _check_weights(cfg: dict, tensors: dict, problems: list[str], check_values: 
                   f"re-export both from the same draft vocab")
     if check_values:
         for key, (shape, dt, fp) in sorted(tensors.items()):
-            if dt in _FLOAT_DTYPES and (key in req or key in opt):
+            if dt in FLOAT_EXPORT_DTYPES and (key in req or key in opt):
                 t = _load(fp, key)
                 if not bool(torch.isfinite(t).all()):
                     P(f"{WEIGHTS_FILE}: '{key}' contains NaN/Inf; the trained weights are broken (check the "

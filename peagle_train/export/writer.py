@@ -37,10 +37,12 @@ from peagle_train.export.check import CONFIG_FILE, WEIGHTS_FILE, ExportCheckErro
 from peagle_train.export.check_speculators import flatten_speculators_config, is_hub_repo_id
 from peagle_train.model.drafter import Drafter
 from peagle_train.export.model_card import render_model_card
+from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, SAFETENSORS_DTYPES, dtype_name
 
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 README_FILE = "README.md"
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: torch dtypes an export may be written in (``config.json`` names them with :func:`~peagle_train.core.dtypes.dtype_name`).
+EXPORT_DTYPES = tuple(SAFETENSORS_DTYPES[code] for code in FLOAT_EXPORT_DTYPES)
 
 
 class ExportError(RuntimeError):
@@ -113,8 +115,8 @@ def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype 
             ``target_config``.
     """
     c = drafter_config
-    if dtype not in _DTYPE_NAMES:
-        raise ExportError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"export dtype must be one of {[dtype_name(d) for d in EXPORT_DTYPES]}, got {dtype}")
     if getattr(c, "hidden_act", "silu") != "silu":
         raise ExportError(f"drafter hidden_act is {c.hidden_act!r}; vLLM's drafter MLP is SwiGLU ('silu')")
     for k in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
@@ -149,8 +151,8 @@ def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype 
         "norm_before_residual": False,
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(ids)},
-        "dtype": _DTYPE_NAMES[dtype],
-        "torch_dtype": _DTYPE_NAMES[dtype],
+        "dtype": dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),
     }
     if target_config is not None:
         for k in ("bos_token_id", "eos_token_id"):

@@ -52,6 +52,7 @@ from peagle_train.core.atomic import write_json_atomic
 from peagle_train.features.target import sha256_file as _sha256
 from peagle_train.features.fp8 import dequantize_fp8_rows, quantize_fp8_rows
 from peagle_train.features.online import iter_target_features
+from peagle_train.core.dtypes import safetensors_itemsize
 
 
 FORMAT = "peagle-features-v2"
@@ -208,16 +209,12 @@ def cache_size_report(cache_dir: str | Path) -> dict:
                 numel = 1
                 for x in sl.get_shape():
                     numel *= x
-                per[k] = per.get(k, 0) + numel * _DTYPE_BYTES[sl.get_dtype()]
+                per[k] = per.get(k, 0) + numel * safetensors_itemsize(sl.get_dtype())
     head = d / "target_head.safetensors"
     return {"dtype": man["dtype"], "sequences": sum(s["count"] for s in man["shards"]), "tokens": tokens,
             "shard_bytes": nbytes, "bytes_per_token": nbytes / max(1, tokens),
             "head_bytes": head.stat().st_size if head.is_file() else 0,
             "tensor_bytes_per_token": {k: v / max(1, tokens) for k, v in sorted(per.items())}}
-
-
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1,
-                "F8_E5M2": 1, "BOOL": 1}
 
 
 class CachedFeatures:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from peagle_train.peagle.masks import SplitMasks
 from peagle_train.peagle.masks import GridMeta, build_block_mask, dense_mask
 from peagle_train.peagle.masks import build_chain_index, invert_chain_index
+from peagle_train.core.dtypes import acc_dtype
 
 
 class _ChainGather(torch.autograd.Function):
@@ -60,11 +61,6 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
     return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
                       kernel)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax / log-sum-exp accumulation dtype: float32 for half types, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
@@ -126,7 +122,7 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     g = nh // nkv
     C = index.shape[1]
     scale = hd ** -0.5 if scale is None else scale
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     Ek = k.shape[2]
     kc = chain_gather(k[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
     vc = chain_gather(v[0].transpose(0, 1).reshape(Ek, nkv * hd), index, inverse, inverse_valid)
@@ -187,7 +183,7 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     Returns:
         ``(out [..., E, hd]`` in ``out_a.dtype``, ``lse [..., E]`` in the accumulation dtype``)``.
     """
-    acc = _acc_dtype(out_a.dtype)
+    acc = acc_dtype(out_a.dtype)
     la, lb = lse_a.to(acc), lse_b.to(acc)
     m = torch.maximum(la, lb).detach()
     any_key = torch.isfinite(m)

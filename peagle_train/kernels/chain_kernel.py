@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 
 import torch
+from peagle_train.core.dtypes import acc_dtype
 
 try:
     import triton
@@ -224,7 +225,6 @@ if triton is not None:
 
     from torch.library import triton_op, wrap_triton
 
-    from peagle_train.kernels.attention import _acc_dtype
 
     def _strides(*ts: torch.Tensor) -> list:
         """(head, row, feature) strides of each ``[1, heads, rows, hd]`` tensor, in order."""
@@ -247,7 +247,7 @@ if triton is not None:
         C = index.shape[1]
         be, gp, hdp, warps = _blocks(nh // nkv, hd, "fwd")
         out = torch.empty_like(q)
-        lse = torch.empty((1, nh, Eq), dtype=_acc_dtype(q.dtype), device=q.device)
+        lse = torch.empty((1, nh, Eq), dtype=acc_dtype(q.dtype), device=q.device)
         if Eq:  # an empty grid launches nothing
             _launch(_chain_fwd_kernel)[(triton.cdiv(Eq, be), nkv)](
                 q, k, v, index, valid, out, lse,
@@ -266,7 +266,7 @@ if triton is not None:
         C = index.shape[1]
         be, gp, hdp, warps = _blocks(nh // nkv, hd, "bwd_q")
         dq = torch.empty_like(q)
-        ds = torch.empty((Eq, nkv, C, gp), dtype=_acc_dtype(q.dtype), device=q.device)
+        ds = torch.empty((Eq, nkv, C, gp), dtype=acc_dtype(q.dtype), device=q.device)
         p = torch.empty_like(ds)
         if Eq:  # an empty grid launches nothing
             _launch(_chain_bwd_q_kernel)[(triton.cdiv(Eq, be), nkv)](

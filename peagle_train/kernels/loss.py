@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
+from peagle_train.core.dtypes import acc_dtype
 
 
 @dataclass
@@ -47,15 +48,10 @@ class TargetDist:
         per :class:`TargetDist` (one per objective call), not once per chunk. The output dtype is the
         matmul's (bf16 under bf16 autocast).
         """
-        dt = _matmul_dtype(self.last.device.type, _acc_dtype(self.last.dtype))
+        dt = _matmul_dtype(self.last.device.type, acc_dtype(self.last.dtype))
         if dt not in self._head_as:
             self._head_as[dt] = self.head.to(dt)
         return self.last[rows].to(dt) @ self._head_as[dt].T
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Loss accumulation dtype: float32 for half types, else the input's (float64 stays exact)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _matmul_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
@@ -67,7 +63,7 @@ def _matmul_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_loss(norm, lm_head, h, t_logits, weight, kind: str):
-    logp = F.log_softmax(lm_head(norm(h)).to(_acc_dtype(h.dtype)), dim=-1)
+    logp = F.log_softmax(lm_head(norm(h)).to(acc_dtype(h.dtype)), dim=-1)
     if kind == "kl":
         tlogp = F.log_softmax(t_logits, dim=-1)
         per = (tlogp.exp() * (tlogp - logp)).sum(-1)
@@ -92,7 +88,7 @@ def _fused_chunk(hn, head_w, t_logits, w, kind: str, need_h: bool, need_w: bool)
         ``L = sum_v p_t,v (log p_t,v - log softmax(z)_v)``, ``dL/dz = softmax(z) * sum(p_t) - p_t``
         (``sum(p_t)`` is 1 up to rounding, kept for exactness; CE: ``p_t`` is one-hot).
     """
-    acc = _acc_dtype(hn.dtype)
+    acc = acc_dtype(hn.dtype)
     logp = F.log_softmax(F.linear(hn, head_w).to(acc), dim=-1)  # the op lm_head runs
     p = logp.exp()
     if kind == "kl":
@@ -150,12 +146,18 @@ def _fusable(lm_head: torch.nn.Module) -> bool:
 _CHUNK_COMPILED: dict = {}
 
 
-last_path: str | None = None
+def loss_path(lm_head: torch.nn.Module, fused: bool, grads: bool = True) -> str:
+    """The path :func:`chunked_loss` takes: ``"fused"`` (gradients computed in the forward),
+    ``"recompute"`` (checkpoint + recompute; also where :func:`_fusable` refuses the head) or
+    ``"no-grad"`` (no gradient needed: eval, ``torch.no_grad``).
 
-
-"""Which path the latest :func:`chunked_loss` call in this process took: ``"fused"``,
-``"recompute"`` or ``"no-grad"`` (None before the first call). A diagnostic for benchmarks and
-tests: the fused path falls back to recompute by itself where :func:`_fusable` says no."""
+    Args:
+        lm_head: the drafter's head. fused: ``train.fused_loss``. grads: whether the call needs
+            gradients (any of the hidden states, the head or the norm requires grad, grad mode on).
+    """
+    if not grads:
+        return "no-grad"
+    return "fused" if fused and _fusable(lm_head) else "recompute"
 
 
 def compiled_chunk_loss(inductor_mode: str | None = None, fused: bool = False):
@@ -228,7 +230,6 @@ def chunked_loss(
     Raises:
         ValueError: unknown ``kind``.
     """
-    global last_path
     if kind not in ("kl", "ce"):
         raise ValueError(f"unknown loss kind {kind!r}")
     from peagle_train.kernels.compiling import inductor_mode
@@ -236,22 +237,20 @@ def chunked_loss(
     mode = inductor_mode(compile)
     grads = torch.is_grad_enabled() and (h.requires_grad or lm_head.weight.requires_grad
                                          or any(p.requires_grad for p in norm.parameters()))
-    if fused and grads and _fusable(lm_head):
-        last_path = "fused"
+    if loss_path(lm_head, fused, grads) == "fused":
         norm_fn = _compiled(_apply_norm, mode) if compile else _apply_norm
         # checkpointed: the norm keeps nothing of its own ([E, H] float32 under autocast) for the backward
         hn = checkpoint(norm_fn, norm, h, use_reentrant=False)
         return _fused_loss(hn, lm_head.weight, label_index, weight, target, kind, chunk_size,
                            compiled_chunk_loss(mode, fused=True) if compile else _fused_chunk)
-    last_path = "recompute" if grads else "no-grad"
     body = compiled_chunk_loss(mode) if compile else _chunk_loss
-    total = h.new_zeros((), dtype=_acc_dtype(h.dtype))
+    total = h.new_zeros((), dtype=acc_dtype(h.dtype))
     preds = []
     for s in range(0, h.shape[0], chunk_size):
         sl = slice(s, s + chunk_size)
         with torch.no_grad():
             t_logits = target.draft_logits(label_index[sl])
-        w = weight[sl].to(_acc_dtype(h.dtype))
+        w = weight[sl].to(acc_dtype(h.dtype))
         if torch.is_grad_enabled() and h.requires_grad:
             part, pred = checkpoint(body, norm, lm_head, h[sl], t_logits, w, kind, use_reentrant=False)
         else:
@@ -279,7 +278,7 @@ def _fused_loss(hn, head_w, label_index, weight, target: TargetDist, kind: str, 
         ``(loss_sum scalar, float32 or float64 for float64 inputs; draft_pred [E] int64)``.
     """
     dt = _matmul_dtype(hn.device.type, torch.promote_types(hn.dtype, head_w.dtype))
-    acc = _acc_dtype(hn.dtype)
+    acc = acc_dtype(hn.dtype)
     need_h, need_w = hn.requires_grad, head_w.requires_grad
     total = hn.new_zeros((), dtype=acc)
     preds = []

@@ -20,6 +20,7 @@ from peagle_train.model.drafter import Drafter
 from peagle_train.peagle.grid import Grid, cod_keep_counts, pad_grid
 from peagle_train.kernels.loss import TargetDist, chunked_loss
 from peagle_train.kernels.attention import _default_pad_multiple, make_attn_spec
+from peagle_train.core.dtypes import acc_dtype
 
 
 class PEagleObjective(nn.Module):
@@ -82,7 +83,7 @@ class PEagleObjective(nn.Module):
 
 def _weights(loss_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Loss weights in the loss accumulation dtype (float64 stays exact; half types use float32)."""
-    return loss_weight.to(torch.promote_types(h.dtype, torch.float32))
+    return loss_weight.to(acc_dtype(h.dtype))
 
 
 def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, float, int | None] | None,

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 from peagle_train.kernels.attention import AttnSpec, attend
+from peagle_train.core.dtypes import acc_dtype
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +31,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` → normalised ``[..., H]`` in ``x``'s dtype."""
-        dt = torch.promote_types(x.dtype, torch.float32)
+        dt = acc_dtype(x.dtype)
         xf = x.to(dt)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * xf.to(x.dtype)

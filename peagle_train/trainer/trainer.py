@@ -44,6 +44,7 @@ from peagle_train.features.online import OnlineFeatures
 from peagle_train.features.packing import pack, pack_tokens
 from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count, to_device
 from peagle_train.peagle.metrics import DepthStats, depth_stats
+from peagle_train.kernels.loss import loss_path
 from peagle_train.decoding.spec_stats import chain_matrix, walk_accepted
 from peagle_train.core.atomic import write_json_atomic
 from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
@@ -298,7 +299,8 @@ class Trainer:
         rec = {"step": self.step, "loss": float(sums[0]) / self.acc.num_processes,
                "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped,
                "positions_per_s": float(sums[1]) / dt, "tokens_per_s": float(sums[2]) / dt,
-               "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length()}
+               "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length(),
+               "loss_path": loss_path(self.acc.unwrap_model(self.model).drafter.lm_head, self.tc.fused_loss)}
         rec.update(peak_memory())
         return rec
 

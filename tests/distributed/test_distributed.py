@@ -41,7 +41,7 @@ from peagle_train.features.tokenized import save_tokenized
 from peagle_train.trainer.trainer import Trainer, epoch_order, load_prepared, run_train
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "dist_worker.py"
+WORKER = REPO / "tests" / "distributed" / "dist_worker.py"
 BIN = Path(sys.executable).parent
 WEIGHT_ATOL = 2e-6  # fp32, lr 3e-3: layouts differ only in float summation order (observed max 8e-7)
 REL = 1e-6  # loss, grad norm, lr

@@ -252,10 +252,10 @@ def test_fused_loss_falls_back_for_heads_it_cannot_read_as_a_weight(monkeypatch)
     fused_loss = loss_mod._fused_loss
     monkeypatch.setattr(loss_mod, "_fused_loss", lambda *a, **k: used.append("fused") or fused_loss(*a, **k))
     chunked_loss(norm, head, h, li, w, target, chunk_size=7)
-    assert used == ["fused"] and loss_mod.last_path == "fused"
+    assert used == ["fused"] and loss_mod.loss_path(head, fused=True) == "fused"
     with torch.no_grad():
         chunked_loss(norm, head, h, li, w, target, chunk_size=7)
-    assert loss_mod.last_path == "no-grad"
+    assert used == ["fused"] and loss_mod.loss_path(head, fused=True, grads=False) == "no-grad"
 
     class Biased(nn.Linear):
         def forward(self, x):
@@ -274,7 +274,7 @@ def test_fused_loss_falls_back_for_heads_it_cannot_read_as_a_weight(monkeypatch)
         got, _ = chunked_loss(norm, other, h, li, w, target, chunk_size=7)
         ref, _ = reference_loss(norm, other, h, li, w, target.last, full_head, draft_ids, "kl")
         assert used == [] and abs(got.item() - ref.item()) < 1e-10 * abs(ref.item()), type(other)
-        assert loss_mod.last_path == "recompute"  # what the benchmark reports for the row
+        assert loss_mod.loss_path(other, fused=True) == "recompute"  # what the trainer's step record reports
 
 
 def test_kl_zero_when_draft_equals_restricted_target():
