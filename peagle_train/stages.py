@@ -16,7 +16,8 @@ import yaml
 
 from peagle_train.core.atomic import write_json_atomic, write_text_atomic
 from peagle_train.features.tokenized import first_supervised, heldout_rows, save_tokenized
-from peagle_train.core.config import ConfigError, RunConfig, dump_config, validate_against_target, validate_mask_token_absent
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
 _PREPARED = ("data", "features")  # made from the target/data/regen sections only

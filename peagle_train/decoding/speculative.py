@@ -47,7 +47,8 @@ import torch
 from peagle_train.kernels.attention import AttnSpec
 from peagle_train.model.drafter import Drafter
 from peagle_train.decoding.rejection import AcceptRule, standard_accept_rule, verify_greedy, verify_sampling
-from peagle_train.decoding.spec_stats import SpecStats, TargetStats, acceptance_length, per_position_acceptance
+from peagle_train.methods import get_method, method_of_config
+from peagle_train.peagle.spec_stats import SpecStats, TargetStats, acceptance_length, per_position_acceptance
 from peagle_train.features.target import Target
 from peagle_train.core.dtypes import acc_dtype
 
@@ -89,34 +90,24 @@ class DraftSession:
     Args:
         drafter: a :class:`Drafter` in eval mode.
         K: served number of draft tokens per round (``>= 1``).
-        method: ``"parallel"`` (P-EAGLE, vLLM ``parallel_drafting``) or ``"eagle3"`` (chain);
-            ``None`` picks from ``drafter.config.parallel_drafting``.
+        method: a registered draft method's name (``"peagle"``: one forward over the mask slots,
+            vLLM ``parallel_drafting``; ``"eagle3"``: a chain of forwards), whose
+            :meth:`~peagle_train.methods.base.DraftMethod.draft_round` proposes each round;
+            ``None``: the method the drafter config describes (:func:`~peagle_train.methods.method_of_config`).
 
     Raises:
-        ValueError: ``K < 1``; parallel drafting with ``K`` above the trained
-            ``drafter.config.num_parallel_depths`` (mask depths beyond it were never trained,
-            and vLLM does not check this, spec §4); parallel drafting on a drafter without
-            ``mask_token_id`` / ``mask_hidden``.
+        ValueError: ``K < 1``; an unknown method; what the method's ``check_served_K`` refuses
+            (P-EAGLE: ``K`` above the trained ``drafter.config.num_parallel_depths``, since mask
+            depths beyond it were never trained and vLLM does not check this, spec §4; a drafter
+            without ``mask_token_id`` / ``mask_hidden``).
     """
 
     def __init__(self, drafter: Drafter, K: int, method: str | None = None):
-        cfg = drafter.config
-        if method is None:
-            method = "parallel" if getattr(cfg, "parallel_drafting", False) else "eagle3"
-        if method not in ("parallel", "eagle3"):
-            raise ValueError(f"unknown drafting method {method!r}; use 'parallel' or 'eagle3'")
+        self.method = method_of_config(drafter.config) if method is None else get_method(method)
         if K < 1:
             raise ValueError(f"served K must be >= 1 (got {K})")
-        if method == "parallel":
-            trained = getattr(cfg, "num_parallel_depths", None)
-            if trained is None or K > trained:
-                raise ValueError(
-                    f"served K={K} exceeds the drafter's trained K (num_parallel_depths={trained}): parallel "
-                    "drafting can only serve K <= trained K (spec §4)"
-                )
-            if getattr(cfg, "mask_token_id", None) is None or not hasattr(drafter, "mask_hidden"):
-                raise ValueError("parallel drafting needs a drafter with mask_token_id and mask_hidden (P-EAGLE)")
-        self.drafter, self.K, self.method = drafter, K, method
+        self.method.check_served_K(drafter, K)
+        self.drafter, self.K = drafter, K
         self.kv: list | None = None  # per layer (k, v) [1, nkv, num_cached, hd], context slots only
         self.num_cached = 0  # committed context slots = positions 0 .. num_cached-1
         self._vocab_ids = torch.arange(drafter.d2t.numel(), device=drafter.d2t.device) + drafter.d2t  # [Vd]
@@ -125,7 +116,9 @@ class DraftSession:
     def device(self) -> torch.device:
         return self.drafter.fc.weight.device
 
-    def _forward(self, tokens, hidden, positions, past):
+    def forward(self, tokens, hidden, positions, past):
+        """The drafter over new slots ``tokens [n]`` / ``hidden [n, H]`` / ``positions [n]``, causal over
+        ``past`` (per-layer ``(k, v)``) and themselves → ``(h [n, H], kv)``."""
         spec = AttnSpec(dense=_causal(tokens.numel(), 0 if past is None else past[0][0].shape[2], self.device))
         return self.drafter(tokens, hidden, positions, spec, past)
 
@@ -161,35 +154,15 @@ class DraftSession:
             :class:`Proposal` with ``K`` drafts; the context slots' KV is now cached.
         """
         d = self.drafter
-        n, P, K = ctx_tokens.numel(), self.num_cached, self.K
+        n, P = ctx_tokens.numel(), self.num_cached
         if n < 1 or ctx_aux.shape[0] != n:
             raise ValueError(f"need n >= 1 context slots with one aux row each (tokens {n}, aux {tuple(ctx_aux.shape)})")
         dev = self.device
         ctx_tokens = ctx_tokens.to(dev)
         hidden = d.project_aux(ctx_aux.to(device=dev, dtype=d.fc.weight.dtype))  # [n, H]
         positions = torch.arange(P, P + n, device=dev)
-        if self.method == "parallel":
-            m = K - 1
-            tokens = torch.cat([ctx_tokens, ctx_tokens.new_full((m,), d.config.mask_token_id)])  # [n+m]
-            hidden = torch.cat([hidden, d.mask_hidden_projected().expand(m, -1)])  # [n+m, H]
-            positions = torch.arange(P, P + n + m, device=dev)  # mask slots at t+1 .. t+K-1
-            h, kv = self._forward(tokens, hidden, positions, self.kv)
-            self.kv = [(k[:, :, : P + n], v[:, :, : P + n]) for k, v in kv]  # drop mask-slot KV
-            logits = d.logits(h[n - 1 :])  # [K, Vd]: bonus slot, then mask slots
-            picks = [self._pick(logits[i], sampling, temperature, generator) for i in range(K)]
-        else:
-            h, kv = self._forward(ctx_tokens, hidden, positions, self.kv)
-            self.kv = kv  # every slot of this forward is a committed context slot
-            rows = [d.logits(h[-1])]  # [Vd]
-            picks = [self._pick(rows[0], sampling, temperature, generator)]
-            h_prev, past, pos = h[-1:], kv, P + n - 1
-            for _ in range(K - 1):  # chain slots: token = previous draft, hidden = previous output
-                pos += 1
-                tok = picks[-1][0].view(1)
-                h_prev, past = self._forward(tok, h_prev, torch.tensor([pos], device=dev), past)
-                rows.append(d.logits(h_prev[0]))
-                picks.append(self._pick(rows[-1], sampling, temperature, generator))
-            logits = torch.stack(rows)  # [K, Vd]; chain KV (past) is discarded here
+        logits, picks = self.method.draft_round(self, ctx_tokens, hidden, positions,
+                                                lambda row: self._pick(row, sampling, temperature, generator))
         self.num_cached = P + n
         draft_ids = torch.stack([p[0] for p in picks])
         q = torch.stack([p[1] for p in picks]) if sampling else None
@@ -340,7 +313,7 @@ def speculative_generate(
         sampling / temperature / generator: as :func:`target_generate` (the drafter samples
             its drafts at the same temperature).
         eos_token_id: int, iterable of ints, or None; output stops after the first EOS.
-        method: ``"parallel"`` / ``"eagle3"`` / None (from the drafter config).
+        method: a registered draft method name (``"peagle"`` / ``"eagle3"``) or None (from the drafter config).
         accept_rule: test hook for :func:`verify_sampling`; leave None.
 
     Returns:

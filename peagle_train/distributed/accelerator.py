@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 import torch
-from peagle_train.core.config import RunConfig
+from peagle_train.recipe import RunConfig
 from peagle_train.core.tracking import prepare_trackers
 from peagle_train.distributed.layout import Layout
 

@@ -34,6 +34,7 @@ from peagle_train.model.drafter import Drafter
 from peagle_train.eval.report import write_report
 from peagle_train.decoding.speculative import SpecStats, TargetStats, acceptance_length, per_position_acceptance, speculative_generate, target_generate
 from peagle_train.features.target import Target
+from peagle_train.methods import method_of_config
 
 @dataclass(frozen=True)
 class TokenPrompt:
@@ -173,8 +174,8 @@ def run_eval(
             report (listing every mismatch) has been written.
         FileNotFoundError / ValueError: from the prompt loader (missing eval set distribution).
     """
-    parallel = bool(getattr(drafter.config, "parallel_drafting", False))
-    if parallel and cfg.k_max > trained_K:
+    method = method_of_config(drafter.config)
+    if not method.serves_above_trained_K and cfg.k_max > trained_K:
         raise ValueError(f"eval.k_max={cfg.k_max} exceeds the drafter's trained K={trained_K} (served K <= trained K)")
     load_prompts = load_prompts or _default_loader
     if encode is None:
@@ -239,7 +240,7 @@ def run_eval(
     results = {
         "target": target_name,
         "drafter": drafter_name,
-        "method": "peagle" if parallel else "eagle3",
+        "method": method.name,
         "trained_K": trained_K,
         "k_values": ks,
         "max_new_tokens": cfg.max_new_tokens,

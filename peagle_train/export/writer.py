@@ -33,11 +33,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from peagle_train.export.check import CONFIG_FILE, WEIGHTS_FILE, ExportCheckError, assert_export_ok, expected_weights, is_parallel
+from peagle_train.export.check import CONFIG_FILE, WEIGHTS_FILE, ExportCheckError, assert_export_ok, expected_weights
 from peagle_train.export.check_speculators import flatten_speculators_config, is_hub_repo_id
 from peagle_train.model.drafter import Drafter
 from peagle_train.export.model_card import render_model_card
 from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, SAFETENSORS_DTYPES, dtype_name
+from peagle_train.methods import method_of_config
 
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 README_FILE = "README.md"
@@ -83,8 +84,10 @@ def _validate_against_target(cfg, target_config) -> None:
     ids = cfg.eagle_aux_hidden_state_layer_ids
     if L is not None and max(ids) >= L:
         raise ExportError(f"aux layer ids {ids} exceed the target's {L} layers")
-    if getattr(cfg, "parallel_drafting", False) and not 0 <= cfg.mask_token_id < target_config.vocab_size:
-        raise ExportError(f"mask_token_id {cfg.mask_token_id} outside the target vocab [0, {target_config.vocab_size})")
+    try:
+        method_of_config(cfg).check_target(cfg, target_config.vocab_size)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
 
 
 def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -160,13 +163,10 @@ def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype 
                 out[k] = getattr(target_config, k)
     if H != T:
         out["allow_hidden_size_mismatch"] = True
-    if getattr(c, "parallel_drafting", False):
-        m = getattr(c, "mask_token_id", None)
-        if m is None:
-            raise ExportError("a P-EAGLE drafter (parallel_drafting) needs config.mask_token_id to export "
-                              "ptd_token_id/pard_token; set drafter.mask_token_id")
-        out.update(parallel_drafting=True, ptd_token_id=int(m), pard_token=int(m),
-                   num_parallel_depths=int(getattr(c, "num_parallel_depths", 1)))
+    try:  # the draft method's own fields (P-EAGLE: parallel_drafting, ptd_token_id, pard_token, K)
+        out.update(method_of_config(c).vllm_fields(c))
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     return out
 
 
@@ -318,12 +318,11 @@ def _llama_config_from_flat(cfg: dict) -> LlamaConfig:
         if cfg.get("rope_scaling"):
             kw["rope_scaling"] = dict(cfg["rope_scaling"])
     c = LlamaConfig(**kw)
-    parallel = is_parallel(cfg)
     c.target_hidden_size = cfg["target_hidden_size"]
     c.draft_vocab_size = cfg["draft_vocab_size"]
     c.eagle_aux_hidden_state_layer_ids = list(cfg["eagle_aux_hidden_state_layer_ids"])
-    c.mask_token_id = cfg["ptd_token_id"] if parallel else None
-    c.parallel_drafting = parallel
+    for k, v in method_of_config(cfg).drafter_fields_from_export(cfg).items():
+        setattr(c, k, v)
     c.num_parallel_depths = int(cfg.get("num_parallel_depths") or 1)
     c.allow_hidden_size_mismatch = bool(cfg.get("allow_hidden_size_mismatch", False))
     return c
@@ -390,17 +389,17 @@ def build_speculators_config(drafter_config, *, verifier_name_or_path: str, veri
         ExportError: as :func:`build_vllm_config`.
     """
     flat = build_vllm_config(drafter_config, target_config=target_config, dtype=dtype)
-    parallel = flat.get("parallel_drafting") is True
+    method = method_of_config(flat)
     layer_keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "intermediate_size", "rms_norm_eps", "hidden_act", "max_position_embeddings",
                   "vocab_size", "attention_bias", "mlp_bias", "tie_word_embeddings", "rope_theta", "rope_scaling",
                   "rope_parameters", "bos_token_id", "eos_token_id", "eagle_config", "allow_hidden_size_mismatch")
     tlc = {k: flat[k] for k in layer_keys if k in flat}
     tlc["architectures"] = ["LlamaForCausalLM"]
-    K = flat.get("num_parallel_depths", 1) if parallel else int(getattr(drafter_config, "num_parallel_depths", 3))
-    kind = "peagle" if parallel else "eagle3"
+    fields = method.speculators_fields(flat, drafter_config)
+    kind = fields["kind"]
     out = {
-        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+        "architectures": [fields["architecture"]],
         "speculators_model_type": kind,
         "transformer_layer_config": tlc,
         "draft_vocab_size": flat["draft_vocab_size"],
@@ -409,7 +408,7 @@ def build_speculators_config(drafter_config, *, verifier_name_or_path: str, veri
         "eagle_aux_hidden_state_layer_ids": flat["eagle_aux_hidden_state_layer_ids"],
         "speculators_config": {
             "algorithm": kind,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K, "verifier_accept_k": 1,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": fields["K"], "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_name_or_path,
@@ -418,9 +417,7 @@ def build_speculators_config(drafter_config, *, verifier_name_or_path: str, veri
         "dtype": flat["dtype"],
         "torch_dtype": flat["dtype"],
     }
-    if parallel:
-        out["mask_token_id"] = flat["ptd_token_id"]
-        out["embed_requires_grad"] = True
+    out.update(fields["extra"])
     return out
 
 

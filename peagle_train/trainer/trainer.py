@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
-from peagle_train.core.config import ConfigError, RunConfig, dump_config
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
 from peagle_train.distributed.strategy import after_prepare, backward, configure_deepspeed, full_state_dict, grad_norm_value, grad_sync, reduce_values, shard_target
 from peagle_train.distributed.accelerator import make_accelerator
@@ -42,14 +43,13 @@ from peagle_train.model.drafter import Drafter, make_drafter_config
 from peagle_train.features.cache import CachedFeatures
 from peagle_train.features.online import OnlineFeatures
 from peagle_train.features.packing import pack, pack_tokens
-from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count, to_device
+from peagle_train.peagle.grid import supervised_count, to_device
 from peagle_train.peagle.metrics import DepthStats, depth_stats
 from peagle_train.kernels.loss import loss_path
-from peagle_train.decoding.spec_stats import chain_matrix, walk_accepted
+from peagle_train.peagle.spec_stats import chain_matrix
 from peagle_train.core.atomic import write_json_atomic
 from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
-from peagle_train.methods.objectives import Eagle3Objective, PEagleObjective
-from peagle_train.peagle.partition import plan_partitions
+from peagle_train.methods import get_method
 from peagle_train.features.tokenized import first_supervised, heldout_rows, load_prepared
 from peagle_train.core.tracking import flat_metrics, peak_memory
 from peagle_train.features.vocab import select_draft_vocab, token_frequencies
@@ -64,22 +64,21 @@ def resolve_attention(kind: str, device: torch.device) -> str:
 
 
 def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
-    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows."""
-    peagle = cfg.train.method == "peagle"
+    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows; the
+    draft method (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`)."""
     dcfg = make_drafter_config(
         target_config,
         aux_layer_ids=aux_layer_ids,
         draft_vocab_size=int(draft_ids.numel()),
-        mask_token_id=cfg.drafter.mask_token_id if peagle else None,
         num_layers=cfg.drafter.num_layers,
         hidden_size=cfg.drafter.hidden_size,
         intermediate_size=cfg.drafter.intermediate_size,
         num_attention_heads=cfg.drafter.num_attention_heads,
         num_key_value_heads=cfg.drafter.num_key_value_heads,
         head_dim=cfg.drafter.head_dim,
-        parallel_drafting=peagle,
         K=cfg.train.K,
         allow_hidden_size_mismatch=cfg.drafter.allow_hidden_size_mismatch,
+        **get_method(cfg.train.method).drafter_fields(cfg),
     )
     torch.manual_seed(cfg.train.seed)
     drafter = Drafter(dcfg)
@@ -121,6 +120,7 @@ class Trainer:
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         self.cfg, self.tc = cfg, cfg.train
+        self.method = get_method(cfg.train.method)  # everything that differs between draft methods
         self.out = Path(cfg.output_dir)
         self.layout = layout or requested_layout()
         self.train_ids, self.train_masks = data["train"]["input_ids"], data["train"]["loss_mask"]
@@ -153,13 +153,9 @@ class Trainer:
             self.chain_kernel = resolve_chain_kernel(self.tc.chain_kernel, self.device)
         except RuntimeError as e:
             raise ConfigError(f"{cfg.source_file}: train.chain_kernel: {e}") from None
-        Obj = PEagleObjective if self.tc.method == "peagle" else Eagle3Objective
-        kw = {} if self.tc.method == "peagle" else {
-            "decay": self.tc.ttt_decay, "cod": (self.tc.cod_r, self.tc.cod_r_min, self.tc.max_anchors),
-            "static_tokens": self.tc.micro_batch_size * max(self.lengths, default=1)}
-        objective = Obj(drafter, head[self.draft_ids].float(), loss=self.tc.loss, chunk_size=self.tc.loss_chunk_size,
-                        attention=self.attention, compile=self.tc.compile, chain_kernel=self.chain_kernel,
-                        fused_loss=self.tc.fused_loss, **kw)
+        objective = self.method.build_objective(
+            drafter, head[self.draft_ids].float(), cfg, attention=self.attention, chain_kernel=self.chain_kernel,
+            max_micro_tokens=self.tc.micro_batch_size * max(self.lengths, default=1))
         opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
                                 weight_decay=self.tc.weight_decay)
         per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
@@ -220,19 +216,12 @@ class Trainer:
         feats = source.get(indices)
         tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
         packed = pack(feats, tokens, self.device)
-        K = self.tc.K
-        r, r_min = (self.tc.cod_r, self.tc.cod_r_min) if self.tc.method == "peagle" else (1.0, 1.0)
-        kept = cod_sample(tokens["loss_mask"], tokens["doc_ids"], K, r, r_min, self.tc.max_anchors, gen)
-        mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
-        host_grid = build_grid(tokens["input_ids"], tokens["loss_mask"], tokens["doc_ids"], kept, mask_id)
+        host_grid = self.method.build_grid(tokens, self.cfg, gen)
         return packed, host_grid.to(self.device, non_blocking=True), host_grid
 
     def _forward(self, packed, grid, normaliser):
-        p = self.model
-        args = (grid, packed["aux"], packed["last"], packed["argmax"], normaliser)
-        if self.tc.method == "eagle3":
-            return p(*args, packed["input_ids"])
-        return p(*args)
+        return self.model(grid, packed["aux"], packed["last"], packed["argmax"], normaliser,
+                          *self.method.objective_inputs(packed))
 
     def _stats(self, packed, grid, pred) -> DepthStats:
         drafter = self.acc.unwrap_model(self.model).drafter
@@ -257,10 +246,12 @@ class Trainer:
         parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
         for (packed, grid, host_grid), S in zip(micros, parts):
             n = packed["input_ids"].numel()
-            # each segment with the indices of the elements it owns, found on the host (no nonzero sync)
-            segs = ([(seg.to(self.device, non_blocking=True),
-                      to_device(seg.owned.nonzero().flatten(), self.device, non_blocking=True))
-                     for seg in plan_partitions(host_grid, n, S)] if self.tc.method == "peagle" else None)
+            # each segment with the indices of the elements it owns, found on the host (no nonzero sync);
+            # None: the method trains the whole grid in one forward
+            host_segs = self.method.segments(host_grid, n, S)
+            segs = None if host_segs is None else [
+                (seg.to(self.device, non_blocking=True),
+                 to_device(seg.owned.nonzero().flatten(), self.device, non_blocking=True)) for seg in host_segs]
             plans.append(segs)
             positions += len(grid)
             tokens += n
@@ -348,22 +339,21 @@ class Trainer:
     def eval_items(self) -> list[int]:
         """Eval-split sequences used in evaluation: the first ``eval_sequences`` with a supervised element."""
         if self._eval_items is None:
-            mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
             items = []
             for i in range(len(self.eval_ids)):
                 if len(items) == self.tc.eval_sequences:
                     break
-                if supervised_count(self._eval_grid(i, mask_id)) > 0:
+                if supervised_count(self._eval_grid(i)) > 0:
                     items.append(i)
             self._eval_items = items
         return self._eval_items
 
-    def _eval_grid(self, i: int, mask_id: int, device=None):
+    def _eval_grid(self, i: int, device=None):
+        """Eval sequence ``i``'s grid with every chain kept to depth K - 1 (the method's eval grid)."""
         ids = torch.tensor(self.eval_ids[i], dtype=torch.long, device=device)
-        lm = torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device)
-        doc = torch.zeros_like(ids)
-        kept = cod_sample(lm, doc, self.tc.K, 1.0, 1.0)
-        return build_grid(ids, lm, doc, kept, mask_id)
+        tokens = {"input_ids": ids, "loss_mask": torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device),
+                  "doc_ids": torch.zeros_like(ids)}
+        return self.method.build_grid(tokens, self.cfg, train=False)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -378,14 +368,13 @@ class Trainer:
         stats, loss_sum, count = DepthStats.zeros(self.tc.K, self.device), 0.0, 0.0
         # loop-equivalent simulated AL: [all eval sequences / the eval stage's heldout subset][tokens, rounds][served K]
         walk = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
-        mask_id = self.cfg.drafter.mask_token_id if self.tc.method == "peagle" else 0
         for r in range(math.ceil(len(items) / world)):
             j = r * world + rank
             counted = j < len(items)
             i = items[j % len(items)]
             feats = self.eval_features.get([i])
             packed = pack(feats, pack_tokens([self.eval_ids[i]], [self.eval_masks[i]]), self.device)
-            grid = self._eval_grid(i, mask_id, self.device)
+            grid = self._eval_grid(i, self.device)
             with self.acc.autocast():
                 loss, pred = self._forward(packed, grid, 1.0)
             if counted:
@@ -431,7 +420,7 @@ class Trainer:
             for row, horizon in ((0, None), (1, self.cfg.eval.max_new_tokens)):
                 if row == 1 and not matched:
                     continue
-                acc = walk_accepted(ok_t, sup_t, first, k, horizon)
+                acc = self.method.accepted_walk(ok_t, sup_t, first, k, horizon)
                 out[row, 0, k - 1] += sum(a + 1 for a in acc)
                 out[row, 1, k - 1] += len(acc)
         return out

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from peagle_train.trainer import trainer as train_mod  # noqa: E402
-from peagle_train.core.config import config_from_dict  # noqa: E402
+from peagle_train.recipe import config_from_dict
 from peagle_train.distributed.accelerator import end_process_group  # noqa: E402
 from peagle_train.distributed.strategy import full_state_dict  # noqa: E402
 from peagle_train.features.cache import CachedFeatures  # noqa: E402

@@ -31,7 +31,8 @@ import torch
 import yaml
 
 from conftest import save_tiny_target  # noqa: E402
-from peagle_train.core.config import ConfigError, config_from_dict
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import config_from_dict
 from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
 from peagle_train.distributed.accelerator import check_accelerator, end_process_group
 from peagle_train.distributed.batches import rank_batches

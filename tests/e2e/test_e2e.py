@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from peagle_train.cli import main
-from peagle_train.core.config import ConfigError, load_config
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import load_config
 
 pytestmark = pytest.mark.e2e
 

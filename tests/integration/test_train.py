@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import save_tiny_target
-from peagle_train.core.config import ConfigError, config_from_dict
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import config_from_dict
 from peagle_train.features.cache import CacheError, CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.features.tokenized import save_tokenized

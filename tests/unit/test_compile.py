@@ -17,7 +17,7 @@ import peagle_train.kernels.loss as loss_mod
 from conftest import needs_cc
 from peagle_train.kernels.compiling import SafeCompiled
 from peagle_train.kernels.loss import compiled_chunk_loss
-from peagle_train.methods.objectives import PEagleObjective
+from peagle_train.methods.peagle import PEagleObjective
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -95,7 +95,8 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
     AUTOTUNE_OPTIONS (Inductor's max_autotune, GEMMs on cuBLAS); train.compile: true with Inductor's
     defaults (no options). The recipe accepts both; anything else is refused."""
     import peagle_train.kernels.compiling as compiling
-    from peagle_train.core.config import ConfigError, config_from_dict
+    from peagle_train.core.config import ConfigError
+    from peagle_train.recipe import config_from_dict
 
     seen = []
 

@@ -475,7 +475,8 @@ def test_regeneration_workers_split_shards_and_a_plain_prepare_reuses_them(tok, 
     from types import SimpleNamespace
 
     from peagle_train import stages
-    from peagle_train.core.config import ConfigError, RunConfig, TargetConfig
+    from peagle_train.core.config import ConfigError, TargetConfig
+    from peagle_train.recipe import RunConfig
 
     cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"),
                     regen=RegenConfig(max_new_tokens=6, batch_size=2, shard_size=2))

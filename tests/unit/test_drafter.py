@@ -1,4 +1,4 @@
-"""Pins the drafter (PEAGLE_SPEC §2, §4, §5; ``drafter.py``) and the objectives that drive it (``objective.py``).
+"""Pins the drafter (PEAGLE_SPEC §2, §4, §5; ``drafter.py``) and the objectives that drive it (``methods/peagle.py``, ``methods/eagle3.py``).
 
 * A non-fusion layer (``layers.1``) equals transformers' ``LlamaDecoderLayer`` on the
   same weights (fp32, causal mask, arbitrary RoPE positions); the fusion layer
@@ -37,7 +37,8 @@ from peagle_train.kernels.attention import AttnSpec
 from peagle_train.model.drafter import Drafter, make_drafter_config
 from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count
 from peagle_train.kernels.loss import TargetDist, chunked_loss
-from peagle_train.methods.objectives import Eagle3Objective, PEagleObjective, eagle3_tokens
+from peagle_train.methods.eagle3 import Eagle3Objective, eagle3_tokens
+from peagle_train.methods.peagle import PEagleObjective
 from peagle_train.kernels.attention import make_attn_spec
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -446,7 +447,7 @@ def test_peagle_objective_loss_normalised(tiny_drafter, packed_batch):
 
 def test_objectives_weights_exact_in_float64(tiny_drafter, packed_batch, eagle3_problem):
     """Float64 runs must be float64-exact: ``loss_weight / normaliser`` (and ``decay**k``) must not be
-    rounded to float32. Fails while objective.py divides the float32 ``grid.loss_weight`` in float32."""
+    rounded to float32. Fails while the objectives divide the float32 ``grid.loss_weight`` in float32."""
     P = eagle3_problem
     g = P["g"]
     obj = Eagle3Objective(P["drafter"], P["head"], loss="kl", chunk_size=5, attention="sdpa", decay=0.8)
@@ -503,7 +504,7 @@ def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
     """Every TTT step's attention is [Q, (k+1)·Q] with Q = depth-0 count rounded up to the
     bucket, whatever the COD sizes of the deeper steps (bounded recompiles of the fused kernel),
     and the padding changes nothing: same loss and predictions as unpadded steps."""
-    import peagle_train.methods.objectives as objective
+    import peagle_train.methods.eagle3 as objective
 
     P = eagle3_problem
     g = P["g"]
@@ -532,7 +533,7 @@ def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
 
 def test_eagle3_step_lengths_follow_the_cod_bound():
     from peagle_train.peagle.grid import cod_keep_counts
-    from peagle_train.methods.objectives import eagle3_step_lengths
+    from peagle_train.methods.eagle3 import eagle3_step_lengths
 
     assert eagle3_step_lengths(11000, 7, 1, (0.7, 0.2, None)) is None
     lens = eagle3_step_lengths(11000, 7, 1024, (0.7, 0.2, None))

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from peagle_train.cli import STAGES, build_parser
-from peagle_train.core.config import ConfigError, load_config
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import load_config
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 DEFAULT = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"

@@ -425,7 +425,7 @@ def test_rejection_rule_is_exact_on_a_markov_chain(parallel):
 
 
 def test_walk_accepted_by_hand():
-    from peagle_train.decoding.spec_stats import walk_accepted
+    from peagle_train.peagle.spec_stats import walk_accepted
 
     n, K = 12, 3
     ok = torch.zeros(n, K, dtype=torch.bool)
@@ -450,8 +450,9 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel, reduced_v
     from peagle_train.features.online import OnlineFeatures
     from peagle_train.features.packing import pack, pack_tokens
     from peagle_train.peagle.grid import build_grid, cod_sample
-    from peagle_train.methods.objectives import Eagle3Objective, PEagleObjective
-    from peagle_train.decoding.spec_stats import acceptance_length, chain_matrix, walk_accepted
+    from peagle_train.methods.eagle3 import Eagle3Objective
+    from peagle_train.methods.peagle import PEagleObjective
+    from peagle_train.peagle.spec_stats import acceptance_length, chain_matrix, walk_accepted
 
     target = make_target(c_quantile=0.4 if reduced_vocab else 0.75)
     V = target.config.vocab_size

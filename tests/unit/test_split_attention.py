@@ -42,7 +42,7 @@ from peagle_train.peagle.masks import GridMeta, SplitMasks, block_structure, bui
 from peagle_train.kernels.attention import build_split_masks, chain_attention, chain_gather, dense_attention_with_lse, merge_by_lse
 from peagle_train.kernels.attention import AttnSpec, attend, split_attention
 from peagle_train.peagle.grid import pad_grid
-from peagle_train.methods.objectives import PEagleObjective
+from peagle_train.methods.peagle import PEagleObjective
 from peagle_train.kernels.attention import make_attn_spec
 from peagle_train.peagle.partition import plan_partitions
 from tests.unit.test_attention import (cat_meta, decode_blocks, grid_case, make_grid, manual_attention, ref_dense,

@@ -1,89 +1,23 @@
-"""Training objectives as ``nn.Module`` s whose ``forward`` returns ``(loss, draft_pred)``.
+"""The EAGLE-3 baseline (arXiv 2503.01840) with training-time test (TTT): K drafts from K chained
+drafter forwards.
 
-The loss lives inside ``forward`` so DDP / FSDP2 / DeepSpeed wrap one module and
-their hooks see every parameter use. Both objectives share the drafter code:
-
-* :class:`PEagleObjective` — one forward over the whole (or one segment of the)
-  flattened N×K grid (spec §3).
-* :class:`Eagle3Objective` — the autoregressive EAGLE-3 baseline with
-  training-time test (TTT, EAGLE-3 arXiv 2503.01840 §3): step ``k`` feeds the
-  drafter's own step ``k-1`` output hidden state and the ground-truth token
-  ``x[a+1+k]`` at position ``a+k``, attending to the cached keys of steps ``< k``
-  under the same grid rule; step ``k`` is weighted ``decay**k``.
+Training input: the grid with every depth kept (depth = TTT step); step ``k`` feeds the
+drafter's own step ``k-1`` output hidden state and the ground-truth token ``x[a+1+k]`` at
+position ``a+k``, attending to the cached keys of steps ``< k`` under the same grid rule; step
+``k`` is weighted ``decay**k`` (:class:`Eagle3Objective`). No sequence partitioning. Export:
+vLLM's ``eagle3`` layout without parallel-drafting fields. Inference: a chain of K drafter forwards.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-from peagle_train.peagle.masks import GridMeta
+
+from peagle_train.kernels.attention import _default_pad_multiple, make_attn_spec
+from peagle_train.kernels.loss import TargetDist, chunked_loss
+from peagle_train.methods.base import DraftMethod, config_field, loss_weights, register_method
 from peagle_train.model.drafter import Drafter
 from peagle_train.peagle.grid import Grid, cod_keep_counts, pad_grid
-from peagle_train.kernels.loss import TargetDist, chunked_loss
-from peagle_train.kernels.attention import _default_pad_multiple, make_attn_spec
-from peagle_train.core.dtypes import acc_dtype
-
-
-class PEagleObjective(nn.Module):
-    """P-EAGLE grid loss.
-
-    Args:
-        drafter: a :class:`Drafter` with ``parallel_drafting``.
-        target_head: ``[Vd, T]`` the target head's draft-vocab rows (frozen buffer).
-        loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk.
-        attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"sdpa"`` (see :func:`make_attn_spec`).
-        chain_kernel: the split form's chain part, ``"auto"`` (Triton on CUDA) / ``"triton"`` / ``"torch"``.
-        fused_loss: gradients of the lm_head + loss computed in the loss forward (``train.fused_loss``,
-            :func:`~peagle_train.loss.chunked_loss`).
-        compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
-            and the loss chunk body (:func:`~peagle_train.loss.compiled_chunk_loss`); same math.
-    """
-
-    def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
-                 attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
-                 chain_kernel: str = "auto", fused_loss: bool = True):
-        super().__init__()
-        self.fused_loss = fused_loss
-        self.drafter = drafter
-        self.chain_kernel = chain_kernel
-        self.compile = compile
-        drafter.set_compile(compile)
-        self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
-        self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
-        # compiled FlexAttention specialises on the sequence length: bucket it
-        self.pad_multiple = pad_multiple if pad_multiple is not None else _default_pad_multiple(attention)
-
-    def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
-                normaliser: float):
-        """Loss of one grid (or segment).
-
-        Args:
-            grid: elements (``[E]`` each). aux: ``[N, A*T]``. last: ``[N, T]``. argmax: ``[N]`` int64.
-            normaliser: supervised count the loss sum is divided by (whole sequence/global batch).
-
-        Returns:
-            ``(loss scalar float32, draft_pred [E] int64 draft-vocab ids)``.
-        """
-        E = len(grid)
-        grid = pad_grid(grid, self.pad_multiple)
-        # K - 1 chain slots whatever this sample's deepest depth: one compiled layer shape per bucket.
-        # Depths never exceed K - 1 and the real rows are at most the N tokens' depth-0 elements plus
-        # the padding (row 0): with both bounds known on the host, building the step's inputs never
-        # waits for the device (the checks run there, torch._assert_async).
-        deepest = getattr(self.drafter.config, "num_parallel_depths", 1) - 1
-        spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest,
-                              chain_kernel=self.chain_kernel)
-        hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
-        h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
-        target = TargetDist(last, self.target_head, argmax)
-        loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
-                                  _weights(grid.loss_weight, h) / normaliser, target, self.loss_kind, self.chunk_size,
-                                  compile=self.compile, fused=self.fused_loss)
-        return loss, pred[:E]
-
-
-def _weights(loss_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Loss weights in the loss accumulation dtype (float64 stays exact; half types use float32)."""
-    return loss_weight.to(acc_dtype(h.dtype))
+from peagle_train.peagle.masks import GridMeta
 
 
 def eagle3_step_lengths(E0: int, K: int, pad_multiple: int, cod: tuple[float, float, int | None] | None,
@@ -182,10 +116,56 @@ class Eagle3Objective(nn.Module):
                 (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
             spec = make_attn_spec(qm, kv_meta, kind=self.attention, chain_kernel=self.chain_kernel)
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
-            w = _weights(step.loss_weight, h) * (self.decay ** k) / normaliser
+            w = loss_weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
                                       self.loss_kind, self.chunk_size, compile=self.compile, fused=self.fused_loss)
             total = part if total is None else total + part
             preds[idx] = pred[:Ek]
             prev_h, prev_anchor = h[:Ek], step.anchor[:Ek]
         return total, preds
+
+
+@register_method
+class Eagle3(DraftMethod):
+    """EAGLE-3 with TTT (``train.method: eagle3``): the chain-drafting baseline."""
+
+    name = "eagle3"
+    title = "EAGLE-3"
+
+    def validate_recipe(self, cfg) -> None:
+        if cfg.train.partitions != 1:
+            raise ValueError("train.partitions other than 1 is only defined for method 'peagle'")
+
+    def describes(self, config) -> bool:
+        return config_field(config, "parallel_drafting") is not True
+
+    def build_objective(self, drafter, target_head, cfg, *, attention, chain_kernel, max_micro_tokens):
+        tc = cfg.train
+        return Eagle3Objective(drafter, target_head, loss=tc.loss, chunk_size=tc.loss_chunk_size, attention=attention,
+                               compile=tc.compile, chain_kernel=chain_kernel, fused_loss=tc.fused_loss,
+                               decay=tc.ttt_decay, cod=(tc.cod_r, tc.cod_r_min, tc.max_anchors),
+                               static_tokens=max_micro_tokens)
+
+    def objective_inputs(self, packed: dict) -> tuple:
+        return (packed["input_ids"],)
+
+    def speculators_fields(self, flat: dict, config) -> dict:
+        return {"kind": "eagle3", "architecture": "Eagle3Speculator",
+                "K": int(getattr(config, "num_parallel_depths", 3)), "extra": {}}
+
+    def draft_round(self, session, ctx_tokens, hidden, positions, pick):
+        """The context slots in one forward, then K - 1 chain slots: token = the previous draft,
+        hidden = the previous output; the chain slots' KV is discarded after the round."""
+        d, dev = session.drafter, ctx_tokens.device
+        h, kv = session.forward(ctx_tokens, hidden, positions, session.kv)
+        session.kv = kv  # every slot of this forward is a committed context slot
+        rows = [d.logits(h[-1])]  # [Vd]
+        picks = [pick(rows[0])]
+        h_prev, past, pos = h[-1:], kv, session.num_cached + ctx_tokens.numel() - 1
+        for _ in range(session.K - 1):
+            pos += 1
+            tok = picks[-1][0].view(1)
+            h_prev, past = session.forward(tok, h_prev, torch.tensor([pos], device=dev), past)
+            rows.append(d.logits(h_prev[0]))
+            picks.append(pick(rows[-1]))
+        return torch.stack(rows), picks  # [K, Vd]
