@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from data_prep.config import RegenConfig
 from data_prep.rounds import Message, Completion, Job, regen_report, run_rounds
+from data_prep.regenerate_vllm import regenerate_vllm
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -100,7 +101,6 @@ def regenerate(
         ValueError: ``cfg.enabled`` is false; a conversation not in normal form.
     """
     if cfg.backend == "vllm":
-        from data_prep.regenerate_vllm import regenerate_vllm
 
         return regenerate_vllm(model, tokenizer, conversations, cfg, max_prompt_tokens, progress)
     if not cfg.enabled:

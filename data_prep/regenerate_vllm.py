@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from data_prep.config import RegenConfig
 
-from data_prep.rounds import Completion, Job, Message
+from data_prep.rounds import Completion, Job, Message, regen_report, run_rounds, split_turns
 
 #: HTTP statuses retried (with ``regen.max_retries``) besides connection errors.
 RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -262,7 +262,6 @@ def regenerate_vllm(
         raise ValueError(f"regenerate_vllm needs regen.backend: vllm (got '{cfg.backend}')")
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
-    from data_prep.rounds import split_turns as split_turns, regen_report, run_rounds
 
     for k, c in enumerate(conversations):  # fail on a bad row before contacting any engine
         split_turns(c, k)

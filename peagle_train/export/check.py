@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, safetensors_name
+from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE, is_int
+from peagle_train.export.check_speculators import check_speculators, flatten_speculators_config
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 #: Target fields that must never reach a drafter config (spec §5): each changes
 #: what vLLM builds (sliding-window layer 0, quantised weights, logit scaling...).
@@ -66,10 +66,6 @@ def vllm_architecture(name: str) -> str:
     return name if name.startswith("Eagle3") or name.endswith("Eagle3") else f"Eagle3{name}"
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _dims(cfg: dict, problems: list[str]) -> dict | None:
     """Integer dimensions from config.json, or None (with problems recorded) if any is missing/invalid."""
     need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -77,12 +73,12 @@ def _dims(cfg: dict, problems: list[str]) -> dict | None:
     ok = True
     for k in need:
         v = cfg.get(k)
-        if not _is_int(v) or v <= 0:
+        if not is_int(v) or v <= 0:
             problems.append(f"{CONFIG_FILE}: '{k}' must be a positive integer (got {v!r}); write the drafter's "
                             f"value (spec §5 lists it as required)")
             ok = False
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
         problems.append(f"{CONFIG_FILE}: 'eagle_aux_hidden_state_layer_ids' must be a non-empty list of ints "
                         f"(got {ids!r}); write the target layers the drafter was trained on")
         ok = False
@@ -197,7 +193,7 @@ def _check_config(cfg: dict, problems: list[str], tensor_keys: set[str]) -> None
               f"attention_bias: true, spec §5); set it false")
     # aux layers: top level and eagle_config (fc width comes from eagle_config, never the top-level list)
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if isinstance(ids, list) and all(_is_int(i) for i in ids):
+    if isinstance(ids, list) and all(is_int(i) for i in ids):
         if ids != sorted(set(ids)) or (ids and ids[0] < 0):
             P(f"{f}: 'eagle_aux_hidden_state_layer_ids' {ids} must be distinct, ascending and >= 0: vLLM sorts and "
               f"de-duplicates them, so any other order feeds the drafter differently than in training")
@@ -221,15 +217,15 @@ def _check_config(cfg: dict, problems: list[str], tensor_keys: set[str]) -> None
         P(f"{f}: 'num_aux_hidden_states' = {nas!r} disagrees with {len(ids)} aux layer ids; vLLM sizes fc from it. "
           f"Remove it or make it {len(ids)}")
     H, T = cfg.get("hidden_size"), cfg.get("target_hidden_size")
-    if _is_int(H) and _is_int(T) and H != T and cfg.get("allow_hidden_size_mismatch") is not True:
+    if is_int(H) and is_int(T) and H != T and cfg.get("allow_hidden_size_mismatch") is not True:
         P(f"{f}: hidden_size {H} != target_hidden_size {T} without the opt-in 'allow_hidden_size_mismatch: true' "
           f"(spec §5 decision: needs vLLM >= 0.33 and shipped embed_tokens); retrain with H == T or export with "
           f"drafter.allow_hidden_size_mismatch")
     V, Vd = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
-    if _is_int(V) and _is_int(Vd) and Vd > V:
+    if is_int(V) and is_int(Vd) and Vd > V:
         P(f"{f}: draft_vocab_size {Vd} exceeds vocab_size {V}")
     nh, nkv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    if _is_int(nh) and _is_int(nkv) and nkv > 0 and nh % nkv:
+    if is_int(nh) and is_int(nkv) and nkv > 0 and nh % nkv:
         P(f"{f}: num_attention_heads {nh} is not a multiple of num_key_value_heads {nkv}")
     # rope: M-RoPE drafters are rejected by the V1 proposer (_raise_if_mrope)
     for k in ("rope_scaling", "rope_parameters"):
@@ -250,11 +246,11 @@ def _check_config(cfg: dict, problems: list[str], tensor_keys: set[str]) -> None
             if k not in cfg or v is None:
                 P(f"{f}: '{k}' {'missing' if k not in cfg else 'is null'}; a P-EAGLE export needs ptd_token_id AND "
                   f"pard_token = mask_token_id (vLLM looks them up with hasattr, spec §5)")
-            elif not _is_int(v):
+            elif not is_int(v):
                 P(f"{f}: '{k}' must be an integer token id (got {v!r})")
             else:
                 vals[k] = v
-                if _is_int(V) and not 0 <= v < V:
+                if is_int(V) and not 0 <= v < V:
                     P(f"{f}: '{k}' = {v} is outside the vocab [0, {V}); the mask token must be an id of the "
                       f"target tokenizer (embed_tokens row)")
         if len(vals) == 2 and vals["ptd_token_id"] != vals["pard_token"]:
@@ -264,7 +260,7 @@ def _check_config(cfg: dict, problems: list[str], tensor_keys: set[str]) -> None
             P(f"{f}: top-level mask_token_id {top_mask!r} disagrees with ptd_token_id/pard_token {vals}; vLLM "
               f"prefers mask_token_id, so the drafter would get the wrong mask token. Remove it or make it equal")
         K = cfg.get("num_parallel_depths")
-        if not _is_int(K) or K < 1:
+        if not is_int(K) or K < 1:
             P(f"{f}: 'num_parallel_depths' (the trained K = max servable num_speculative_tokens) must be an "
               f"integer >= 1 (got {K!r}); vLLM never checks K, so the export must record it")
     else:
@@ -451,7 +447,6 @@ def check_export(path: str | Path, *, check_values: bool = True) -> list[str]:
         return problems
     if "speculators_model_type" in cfg:
         n_before = len(problems)
-        from peagle_train.export.check_speculators import check_speculators, flatten_speculators_config
 
         check_speculators(cfg, problems)
         if len(problems) > n_before and cfg.get("speculators_model_type") not in ("peagle", "eagle3"):

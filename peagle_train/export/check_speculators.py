@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from peagle_train.export.check import CONFIG_FILE, _is_int
+from peagle_train.export.contract import CONFIG_FILE, is_int
 
 
 def flatten_speculators_config(cfg: dict) -> dict:
@@ -86,7 +86,7 @@ def check_speculators(cfg: dict, problems: list[str]) -> None:
     sc = cfg.get("speculators_config")
     try:
         k = sc["proposal_methods"][0]["speculative_tokens"]
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             P(f"{f}: speculators_config.proposal_methods[0].speculative_tokens must be an integer >= 1 (got {k!r})")
     except (KeyError, IndexError, TypeError):
         P(f"{f}: speculators_config.proposal_methods[0].speculative_tokens missing; vLLM raises 'Invalid "
@@ -101,7 +101,7 @@ def check_speculators(cfg: dict, problems: list[str]) -> None:
         P(f"{f}: speculators_config.verifier.name_or_path missing; vLLM needs the verifier path")
     if cfg.get("speculators_model_type") == "peagle":
         m = cfg.get("mask_token_id")
-        if not _is_int(m):
+        if not is_int(m):
             P(f"{f}: top-level 'mask_token_id' must be the trained mask token id for peagle (got {m!r}); vLLM maps "
               f"it to pard_token and raises KeyError without it")
     if "norm_before_residual" not in cfg:

@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from peagle_train.export.check import CONFIG_FILE, WEIGHTS_FILE, ExportCheckError, assert_export_ok, expected_weights
+from peagle_train.export.check import ExportCheckError, assert_export_ok, expected_weights
+from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE
 from peagle_train.export.check_speculators import flatten_speculators_config, is_hub_repo_id
 from peagle_train.model.drafter import Drafter
 from peagle_train.export.model_card import render_model_card

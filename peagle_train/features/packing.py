@@ -4,7 +4,7 @@ and their target features moved to the training device.
 from __future__ import annotations
 
 import torch
-from peagle_train.peagle.grid import to_device
+from peagle_train.core.device import to_device
 
 
 def pack_tokens(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict:

@@ -14,6 +14,7 @@ from peagle_train.peagle.masks import SplitMasks
 from peagle_train.peagle.masks import GridMeta, build_block_mask, dense_mask
 from peagle_train.peagle.masks import build_chain_index, invert_chain_index
 from peagle_train.core.dtypes import acc_dtype
+from peagle_train.kernels.chain_kernel import chain_attention_triton, resolve
 
 
 class _ChainGather(torch.autograd.Function):
@@ -53,7 +54,6 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     for the arguments and errors). With ``max_depth`` no step of it waits for the device.
     ``chain_kernel``: ``"auto"``, ``"triton"`` or ``"torch"``, resolved for the grid's device
     (:func:`peagle_train.chain_kernel.resolve`, which raises where Triton cannot run)."""
-    from peagle_train.kernels.chain_kernel import resolve
 
     kv = q if kv is None else kv
     kernel = resolve(chain_kernel, q.anchor.device)
@@ -112,7 +112,6 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     if kernel == "triton":
         if inverse is None or inverse_valid is None:
             raise ValueError("chain_attention(kernel='triton') needs the inverse index (invert_chain_index)")
-        from peagle_train.kernels.chain_kernel import chain_attention_triton
 
         return chain_attention_triton(q, k, v, index, valid, inverse, inverse_valid, scale)
     if kernel != "torch":

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+from peagle_train.core.device import to_device  # noqa: F401  (re-exported: grid.to() uses it)
 
 
 @dataclass
@@ -63,15 +64,6 @@ class Grid:
         memory without making the host wait (the step's grid is built on the CPU, as the data loader
         has the tokens there, so the GPU never idles for it)."""
         return Grid(**{f.name: to_device(getattr(self, f.name), device, non_blocking) for f in fields(self)})
-
-
-def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
-    """``t.to(device)``; with ``non_blocking`` a CPU tensor bound for CUDA is pinned first, so the copy
-    is asynchronous (the caching host allocator keeps the pinned buffer until the copy is done)."""
-    device = torch.device(device)
-    if non_blocking and t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from peagle_train.peagle.grid import Grid, to_device
+from peagle_train.core.device import to_device
+from peagle_train.peagle.grid import Grid
 
 
 @dataclass

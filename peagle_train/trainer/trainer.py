@@ -43,7 +43,8 @@ from peagle_train.model.drafter import Drafter, make_drafter_config
 from peagle_train.features.cache import CachedFeatures
 from peagle_train.features.online import OnlineFeatures
 from peagle_train.features.packing import pack, pack_tokens
-from peagle_train.peagle.grid import supervised_count, to_device
+from peagle_train.core.device import to_device
+from peagle_train.peagle.grid import supervised_count
 from peagle_train.peagle.metrics import DepthStats, depth_stats
 from peagle_train.kernels.loss import loss_path
 from peagle_train.peagle.spec_stats import chain_matrix
