@@ -5,6 +5,7 @@ into a run's config; data_prep imports nothing from peagle_train.
 from __future__ import annotations
 
 from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 

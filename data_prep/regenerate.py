@@ -17,8 +17,8 @@ are counted in the report, never raised.
 from __future__ import annotations
 
 from data_prep.config import RegenConfig
-from data_prep.rounds import Message, Completion, Job, regen_report, run_rounds
 from data_prep.regenerate_vllm import regenerate_vllm
+from data_prep.rounds import Completion, Job, Message, regen_report, run_rounds
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -9,7 +9,7 @@ Two engines, chosen by ``regen.server_url``:
 - **offline** (``server_url`` unset): ``vllm.LLM(model).chat(...)`` in this process (vLLM is
   imported only here, lazily); one ``chat`` call per round, batched by vLLM itself.
 
-Both engines run the HF backend's round loop (:func:`data_prep.regenerate.run_rounds`): turns
+Both engines run the HF backend's round loop (:func:`data_prep.rounds.run_rounds`): turns
 are regenerated in rounds; round ``r`` sends, for every conversation still alive, ``system? + (user_1,
 regenerated_1, ..., user_r)``, so turn ``r`` conditions on the *regenerated* history. The
 prompt length is measured with the target tokenizer's own template
@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 from data_prep.config import RegenConfig
-
 from data_prep.rounds import Completion, Job, Message, regen_report, run_rounds, split_turns
 
 #: HTTP statuses retried (with ``regen.max_retries``) besides connection errors.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
 from data_prep.config import RegenConfig
 from data_prep.template import build_prompt_ids
-
 
 Message = dict[str, str]
 

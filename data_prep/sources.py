@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.config import DataConfig
-
 from data_prep.sharegpt import TruncatedTail, iter_json_array  # noqa: F401 -- re-exported (public API of this module)
 
 Message = dict[str, str]

@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stage(args) -> object:
+    from peagle_train import stages
     from peagle_train.core.config import ConfigError
     from peagle_train.recipe import load_config
-    from peagle_train import stages
 
     cfg = load_config(args.recipe, args.overrides)
     progress = not args.quiet

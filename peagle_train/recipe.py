@@ -26,8 +26,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from data_prep.config import DataConfig, RegenConfig, Section
-from peagle_train.core.config import (ConfigError, DrafterConfig, EvalConfig, ExportConfig, TargetConfig,
-                                      TrainConfig)
+from peagle_train.core.config import ConfigError, DrafterConfig, EvalConfig, ExportConfig, TargetConfig, TrainConfig
 from peagle_train.methods import get_method
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from peagle_train.core.atomic import write_json_atomic, write_text_atomic
-from peagle_train.features.tokenized import first_supervised, heldout_rows, save_tokenized
 from peagle_train.core.config import ConfigError
+from peagle_train.features.tokenized import first_supervised, heldout_rows, save_tokenized
 from peagle_train.recipe import RunConfig, dump_config, validate_against_target, validate_mask_token_absent
 
 _IDENTITY_SECTIONS = ("target", "data", "regen", "drafter", "train")
@@ -76,7 +76,7 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
 def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, int] | None = None) -> dict:
     """Load prompts, regenerate responses with the target, tokenise with assistant-only masks.
 
-    Writes ``<output_dir>/data/{train,eval}.safetensors`` (:mod:`peagle_train.tokenized`),
+    Writes ``<output_dir>/data/{train,eval}.safetensors`` (:mod:`peagle_train.features.tokenized`),
     ``data/eval_prompts.json`` (the eval split's prompt token ids, for the ``heldout`` eval set)
     and ``data/meta.json``. Skipped when the data already exists.
 
@@ -97,7 +97,6 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     """
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import tokenize_conversation
-
     from peagle_train.features.target import load_target
 
     out = Path(cfg.output_dir) / "data"
@@ -308,10 +307,9 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
 def run_eval(cfg: RunConfig) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``."""
     from data_prep.eval_prompts import load_eval_prompts
-
     from peagle_train.eval import evaluate
-    from peagle_train.export.writer import load_exported
     from peagle_train.export.model_card import render_model_card
+    from peagle_train.export.writer import load_exported
     from peagle_train.features.target import load_target
 
     out = Path(cfg.output_dir)

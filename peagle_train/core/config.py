@@ -10,7 +10,9 @@ Errors: :class:`ConfigError` (a ``ValueError``) naming the recipe file and the d
 from __future__ import annotations
 
 from typing import Literal
+
 from pydantic import Field, model_validator
+
 from data_prep.config import Section
 
 
@@ -81,7 +83,7 @@ class TrainConfig(Section):
     max_anchors: int | None = Field(None, ge=1)
     partitions: int | Literal["auto"] = Field(
         1, description="Sequence partition segments S (spec §3), or 'auto': on CUDA the fewest segments whose "
-                       "predicted peak memory fits the GPU (peagle_train.planner), per micro-batch and agreed "
+                       "predicted peak memory fits the GPU (peagle_train.peagle.planner), per micro-batch and agreed "
                        "across ranks; 1 elsewhere.")
     loss: Literal["kl", "ce"] = "kl"
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
@@ -94,7 +96,7 @@ class TrainConfig(Section):
     )
     chain_kernel: Literal["auto", "triton", "torch"] = Field(
         "auto", description="How the split form's chain part runs: auto = the Triton kernels "
-                            "(peagle_train.chain_kernel) on CUDA when Triton is installed, PyTorch otherwise; "
+                            "(peagle_train.kernels.chain_kernel) on CUDA when Triton is installed, PyTorch otherwise; "
                             "triton: those kernels or an error; torch: the PyTorch chain part. Same math.")
     lr: float = Field(3e-4, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.95)

@@ -1,9 +1,11 @@
 """Scalars for the experiment trackers (tensorboard, wandb) and memory readings."""
 from __future__ import annotations
 
-import torch
 import os
 from pathlib import Path
+
+import torch
+
 from peagle_train.core.config import ConfigError
 
 

@@ -2,7 +2,7 @@
 speculative-sampling verification of one round of drafts.
 
 Used by :func:`peagle_train.speculative.speculative_generate`; every name is re-exported from
-:mod:`peagle_train.speculative`.
+:mod:`peagle_train.decoding.speculative`.
 
 Shapes: ``K`` served draft tokens, ``V`` target vocab.
 """

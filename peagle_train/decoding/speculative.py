@@ -44,13 +44,13 @@ from dataclasses import dataclass
 
 import torch
 
-from peagle_train.kernels.attention import AttnSpec
-from peagle_train.model.drafter import Drafter
-from peagle_train.decoding.rejection import AcceptRule, standard_accept_rule, verify_greedy, verify_sampling
-from peagle_train.methods import get_method, method_of_config
-from peagle_train.peagle.spec_stats import SpecStats, TargetStats, acceptance_length, per_position_acceptance
-from peagle_train.features.target import Target
 from peagle_train.core.dtypes import acc_dtype
+from peagle_train.decoding.rejection import AcceptRule, standard_accept_rule, verify_greedy, verify_sampling
+from peagle_train.features.target import Target
+from peagle_train.kernels.attention import AttnSpec
+from peagle_train.methods import get_method, method_of_config
+from peagle_train.model.drafter import Drafter
+from peagle_train.peagle.spec_stats import SpecStats, TargetStats, acceptance_length, per_position_acceptance
 
 
 def _sync(device: torch.device) -> None:

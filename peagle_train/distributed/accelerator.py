@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 import torch
-from peagle_train.recipe import RunConfig
+
 from peagle_train.core.tracking import prepare_trackers
 from peagle_train.distributed.layout import Layout
+from peagle_train.recipe import RunConfig
 
 
 def make_accelerator(cfg: RunConfig, layout: Layout, project_dir: str | Path):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 
-
 def rank_batches(chunk: list[int], lengths: list[int], world: int, rank: int, micro_batch_size: int,
                  grad_accum: int, balance: bool = True) -> list[list[int]]:
     """This rank's micro-batches (sequence indices) for one optimizer step.

@@ -45,9 +45,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from peagle_train.core.config import ConfigError, TrainConfig
 from peagle_train.recipe import RunConfig
-
 
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
 

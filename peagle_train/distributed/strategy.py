@@ -5,7 +5,9 @@ and a sharded online target.
 from __future__ import annotations
 
 import contextlib
+
 import torch
+
 from peagle_train.core.config import TrainConfig
 
 

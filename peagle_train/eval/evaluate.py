@@ -1,7 +1,7 @@
 """The eval stage: acceptance length, per-position acceptance, speed, and the lossless check.
 
 For every dataset of ``EvalConfig.datasets`` and every served ``K = 1..k_max`` the reference loop
-of :mod:`peagle_train.speculative` decodes each prompt greedily, and its output is compared token
+of :mod:`peagle_train.decoding.speculative` decodes each prompt greedily, and its output is compared token
 for token with target-alone greedy decoding (the lossless check of spec §4). MT-Bench prompts
 have two user turns; with ``both_turns`` turn 2 is asked with the history
 ``[user 1, assistant = the target's own greedy turn-1 answer, user 2]``, as FastChat's MT-Bench
@@ -16,7 +16,7 @@ Aggregation (pooled over all sequences of a dataset):
 * tokens/s: returned tokens / wall seconds including the prefill; speedup = speculative tokens/s
   over target-alone tokens/s on the same sequences.
 
-Outputs in ``out_dir`` (see :mod:`peagle_train.report`): ``eval.json``, ``eval.md``,
+Outputs in ``out_dir`` (see :mod:`peagle_train.eval.report`): ``eval.json``, ``eval.md``,
 ``acceptance_by_position.png``, ``al_speedup_vs_k.png``.
 """
 from __future__ import annotations
@@ -30,11 +30,19 @@ from pathlib import Path
 import torch
 
 from peagle_train.core.config import EvalConfig
-from peagle_train.model.drafter import Drafter
+from peagle_train.decoding.speculative import (
+    SpecStats,
+    TargetStats,
+    acceptance_length,
+    per_position_acceptance,
+    speculative_generate,
+    target_generate,
+)
 from peagle_train.eval.report import write_report
-from peagle_train.decoding.speculative import SpecStats, TargetStats, acceptance_length, per_position_acceptance, speculative_generate, target_generate
 from peagle_train.features.target import Target
 from peagle_train.methods import method_of_config
+from peagle_train.model.drafter import Drafter
+
 
 @dataclass(frozen=True)
 class TokenPrompt:

@@ -13,7 +13,7 @@ imported): with ``H`` hidden, ``T`` target hidden, ``A`` aux layers, ``V`` vocab
 
 Both export formats are checked: a speculators-format ``config.json``
 (``speculators_model_type``) is first flattened the way vLLM flattens it
-(:func:`~peagle_train.check_speculators.flatten_speculators_config`), then held to the same rules.
+(:func:`~peagle_train.export.check_speculators.flatten_speculators_config`), then held to the same rules.
 
 Public API: :func:`check_export` (list of problems, empty = ok),
 :func:`assert_export_ok` (raises :class:`ExportCheckError`),
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, safetensors_name
-from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE, is_int
-from peagle_train.export.check_speculators import check_speculators, flatten_speculators_config
 
+from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, safetensors_name
+from peagle_train.export.check_speculators import check_speculators, flatten_speculators_config
+from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE, is_int
 
 #: Target fields that must never reach a drafter config (spec §5): each changes
 #: what vLLM builds (sliding-window layer 0, quantised weights, logit scaling...).

@@ -3,8 +3,8 @@
 A speculators-format ``config.json`` (``speculators_model_type``) is checked for
 the structure vLLM requires (:func:`check_speculators`), then flattened the way
 vLLM flattens it (:func:`flatten_speculators_config`) so that
-:mod:`peagle_train.check` can hold it to the vLLM-format rules. Split out of
-:mod:`peagle_train.check`, which re-exports the public names.
+:mod:`peagle_train.export.check` can hold it to the vLLM-format rules. Split out of
+:mod:`peagle_train.export.check`, which re-exports the public names.
 
 Public API: :func:`flatten_speculators_config`, :func:`is_hub_repo_id`,
 :func:`check_speculators`.

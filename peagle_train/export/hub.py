@@ -61,7 +61,7 @@ def push_to_hub(
     and ``HfApi.upload_folder`` with exactly those files (``allow_patterns``).
 
     Args:
-        path: export directory (from :func:`peagle_train.export.export_vllm`).
+        path: export directory (from :func:`peagle_train.export.writer.export_vllm`).
         repo_id: ``"owner/name"``.
         private: create the repo private (default True; an existing repo keeps its visibility).
         dry_run: only list and print the files; no token needed, no network.

@@ -4,7 +4,7 @@ The card states what vLLM cannot check by itself: which target the drafter
 belongs to, the maximum servable K (vLLM never compares ``num_speculative_tokens``
 with the trained K, spec §4), the exact serve command, and the serving notes of
 spec §5 for vLLM 0.33. Optional sections come from the ``card`` dict passed to
-:func:`peagle_train.export.export_vllm`.
+:func:`peagle_train.export.writer.export_vllm`.
 
 ``card`` keys (all optional; unknown keys raise ``ValueError`` to catch typos):
 

@@ -1,7 +1,7 @@
 """Export a trained drafter as the checkpoint vLLM loads (spec §5), and load it back.
 
 This is the only module that knows vLLM's checkpoint layout. The drafter's
-module names already equal vLLM's keys (see :mod:`peagle_train.drafter`), so
+module names already equal vLLM's keys (see :mod:`peagle_train.model.drafter`), so
 the key map is the identity restricted to :func:`peagle_train.check.expected_weights`
 (``t2d`` added, ``d2t`` dropped when ``Vd == V``, RoPE buffers never exported).
 
@@ -16,7 +16,7 @@ Two formats:
   under ``transformer_layer_config`` with ``speculators_config``).
 
 Both write into a temporary directory next to ``out_dir``, run the contract
-check (:mod:`peagle_train.check`) on it, and only then rename it into place, so
+check (:mod:`peagle_train.export.check`) on it, and only then rename it into place, so
 a failed export never leaves a partial directory behind.
 """
 from __future__ import annotations
@@ -33,13 +33,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from peagle_train.export.check import ExportCheckError, assert_export_ok, expected_weights
-from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE
-from peagle_train.export.check_speculators import flatten_speculators_config, is_hub_repo_id
-from peagle_train.model.drafter import Drafter
-from peagle_train.export.model_card import render_model_card
 from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, SAFETENSORS_DTYPES, dtype_name
+from peagle_train.export.check import ExportCheckError, assert_export_ok, expected_weights
+from peagle_train.export.check_speculators import flatten_speculators_config, is_hub_repo_id
+from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE
+from peagle_train.export.model_card import render_model_card
 from peagle_train.methods import method_of_config
+from peagle_train.model.drafter import Drafter
 
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 README_FILE = "README.md"
@@ -287,7 +287,7 @@ def export_vllm(
         target_name: target model id/path, used in the model card and serve command.
         target_config: the target's transformers config, cross-checked (optional).
         dtype: float dtype of the weights (bfloat16 for serving; float32 for exact round trips).
-        card: optional model-card sections (see :mod:`peagle_train.model_card`).
+        card: optional model-card sections (see :mod:`peagle_train.export.model_card`).
         overwrite: replace a non-empty ``out_dir``.
 
     Returns:

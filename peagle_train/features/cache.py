@@ -45,15 +45,16 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
 from peagle_train.core.atomic import write_json_atomic
-from peagle_train.features.target import sha256_file as _sha256
+from peagle_train.core.dtypes import safetensors_itemsize
 from peagle_train.features.fp8 import dequantize_fp8_rows, quantize_fp8_rows
 from peagle_train.features.online import iter_target_features
-from peagle_train.core.dtypes import safetensors_itemsize
-
+from peagle_train.features.target import sha256_file as _sha256
 
 FORMAT = "peagle-features-v2"
 

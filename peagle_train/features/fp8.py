@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 

@@ -4,6 +4,7 @@ and their target features moved to the training device.
 from __future__ import annotations
 
 import torch
+
 from peagle_train.core.device import to_device
 
 

@@ -8,13 +8,20 @@ Shape legend: ``E`` grid elements, ``nh``/``nkv`` query/KV heads, ``hd`` head di
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from peagle_train.peagle.masks import SplitMasks
-from peagle_train.peagle.masks import GridMeta, build_block_mask, dense_mask
-from peagle_train.peagle.masks import build_chain_index, invert_chain_index
+
 from peagle_train.core.dtypes import acc_dtype
 from peagle_train.kernels.chain_kernel import chain_attention_triton, resolve
+from peagle_train.peagle.masks import (
+    GridMeta,
+    SplitMasks,
+    build_block_mask,
+    build_chain_index,
+    dense_mask,
+    invert_chain_index,
+)
 
 
 class _ChainGather(torch.autograd.Function):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from peagle_train.core.dtypes import acc_dtype
 
 try:

@@ -17,10 +17,12 @@ The ``[E, Vd]`` fp32 logits never exist at once. Two ways to get the gradients
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
+
 from peagle_train.core.dtypes import acc_dtype
 
 

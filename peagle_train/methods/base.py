@@ -29,9 +29,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from peagle_train.peagle.spec_stats import walk_accepted
 from peagle_train.core.dtypes import acc_dtype
 from peagle_train.peagle.grid import Grid, build_grid, cod_sample
+from peagle_train.peagle.spec_stats import walk_accepted
 
 _REGISTRY: dict[str, "DraftMethod"] = {}
 

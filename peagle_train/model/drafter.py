@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
-from peagle_train.kernels.attention import AttnSpec, attend
+
 from peagle_train.core.dtypes import acc_dtype
+from peagle_train.kernels.attention import AttnSpec, attend
 
 
 class RMSNorm(nn.Module):

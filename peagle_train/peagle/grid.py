@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+
 from peagle_train.core.device import to_device  # noqa: F401  (re-exported: grid.to() uses it)
 
 
@@ -226,7 +227,7 @@ def pad_grid(grid: Grid, multiple: int, length: int | None = None) -> Grid:
     recompiling the fused attention kernel for every COD sample size), or exactly ``length``.
 
     Padding elements have ``doc = -1`` (they attend to nothing and nothing attends to them,
-    see :mod:`peagle_train.attention`), ``loss_weight = 0`` and valid indices (row 0).
+    see :mod:`peagle_train.peagle.masks`), ``loss_weight = 0`` and valid indices (row 0).
 
     Args:
         grid: ``E`` elements. multiple: bucket size (``1`` = no padding); ignored when ``length``

@@ -34,6 +34,7 @@ The two softmax parts are merged exactly by log-sum-exp (:func:`merge_by_lse`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 
@@ -310,7 +311,7 @@ class SplitMasks:
         chain_inverse, chain_inverse_valid: ``[E_kv, C]`` (:func:`invert_chain_index`): the
             deterministic backward of the chain gather.
         chain_kernel: ``"torch"`` (:func:`chain_attention` in PyTorch) or ``"triton"`` (the kernels of
-            :mod:`peagle_train.chain_kernel`); same math.
+            :mod:`peagle_train.kernels.chain_kernel`); same math.
     """
 
     prefix_mask: object

@@ -6,6 +6,7 @@ reads :func:`simulated_acceptance_lengths`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 

@@ -3,7 +3,7 @@ length, per-position acceptance and timings of :func:`peagle_train.speculative.s
 and :func:`peagle_train.speculative.target_generate`.
 
 The loop's names (``SpecStats``, ``TargetStats``, ``acceptance_length``,
-``per_position_acceptance``) are re-exported from :mod:`peagle_train.speculative`;
+``per_position_acceptance``) are re-exported from :mod:`peagle_train.decoding.speculative`;
 ``chain_matrix`` / ``walk_accepted`` (the training-time replay of the loop) live here only.
 """
 from __future__ import annotations

@@ -19,88 +19,53 @@ temp dir left by a kill is removed at resume and the newest complete checkpoint
 is loaded.
 
 The distributed strategy (DDP, FSDP2, DeepSpeed ZeRO) comes from the launcher and
-is applied by :mod:`peagle_train.distributed`; this loop only calls its hooks.
+is applied by :mod:`peagle_train.distributed`; this loop only calls its hooks. What differs
+between draft methods (grid, objective, partitioning, acceptance walk) is asked of the method
+the recipe names (:mod:`peagle_train.methods`). Beside this module: ``setup.py`` (drafter, data
+order), ``evaluation.py`` (in-training eval), ``checkpoints.py`` (save / resume).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
+from peagle_train.core.atomic import write_json_atomic
 from peagle_train.core.config import ConfigError
-from peagle_train.recipe import RunConfig, dump_config
-from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
-from peagle_train.distributed.strategy import after_prepare, backward, configure_deepspeed, full_state_dict, grad_norm_value, grad_sync, reduce_values, shard_target
+from peagle_train.core.device import to_device
+from peagle_train.core.tracking import flat_metrics, peak_memory
 from peagle_train.distributed.accelerator import make_accelerator
 from peagle_train.distributed.batches import rank_batches
-from peagle_train.model.drafter import Drafter, make_drafter_config
+from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
+from peagle_train.distributed.strategy import (
+    after_prepare,
+    backward,
+    configure_deepspeed,
+    grad_norm_value,
+    grad_sync,
+    reduce_values,
+    shard_target,
+)
 from peagle_train.features.cache import CachedFeatures
 from peagle_train.features.online import OnlineFeatures
 from peagle_train.features.packing import pack, pack_tokens
-from peagle_train.core.device import to_device
+from peagle_train.features.tokenized import load_prepared
+from peagle_train.features.vocab import select_draft_vocab, token_frequencies
+from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
+from peagle_train.kernels.loss import loss_path
+from peagle_train.methods import get_method
 from peagle_train.peagle.grid import supervised_count
 from peagle_train.peagle.metrics import DepthStats, depth_stats
-from peagle_train.kernels.loss import loss_path
-from peagle_train.peagle.spec_stats import chain_matrix
-from peagle_train.core.atomic import write_json_atomic
-from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
-from peagle_train.methods import get_method
-from peagle_train.features.tokenized import first_supervised, heldout_rows, load_prepared
-from peagle_train.core.tracking import flat_metrics, peak_memory
-from peagle_train.features.vocab import select_draft_vocab, token_frequencies
+from peagle_train.recipe import RunConfig, dump_config
+from peagle_train.trainer.checkpoints import Checkpoints
+from peagle_train.trainer.evaluation import InTrainingEval
+from peagle_train.trainer.setup import build_drafter, epoch_order, resolve_attention, step_generator
 
 
-def resolve_attention(kind: str, device: torch.device) -> str:
-    """``auto`` → ``flex`` (the split form) on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU
-    backward); ``flex`` / ``flex_joint`` / ``sdpa`` are returned as given."""
-    if kind != "auto":
-        return kind
-    return "flex" if device.type == "cuda" else "sdpa"
-
-
-def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
-    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows; the
-    draft method (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`)."""
-    dcfg = make_drafter_config(
-        target_config,
-        aux_layer_ids=aux_layer_ids,
-        draft_vocab_size=int(draft_ids.numel()),
-        num_layers=cfg.drafter.num_layers,
-        hidden_size=cfg.drafter.hidden_size,
-        intermediate_size=cfg.drafter.intermediate_size,
-        num_attention_heads=cfg.drafter.num_attention_heads,
-        num_key_value_heads=cfg.drafter.num_key_value_heads,
-        head_dim=cfg.drafter.head_dim,
-        K=cfg.train.K,
-        allow_hidden_size_mismatch=cfg.drafter.allow_hidden_size_mismatch,
-        **get_method(cfg.train.method).drafter_fields(cfg),
-    )
-    torch.manual_seed(cfg.train.seed)
-    drafter = Drafter(dcfg)
-    if embed.shape[1] == dcfg.hidden_size:
-        drafter.init_from_target(embed.float(), head.float(), draft_ids)
-    else:
-        drafter.set_draft_vocab(draft_ids)
-    return drafter
-
-
-def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
-    """Deterministic per-(step, rank, micro-batch) CPU generator for COD sampling."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + rank) * 101 + micro)
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """Deterministic shuffle of ``range(n)`` for an epoch."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
-
-
-class Trainer:
+class Trainer(InTrainingEval, Checkpoints):
     """Owns the accelerate objects and the loop; built by :func:`run_train`.
 
     Args:
@@ -108,10 +73,10 @@ class Trainer:
         features: ``{"train"|"eval": CachedFeatures | OnlineFeatures}``.
         target_config: the target's HF config. aux_layer_ids: tapped layers.
         accelerator: an existing ``Accelerator`` (default: built for ``layout``).
-        layout: the launch layout (default: :func:`~peagle_train.distributed.requested_layout`).
+        layout: the launch layout (default: :func:`~peagle_train.distributed.layout.requested_layout`).
 
     Raises:
-        ConfigError: an impossible layout (:func:`~peagle_train.distributed.validate_layout`), or
+        ConfigError: an impossible layout (:func:`~peagle_train.distributed.layout.validate_layout`), or
             ``train.chain_kernel: triton`` where Triton cannot run.
         RuntimeError: processes that do not form one group (each rank would train alone).
     """
@@ -194,7 +159,7 @@ class Trainer:
         """Sequence indices of this rank's micro-batches for optimizer step ``step`` (0-based).
 
         Each step takes the next ``micro_batch_size × grad_accum × world`` sequences of the
-        epoch's seeded shuffle and deals them to ranks (:func:`~peagle_train.distributed.rank_batches`).
+        epoch's seeded shuffle and deals them to ranks (:func:`~peagle_train.distributed.batches.rank_batches`).
         """
         world, rank = self.acc.num_processes, self.acc.process_index
         per_step = self.tc.micro_batch_size * self.grad_accum * world
@@ -336,169 +301,6 @@ class Trainer:
         if target is None or self.tc.features != "online":
             return 0
         return sum(p.numel() * p.element_size() for p in target.model.parameters() if p.device == self.device)
-
-    def eval_items(self) -> list[int]:
-        """Eval-split sequences used in evaluation: the first ``eval_sequences`` with a supervised element."""
-        if self._eval_items is None:
-            items = []
-            for i in range(len(self.eval_ids)):
-                if len(items) == self.tc.eval_sequences:
-                    break
-                if supervised_count(self._eval_grid(i)) > 0:
-                    items.append(i)
-            self._eval_items = items
-        return self._eval_items
-
-    def _eval_grid(self, i: int, device=None):
-        """Eval sequence ``i``'s grid with every chain kept to depth K - 1 (the method's eval grid)."""
-        ids = torch.tensor(self.eval_ids[i], dtype=torch.long, device=device)
-        tokens = {"input_ids": ids, "loss_mask": torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device),
-                  "doc_ids": torch.zeros_like(ids)}
-        return self.method.build_grid(tokens, self.cfg, train=False)
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Loss and per-depth metrics on the eval split (no COD drop: r = r_min = 1 for all depths).
-
-        Every rank runs the same number of forwards (the last round is padded with a repeated,
-        uncounted sequence), as FSDP2 / ZeRO-3 gather weights in every forward.
-        """
-        self.model.eval()
-        items = self.eval_items()
-        world, rank = self.acc.num_processes, self.acc.process_index
-        stats, loss_sum, count = DepthStats.zeros(self.tc.K, self.device), 0.0, 0.0
-        # loop-equivalent simulated AL: [all eval sequences / the eval stage's heldout subset][tokens, rounds][served K]
-        walk = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
-        for r in range(math.ceil(len(items) / world)):
-            j = r * world + rank
-            counted = j < len(items)
-            i = items[j % len(items)]
-            feats = self.eval_features.get([i])
-            packed = pack(feats, pack_tokens([self.eval_ids[i]], [self.eval_masks[i]]), self.device)
-            grid = self._eval_grid(i, self.device)
-            with self.acc.autocast():
-                loss, pred = self._forward(packed, grid, 1.0)
-            if counted:
-                loss_sum += float(loss)
-                count += supervised_count(grid)
-                stats = stats.add(self._stats(packed, grid, pred))
-                walk += self._walk(packed, grid, pred, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
-        tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
-        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
-        walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
-        self.model.train()
-        al = lambda w: {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan")  # noqa: E731
-                        for k in range(1, self.tc.K + 1)}
-        return {"eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
-                "eval_cond_acc": st.conditional_accuracy(),
-                "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
-                "eval_walk_al": al(walk[0]), "eval_walk_al_heldout": al(walk[1])}
-
-    def _heldout_rank(self, i: int) -> int:
-        """Position of eval sequence ``i`` in ``data/eval_prompts.json`` (the eval stage's ``heldout``
-        order, :func:`~peagle_train.tokenized.heldout_rows`); a huge number for a sequence not listed."""
-        if self._ranks is None:
-            self._ranks = {row: rank for rank, row in enumerate(heldout_rows(self.eval_masks))}
-        return self._ranks.get(i, 1 << 62)
-
-    def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
-        """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence
-        ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
-        first ``eval.num_prompts`` sequences, as the eval stage's ``heldout`` set) its first
-        ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
-        drafter = self.acc.unwrap_model(self.model).drafter
-        tgt = packed["argmax"][grid.label_index]
-        # a target token outside the draft vocab is a rejected draft, not the end of the turn
-        correct = (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
-        sup = grid.loss_weight > 0
-        n = len(self.eval_ids[i])
-        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
-        first = first_supervised(self.eval_masks[i]) or 0
-        out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
-        if first < 1:
-            return out
-        for k in range(1, self.tc.K + 1):
-            for row, horizon in ((0, None), (1, self.cfg.eval.max_new_tokens)):
-                if row == 1 and not matched:
-                    continue
-                acc = self.method.accepted_walk(ok_t, sup_t, first, k, horizon)
-                out[row, 0, k - 1] += sum(a + 1 for a in acc)
-                out[row, 1, k - 1] += len(acc)
-        return out
-
-    # -- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        """Atomic checkpoint ``checkpoints/step-XXXXXXXX``; keeps the last ``train.keep_last``.
-
-        Every rank writes its part (``accelerate.save_state``: weights/optimizer shards, RNG
-        states) into ``.tmp-step-XXXXXXXX``; then rank 0 adds ``trainer_state.json`` and the
-        ``COMPLETE`` marker and renames the folder. A kill at any point leaves either the
-        previous checkpoints alone or a new complete one.
-        """
-        root = self.out / "checkpoints"
-        final = root / f"step-{self.step:08d}"
-        tmp = root / f".tmp-step-{self.step:08d}"
-        if self.acc.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)
-        self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp))
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            state = {"step": self.step, "history": self.history, "world_size": self.acc.num_processes,
-                     "strategy": self.layout.strategy}
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
-            (tmp / "COMPLETE").write_text("ok")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in complete_checkpoints(root)[: -self.tc.keep_last]:
-                shutil.rmtree(old)
-        self.acc.wait_for_everyone()
-        return final
-
-    def resume(self) -> bool:
-        """Load the newest complete checkpoint, if any; returns whether one was loaded.
-
-        Temp folders of an interrupted save (``.tmp-step-*``) are removed first.
-
-        Raises:
-            ConfigError: the checkpoint was written by a different number of processes (exact
-                resume restores each rank's RNG state and data position).
-        """
-        root = self.out / "checkpoints"
-        if self.acc.is_main_process and root.exists():
-            for tmp in root.glob(".tmp-step-*"):
-                shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.wait_for_everyone()
-        ckpts = complete_checkpoints(root)
-        if not ckpts:
-            return False
-        state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
-        saved_world = state.get("world_size", 1)
-        if saved_world != self.acc.num_processes:
-            raise ConfigError(f"{ckpts[-1]} was written by {saved_world} processes but this launch has "
-                              f"{self.acc.num_processes}: relaunch with {saved_world} processes to resume exactly, "
-                              "or choose a new output_dir")
-        self.acc.load_state(str(ckpts[-1]))
-        self.step, self.history = state["step"], state["history"]
-        # training time already spent: max_minutes and schedule: time count the whole run, not this launch
-        self.elapsed_before = float(self.history[-1].get("elapsed_s", 0.0)) if self.history else 0.0
-        self.acc.print(f"resumed from {ckpts[-1]} (step {self.step})")
-        return True
-
-    def save_drafter(self) -> Path:
-        """Write the trained drafter (fp32 safetensors + config) to ``<output_dir>/drafter`` atomically.
-
-        Gathers sharded weights first (FSDP2, ZeRO-3): call on every rank.
-        """
-        full = full_state_dict(self.acc, self.model)
-        drafter = self.acc.unwrap_model(self.model).drafter
-        out = self.out / "drafter"
-        if self.acc.is_main_process:
-            sd = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
-            write_drafter_dir(sd, drafter.config, out)
-        self.acc.wait_for_everyone()
-        return out
 
     # -- loop --------------------------------------------------------------------------------------
     def _log(self, rec: dict, prefix: str) -> None:

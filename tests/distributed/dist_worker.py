@@ -1,4 +1,4 @@
-"""Helper run by tests/test_distributed.py in child processes (torchrun, accelerate launch or plain python).
+"""Helper run by tests/distributed/test_distributed.py in child processes (torchrun, accelerate launch or plain python).
 
 Usage::
 
@@ -41,7 +41,8 @@ from peagle_train.distributed.accelerator import end_process_group  # noqa: E402
 from peagle_train.distributed.strategy import full_state_dict  # noqa: E402
 from peagle_train.features.cache import CachedFeatures  # noqa: E402
 from peagle_train.features.online import OnlineFeatures  # noqa: E402
-from peagle_train.trainer.trainer import Trainer, load_prepared, run_train  # noqa: E402
+from peagle_train.features.tokenized import load_prepared  # noqa: E402
+from peagle_train.trainer.trainer import Trainer, run_train  # noqa: E402
 
 
 def _trainer(cfg, feats=None):

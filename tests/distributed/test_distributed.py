@@ -39,7 +39,9 @@ from peagle_train.distributed.batches import rank_batches
 from peagle_train.features.cache import CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.features.tokenized import save_tokenized
-from peagle_train.trainer.trainer import Trainer, epoch_order, load_prepared, run_train
+from peagle_train.features.tokenized import load_prepared
+from peagle_train.trainer.setup import epoch_order
+from peagle_train.trainer.trainer import Trainer, run_train
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "distributed" / "dist_worker.py"

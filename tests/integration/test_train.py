@@ -17,7 +17,8 @@ from peagle_train.features.cache import CacheError, CachedFeatures
 from peagle_train.stages import run_cache
 from peagle_train.features.tokenized import save_tokenized
 from peagle_train.model.checkpoint import load_drafter_dir
-from peagle_train.trainer.trainer import Trainer, load_prepared, run_train
+from peagle_train.features.tokenized import load_prepared
+from peagle_train.trainer.trainer import Trainer, run_train
 
 
 def _prepared(out: Path, n=12, length=40, seed=0):

@@ -1,4 +1,4 @@
-"""The Triton chain kernels (``peagle_train/chain_kernel.py``) under Triton's CPU interpreter.
+"""The Triton chain kernels (``peagle_train/kernels/chain_kernel.py``) under Triton's CPU interpreter.
 
 Not collected by the main run (the name does not match ``test_*.py``): ``test_chain_kernel.py``
 runs this file in a subprocess with ``TRITON_INTERPRET=1`` (the variable must be set before the

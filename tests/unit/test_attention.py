@@ -15,7 +15,7 @@
   E² memory and a few seconds.
 * FlexAttention output ≡ SDPA with the dense mask (CPU, float32, forward only:
   flex has no CPU backward) for direct attention calls; through the whole ``Drafter``
-  forward in ``tests/test_split_attention.py`` (split, joint and SDPA side by side).
+  forward in ``tests/unit/test_split_attention.py`` (split, joint and SDPA side by side).
   Note: eager flex on CPU evaluates only the ``mask_mod``; the block structure is
   checked by the effective-mask test above and, once, by the compiled CPU flex kernel
   (which does skip/trust blocks).
@@ -229,8 +229,8 @@ def test_block_mask_no_dense_materialisation_at_scale():
     """8192 × 8 grid (E ≈ 65k): build in a fresh process, peak RSS far below E² bytes, a few seconds."""
     code = textwrap.dedent("""
         import resource, time, torch
-        from peagle_train.attention import GridMeta, build_block_mask, block_structure
-        from peagle_train.grid import build_grid, cod_sample
+        from peagle_train.peagle.masks import GridMeta, build_block_mask, block_structure
+        from peagle_train.peagle.grid import build_grid, cod_sample
         N, K = 8192, 8
         lm = torch.ones(N, dtype=torch.bool)
         doc = torch.zeros(N, dtype=torch.int64); doc[5000:] = 1

@@ -1,4 +1,4 @@
-"""The Triton chain kernels (``peagle_train/chain_kernel.py``) and how ``train.chain_kernel`` picks them.
+"""The Triton chain kernels (``peagle_train/kernels/chain_kernel.py``) and how ``train.chain_kernel`` picks them.
 
 * ``resolve``: ``auto`` is ``torch`` where Triton cannot run (CPU without the interpreter, or no
   Triton), ``triton`` there is a clear error, an unknown kind a ValueError; the config field is

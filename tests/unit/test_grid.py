@@ -1,4 +1,4 @@
-"""Pins the flattened N×K training grid and COD sampling (PEAGLE_SPEC §3, ``peagle_train/grid.py``).
+"""Pins the flattened N×K training grid and COD sampling (PEAGLE_SPEC §3, ``peagle_train/peagle/grid.py``).
 
 * The worked example of ``grid.py``'s docstring, checked element by element.
 * Layout on random packed inputs against a plain-Python reference: depth-major

@@ -1,4 +1,4 @@
-"""Reference speculative-decoding loop (peagle_train/speculative.py, spec §4).
+"""Reference speculative-decoding loop (peagle_train/decoding/speculative.py, spec §4).
 
 Tiny random Llama targets and drafters on CPU:
 

@@ -532,8 +532,8 @@ def test_split_build_no_dense_materialisation_at_scale():
     far below E² bytes, a few seconds; and the prefix mask computes far fewer blocks than the joint one."""
     code = textwrap.dedent("""
         import resource, time, torch
-        from peagle_train.attention import GridMeta, block_structure, build_split_masks
-        from peagle_train.grid import build_grid, cod_sample
+        from peagle_train.peagle.masks import GridMeta, block_structure, build_split_masks
+        from peagle_train.peagle.grid import build_grid, cod_sample
         N, K = 8192, 8
         lm = torch.ones(N, dtype=torch.bool)
         doc = torch.zeros(N, dtype=torch.int64); doc[5000:] = 1

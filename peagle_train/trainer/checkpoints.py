@@ -1,0 +1,94 @@
+"""Atomic checkpoints of a training run and exact resume, and the trained drafter folder.
+
+:class:`Checkpoints` is mixed into :class:`~peagle_train.trainer.trainer.Trainer`: a checkpoint
+holds weights, optimizer, scheduler, every rank's RNG states (``accelerate.save_state``) and the
+data position (``trainer_state.json``), written to a temp folder and renamed, with a ``COMPLETE``
+marker, so a kill at any point leaves the previous checkpoints or a new complete one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from peagle_train.core.config import ConfigError
+from peagle_train.distributed.strategy import full_state_dict
+from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
+
+
+class Checkpoints:
+    """Save / resume of the trainer's state (mixed into :class:`~peagle_train.trainer.trainer.Trainer`)."""
+
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint ``checkpoints/step-XXXXXXXX``; keeps the last ``train.keep_last``.
+
+        Every rank writes its part (``accelerate.save_state``: weights/optimizer shards, RNG
+        states) into ``.tmp-step-XXXXXXXX``; then rank 0 adds ``trainer_state.json`` and the
+        ``COMPLETE`` marker and renames the folder. A kill at any point leaves either the
+        previous checkpoints alone or a new complete one.
+        """
+        root = self.out / "checkpoints"
+        final = root / f"step-{self.step:08d}"
+        tmp = root / f".tmp-step-{self.step:08d}"
+        if self.acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp))
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            state = {"step": self.step, "history": self.history, "world_size": self.acc.num_processes,
+                     "strategy": self.layout.strategy}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            (tmp / "COMPLETE").write_text("ok")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(root)[: -self.tc.keep_last]:
+                shutil.rmtree(old)
+        self.acc.wait_for_everyone()
+        return final
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint, if any; returns whether one was loaded.
+
+        Temp folders of an interrupted save (``.tmp-step-*``) are removed first.
+
+        Raises:
+            ConfigError: the checkpoint was written by a different number of processes (exact
+                resume restores each rank's RNG state and data position).
+        """
+        root = self.out / "checkpoints"
+        if self.acc.is_main_process and root.exists():
+            for tmp in root.glob(".tmp-step-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        ckpts = complete_checkpoints(root)
+        if not ckpts:
+            return False
+        state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.acc.num_processes:
+            raise ConfigError(f"{ckpts[-1]} was written by {saved_world} processes but this launch has "
+                              f"{self.acc.num_processes}: relaunch with {saved_world} processes to resume exactly, "
+                              "or choose a new output_dir")
+        self.acc.load_state(str(ckpts[-1]))
+        self.step, self.history = state["step"], state["history"]
+        # training time already spent: max_minutes and schedule: time count the whole run, not this launch
+        self.elapsed_before = float(self.history[-1].get("elapsed_s", 0.0)) if self.history else 0.0
+        self.acc.print(f"resumed from {ckpts[-1]} (step {self.step})")
+        return True
+
+    def save_drafter(self) -> Path:
+        """Write the trained drafter (fp32 safetensors + config) to ``<output_dir>/drafter`` atomically.
+
+        Gathers sharded weights first (FSDP2, ZeRO-3): call on every rank.
+        """
+        full = full_state_dict(self.acc, self.model)
+        drafter = self.acc.unwrap_model(self.model).drafter
+        out = self.out / "drafter"
+        if self.acc.is_main_process:
+            sd = {k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")}
+            write_drafter_dir(sd, drafter.config, out)
+        self.acc.wait_for_everyone()
+        return out

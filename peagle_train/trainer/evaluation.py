@@ -1,0 +1,111 @@
+"""In-training evaluation: loss, per-depth metrics and the loop-equivalent simulated acceptance length
+on the eval split (no COD drop), as the trainer logs every ``train.eval_every`` steps and at the end.
+
+:class:`InTrainingEval` is mixed into :class:`~peagle_train.trainer.trainer.Trainer`; it reads the
+trainer's model, accelerator, eval split and features, and asks the draft method for the eval grid
+and the acceptance walk.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from peagle_train.features.packing import pack, pack_tokens
+from peagle_train.features.tokenized import first_supervised, heldout_rows
+from peagle_train.peagle.grid import supervised_count
+from peagle_train.peagle.metrics import DepthStats
+from peagle_train.peagle.spec_stats import chain_matrix
+
+
+class InTrainingEval:
+    """The trainer's evaluation (mixed into :class:`~peagle_train.trainer.trainer.Trainer`)."""
+
+    def eval_items(self) -> list[int]:
+        """Eval-split sequences used in evaluation: the first ``eval_sequences`` with a supervised element."""
+        if self._eval_items is None:
+            items = []
+            for i in range(len(self.eval_ids)):
+                if len(items) == self.tc.eval_sequences:
+                    break
+                if supervised_count(self._eval_grid(i)) > 0:
+                    items.append(i)
+            self._eval_items = items
+        return self._eval_items
+
+    def _eval_grid(self, i: int, device=None):
+        """Eval sequence ``i``'s grid with every chain kept to depth K - 1 (the method's eval grid)."""
+        ids = torch.tensor(self.eval_ids[i], dtype=torch.long, device=device)
+        tokens = {"input_ids": ids, "loss_mask": torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device),
+                  "doc_ids": torch.zeros_like(ids)}
+        return self.method.build_grid(tokens, self.cfg, train=False)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and per-depth metrics on the eval split (no COD drop: r = r_min = 1 for all depths).
+
+        Every rank runs the same number of forwards (the last round is padded with a repeated,
+        uncounted sequence), as FSDP2 / ZeRO-3 gather weights in every forward.
+        """
+        self.model.eval()
+        items = self.eval_items()
+        world, rank = self.acc.num_processes, self.acc.process_index
+        stats, loss_sum, count = DepthStats.zeros(self.tc.K, self.device), 0.0, 0.0
+        # loop-equivalent simulated AL: [all eval sequences / the eval stage's heldout subset][tokens, rounds][served K]
+        walk = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
+        for r in range(math.ceil(len(items) / world)):
+            j = r * world + rank
+            counted = j < len(items)
+            i = items[j % len(items)]
+            feats = self.eval_features.get([i])
+            packed = pack(feats, pack_tokens([self.eval_ids[i]], [self.eval_masks[i]]), self.device)
+            grid = self._eval_grid(i, self.device)
+            with self.acc.autocast():
+                loss, pred = self._forward(packed, grid, 1.0)
+            if counted:
+                loss_sum += float(loss)
+                count += supervised_count(grid)
+                stats = stats.add(self._stats(packed, grid, pred))
+                walk += self._walk(packed, grid, pred, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
+        tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
+        st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
+        walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
+        self.model.train()
+        al = lambda w: {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan")  # noqa: E731
+                        for k in range(1, self.tc.K + 1)}
+        return {"eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
+                "eval_cond_acc": st.conditional_accuracy(),
+                "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
+                "eval_walk_al": al(walk[0]), "eval_walk_al_heldout": al(walk[1])}
+
+    def _heldout_rank(self, i: int) -> int:
+        """Position of eval sequence ``i`` in ``data/eval_prompts.json`` (the eval stage's ``heldout``
+        order, :func:`~peagle_train.tokenized.heldout_rows`); a huge number for a sequence not listed."""
+        if self._ranks is None:
+            self._ranks = {row: rank for rank, row in enumerate(heldout_rows(self.eval_masks))}
+        return self._ranks.get(i, 1 << 62)
+
+    def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
+        """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence
+        ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
+        first ``eval.num_prompts`` sequences, as the eval stage's ``heldout`` set) its first
+        ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
+        drafter = self.acc.unwrap_model(self.model).drafter
+        tgt = packed["argmax"][grid.label_index]
+        # a target token outside the draft vocab is a rejected draft, not the end of the turn
+        correct = (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
+        sup = grid.loss_weight > 0
+        n = len(self.eval_ids[i])
+        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
+        first = first_supervised(self.eval_masks[i]) or 0
+        out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
+        if first < 1:
+            return out
+        for k in range(1, self.tc.K + 1):
+            for row, horizon in ((0, None), (1, self.cfg.eval.max_new_tokens)):
+                if row == 1 and not matched:
+                    continue
+                acc = self.method.accepted_walk(ok_t, sup_t, first, k, horizon)
+                out[row, 0, k - 1] += sum(a + 1 for a in acc)
+                out[row, 1, k - 1] += len(acc)
+        return out

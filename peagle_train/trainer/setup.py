@@ -1,0 +1,53 @@
+"""What a training run is built from: the drafter of the recipe's shape, the attention kind for the
+device, and the deterministic data order and COD generators (same on every launch of a run)."""
+from __future__ import annotations
+
+import torch
+
+from peagle_train.methods import get_method
+from peagle_train.model.drafter import Drafter, make_drafter_config
+from peagle_train.recipe import RunConfig
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    """``auto`` → ``flex`` (the split form) on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU
+    backward); ``flex`` / ``flex_joint`` / ``sdpa`` are returned as given."""
+    if kind != "auto":
+        return kind
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
+    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows; the
+    draft method (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`)."""
+    dcfg = make_drafter_config(
+        target_config,
+        aux_layer_ids=aux_layer_ids,
+        draft_vocab_size=int(draft_ids.numel()),
+        num_layers=cfg.drafter.num_layers,
+        hidden_size=cfg.drafter.hidden_size,
+        intermediate_size=cfg.drafter.intermediate_size,
+        num_attention_heads=cfg.drafter.num_attention_heads,
+        num_key_value_heads=cfg.drafter.num_key_value_heads,
+        head_dim=cfg.drafter.head_dim,
+        K=cfg.train.K,
+        allow_hidden_size_mismatch=cfg.drafter.allow_hidden_size_mismatch,
+        **get_method(cfg.train.method).drafter_fields(cfg),
+    )
+    torch.manual_seed(cfg.train.seed)
+    drafter = Drafter(dcfg)
+    if embed.shape[1] == dcfg.hidden_size:
+        drafter.init_from_target(embed.float(), head.float(), draft_ids)
+    else:
+        drafter.set_draft_vocab(draft_ids)
+    return drafter
+
+
+def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """Deterministic per-(step, rank, micro-batch) CPU generator for COD sampling."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + rank) * 101 + micro)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Deterministic shuffle of ``range(n)`` for an epoch."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
