@@ -7,7 +7,7 @@ Pipeline (the same functions ``peagle-train prepare`` / ``cache`` use):
 2. ``data_prep.regenerate.regenerate`` -- greedy responses by the target (HF ``generate``,
    length-sorted batches), ``--max-new-tokens`` per turn;
 3. ``data_prep.template.tokenize_conversation`` -- the target's chat template, assistant-only mask;
-4. ``peagle_train.features.write_cache`` twice: ``bfloat16`` and ``fp8``. The target runs
+4. ``peagle_train.features.cache.write_cache`` twice: ``bfloat16`` and ``fp8``. The target runs
    once: its float32 outputs are recorded during the bf16 build and replayed for the fp8
    build (same batches), and they are the reference the read-back errors are measured on;
 5. every sequence is read back through ``CachedFeatures.get`` (checksums verified) and
@@ -38,7 +38,7 @@ from data_prep.regenerate import regenerate  # noqa: E402
 from data_prep.sources import load_conversations  # noqa: E402
 from data_prep.template import tokenize_conversation  # noqa: E402
 from data_prep.config import DataConfig, RegenConfig  # noqa: E402
-from peagle_train.core.config import load_config  # noqa: E402
+from peagle_train.recipe import load_config
 from peagle_train.features.cache import CachedFeatures, cache_size_report, write_cache  # noqa: E402
 from peagle_train.features.target import load_target  # noqa: E402
 

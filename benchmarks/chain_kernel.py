@@ -1,4 +1,4 @@
-"""Chain part of the split attention: the Triton kernels (``peagle_train/chain_kernel.py``) against
+"""Chain part of the split attention: the Triton kernels (``peagle_train/kernels/chain_kernel.py``) against
 the PyTorch chain part (``attention.chain_attention``, compiled as in a ``train.compile`` layer),
 forward + backward on one grid of the chosen shape, with a sweep of the kernels' tiling.
 

@@ -31,7 +31,7 @@ OVR+=(${EXTRA_OVERRIDES:-})  # e.g. EXTRA_OVERRIDES="data.num_conversations=8 re
 ngpus() { echo "${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}"; }
 P=recipes/smollm2-135m-peagle-gpu.yaml
 E=recipes/smollm2-135m-eagle3-gpu.yaml
-cli() {  # PEAGLE_CLI: another executable with the same arguments (tests/test_quality_script.py)
+cli() {  # PEAGLE_CLI: another executable with the same arguments (tests/integration/test_quality_script.py)
   if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; else python3 -m peagle_train.cli "$@"; fi
 }
 PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors

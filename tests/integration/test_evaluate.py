@@ -1,4 +1,4 @@
-"""The eval stage (peagle_train/evaluate.py, report.py) on a tiny target + drafter.
+"""The eval stage (peagle_train/eval/evaluate.py, report.py) on a tiny target + drafter.
 
 A real (character-level) fast tokenizer with a ChatML template drives the default
 ``build_prompt_ids`` path; prompt sets come from a fake loader, and once from the real

@@ -2,7 +2,7 @@
 
 Skipped unless vLLM is importable. Set up the separate CPU venv with
 ``bash tests/vllm_env/setup.sh /work/vllm-venv`` and run
-``PYTHONPATH=. /work/vllm-venv/bin/pytest -q tests/test_vllm_load.py``.
+``PYTHONPATH=. /work/vllm-venv/bin/pytest -q tests/integration/test_vllm_load.py``.
 
 What runs is vLLM 0.33's code: ``EngineArgs.create_engine_config`` (config
 checks, ``EAGLEConfig`` wrapping, architecture resolution), the V1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build a SEPARATE CPU venv in which vLLM's own drafter-loading code runs, for
-# tests/test_vllm_load.py (see ../shared/design/VLLM_ON_CPU.md).
+# tests/integration/test_vllm_load.py (see ../shared/design/VLLM_ON_CPU.md).
 #
 # Never lets pip resolve vLLM's dependencies (that pulls a ~9 GB CUDA torch):
 # vLLM, xgrammar and apache-tvm-ffi are installed with --no-deps, everything
@@ -8,7 +8,7 @@
 # About 2-4 minutes and ~2.2 GB.
 #
 # Usage:  bash tests/vllm_env/setup.sh [VENV_DIR]      (default /work/vllm-venv)
-# Then:   cd /work/main && PYTHONPATH=. VENV_DIR/bin/pytest -q tests/test_vllm_load.py
+# Then:   cd /work/main && PYTHONPATH=. VENV_DIR/bin/pytest -q tests/integration/test_vllm_load.py
 set -euo pipefail
 
 VENV=${1:-/work/vllm-venv}
