@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from peagle_train.methods import method_of_config
 from peagle_train.peagle.metrics import simulated_acceptance_lengths
 
 CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id", "license", "notes")
@@ -78,10 +79,11 @@ def _bullets(d: dict) -> list[str]:
             for k, v in d.items()]
 
 
-def serve_command(target_name: str, model_ref: str, K: int, parallel: bool) -> str:
-    """The ``vllm serve`` command line for this drafter (spec §5)."""
+def serve_command(target_name: str, model_ref: str, K: int, parallel_drafting: bool) -> str:
+    """The ``vllm serve`` command line for this drafter (spec §5; vLLM's speculative method is ``eagle3``
+    for both layouts, P-EAGLE adds ``parallel_drafting``)."""
     spec = {"method": "eagle3", "model": model_ref, "num_speculative_tokens": K}
-    if parallel:
+    if parallel_drafting:
         spec["parallel_drafting"] = True
     return f"vllm serve {target_name} --speculative-config '{json.dumps(spec)}'"
 
@@ -105,15 +107,15 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
     unknown = sorted(set(card) - set(CARD_KEYS))
     if unknown:
         raise ValueError(f"unknown model card keys {unknown}; allowed: {list(CARD_KEYS)}")
-    parallel = config.get("parallel_drafting") is True
-    K = int(config.get("num_parallel_depths") or 1) if parallel else None
+    parallel_drafting = config.get("parallel_drafting") is True
+    K = int(config.get("num_parallel_depths") or 1) if parallel_drafting else None
     ref = card.get("model_id") or model_ref
     H, T = config.get("hidden_size"), config.get("target_hidden_size")
     V, Vd = config.get("vocab_size"), config.get("draft_vocab_size")
-    method = "P-EAGLE (parallel drafting)" if parallel else "EAGLE-3"
+    method = method_of_config(config).title
 
     fm = ["---", f"base_model: {target_name}", "library_name: vllm",
-          "tags: [speculative-decoding, eagle3" + (", p-eagle, parallel-drafting]" if parallel else "]")]
+          "tags: [speculative-decoding, eagle3" + (", p-eagle, parallel-drafting]" if parallel_drafting else "]")]
     if card.get("license"):
         fm.append(f"license: {card['license']}")
     fm.append("---")
@@ -121,7 +123,7 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
     out.append(f"A {config.get('num_hidden_layers')}-layer {method} draft model for speculative decoding of "
                f"**{target_name}** in vLLM, trained with peagle_train.")
     out += ["", "| property | value |", "|---|---|", f"| target | `{target_name}` |", f"| method | {method} |"]
-    if parallel:
+    if parallel_drafting:
         out.append(f"| K trained (max servable `num_speculative_tokens`) | **{K}** |")
         out.append(f"| mask token (`ptd_token_id` = `pard_token`) | {config.get('ptd_token_id')} |")
     out += [f"| drafter hidden H / target hidden T | {H} / {T} |",
@@ -132,8 +134,8 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
             f"| weights dtype | {config.get('dtype', 'n/a')} |"]
 
     out += ["", "## Serve with vLLM (>= 0.33)", "", "```bash",
-            serve_command(target_name, ref, K if parallel else 3, parallel), "```", ""]
-    if parallel:
+            serve_command(target_name, ref, K if parallel_drafting else 3, parallel_drafting), "```", ""]
+    if parallel_drafting:
         out += [f"- `num_speculative_tokens` may be any K <= **{K}** (the K trained). vLLM does not check this: "
                 f"a larger K drafts depths the model never learned.",
                 "- Parallel drafting runs on the V1 model runner only; vLLM raises with "
@@ -197,7 +199,7 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
     out += ["", "## Files", "",
             "`config.json` (Llama drafter config read by vLLM's `Eagle3LlamaForCausalLM`), `model.safetensors` "
             "(keys without the `model.` prefix"
-            + ("; `mask_hidden` is the learned pre-fc hidden state of the mask slots" if parallel else "")
+            + ("; `mask_hidden` is the learned pre-fc hidden state of the mask slots" if parallel_drafting else "")
             + "), plus the target's tokenizer files when they were exported with it.", ""]
     return "\n".join(out)
 

@@ -437,7 +437,7 @@ def test_console_script_ends_the_process_group_after_a_stage_only(monkeypatch):
     """``peagle-train <stage>`` ends the group once the stage succeeded, never after a failed one
     (a failed rank must not wait at the barrier), so launched ranks do not abort at exit."""
     from peagle_train import cli
-    from peagle_train.distributed import layout as distributed
+    from peagle_train.distributed import accelerator as distributed
 
     calls = []
     monkeypatch.setattr(distributed, "end_process_group", lambda: calls.append("end"))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from peagle_train.features import cache as F
+from peagle_train.features import packing
 from peagle_train.features.cache import CacheError, CachedFeatures, cache_size_report, write_cache
 from peagle_train.features.online import OnlineFeatures, iter_target_features
 from peagle_train.features.fp8 import dequantize_fp8_rows, quantize_fp8_rows
@@ -351,12 +352,12 @@ def test_pack_refuses_features_of_other_token_lists():
     """Features whose token counts differ from the token lists (a stale cache) fail with both counts."""
     samples = [{"aux": torch.zeros(n, 6), "last": torch.zeros(n, 2), "argmax": torch.zeros(n, dtype=torch.long)}
                for n in (3, 4)]
-    ok = F.pack(samples, F.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")
+    ok = packing.pack(samples, packing.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")
     assert ok["aux"].shape == (7, 6) and ok["input_ids"].numel() == 7
     with pytest.raises(ValueError, match=r"7 tokens \(per sequence \[3, 4\].*hold 6.*peagle-train cache"):
-        F.pack(samples, F.pack_tokens([[1, 2, 3], [4, 5, 6]], [[0, 1, 1], [0, 0, 1]]), "cpu")
+        packing.pack(samples, packing.pack_tokens([[1, 2, 3], [4, 5, 6]], [[0, 1, 1], [0, 0, 1]]), "cpu")
     with pytest.raises(ValueError, match=r"per sequence \[3, 4\].*per sequence \[4, 3\]"):  # same total
-        F.pack(samples, F.pack_tokens([[1, 2, 3, 4], [5, 6, 7]], [[0, 1, 1, 1], [0, 0, 1]]), "cpu")
+        packing.pack(samples, packing.pack_tokens([[1, 2, 3, 4], [5, 6, 7]], [[0, 1, 1, 1], [0, 0, 1]]), "cpu")
     samples[1]["last"] = torch.zeros(3, 2)
     with pytest.raises(ValueError, match="last/argmax rows differ"):
-        F.pack(samples, F.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")
+        packing.pack(samples, packing.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")

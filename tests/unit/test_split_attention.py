@@ -36,7 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
-import peagle_train.model.drafter as drafter_mod
+import peagle_train.kernels.attention as attention_mod
 from conftest import needs_cc
 from peagle_train.peagle.masks import GridMeta, SplitMasks, block_structure, build_block_mask, build_chain_index, dense_mask, invert_chain_index
 from peagle_train.kernels.attention import build_split_masks, chain_attention, chain_gather, dense_attention_with_lse, merge_by_lse
@@ -319,7 +319,7 @@ def check_split_objective_matches_sdpa(tiny_drafter, objective_problem, monkeypa
                                        chain_kernel: str):
     """float64 P-EAGLE objective on a bucket-padded three-document grid: split attention (prefix part
     dense, chain part by ``chain_kernel``) vs dense SDPA, :func:`assert_same_loss_and_grads`."""
-    monkeypatch.setattr(drafter_mod, "_flex_with_lse", dense_prefix_attention)
+    monkeypatch.setattr(attention_mod, "_flex_with_lse", dense_prefix_attention)
     P = objective_problem([23, 17, 9], 3, 0.8, 6, 5, 2, dtype=torch.float64)
     g, aux, last, head, argmax, norm, K = (P[k] for k in ("grid", "aux", "last", "head", "argmax", "norm", "K"))
     d = tiny_drafter(K=K, num_layers=num_layers, draft_vocab_size=60, seed=5).double()
@@ -428,7 +428,7 @@ def test_flex_lse_is_natural_log():
     m = GridMeta.of(pad_grid(g, 32))
     bm = build_block_mask(m, m, 32, part="prefix")
     q, k, v = (t.detach().float() for t in _qkv(len(m), len(m), 3))
-    out, lse = drafter_mod._flex(q, k, v, bm, return_lse=True)
+    out, lse = attention_mod._flex(q, k, v, bm, return_lse=True)
     ref, ref_lse = dense_attention_with_lse(q, k, v, dense_mask(m, part="prefix"))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -440,11 +440,11 @@ def test_flex_lse_through_the_older_api(monkeypatch):
     m = GridMeta(torch.arange(40) % 20, torch.zeros(40, dtype=torch.int64), torch.arange(40) // 20)
     bm = build_block_mask(m, m, 16, part="prefix")
     q, k, v = (t.detach().float() for t in _qkv(40, 40, 4))
-    new = drafter_mod._flex(q, k, v, bm, return_lse=True)
-    monkeypatch.setattr(drafter_mod, "_AuxRequest", None)
+    new = attention_mod._flex(q, k, v, bm, return_lse=True)
+    monkeypatch.setattr(attention_mod, "_AuxRequest", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        old = drafter_mod._flex(q, k, v, bm, return_lse=True)
+        old = attention_mod._flex(q, k, v, bm, return_lse=True)
     torch.testing.assert_close(old[0], new[0])
     torch.testing.assert_close(old[1], new[1])
 
@@ -532,7 +532,8 @@ def test_split_build_no_dense_materialisation_at_scale():
     far below E² bytes, a few seconds; and the prefix mask computes far fewer blocks than the joint one."""
     code = textwrap.dedent("""
         import resource, time, torch
-        from peagle_train.peagle.masks import GridMeta, block_structure, build_split_masks
+        from peagle_train.kernels.attention import build_split_masks
+        from peagle_train.peagle.masks import GridMeta, block_structure
         from peagle_train.peagle.grid import build_grid, cod_sample
         N, K = 8192, 8
         lm = torch.ones(N, dtype=torch.bool)
