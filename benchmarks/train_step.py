@@ -1,53 +1,83 @@
-"""Benchmark the full P-EAGLE training step on random inputs of real shapes.
+"""Benchmark the trainer's own P-EAGLE training step on synthetic inputs of real shapes.
 
-One step = COD sample + grid + block-mask build + partition plan + forward +
-chunked KL loss + backward + grad clip + AdamW, timed with CUDA events (wall
-clock on CPU): ``--warmup`` untimed steps, then the median and spread of
-``--steps`` timed steps. Prints a table and writes JSON. The COD sample, grid,
-supervised count and partition plan are built on the CPU one step ahead, while
-the previous step's kernels run (as a data-loader worker would; the row says
-``"host_inputs": "prefetched"``); ``peagle_train``'s Trainer builds them on the CPU
-at the start of its own step, so its GPU waits for that CPU work.
+Every timed step is :meth:`peagle_train.trainer.trainer.Trainer.train_step` -- the step
+``peagle-train train`` runs, unchanged -- on a :class:`~peagle_train.trainer.trainer.Trainer` built
+directly (as ``tests/integration/test_train.py`` does) from a validated recipe
+(``config_from_dict``) whose ``train`` section carries what the flags set (``K``, ``cod_r``,
+``cod_r_min``, ``partitions``, ``compile``, ``attention``, ``chain_kernel``, ``fused_loss``,
+``loss_chunk_size``, ``activation_checkpointing``, ``mixed_precision``, ``lr``; micro-batch 1,
+grad_accum 1, no evaluation, no checkpoints, no trackers). One step is therefore what a training
+run pays per optimizer step: the sequence's token lists packed, the COD sample, grid, supervised
+count and partition plan built on the CPU (``"host_inputs": "in-step (the trainer's own)"``: the
+host work is inside the timed step, as users get it), the features packed onto the device, the
+block masks, forward + chunked KL loss + backward per partition segment, grad clip, AdamW, the
+LR schedule, and the step's one reduction and device-to-host copy of its statistics. Timed with
+CUDA events (wall clock on CPU) around ``trainer.train_step()``: ``--warmup`` untimed steps, then
+the median and spread of ``--steps`` timed steps (``first_step_s`` keeps the first step,
+compilation included). Prints a table and writes JSON.
 
-Trainable parameters (stated in the JSON): everything except the lm_head
-(frozen, as vLLM's speculators does); embeddings trainable. bf16 autocast with
-fp32 master weights and AdamW state.
+Inputs (random, of real shapes; nothing read from disk):
+
+* data: one sequence of ``N`` tokens per rank per step (``micro_batch_size`` 1), token ids uniform
+  in ``[0, V - 1)`` (never the mask token ``V - 1``), every token supervised (``loss_mask`` all 1);
+* features: :class:`synthetic_features.SyntheticFeatures` (the interface of ``CachedFeatures`` /
+  ``OnlineFeatures``: ``aux [N, 3T]``, ``last [N, T]`` bfloat16, ``argmax [N]`` int64, head and
+  embeddings ``[V, T]``), drawn once before timing; ``--feature-placement device`` (default) keeps
+  them on the GPU as online features are, ``host`` on the CPU as the cache returns them (then the
+  step's host-to-device copy is timed). The JSON's ``meta.features`` says which;
+* target: a ``transformers.LlamaConfig`` of the :data:`SHAPES` entry (36 layers, aux layers
+  ``2, 18, 33``); drafter: 4 layers, ``Vd`` = the shape's draft vocab, mask token ``V - 1``.
+
+What trains is what the trainer trains (the JSON states ``trainable_params`` and ``frozen``): every
+drafter parameter, the lm_head included, fp32 master weights, ``train.mixed_precision`` (bf16
+autocast by default, ``--mixed-precision``), the trainer's AdamW (torch's default implementation).
+``positions_per_s`` / ``tokens_per_s`` come from the step records ``train_step()`` returns
+(the trainer's own clock; per GPU), as do ``loss``, ``grad_norm``, ``loss_path`` and
+``peak_alloc_gb`` (``peak_mem_gb``: CUDA max allocated since the case's set-up).
 
 FLOP count (per step, stated in the JSON as ``flop_formula``):
-    dense = 6 * P_layers * E + 6 * P_fc * N + 4 * P_head * E
+    dense = 6 * P_layers * E + 6 * P_fc * N + c_head * P_head * E
     attn  = 3 * 4 * n_heads * head_dim * sum_q keys(q)
-where ``E`` is the number of grid elements, ``P_layers`` the decoder-layer
-parameters, ``P_fc = 3T*H`` (applied to the N real positions), ``P_head = H*Vd``
-(frozen: forward + input-gradient only = 4 FLOP/param/element), and ``keys(q)`` is
-the number of keys query ``q`` may attend (depth-0 prefix + own chain); the
-attention backward is counted as 2x the forward. Embedding lookups are free.
+where ``E`` is the number of grid elements of the step, ``P_layers`` the decoder-layer
+parameters, ``P_fc = 3T*H`` (applied to the N real positions), ``P_head = H*Vd`` (``c_head`` = 6
+when the lm_head trains, as in the trainer; 4 = forward + input gradient when it is frozen), and
+``keys(q)`` is the number of keys query ``q`` may attend (depth-0 prefix + own chain); the
+attention backward is counted as 2x the forward. Embedding lookups are free. The grid is the one
+the timed step trained on: a forward pre-hook on the trainer's objective keeps references to the
+grids it is called with (:class:`GridProbe`; no device work, no sync); the union of the partition
+segments is the step's grid, and their count is the row's ``S``.
 
 Distributed (issue: multi-GPU scaling): launch with ``torchrun --nproc_per_node G`` or
-``accelerate launch --multi_gpu --num_processes G`` and pass ``--dist ddp`` or ``--dist fsdp2``;
-every rank trains its own N-token sequence (global batch = G sequences), gradients are
-all-reduced (DDP) or reduce-scattered (FSDP2) every step, and the table reports per-GPU
-throughput.
+``accelerate launch --multi_gpu --num_processes G`` and pass ``--dist ddp`` or ``--dist fsdp2``.
+The Trainer takes its strategy from the launcher's environment
+(:func:`peagle_train.distributed.layout.requested_layout`); ``--dist fsdp2`` exports FSDP2's
+variables (``ACCELERATE_USE_FSDP``, ``FSDP_VERSION=2``, one unit per ``DrafterLayer``) where the
+launcher did not, and a ``--dist`` that does not match the launch is refused. Every rank trains
+its own N-token sequence (global batch = G sequences), gradients are all-reduced (DDP) or
+reduce-scattered (FSDP2) once per step, and the table reports per-GPU throughput.
 
 Usage::
 
     python benchmarks/train_step.py --shape gpt-oss-20b --seq-len 2048 4096 8192 --out bench.json
     python benchmarks/train_step.py --shape tiny --seq-len 256 --steps 3 --warmup 1   # CPU smoke run
     python benchmarks/train_step.py --seq-len 8192 --compile both          # eager vs compiled, same process
-    python benchmarks/train_step.py --seq-len 65536 --partitions auto      # S from peagle_train.planner
+    python benchmarks/train_step.py --seq-len 65536 --partitions auto      # S from the trainer (planner)
     python benchmarks/train_step.py --seq-len 8192 --attention both        # split vs joint flex, same process
     python benchmarks/train_step.py --check-grads                          # split ≡ joint flex, fp32 grads
 
 Variants (issue #7): ``--compile off|on|both|autotune|on+autotune`` times each configuration side
 by side for every N (``train.compile``: compiled decoder layers + compiled loss chunk; ``autotune``:
-``train.compile: max-autotune``, Inductor's autotuning of the kernel configs); ``first_step_s``
-is the first step (compilation included) and ``compile_modes`` says whether each compiled
-piece ran fullgraph, with graph breaks, or fell back to eager. ``--partitions auto`` asks
-:func:`peagle_train.planner.plan_step` for S (and activation checkpointing) given the GPU's
-memory; an out-of-memory step under ``auto`` retries once with S + 1. ``--profile`` writes the
-top-25 kernels (name, ms per step, % of step) to the JSON, and on CUDA the GPU's busy and idle
-time per profiled step and the kernel time by category (:func:`timeline_summary`; ``--trace``
-also saves the Chrome trace); ``--sync-debug`` counts the host
-syncs of one extra step (CUDA only).
+``train.compile: max-autotune``, Inductor's autotuning of the kernel configs); each variant is a
+fresh Trainer, so ``first_step_s`` includes its compilation (Inductor's caches may be warm from an
+earlier variant), and ``compile_modes`` says whether each compiled piece ran fullgraph, with graph
+breaks, or fell back to eager. ``--partitions auto`` is ``train.partitions: auto``: the trainer
+asks :func:`peagle_train.peagle.planner.partitions_for` for S given the GPU's memory (1 on CPU;
+it never turns activation checkpointing on: ``--checkpointing`` does); the row's ``plan`` records
+the trainer's S and the planner's predicted peak, and an out-of-memory step under ``auto`` retries
+once with S + 1. ``--profile`` writes the top-25 kernels (name, ms per step, % of step) to the
+JSON, and on CUDA the GPU's busy and idle time per profiled step and the kernel time by category
+(:func:`timeline_summary`; ``--trace`` also saves the Chrome trace); ``--sync-debug`` counts the
+host syncs of one extra trainer step (CUDA only).
 
 Attention (``train.attention``): ``--attention flex`` (default) is the split form (FlexAttention
 over the depth-0 prefix + a gathered chain of <= K-1 keys, merged by log-sum-exp), ``flex_joint``
@@ -57,40 +87,56 @@ records the ``attention`` it ran: on CPU that is ``sdpa`` whatever was asked (Fl
 no CPU backward). ``--check-grads`` times nothing: on a small grid of the chosen shape (N =
 ``--check-n``, float32, two documents + padding, bucket-padded) it compares the loss and every
 parameter gradient of the split form against the joint kernel (max relative error, per tensor
-relative to its largest entry), once per ``--compile`` variant; on CPU the prefix part is computed
+relative to its largest entry), once per ``--compile`` variant, calling the package's
+``PEagleObjective`` directly on the drafter a Trainer built; on CPU the prefix part is computed
 densely and the joint side is dense SDPA (no flex backward there).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import os
 import json
+import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_features, speculators_ref
 
 from transformers import LlamaConfig  # noqa: E402
 
-import peagle_train.model.drafter as drafter_mod  # noqa: E402
+import peagle_train.kernels.attention as attention_mod  # noqa: E402
 import peagle_train.kernels.loss as loss_mod  # noqa: E402
+from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import dense_attention_with_lse  # noqa: E402
 from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING, resolve as resolve_chain_kernel  # noqa: E402
-from peagle_train.model.drafter import Drafter, make_drafter_config  # noqa: E402
+from peagle_train.methods.peagle import PEagleObjective  # noqa: E402
 from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count  # noqa: E402
-from peagle_train.methods.objectives import PEagleObjective  # noqa: E402
-from peagle_train.peagle.partition import plan_partitions  # noqa: E402
-from peagle_train.peagle.planner import ShapeParams, plan_step  # noqa: E402
+from peagle_train.peagle.planner import ShapeParams, predict_peak_bytes  # noqa: E402
+from peagle_train.trainer.trainer import Trainer  # noqa: E402
+from synthetic_features import PLACEMENTS, SyntheticFeatures  # noqa: E402
+
+try:  # the recipe's home (RunConfig, config_from_dict); earlier: peagle_train.core.config
+    from peagle_train.recipe import config_from_dict  # noqa: E402
+except ImportError:  # pragma: no cover - older layout
+    from peagle_train.core.config import config_from_dict  # noqa: E402
 
 PROFILED_STEPS = 3  # --profile records this many steps after PROFILE_WAIT skipped and PROFILE_WARMUP warm-up ones
 PROFILE_WAIT, PROFILE_WARMUP = 1, 1
+TARGET_LAYERS, AUX_LAYER_IDS, DRAFTER_LAYERS = 36, [2, 18, 33], 4
+HOST_INPUTS = "in-step (the trainer's own)"
+# --dist fsdp2 without `accelerate launch --config_file launch/accelerate/fsdp2.yaml`: what that config exports
+FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+             "FSDP_TRANSFORMER_CLS_TO_WRAP": "DrafterLayer"}
+DIST_STRATEGY = {"none": "single", "ddp": "ddp", "fsdp2": "fsdp2"}  # --dist → Layout.strategy
 
 SHAPES = {
     # GPT-OSS-20B P-EAGLE drafter: hidden 2880, 64 heads x 64, 8 KV heads, intermediate 7680, vocab 201,088
@@ -105,52 +151,14 @@ SHAPES = {
 }
 
 
-def build(shape: str, draft_vocab: int | None, K: int, device, layers: int = 4):
-    s = dict(SHAPES[shape])
-    vd = draft_vocab or s.pop("draft_vocab")
-    s.pop("draft_vocab", None)
-    tc = LlamaConfig(num_hidden_layers=36, **s)
-    dcfg = make_drafter_config(tc, aux_layer_ids=[2, 18, 33], draft_vocab_size=vd, mask_token_id=s["vocab_size"] - 1,
-                               num_layers=layers, K=K)
-    torch.manual_seed(0)
-    with torch.device(device):
-        drafter = Drafter(dcfg)
-        head = torch.randn(vd, tc.hidden_size, dtype=torch.bfloat16) * 0.02
-    drafter.set_draft_vocab(torch.arange(vd))
-    drafter.lm_head.weight.requires_grad_(False)
-    return drafter, head, tc
+def target_config(shape: str) -> LlamaConfig:
+    """The target's HF config of a :data:`SHAPES` entry (``TARGET_LAYERS`` layers; ``draft_vocab`` is the drafter's)."""
+    return LlamaConfig(num_hidden_layers=TARGET_LAYERS, **{k: v for k, v in SHAPES[shape].items() if k != "draft_vocab"})
 
 
-def attention_keys(grid) -> int:
-    """Sum over queries of allowed keys: depth-0 prefix (anchor - doc_start + 1) + own chain (depth)."""
-    return int((grid.position_ids - grid.depth + 1).sum() + grid.depth.sum())
-
-
-def flops(drafter: Drafter, grid, n_tokens: int) -> float:
-    c = drafter.config
-    E = len(grid)
-    p_layers = sum(p.numel() for p in drafter.layers.parameters())
-    p_fc = drafter.fc.weight.numel()
-    p_head = drafter.lm_head.weight.numel()
-    attn = 3 * 4 * c.num_attention_heads * c.head_dim * attention_keys(grid)
-    return 6 * p_layers * E + 6 * p_fc * n_tokens + 4 * p_head * E + attn
-
-
-def wrap(obj, dist: str, device):
-    """Wrap the objective for data parallelism: ``none``, ``ddp`` or ``fsdp2`` (per-layer + root ``fully_shard``)."""
-    if dist == "none":
-        return obj
-    if dist == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(obj, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in obj.drafter.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(obj, mp_policy=mp)
-    return obj
+def draft_vocab(args) -> int:
+    """``Vd``: ``--draft-vocab``, else the shape's."""
+    return args.draft_vocab or SHAPES[args.shape]["draft_vocab"]
 
 
 def effective_attention(kind: str, device) -> str:
@@ -158,30 +166,128 @@ def effective_attention(kind: str, device) -> str:
     return kind if device.type == "cuda" else "sdpa"
 
 
-def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, steps: int, warmup: int, device,
-             chunk: int, seed: int = 0, dist: str = "none", compile: bool = False, checkpointing: bool = False,
-             sync_debug: bool = False, attention: str = "flex", on_step=None, chain_kernel: str = "auto",
-             fused_loss: bool = True) -> dict:
-    """Time ``warmup + steps`` full training steps of one configuration; returns the JSON row.
+def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
+                  chain_kernel: str = "auto", fused_loss: bool = True, max_steps: int = 1) -> dict:
+    """The recipe's ``train`` section of one configuration: the flags' ``train.*`` keys, one
+    sequence per micro-batch and per step (``micro_batch_size`` = ``grad_accum`` = 1), no
+    evaluation, checkpoints or trackers, ``max_steps`` optimizer steps planned (the LR schedule's length)."""
+    return {"method": "peagle", "K": args.K, "cod_r": args.r, "cod_r_min": args.r_min, "partitions": partitions,
+            "compile": compile, "attention": attention, "chain_kernel": chain_kernel, "fused_loss": fused_loss,
+            "loss_chunk_size": args.chunk, "activation_checkpointing": args.checkpointing,
+            "mixed_precision": args.mixed_precision, "lr": args.lr, "features": "cache",
+            "micro_batch_size": 1, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
+            "save_every": None, "report_to": [], "seed": 0}
 
-    Each step builds the next step's COD sample, grid, normaliser and partition plan on the CPU
-    after its own kernels are queued, as a data-loader worker would, so that CPU work overlaps the
-    GPU; the first step builds its own. The grid and segments go to the GPU through pinned memory.
-    ``on_step``: called after every step (e.g. ``torch.profiler.profile.step``).
 
-    ``attention``: ``flex`` (split form) or ``flex_joint`` on CUDA (see :func:`effective_attention`).
-    ``chain_kernel``: ``train.chain_kernel`` of the split form (``auto``/``triton``/``torch``); the row
-    records the one that ran (None for ``flex_joint`` and ``sdpa``, which have no chain part).
-    ``fused_loss``: ``train.fused_loss`` (lm_head + loss gradients computed in the loss forward, or
-    checkpoint + recompute).
-    The row records every timed step (``step_ms_all``), and Python's garbage-collector time in each
-    (``gc_ms_all``) with its number of full (generation-2) collections (``gc_full_all``), from
-    :data:`gc.callbacks`, so a slow step can be told apart from a collection pause.
-    ``compile``: ``train.compile`` (compiled decoder layers + loss chunk). ``checkpointing``:
-    activation checkpointing of the decoder layers. ``sync_debug`` (CUDA): run one more step
-    under ``torch.cuda.set_sync_debug_mode("warn")`` and record the number of host syncs
-    and their top call sites. Raises whatever the step raises (the caller records it); the
-    drafter is back to eager, without checkpointing, either way.
+def synthetic_data(N: int, vocab_size: int, n_sequences: int, seed: int = 0) -> dict:
+    """The trainer's ``data``: ``{"train"|"eval": {"input_ids", "loss_mask"}}`` lists per sequence;
+    ``n_sequences`` sequences of ``N`` token ids uniform in ``[0, V - 1)`` (never the mask token
+    ``V - 1``), every token supervised; eval holds the first one (never evaluated here)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab_size - 1, (N,), generator=g).tolist() for _ in range(n_sequences)]
+    masks = [[1] * N for _ in range(n_sequences)]
+    return {"train": {"input_ids": ids, "loss_mask": masks}, "eval": {"input_ids": ids[:1], "loss_mask": masks[:1]}}
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide ``AcceleratorState`` / ``GradientState`` (mixed precision, the
+    FSDP plugin), keeping ``PartialState`` (device, process group): each Trainer this process builds
+    then gets an ``Accelerator`` of its own recipe, and none is left behind for the next user of the
+    process (a test session). Call only while no Trainer is in use."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+
+
+def build_trainer(args, N: int, train: dict, device, out_dir: str) -> Trainer:
+    """A :class:`Trainer` of ``--shape`` for sequences of ``N`` tokens: recipe validated by
+    ``config_from_dict``, :func:`synthetic_data` (one sequence per rank of the launch) and
+    :class:`SyntheticFeatures` (seeded per rank), built as ``run_train`` builds it (strategy from
+    the launcher's environment). ``train``: :func:`train_section`."""
+    tconf = target_config(args.shape)
+    V = tconf.vocab_size
+    cfg = config_from_dict({
+        "output_dir": out_dir,
+        "target": {"name": f"synthetic {args.shape}", "path": "<synthetic: benchmarks/train_step.py>",
+                   "aux_layer_ids": AUX_LAYER_IDS},
+        "drafter": {"num_layers": DRAFTER_LAYERS, "draft_vocab_size": draft_vocab(args), "mask_token_id": V - 1},
+        "train": train, "eval": {"k_max": min(args.K, 7)}}, "benchmarks/train_step.py")
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    feats = SyntheticFeatures(N, tconf.hidden_size, V, device, args.feature_placement, seed=1000 * rank)
+    reset_accelerate_state()
+    with warnings.catch_warnings():  # train.report_to: [] is meant: no trackers
+        warnings.filterwarnings("ignore", message="`log_with=", category=UserWarning)
+        return Trainer(cfg, synthetic_data(N, V, world), {"train": feats, "eval": feats}, tconf, AUX_LAYER_IDS)
+
+
+class GridProbe:
+    """The grids a trainer step feeds its objective: a forward pre-hook on the (unwrapped) objective
+    keeps a reference to each call's ``grid`` argument (no copy, no device work, no sync).
+
+    With one micro-batch per step, ``len(grids)`` after a step is its number of partition segments S,
+    and the union of the segments' elements is the step's grid (:func:`grid_counts`).
+    """
+
+    def __init__(self, objective: torch.nn.Module):
+        self.grids: list = []
+        self._handle = objective.register_forward_pre_hook(lambda module, args: self.grids.append(args[0]))
+
+    def close(self) -> None:
+        self._handle.remove()
+        self.grids = []
+
+
+def grid_counts(grids: list, K: int) -> tuple[int, int]:
+    """``(E, sum_q keys(q))`` of one micro-batch's grid from the grids its forwards received (the
+    whole grid, or its partition segments: an element ``(anchor, depth)`` met in several segments,
+    a depth-0 key/value context copy, counts once). ``keys(q)`` = depth-0 prefix
+    ``position - depth + 1`` + own chain ``depth`` = ``position + 1`` keys."""
+    key = torch.cat([g.anchor * K + g.depth for g in grids]).cpu()
+    pos = torch.cat([g.position_ids for g in grids]).cpu()
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    pos_u = torch.zeros(len(uniq), dtype=pos.dtype).scatter_(0, inverse, pos)  # copies share their position
+    depth_u = uniq % K
+    return len(uniq), int((pos_u - depth_u + 1).sum() + depth_u.sum())
+
+
+def flops(drafter, E: int, keys: int, n_tokens: int) -> float:
+    """The module docstring's FLOP count of one step over ``E`` grid elements with ``keys`` = sum_q keys(q)."""
+    c = drafter.config
+    p_layers = sum(p.numel() for p in drafter.layers.parameters())
+    p_fc = drafter.fc.weight.numel()
+    p_head = drafter.lm_head.weight.numel()
+    c_head = 6 if drafter.lm_head.weight.requires_grad else 4
+    attn = 3 * 4 * c.num_attention_heads * c.head_dim * keys
+    return 6 * p_layers * E + 6 * p_fc * n_tokens + c_head * p_head * E + attn
+
+
+def auto_plan(trainer: Trainer, N: int, args) -> dict:
+    """``train.partitions: auto``: the trainer's own S for an ``N``-token micro-batch
+    (:meth:`Trainer.partitions`, as its step asks it) and the planner's predicted peak for it."""
+    tc = trainer.cfg.train
+    S = int(trainer.partitions([N])[0])
+    drafter = trainer.acc.unwrap_model(trainer.model).drafter
+    peak = predict_peak_bytes(N, S, ShapeParams.from_config(drafter.config), tc.K, tc.cod_r, tc.cod_r_min,
+                              checkpointing=tc.activation_checkpointing, chunk=tc.loss_chunk_size,
+                              fused_loss=tc.fused_loss, grads_resident=True if trainer.acc.num_processes > 1 else None)
+    gpu = torch.cuda.get_device_properties(trainer.device).total_memory if trainer.device.type == "cuda" else None
+    return {"S": S, "decided_by": "Trainer.partitions (peagle_train.peagle.planner.partitions_for)",
+            "checkpointing": tc.activation_checkpointing, "predicted_peak_gb": peak / 2**30,
+            "gpu_gb": gpu / 2**30 if gpu else None, "oom_retry": False}
+
+
+def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, sync_debug: bool = False) -> dict:
+    """Time ``warmup + steps`` calls of ``trainer.train_step()`` (one ``N``-token sequence per rank
+    and step) → the measured fields of a row.
+
+    Each call is timed with CUDA events recorded just before and after it (synchronised before
+    reading), or the wall clock on CPU. The row keeps every timed step (``step_ms_all``), Python's
+    garbage-collector time in each (``gc_ms_all``) and its number of full (generation-2)
+    collections (``gc_full_all``), from :data:`gc.callbacks`, so a slow step can be told apart from
+    a collection pause; ``first_step_s`` is the first call (compilation included). ``on_step``:
+    called after every step (e.g. ``torch.profiler.profile.step``). ``sync_debug`` (CUDA): one more
+    step under :func:`count_syncs`. The step's grid comes from a :class:`GridProbe`.
     """
     gc_now = {"ms": 0.0, "full": 0, "t0": None}
 
@@ -193,65 +299,24 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             gc_now["full"] += info["generation"] == 2
             gc_now["t0"] = None
 
+    cuda = trainer.device.type == "cuda"
+    tc = trainer.cfg.train
+    objective = trainer.acc.unwrap_model(trainer.model)
+    probe = GridProbe(objective)
     gc.callbacks.append(gc_clock)
     try:
-        cuda = device.type == "cuda"
-        rank = torch.distributed.get_rank() if dist != "none" else 0
-        seed = seed + 1000 * rank
-        A, T = 3, tc.hidden_size
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        aux = (torch.randn(N, A * T, generator=g) * 0.5).to(device, torch.bfloat16)
-        last = torch.randn(N, T, generator=g).to(device, torch.bfloat16)
-        argmax = torch.randint(0, tc.vocab_size - 1, (N,), generator=g).to(device)
-        # the token side stays on the CPU, as a data loader has it: COD and the grid are built there
-        input_ids = torch.randint(0, tc.vocab_size - 1, (N,), generator=g)
-        loss_mask = torch.ones(N, dtype=torch.bool)
-        doc_ids = torch.zeros(N, dtype=torch.long)
-        drafter.gradient_checkpointing = checkpointing
-        drafter.train()
-        attention = effective_attention(attention, device)
-        obj = PEagleObjective(drafter, head, loss="kl", chunk_size=chunk, attention=attention,
-                              compile=compile, chain_kernel=chain_kernel, fused_loss=fused_loss).to(device)
-        obj = wrap(obj, dist, device)
-        params = [p for p in obj.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=cuda)
-        times, rec = [], {}
-
-        def host_inputs(it: int):
-            """Step ``it``'s COD sample, grid, normaliser and partition plan, on the CPU."""
-            kept = cod_sample(loss_mask, doc_ids, K, r, r_min, generator=torch.Generator().manual_seed(seed + it))
-            host_grid = build_grid(input_ids, loss_mask, doc_ids, kept, drafter.mask_token_id)
-            return host_grid, supervised_count(host_grid), plan_partitions(host_grid, N, S)
-
-        ahead = None  # (step index, host_inputs of it), built during the previous step
-
-        def step(it: int):
-            nonlocal ahead
-            host_grid, norm, host_segs = ahead[1] if ahead and ahead[0] == it else host_inputs(it)
-            segs = [seg.to(device, non_blocking=True) for seg in host_segs]
-            grid = host_grid.to(device, non_blocking=True)  # no host sync before the forward
-            for j, seg in enumerate(segs):
-                sync = contextlib.nullcontext() if (dist != "ddp" or j == len(segs) - 1) else obj.no_sync()
-                with sync, torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss, _ = obj(seg.apply(grid), aux, last, argmax, norm)
-                    loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            ahead = (it + 1, host_inputs(it + 1))  # while this step's kernels run
-            return grid
-
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        gc_ms, gc_full = [], []
+        times, gc_ms, gc_full, recs, first = [], [], [], [], None
         for it in range(warmup + steps):
+            probe.grids = []
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
             gc_now.update(ms=0.0, full=0)
-            grid = step(it)
+            rec = trainer.train_step()
             if cuda:
                 end.record()
                 torch.cuda.synchronize()
@@ -259,41 +324,107 @@ def run_case(drafter, head, tc, N: int, K: int, S: int, r: float, r_min: float, 
             else:
                 dt = time.perf_counter() - t0
             if it == 0:
-                rec["first_step_s"] = dt  # includes compilation
+                first = dt  # includes compilation
             if it >= warmup:
                 times.append(dt)
                 gc_ms.append(gc_now["ms"])
                 gc_full.append(gc_now["full"])
+                recs.append(rec)
             if on_step is not None:
                 on_step()
-        rec["positions"], rec["flop"] = len(grid), flops(drafter, grid, N)  # the last step's grid
-        med = statistics.median(times)
-        rec.update({
-            "N": N, "K": K, "S": S, "compile": compile, "checkpointing": checkpointing, "attention": attention,
-            "chain_kernel": resolve_chain_kernel(chain_kernel, device) if attention == "flex" else None,
-            "fused_loss": fused_loss, "host_inputs": "prefetched",
-            "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
-            "step_ms_all": [t * 1e3 for t in times],
-            "gc_ms_all": gc_ms, "gc_full_all": gc_full,
-            "positions_per_s": rec["positions"] / med, "tokens_per_s": N / med, "tflops": rec["flop"] / med / 1e12,
-            "peak_alloc_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            # the loss path the steps took: fused_loss falls back to recompute where the head is sharded (fsdp2)
-            "loss_path": loss_mod.last_path,
-        })
-        if compile:
-            from peagle_train.kernels.compiling import inductor_mode
-
-            rec["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
-                                    "loss_chunk": loss_mod.compiled_chunk_loss(
-                                        inductor_mode(compile), fused=rec["loss_path"] == "fused").mode}
-        if sync_debug and cuda:
-            rec["host_syncs"] = count_syncs(lambda: step(warmup + steps))
-        return rec
+        E, keys = grid_counts(probe.grids, tc.K)  # the last step's grid
+        S = len(probe.grids)
     finally:
-        drafter.set_compile(False)
-        drafter.gradient_checkpointing = False
-        if gc_clock in gc.callbacks:
-            gc.callbacks.remove(gc_clock)
+        probe.close()
+        gc.callbacks.remove(gc_clock)
+    drafter = objective.drafter
+    world = trainer.acc.num_processes
+    med, flop = statistics.median(times), flops(drafter, E, keys, N)
+    row = {
+        "S": S, "first_step_s": first, "positions": E, "flop": flop,
+        "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+        "step_ms_all": [t * 1e3 for t in times], "gc_ms_all": gc_ms, "gc_full_all": gc_full,
+        # the trainer's own rates (global over ranks, its clock) → per GPU
+        "positions_per_s": statistics.median(r["positions_per_s"] for r in recs) / world,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs) / world,
+        "tflops": flop / med / 1e12,
+        "peak_alloc_gb": recs[-1].get("peak_mem_gb"),
+        # the loss path the steps took: fused_loss falls back to recompute where the head is sharded (fsdp2)
+        "loss_path": recs[-1]["loss_path"], "loss": recs[-1]["loss"], "grad_norm": recs[-1]["grad_norm"],
+        "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+        "frozen": [n for n, p in drafter.named_parameters() if not p.requires_grad],
+    }
+    if tc.compile:
+        from peagle_train.kernels.compiling import inductor_mode
+
+        row["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
+                                "loss_chunk": loss_mod.compiled_chunk_loss(
+                                    inductor_mode(tc.compile), fused=row["loss_path"] == "fused").mode}
+    if sync_debug and cuda:
+        row["host_syncs"] = count_syncs(trainer.train_step)
+    return row
+
+
+def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | str = False, attention: str = "flex",
+               chain_kernel: str = "auto", fused_loss: bool = True, steps: int | None = None,
+               warmup: int | None = None, on_step=None, sync_debug: bool = False, out_dir: str) -> dict:
+    """One row: a fresh :class:`Trainer` of this configuration, timed by :func:`time_steps`.
+
+    ``partitions``: ``train.partitions`` (an int or ``"auto"``; ``auto`` rows carry a ``plan``,
+    :func:`auto_plan`). ``attention``: as asked (the row records :func:`effective_attention`).
+    ``chain_kernel``: ``train.chain_kernel`` of the split form (the row records the one that ran;
+    None for ``flex_joint`` and ``sdpa``, which have no chain part). ``fused_loss``:
+    ``train.fused_loss``. ``steps`` / ``warmup``: default ``--steps`` / ``--warmup``. An error
+    (out of memory included) is recorded in the row (``"error"``) rather than raised, so one
+    broken variant does not lose the others' numbers; the trainer is released either way.
+    """
+    steps = args.steps if steps is None else steps
+    warmup = args.warmup if warmup is None else warmup
+    ran = effective_attention(attention, device)
+    row = {"N": N, "K": args.K, "S": partitions, "compile": compile, "checkpointing": args.checkpointing,
+           "attention": ran, "chain_kernel": None, "fused_loss": fused_loss, "host_inputs": HOST_INPUTS}
+    trainer = None
+    try:
+        if ran == "flex":
+            row["chain_kernel"] = resolve_chain_kernel(chain_kernel, device)  # RuntimeError: triton where it cannot run
+        train = train_section(args, partitions=partitions, compile=compile, attention=ran, chain_kernel=chain_kernel,
+                              fused_loss=fused_loss, max_steps=warmup + steps + 1)  # + 1: --sync-debug's step
+        trainer = build_trainer(args, N, train, device, out_dir)
+        if partitions == "auto":
+            row["plan"] = auto_plan(trainer, N, args)
+            row["S"] = row["plan"]["S"]
+        row.update(time_steps(trainer, N, steps, warmup, on_step=on_step, sync_debug=sync_debug))
+    except torch.OutOfMemoryError as e:  # report, keep going (auto: the caller retries with S + 1)
+        row["error"] = f"OOM: {str(e)[:120]}"
+    except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        trainer = None  # noqa: F841 - release the drafter, optimizer state and features before the next case
+        gc.collect()
+        reset_accelerate_state()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def launch_layout(dist: str):
+    """``--dist`` → the launch layout the Trainer reads from the environment
+    (:func:`~peagle_train.distributed.layout.requested_layout`). ``fsdp2`` first exports
+    :data:`FSDP2_ENV` where the launcher did not set it.
+
+    Raises:
+        SystemExit: the launch is not what ``--dist`` says (e.g. ``--dist ddp`` without ``torchrun``,
+            or several processes with ``--dist none``).
+    """
+    if dist == "fsdp2":
+        for k, v in FSDP2_ENV.items():
+            os.environ.setdefault(k, v)
+    layout = requested_layout()
+    if layout.strategy != DIST_STRATEGY[dist]:
+        raise SystemExit(f"--dist {dist}: this launch is {layout.strategy} (WORLD_SIZE={layout.world_size}); the "
+                         "Trainer takes its strategy from the launcher: use `torchrun --nproc_per_node G ... --dist "
+                         "ddp|fsdp2` for several processes, --dist none for one")
+    return layout
 
 
 def count_syncs(fn) -> dict:
@@ -482,21 +613,21 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
     params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     sides = {"split": ("flex", 1024), "reference": ("flex_joint", 1024) if cuda else ("sdpa", 1)}
     res = {}
-    saved = drafter_mod._flex_with_lse
+    saved = attention_mod._flex_with_lse
     head32 = head.float()
     try:
         for side, (kind, pad) in sides.items():
             # CPU has no flex backward: the split side's prefix part runs dense; the reference side
             # (SDPA) never calls _flex_with_lse, and the finally restores it
             if side == "split" and not cuda:
-                drafter_mod._flex_with_lse = _dense_prefix
+                attention_mod._flex_with_lse = _dense_prefix
             obj = PEagleObjective(drafter, head32, loss="kl", chunk_size=chunk, attention=kind,
                                   pad_multiple=pad, compile=compile, chain_kernel=chain_kernel).to(device)
             loss, _ = obj(grid, aux, last, argmax, norm)
             grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             res[side] = (loss.detach(), grads)
     finally:
-        drafter_mod._flex_with_lse = saved
+        attention_mod._flex_with_lse = saved
         drafter.set_compile(False)
     (l_s, g_s), (l_r, g_r) = res["split"], res["reference"]
     errs = {}
@@ -528,23 +659,6 @@ def attach_joint_speedup(rows: list[dict]) -> list[dict]:
         if r.get("attention") == "flex" and "step_ms" in r and j is not None:
             r["speedup_vs_joint"] = j["step_ms"] / r["step_ms"]
     return rows
-
-
-def resolve_partitions(spec: str, N: int, args, drafter, device) -> tuple[int, bool, dict | None]:
-    """``spec`` is an int or ``"auto"`` → ``(S, checkpointing, plan record or None)``."""
-    if spec != "auto":
-        return int(spec), args.checkpointing, None
-    if device.type == "cuda":
-        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
-    else:  # CPU smoke runs: pretend an 80 GiB device
-        gpu_bytes = 80 * 2**30
-    plan = plan_step(N, args.K, args.r, args.r_min, ShapeParams.from_config(drafter.config), gpu_bytes,
-                     chunk=args.chunk, headroom=args.headroom,
-                     fused_loss="off" not in args.fused_loss,  # one S for every row of this N: the larger need
-                     grads_resident=True if args.dist != "none" else None)  # DDP's gradient buckets always exist
-    return plan.partitions, plan.checkpointing, {
-        "predicted_peak_gb": plan.predicted_peak_bytes / 2**30, "budget_gb": plan.budget_bytes / 2**30,
-        "gpu_gb": gpu_bytes / 2**30}
 
 
 def attach_reference(rows: list[dict], refs: dict[int, dict]) -> list[dict]:
@@ -586,19 +700,25 @@ def matmul_rate(device, n: int = 8192, reps: int = 10) -> float | None:
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def main(argv=None):
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
-    ap.add_argument("--draft-vocab", type=int, default=None, help="Vd (default: the shape's)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="drafter.draft_vocab_size Vd (default: the shape's)")
     ap.add_argument("--seq-len", "--N", dest="n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    ap.add_argument("--K", type=int, default=8)
-    ap.add_argument("--r", type=float, default=0.7)
-    ap.add_argument("--r-min", type=float, default=0.2)
+    ap.add_argument("--K", type=int, default=8, help="train.K")
+    ap.add_argument("--r", type=float, default=0.7, help="train.cod_r")
+    ap.add_argument("--r-min", type=float, default=0.2, help="train.cod_r_min")
     ap.add_argument("--partitions", type=str, nargs="+", default=None,
-                    help="S per N, or 'auto' (peagle_train.planner; default 1; a single value applies to all N)")
-    ap.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory for --partitions auto")
-    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the decoder layers "
-                    "(with --partitions auto the planner decides)")
+                    help="train.partitions per N: S, or 'auto' (the trainer asks peagle_train.peagle.planner; "
+                         "default 1; a single value applies to all N)")
+    ap.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing (decoder layers)")
+    ap.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16", help="train.mixed_precision")
+    ap.add_argument("--lr", type=float, default=1e-4, help="train.lr")
+    ap.add_argument("--feature-placement", choices=sorted(PLACEMENTS), default="device",
+                    help="where the synthetic features live: device = on the GPU (as online features), host = "
+                         "bf16 CPU tensors (as the feature cache returns them; the step's copy to the GPU is timed)")
     ap.add_argument("--compile", choices=["off", "on", "both", "autotune", "on+autotune"], default="off",
                     help="train.compile variants to time side by side (both = eager then compiled; autotune = "
                          "train.compile: max-autotune; on+autotune = compiled then autotuned)")
@@ -612,16 +732,18 @@ def main(argv=None):
                     help="train.fused_loss: on = lm_head + loss gradients computed in the loss forward, off = "
                          "checkpoint + recompute; several = one row each, same process (--profile uses the last)")
     ap.add_argument("--chain-tiling", default=None, help="JSON of benchmarks/chain_kernel.py: apply its "
-                    "best_tiling to the Triton chain kernels (peagle_train.chain_kernel.TILING)")
+                    "best_tiling to the Triton chain kernels (peagle_train.kernels.chain_kernel.TILING)")
     ap.add_argument("--check-grads", action="store_true",
                     help="time nothing: compare the split form's loss and fp32 parameter gradients with the joint "
                          "kernel's on a small grid (--check-n tokens) of --shape, per --compile variant")
     ap.add_argument("--check-n", type=int, default=512, help="tokens of the --check-grads grid")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=8192, help="loss chunk (grid elements)")
+    ap.add_argument("--steps", type=int, default=10, help="timed trainer steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed trainer steps before them")
+    ap.add_argument("--chunk", type=int, default=8192, help="train.loss_chunk_size (grid elements)")
     ap.add_argument("--out", type=str, default="train_step.json")
-    ap.add_argument("--dist", choices=["none", "ddp", "fsdp2"], default="none")
+    ap.add_argument("--dist", choices=sorted(DIST_STRATEGY), default="none",
+                    help="the launch's strategy (the Trainer reads it from the launcher's environment; fsdp2 "
+                         "exports FSDP2's variables where the launcher did not)")
     ap.add_argument("--trace", type=str, default=None,
                     help="with --profile: also write the profiled steps' Chrome trace to this path")
     ap.add_argument("--profile", action="store_true",
@@ -630,144 +752,117 @@ def main(argv=None):
     ap.add_argument("--reference", choices=["none", "speculators"], default="none",
                     help="also time vLLM speculators' P-EAGLE step for every N in this process "
                          "(benchmarks/speculators_ref.py; needs its wheels) and add the ratio to each row")
-    args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    world = 1
-    if args.dist != "none":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        if device.type == "cuda":
-            torch.cuda.set_device(local)
-            device = torch.device("cuda", local)
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        world = torch.distributed.get_world_size()
-    matmul_tflops = matmul_rate(device)
-    drafter, head, tc = build(args.shape, args.draft_vocab, args.K, device)
-    if args.chain_tiling:
-        best = json.loads(Path(args.chain_tiling).read_text()).get("best_tiling")
-        if not isinstance(best, dict) or not set(best) <= set(CHAIN_TILING):
-            raise SystemExit(f"--chain-tiling {args.chain_tiling}: no 'best_tiling' of kernels {sorted(CHAIN_TILING)} "
-                             "in it; pass the JSON that benchmarks/chain_kernel.py --out wrote")
-        CHAIN_TILING.update({kern: tuple(t) for kern, t in best.items()})
-    S_list = args.partitions or ["1"]
-    if len(S_list) == 1:
-        S_list = S_list * len(args.n)
-    variants = {"off": [False], "on": [True], "both": [False, True], "autotune": ["max-autotune"],
-                "on+autotune": [True, "max-autotune"]}[args.compile]
-    attentions = {"flex": ["flex"], "flex_joint": ["flex_joint"], "both": ["flex_joint", "flex"]}[args.attention]
-    if device.type != "cuda" and len(attentions) > 1:  # both kinds would run the same dense SDPA
-        print("--attention both on CPU: one sdpa row per N (FlexAttention has no CPU backward)")
-        attentions = attentions[-1:]
-    if args.check_grads:
-        return run_check_grads(args, drafter, head, tc, device, variants)
+    return ap.parse_args(argv)
+
+
+def apply_chain_tiling(path: str | None) -> None:
+    """``--chain-tiling``: the ``best_tiling`` of a ``benchmarks/chain_kernel.py`` JSON into :data:`CHAIN_TILING`.
+
+    Raises:
+        SystemExit: the file has no ``best_tiling`` of known kernels (names the file).
+    """
+    if not path:
+        return
+    best = json.loads(Path(path).read_text()).get("best_tiling")
+    if not isinstance(best, dict) or not set(best) <= set(CHAIN_TILING):
+        raise SystemExit(f"--chain-tiling {path}: no 'best_tiling' of kernels {sorted(CHAIN_TILING)} "
+                         "in it; pass the JSON that benchmarks/chain_kernel.py --out wrote")
+    CHAIN_TILING.update({kern: tuple(t) for kern, t in best.items()})
+
+
+def run_rows(args, device, variants, attentions, S_list, lead: bool, out_dir: str) -> list[dict]:
+    """One row per (N, compile variant, attention, chain kernel, fused loss), each a fresh Trainer;
+    an out-of-memory row under ``--partitions auto`` is retried once with the trainer's S + 1."""
     rows = []
-    lead = world == 1 or torch.distributed.get_rank() == 0
     for N, S_spec in zip(args.n, S_list):
-        S, ckpt, plan = resolve_partitions(S_spec, N, args, drafter, device)
+        partitions = S_spec if S_spec == "auto" else int(S_spec)
         cases = [(c, a, ck, fl == "on") for c in variants for a in attentions
                  for ck in (args.chain_kernel if effective_attention(a, device) == "flex" else ["auto"])
                  for fl in args.fused_loss]
         for comp, attn, ck, fused in cases:
-            S_try = S
-            ran = effective_attention(attn, device)
-            for attempt in range(2 if S_spec == "auto" else 1):
-                try:
-                    row = run_case(drafter, head, tc, N, args.K, S_try, args.r, args.r_min, args.steps, args.warmup,
-                                   device, args.chunk, dist=args.dist, compile=comp, checkpointing=ckpt,
-                                   sync_debug=args.sync_debug, attention=attn, chain_kernel=ck, fused_loss=fused)
-                except torch.OutOfMemoryError as e:  # report, keep going (auto: one retry with S + 1)
-                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "fused_loss": fused,
-                           "error": f"OOM: {str(e)[:120]}"}
-                except Exception as e:  # noqa: BLE001 - one broken variant must not lose the others' numbers
-                    row = {"N": N, "S": S_try, "compile": comp, "attention": ran, "fused_loss": fused,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                drafter.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if plan is not None:
-                    row["plan"] = dict(plan, S=S, checkpointing=ckpt, oom_retry=attempt > 0)
-                if not row.get("error", "").startswith("OOM") or S_spec != "auto" or S_try >= N:
-                    break
+            kw = dict(compile=comp, attention=attn, chain_kernel=ck, fused_loss=fused, sync_debug=args.sync_debug,
+                      out_dir=out_dir)
+            row = bench_case(args, N, partitions, device, **kw)
+            plan = row.get("plan")
+            if row.get("error", "").startswith("OOM") and plan is not None and plan["S"] < N:
                 if lead:
                     print(json.dumps(row), flush=True)
-                S_try += 1
+                row = bench_case(args, N, plan["S"] + 1, device, **kw)
+                row["plan"] = dict(plan, oom_retry=True)
             rows.append(row)
             if lead:
-                print(json.dumps(rows[-1]), flush=True)
-    attach_joint_speedup(rows)
-    if world > 1 and torch.distributed.get_rank() != 0:
-        torch.distributed.destroy_process_group()
-        return rows
-    if args.reference == "speculators":
-        from speculators_ref import run_reference  # benchmarks/ is on sys.path when run as a script
+                print(json.dumps(row), flush=True)
+    return attach_joint_speedup(rows)
 
-        shape = {k: v for k, v in SHAPES[args.shape].items() if k != "draft_vocab"}
-        refs = {}
-        for N in dict.fromkeys(args.n):
-            refs[N] = run_reference(shape, N, args.K, args.r, args.r_min, args.steps, args.warmup, str(device),
-                                    drafter.config.draft_vocab_size)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(json.dumps({"reference": "speculators", **refs[N]}), flush=True)
-        attach_reference(rows, refs)
-    profile = None
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
 
-        N0 = args.n[0]
-        S0, ck0, _ = resolve_partitions(S_list[0], N0, args, drafter, device)
-        ok = [r for r in rows if r["N"] == N0 and "error" not in r and r["compile"] == variants[-1]
-              and r.get("attention") == effective_attention(attentions[-1], device)]
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        # compile caches are warm from the timed run; the schedule skips the set-up (inputs, optimizer state)
-        # and the first step, warms up on the second, and records the next PROFILED_STEPS steps only
-        sched = torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILED_STEPS)
-        with torch_profile(activities=acts, schedule=sched) as prof:
-            run_case(drafter, head, tc, N0, args.K, S0, args.r, args.r_min, PROFILED_STEPS,
-                     PROFILE_WAIT + PROFILE_WARMUP, device, args.chunk, compile=variants[-1], checkpointing=ck0,
-                     attention=attentions[-1], on_step=prof.step, chain_kernel=args.chain_kernel[-1],
-                     fused_loss=args.fused_loss[-1] == "on")
-        step_ms = ok[0]["step_ms"] if ok else None
-        table = kernel_table(prof, step_ms or 0.0, PROFILED_STEPS)
-        profile = {"N": N0, "S": S0, "compile": variants[-1], "attention": effective_attention(attentions[-1], device),
-                   "step_ms": step_ms,
-                   "kind": "cuda kernels" if device.type == "cuda" else "cpu ops", "top": table,
-                   "timeline": timeline_summary(device_kernels(prof), PROFILED_STEPS) if device.type == "cuda" else None}
-        if args.trace:
-            prof.export_chrome_trace(args.trace)
-        print(f"\ntop {len(table)} {profile['kind']} (N={N0}, compile={variants[-1]}; ms per step, % of the "
-              f"timed median step {step_ms and round(step_ms, 1)} ms):")
-        for t in table:
-            print(f"{t['ms_per_step']:>10.2f} ms {t['pct_of_step'] if t['pct_of_step'] is not None else '-':>7}% "
-                  f"{t['calls_per_step']:>8} x  {t['name'][:90]}")
-        tl = profile["timeline"]
-        if tl:
-            print(f"GPU per profiled step: window {tl['window_ms']:.1f} ms, busy {tl['busy_ms']:.1f} ms, "
-                  f"idle {tl['idle_ms']:.1f} ms (profiler overhead included)")
-            for cat, ms in tl["by_category"].items():
-                print(f"{ms:>10.2f} ms  {cat}")
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    meta = {
-        "shape": args.shape, "draft_vocab": drafter.config.draft_vocab_size, "K": args.K, "r": args.r,
-        "r_min": args.r_min, "trainable_params": trainable, "frozen": ["lm_head"],
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "precision": "bf16 autocast, fp32 master weights, fused AdamW",
-        "flop_formula": "6*P_layers*E + 6*P_fc*N + 4*P_head*E + 12*heads*head_dim*sum_q keys(q)",
-        "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
-        "dist": args.dist, "world_size": world, "compile_variants": variants,
-        "attention_variants": [effective_attention(a, device) for a in attentions],
-        "chain_tiling": {kern: list(t) for kern, t in CHAIN_TILING.items()},
-        "bf16_matmul_tflops": matmul_tflops,
-        "note": "per-GPU numbers: each rank trains its own N-token sequence" if world > 1 else "",
-    }
-    out = {"meta": meta, "rows": rows}
-    if profile is not None:
-        out["profile"] = profile
-    Path(args.out).write_text(json.dumps(out, indent=1))
+def run_profile(args, device, rows, variants, attentions, S_list, out_dir: str) -> dict:
+    """``--profile``: :data:`PROFILED_STEPS` trainer steps of the first N and the last variant under
+    ``torch.profiler`` (a fresh Trainer; the schedule skips its set-up and first step, warms up on the
+    second); the top-25 kernels and, on CUDA, the GPU timeline (:func:`timeline_summary`)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    N0, spec = args.n[0], S_list[0]
+    attn = effective_attention(attentions[-1], device)
+    ok = [r for r in rows if r["N"] == N0 and "error" not in r and r["compile"] == variants[-1]
+          and r.get("attention") == attn]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sched = torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILED_STEPS)
+    with torch_profile(activities=acts, schedule=sched) as prof:
+        prow = bench_case(args, N0, spec if spec == "auto" else int(spec), device, compile=variants[-1],
+                          attention=attentions[-1], chain_kernel=args.chain_kernel[-1],
+                          fused_loss=args.fused_loss[-1] == "on", steps=PROFILED_STEPS,
+                          warmup=PROFILE_WAIT + PROFILE_WARMUP, on_step=prof.step, out_dir=out_dir)
+    step_ms = ok[0]["step_ms"] if ok else None
+    profile = {"N": N0, "S": prow["S"], "compile": variants[-1], "attention": attn, "step_ms": step_ms,
+               "kind": "cuda kernels" if device.type == "cuda" else "cpu ops"}
+    if "error" in prow:
+        print(f"\nprofile (N={N0}, compile={variants[-1]}): {prow['error']}")
+        return dict(profile, error=prow["error"])
+    table = kernel_table(prof, step_ms or 0.0, PROFILED_STEPS)
+    profile.update(top=table, timeline=timeline_summary(device_kernels(prof), PROFILED_STEPS)
+                   if device.type == "cuda" else None)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    print(f"\ntop {len(table)} {profile['kind']} (N={N0}, compile={variants[-1]}; ms per step, % of the "
+          f"timed median step {step_ms and round(step_ms, 1)} ms):")
+    for t in table:
+        print(f"{t['ms_per_step']:>10.2f} ms {t['pct_of_step'] if t['pct_of_step'] is not None else '-':>7}% "
+              f"{t['calls_per_step']:>8} x  {t['name'][:90]}")
+    tl = profile["timeline"]
+    if tl:
+        print(f"GPU per profiled step: window {tl['window_ms']:.1f} ms, busy {tl['busy_ms']:.1f} ms, "
+              f"idle {tl['idle_ms']:.1f} ms (profiler overhead included)")
+        for cat, ms in tl["by_category"].items():
+            print(f"{ms:>10.2f} ms  {cat}")
+    return profile
+
+
+def run_references(args, device, rows) -> None:
+    """``--reference speculators``: speculators' step for every N (this process), ratios into ``rows``."""
+    from speculators_ref import run_reference  # benchmarks/ is on sys.path
+
+    shape = {k: v for k, v in SHAPES[args.shape].items() if k != "draft_vocab"}
+    refs = {}
+    for N in dict.fromkeys(args.n):
+        refs[N] = run_reference(shape, N, args.K, args.r, args.r_min, args.steps, args.warmup, str(device),
+                                draft_vocab(args))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps({"reference": "speculators", **refs[N]}), flush=True)
+    attach_reference(rows, refs)
+
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def print_table(args, meta: dict, rows: list[dict]) -> None:
+    """The rows as a table (per-GPU numbers), with the compile modes, GC, plan and reference lines."""
+    world, tf = meta["world_size"], meta["bf16_matmul_tflops"]
     hdr = (f"{'N':>7} {'S':>2} {'ckpt':>4} {'compile':>7} {'attn/chain':>12} {'positions':>10} {'step ms':>9} "
            f"{'(min-max)':>15} {'first s':>8} {'pos/s':>9} {'TFLOP/s':>8} {'peak GB':>8}")
     print(f"\n{args.shape}, Vd={meta['draft_vocab']}, K={args.K}, {meta['device']}, {meta['timing']}, "
-          f"dist={args.dist} x{world}" + (f", bf16 matmul {matmul_tflops:.0f} TFLOP/s (8192^3, same run)"
-                                           if matmul_tflops else ""))
+          f"dist={meta['dist']} x{world}" + (f", bf16 matmul {tf:.0f} TFLOP/s (8192^3, same run)" if tf else ""))
     print(hdr)
     for r in rows:
         comp = {True: "on", False: "off", None: "off"}.get(r.get("compile"), "autotune")
@@ -793,17 +888,85 @@ def main(argv=None):
             ref = (f"{r['ref_step_ms']:.1f} ms{gb}, speedup {r['speedup']:.2f}x (theirs / ours)"
                    if r["speedup"] is not None else r["ref_status"])
             print(f"{'':>24} speculators: {ref}")
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    return rows
 
 
-def run_check_grads(args, drafter, head, tc, device, variants) -> list[dict]:
+def main(argv=None):
+    """CLI (module docstring): time the trainer's step per configuration; returns the rows
+    (``--check-grads``: the gradient-check results)."""
+    args = parse_args(argv)
+    apply_chain_tiling(args.chain_tiling)
+    layout = launch_layout(args.dist)
+    world, lead = layout.world_size, int(os.environ.get("RANK", 0)) == 0
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    S_list = args.partitions or ["1"]
+    if len(S_list) == 1:
+        S_list = S_list * len(args.n)
+    variants = {"off": [False], "on": [True], "both": [False, True], "autotune": ["max-autotune"],
+                "on+autotune": [True, "max-autotune"]}[args.compile]
+    attentions = {"flex": ["flex"], "flex_joint": ["flex_joint"], "both": ["flex_joint", "flex"]}[args.attention]
+    if device.type != "cuda" and len(attentions) > 1:  # both kinds would run the same dense SDPA
+        print("--attention both on CPU: one sdpa row per N (FlexAttention has no CPU backward)")
+        attentions = attentions[-1:]
+    out_dir = tempfile.mkdtemp(prefix="peagle-train-step-")  # the Trainer's output_dir: nothing is saved there
+    try:
+        if args.check_grads:
+            return run_check_grads(args, device, variants, out_dir)
+        matmul_tflops = matmul_rate(device)
+        rows = run_rows(args, device, variants, attentions, S_list, lead, out_dir)
+        profile = run_profile(args, device, rows, variants, attentions, S_list, out_dir) if args.profile else None
+        if not lead:
+            return rows
+        if args.reference == "speculators":
+            run_references(args, device, rows)
+        ok = [r for r in rows if "trainable_params" in r]
+        meta = {
+            "shape": args.shape, "draft_vocab": draft_vocab(args), "K": args.K, "r": args.r, "r_min": args.r_min,
+            "trainable_params": ok[0]["trainable_params"] if ok else None,
+            "frozen": ok[0]["frozen"] if ok else None,
+            "device": device_name(device), "torch": torch.__version__,
+            "step": "peagle_train.trainer.trainer.Trainer.train_step (the trainer's own step, unchanged)",
+            "host_inputs": HOST_INPUTS, "features": PLACEMENTS[args.feature_placement],
+            "precision": f"train.mixed_precision={args.mixed_precision} (accelerate autocast), fp32 master "
+                         "weights, the trainer's AdamW (torch default implementation)",
+            "flop_formula": "6*P_layers*E + 6*P_fc*N + c_head*P_head*E + 12*heads*head_dim*sum_q keys(q) "
+                            "(c_head = 6 with a trainable lm_head, 4 frozen)",
+            "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
+            "dist": layout.strategy, "world_size": world, "compile_variants": variants,
+            "attention_variants": [effective_attention(a, device) for a in attentions],
+            "chain_tiling": {kern: list(t) for kern, t in CHAIN_TILING.items()},
+            "bf16_matmul_tflops": matmul_tflops,
+            "note": "per-GPU numbers: each rank trains its own N-token sequence" if world > 1 else "",
+        }
+        out = {"meta": meta, "rows": rows}
+        if profile is not None:
+            out["profile"] = profile
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print_table(args, meta, rows)
+        return rows
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if world > 1:
+            from peagle_train.distributed.accelerator import end_process_group
+
+            end_process_group()
+
+
+def run_check_grads(args, device, variants, out_dir: str) -> list[dict]:
     """``--check-grads``: :func:`check_grads` per ``--compile`` variant (eager only on CPU, where the
-    compiled flex has no lse); prints a line each and writes ``{"meta", "grad_check"}`` to ``--out``."""
+    compiled flex has no lse) on the drafter and fp32 target head of a Trainer of ``--shape`` (the
+    trainer's own drafter build, untrained); prints a line each and writes ``{"meta", "grad_check"}`` to ``--out``."""
     if device.type != "cuda" and any(variants):
         print("--check-grads on CPU: compiled variants skipped (CPU Inductor has no flex lse); eager only")
         variants = [False]
+    train = train_section(args, partitions=1, attention=effective_attention("flex", device))
+    trainer = build_trainer(args, args.check_n, train, device, out_dir)
+    objective = trainer.acc.unwrap_model(trainer.model)
+    drafter, head, tc = objective.drafter, objective.target_head, target_config(args.shape)
+    trainer = None  # only its drafter and head are used
+    reset_accelerate_state()
     results = []
     for comp in variants:
         try:
@@ -820,7 +983,7 @@ def run_check_grads(args, drafter, head, tc, device, variants) -> list[dict]:
                   f"compile={comp}: loss rel err {res['loss_rel_err']:.2e}, max grad rel err "
                   f"{res['grad_max_rel_err']:.2e} ({res['worst_param']}), grads finite: {res['grads_finite']}")
     meta = {"shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "device": device_name(device),
             "note": "per parameter: max|g_split - g_ref| / max|g_ref|; float32, no autocast"}
     Path(args.out).write_text(json.dumps({"meta": meta, "grad_check": results}, indent=1))
     return results

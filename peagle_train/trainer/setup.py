@@ -20,20 +20,9 @@ def resolve_attention(kind: str, device: torch.device) -> str:
 def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
     """A drafter of the recipe's shape, initialised from the target's embeddings and head rows; the
     draft method (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`)."""
-    dcfg = make_drafter_config(
-        target_config,
-        aux_layer_ids=aux_layer_ids,
-        draft_vocab_size=int(draft_ids.numel()),
-        num_layers=cfg.drafter.num_layers,
-        hidden_size=cfg.drafter.hidden_size,
-        intermediate_size=cfg.drafter.intermediate_size,
-        num_attention_heads=cfg.drafter.num_attention_heads,
-        num_key_value_heads=cfg.drafter.num_key_value_heads,
-        head_dim=cfg.drafter.head_dim,
-        K=cfg.train.K,
-        allow_hidden_size_mismatch=cfg.drafter.allow_hidden_size_mismatch,
-        **get_method(cfg.train.method).drafter_fields(cfg),
-    )
+    shape = cfg.drafter.model_dump(exclude={"draft_vocab_size", "mask_token_id"})  # the section's shape fields
+    dcfg = make_drafter_config(target_config, aux_layer_ids=aux_layer_ids, draft_vocab_size=int(draft_ids.numel()),
+                               K=cfg.train.K, **shape, **get_method(cfg.train.method).drafter_fields(cfg))
     torch.manual_seed(cfg.train.seed)
     drafter = Drafter(dcfg)
     if embed.shape[1] == dcfg.hidden_size:

@@ -43,9 +43,23 @@ def test_train_step_records_garbage_collection_inside_a_step(bench, tmp_path, mo
         return clip(*a, **k)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_collect)
+    # what the benchmark times is the trainer's own step: count the calls of Trainer.train_step
+    from peagle_train.trainer.trainer import Trainer
+
+    calls = []
+    step = Trainer.train_step
+
+    def counted_step(self):
+        calls.append(self.step)
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", counted_step)
     callbacks = list(gc.callbacks)
     (row,) = bench.main(["--shape", "tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1",
                          "--out", str(tmp_path / "gc.json")])
+    assert "error" not in row, row
+    assert calls == [0, 1, 2]  # warmup + steps calls of one trainer, nothing else stepped
+    assert row["host_inputs"] == "in-step (the trainer's own)" and len(row["step_ms_all"]) == 2
     # at least the forced one per step (Python may add its own)
     assert all(n >= 1 for n in row["gc_full_all"]) and all(ms > 0 for ms in row["gc_ms_all"])
     assert gc.callbacks == callbacks  # the benchmark's clock is removed again
