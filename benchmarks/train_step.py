@@ -752,7 +752,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reference", choices=["none", "speculators"], default="none",
                     help="also time vLLM speculators' P-EAGLE step for every N in this process "
                          "(benchmarks/speculators_ref.py; needs its wheels) and add the ratio to each row")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as run: recorded in the JSON (provenance)
+    return args
 
 
 def apply_chain_tiling(path: str | None) -> None:
@@ -890,6 +892,21 @@ def print_table(args, meta: dict, rows: list[dict]) -> None:
             print(f"{'':>24} speculators: {ref}")
 
 
+def provenance(argv: list[str]) -> dict:
+    """``{"command", "commit"}`` of this run for the JSON: the command line as run, and the project's
+    commit (``git rev-parse HEAD`` in the checkout, else ``$PEAGLE_COMMIT`` where the tree travels
+    without its git folder, e.g. to a GPU machine; None when neither is known)."""
+    import subprocess
+
+    commit = os.environ.get("PEAGLE_COMMIT")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10, check=True).stdout.strip() or commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"command": " ".join(["python", "benchmarks/train_step.py", *argv]), "commit": commit}
+
+
 def main(argv=None):
     """CLI (module docstring): time the trainer's step per configuration; returns the rows
     (``--check-grads``: the gradient-check results)."""
@@ -923,6 +940,7 @@ def main(argv=None):
             run_references(args, device, rows)
         ok = [r for r in rows if "trainable_params" in r]
         meta = {
+            **provenance(args.argv),
             "shape": args.shape, "draft_vocab": draft_vocab(args), "K": args.K, "r": args.r, "r_min": args.r_min,
             "trainable_params": ok[0]["trainable_params"] if ok else None,
             "frozen": ok[0]["frozen"] if ok else None,
@@ -982,8 +1000,8 @@ def run_check_grads(args, device, variants, out_dir: str) -> list[dict]:
             print(f"check-grads {res['compared']} (chain {res['chain_kernel']}), N={res['N']} K={res['K']} E={res['E']} {res['dtype']} "
                   f"compile={comp}: loss rel err {res['loss_rel_err']:.2e}, max grad rel err "
                   f"{res['grad_max_rel_err']:.2e} ({res['worst_param']}), grads finite: {res['grads_finite']}")
-    meta = {"shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min, "torch": torch.__version__,
-            "device": device_name(device),
+    meta = {**provenance(args.argv), "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min,
+            "torch": torch.__version__, "device": device_name(device),
             "note": "per parameter: max|g_split - g_ref| / max|g_ref|; float32, no autocast"}
     Path(args.out).write_text(json.dumps({"meta": meta, "grad_check": results}, indent=1))
     return results

@@ -20,6 +20,8 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
     assert all(r["step_ms"] > 0 and r["first_step_s"] > 0 and r["compile"] is False for r in rows)
     data = json.loads(out.read_text())
     assert data["meta"]["compile_variants"] == [False]
+    assert data["meta"]["command"].startswith("python benchmarks/train_step.py") and "commit" in data["meta"]
+    assert data["meta"]["step"].startswith("peagle_train.trainer.trainer.Trainer.train_step")
     top = data["profile"]["top"]
     assert 0 < len(top) <= 25 and {"name", "ms_per_step", "pct_of_step"} <= set(top[0])
     printed = capsys.readouterr().out
