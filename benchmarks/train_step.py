@@ -894,16 +894,17 @@ def print_table(args, meta: dict, rows: list[dict]) -> None:
 
 def provenance(argv: list[str]) -> dict:
     """``{"command", "commit"}`` of this run for the JSON: the command line as run, and the project's
-    commit (``git rev-parse HEAD`` in the checkout, else ``$PEAGLE_COMMIT`` where the tree travels
-    without its git folder, e.g. to a GPU machine; None when neither is known)."""
+    commit: ``$PEAGLE_COMMIT`` when set (a tree copied to a GPU machine may carry a stale git folder:
+    there the caller names the commit it sent), else ``git rev-parse HEAD`` of the checkout, else None."""
     import subprocess
 
     commit = os.environ.get("PEAGLE_COMMIT")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10, check=True).stdout.strip() or commit
-    except (OSError, subprocess.SubprocessError):
-        pass
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                    capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
     return {"command": " ".join(["python", "benchmarks/train_step.py", *argv]), "commit": commit}
 
 

@@ -32,6 +32,15 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
         assert r["step_ms_min"] == min(r["step_ms_all"]) and r["step_ms_max"] == max(r["step_ms_all"])
 
 
+def test_provenance_names_the_command_and_prefers_the_commit_the_caller_sent(bench, monkeypatch):
+    monkeypatch.setenv("PEAGLE_COMMIT", "abc123")
+    assert bench.provenance(["--shape", "tiny"]) == {"command": "python benchmarks/train_step.py --shape tiny",
+                                                    "commit": "abc123"}
+    monkeypatch.delenv("PEAGLE_COMMIT")
+    commit = bench.provenance([])["commit"]
+    assert commit is None or len(commit) == 40  # the checkout's HEAD where git can read it
+
+
 @pytest.mark.usefixtures("torch_single_thread")
 def test_train_step_records_garbage_collection_inside_a_step(bench, tmp_path, monkeypatch):
     import gc
