@@ -11,7 +11,7 @@ The grid is a COD sample of ``N`` supervised tokens (``--K``, ``--r``, ``--r-min
 1024 bucket as the trainer pads it (``--pad-multiple``); q/k/v are random in ``--dtype``. Every row is the median of
 ``--repeats`` timed calls after one warm-up call (CUDA events on CUDA; wall clock elsewhere).
 Rows: ``torch`` (forward + backward of the PyTorch chain part), ``triton`` (the same through the
-kernels at the default :data:`~peagle_train.chain_kernel.TILING`), then one row per kernel
+kernels at the default :data:`~peagle_train.kernels.chain_kernel.TILING`), then one row per kernel
 (``fwd``, ``bwd_q``, ``bwd_kv``) and tiling of the sweep (``--tiling ELEMS,WARPS ...``). The JSON
 (``--out``) holds the rows and ``best_tiling``, the fastest tiling of each kernel, which
 ``benchmarks/train_step.py --chain-tiling FILE`` applies.
@@ -63,7 +63,7 @@ def make_problem(shape: str, N: int, K: int, r: float, r_min: float, dtype, devi
     """One chain-attention problem at a benchmark shape (``train_step.SHAPES``).
 
     Returns:
-        ``(split, q, k, v, go, gl)``: ``split`` the :class:`~peagle_train.attention.SplitMasks` of a COD
+        ``(split, q, k, v, go, gl)``: ``split`` the :class:`~peagle_train.peagle.masks.SplitMasks` of a COD
         grid of ``N`` supervised tokens (one document, ``K`` depths) padded to a multiple of
         ``pad_multiple`` elements (E, the padded length), chain part ``torch``; random
         ``q [1, nh, E, hd]`` (laid out ``[E, nh, hd]`` in memory, as the drafter's projections leave
@@ -108,7 +108,7 @@ def fwd_bwd(fn, q, k, v, go, gl, index, valid, inverse, inverse_valid, acc: torc
 
 
 def split_args(split) -> tuple:
-    """``(index, valid, inverse, inverse_valid)`` of a :class:`~peagle_train.attention.SplitMasks`."""
+    """``(index, valid, inverse, inverse_valid)`` of a :class:`~peagle_train.peagle.masks.SplitMasks`."""
     return split.chain_index, split.chain_valid, split.chain_inverse, split.chain_inverse_valid
 
 
@@ -129,7 +129,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--pad-multiple", type=int, default=1024, help="grid bucket (the trainer's: 1024)")
     ap.add_argument("--tiling", nargs="*", default=["1024,2", "2048,2", "2048,4", "4096,4", "4096,8", "8192,4",
                                                       "8192,8", "16384,8"],
-                    help="tilings of the sweep, ELEMS,WARPS each (peagle_train.chain_kernel.TILING)")
+                    help="tilings of the sweep, ELEMS,WARPS each (peagle_train.kernels.chain_kernel.TILING)")
     ap.add_argument("--out", default="chain_kernel.json")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

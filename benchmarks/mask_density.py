@@ -2,7 +2,7 @@
 
 For one N-token sequence (every position loss-valid) with the default COD sample, builds the
 depth-major grid padded as the trainer pads it (multiple of 1024), the block structure of
-:func:`peagle_train.attention.block_structure` (128 x 128 blocks), and counts exactly the
+:func:`peagle_train.peagle.masks.block_structure` (128 x 128 blocks), and counts exactly the
 (query, key) pairs the attention rule allows (in row chunks, never an E x E tensor). Prints a
 table and writes JSON: blocks total / partial / full, pairs the kernel computes
 (``(partial + full) * 128**2``) and their ratio to the allowed pairs, mean keys per query.

@@ -2,7 +2,7 @@
 
 Reads the small result files the experiment copies to its results folder::
 
-    <name>-eval.json           eval stage report (peagle_train.evaluate.run_eval)
+    <name>-eval.json           eval stage report (peagle_train.eval.evaluate.run_eval)
     <name>-train-metrics.json  train_metrics.json without the per-step history
 
 for ``name`` in ``smollm2-135m-peagle-gpu`` and ``smollm2-135m-eagle3-gpu``, and writes

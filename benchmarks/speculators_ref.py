@@ -357,7 +357,7 @@ def make_batch(shape: dict, N: int, device: str | torch.device, seed: int = 0) -
 
 
 def _raise_recompile_limit(n: int = 64) -> None:
-    # A standalone copy of peagle_train.compiling.raise_recompile_limits: the reference harness imports
+    # A standalone copy of peagle_train.kernels.compiling.raise_recompile_limits: the reference harness imports
     # nothing of the project it is compared with. Unlike that one it leaves Dynamo's accumulated
     # (all code objects) limits at their defaults: speculators compiles one code object.
     # speculators compiles PEagleDraftModel.forward once at import; every new model

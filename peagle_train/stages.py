@@ -215,7 +215,7 @@ def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
     These are exactly the token ids the training-time evaluation conditions on, so the eval
     stage's ``heldout`` set measures the decoding loop on the same prompts (single-turn data:
     the whole prompt; multi-turn: the first turn's). Rows without a prompt are skipped: no
-    supervised token, or the first one at index 0 (:func:`~peagle_train.tokenized.heldout_rows`).
+    supervised token, or the first one at index 0 (:func:`~peagle_train.features.tokenized.heldout_rows`).
     """
     listed = (rows[i] for i in heldout_rows([r["loss_mask"] for r in rows]))
     return [[int(t) for t in r["input_ids"][:first_supervised(r["loss_mask"])]] for r in listed]
@@ -287,7 +287,7 @@ def run_export(cfg: RunConfig) -> Path:
 
 
 def heldout_prompts(out_dir: Path, n: int) -> list:
-    """The first ``n`` prompts of the prepared eval split as :class:`~peagle_train.evaluate.TokenPrompt` s.
+    """The first ``n`` prompts of the prepared eval split as :class:`~peagle_train.eval.evaluate.TokenPrompt` s.
 
     Raises:
         FileNotFoundError: ``data/eval_prompts.json`` is missing (data prepared by an older

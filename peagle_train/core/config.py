@@ -140,7 +140,7 @@ class TrainConfig(Section):
     fused_loss: bool = Field(
         True, description="Compute the lm_head + loss gradients in the loss forward, chunk by chunk (no lm_head "
         "recompute in the backward, no chunk logits kept); false: activation-checkpoint each chunk and recompute "
-        "it. Same loss and gradients (peagle_train.loss.chunked_loss). A head sharded at loss time (ZeRO-3) "
+        "it. Same loss and gradients (peagle_train.kernels.loss.chunked_loss). A head sharded at loss time (ZeRO-3) "
         "or one that is not a plain bias-free nn.Linear always recomputes.",
     )
     mixed_precision: Literal["no", "bf16"] = "no"

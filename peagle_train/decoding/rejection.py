@@ -1,7 +1,7 @@
 """Acceptance rules of the reference speculative-decoding loop (spec §4): greedy and
 speculative-sampling verification of one round of drafts.
 
-Used by :func:`peagle_train.speculative.speculative_generate`; every name is re-exported from
+Used by :func:`peagle_train.decoding.speculative.speculative_generate`; every name is re-exported from
 :mod:`peagle_train.decoding.speculative`.
 
 Shapes: ``K`` served draft tokens, ``V`` target vocab.

@@ -18,7 +18,7 @@ Order of application (the trainer calls these, in this order):
 
 1. :func:`requested_layout` — what the launcher asked for (pure).
 2. :func:`validate_layout` — impossible layouts fail before any heavy work, with a
-   :class:`~peagle_train.config.ConfigError` naming the recipe or DeepSpeed key (pure).
+   :class:`~peagle_train.core.config.ConfigError` naming the recipe or DeepSpeed key (pure).
 3. :func:`make_accelerator` — the ``Accelerator``, then :func:`check_accelerator`
    refuses a run whose processes do not form one group (ranks that would silently
    train alone, see ``../shared/REAL_INPUTS.md``).

@@ -1,6 +1,6 @@
 """Eval report writers: ``eval.json``, ``eval.md`` and PNG plots (matplotlib, Agg canvas).
 
-Input is the results dict of :func:`peagle_train.evaluate.run_eval`. Plots are drawn on a
+Input is the results dict of :func:`peagle_train.eval.evaluate.run_eval`. Plots are drawn on a
 ``matplotlib.figure.Figure`` with an Agg canvas, so no pyplot/global backend state is touched.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Push an exported drafter directory to the Hugging Face Hub.
 
 The directory must pass the vLLM contract check first
-(:func:`peagle_train.check.check_export`): a checkpoint that vLLM would reject,
+(:func:`peagle_train.export.check.check_export`): a checkpoint that vLLM would reject,
 or load with uninitialised weights, is never published. The token is read from
 an environment variable and handed to ``huggingface_hub.HfApi`` only; it is
 never printed, logged or put in an exception message.

@@ -10,14 +10,14 @@ spec §5 for vLLM 0.33. Optional sections come from the ``card`` dict passed to
 
 * ``data``: str, list of str, or dict (e.g. ``data/meta.json``): the training data
   (sources, sizes, regeneration).
-* ``metrics``: per-depth results, either a :class:`peagle_train.loss.DepthStats`
+* ``metrics``: per-depth results, either a :class:`peagle_train.peagle.metrics.DepthStats`
   or a dict ``{"accuracy": [K floats], "conditional_accuracy": [K floats]}``
   (the latter optional). Rendered as a table with the simulated acceptance
   length ``AL(k) = 1 + sum_{j=1..k} prod_{i<j} acc_cond(i)`` (spec §3).
 * ``eval``: list of row dicts (e.g. ``{"dataset": "mt_bench", "K": 5,
   "acceptance_length": 3.1}``), rendered as a table with the union of keys.
 * ``training``: dict of hyper-parameters (lr, steps, ...), rendered as a list.
-* ``train``: the summary :func:`peagle_train.train.run_train` returns / writes to
+* ``train``: the summary :func:`peagle_train.trainer.trainer.run_train` returns / writes to
   ``train_metrics.json`` (``method``, ``K``, ``steps``, ``final`` eval metrics...);
   its scalars are listed under Training and, when ``metrics`` is not given, its
   ``final.eval_acc`` / ``final.eval_cond_acc`` give the per-depth table.
@@ -39,7 +39,7 @@ CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id
 
 def _floats(xs) -> list[float]:
     """Floats of a per-depth list read back from strict JSON, where ``null`` stands for NaN (a depth
-    without supervised elements, or one no chain reached: :func:`~peagle_train.atomic.finite_or_none`)."""
+    without supervised elements, or one no chain reached: :func:`~peagle_train.core.atomic.finite_or_none`)."""
     return [float("nan") if x is None else float(x) for x in xs]
 
 

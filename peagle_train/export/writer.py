@@ -2,7 +2,7 @@
 
 This is the only module that knows vLLM's checkpoint layout. The drafter's
 module names already equal vLLM's keys (see :mod:`peagle_train.model.drafter`), so
-the key map is the identity restricted to :func:`peagle_train.check.expected_weights`
+the key map is the identity restricted to :func:`peagle_train.export.check.expected_weights`
 (``t2d`` added, ``d2t`` dropped when ``Vd == V``, RoPE buffers never exported).
 
 Two formats:
@@ -96,7 +96,7 @@ def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype 
 
     Args:
         drafter_config: the drafter's ``LlamaConfig`` with the P-EAGLE extras of
-            :func:`peagle_train.drafter.make_drafter_config`.
+            :func:`peagle_train.model.drafter.make_drafter_config`.
         target_config: the target's transformers config; when given, vocab size,
             hidden size and ``max_position_embeddings`` are cross-checked and its
             ``bos_token_id`` / ``eos_token_id`` are copied. Nothing else is copied
@@ -175,7 +175,7 @@ def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype 
 
 
 def export_state_dict(drafter: Drafter, config: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The tensors of the export: every key of :func:`~peagle_train.check.expected_weights` plus ``t2d``.
+    """The tensors of the export: every key of :func:`~peagle_train.export.check.expected_weights` plus ``t2d``.
 
     Floats are cast to ``dtype``, ``d2t`` is int64 (only when ``Vd < V``), ``t2d``
     bool; all on CPU, contiguous, unshared (safetensors needs that). Pass the
@@ -275,13 +275,13 @@ def export_vllm(
     ``t2d`` bool, ``mask_hidden`` for P-EAGLE, ``embed_tokens`` and ``lm_head``
     always, no ``model.`` prefix, no RoPE buffers), the tokenizer's files
     (``tokenizer.save_pretrained``) when given, and ``README.md``
-    (:func:`peagle_train.model_card.render_model_card`).
+    (:func:`peagle_train.export.model_card.render_model_card`).
 
     The directory is written to a temp dir beside ``out_dir``, checked with
-    :func:`peagle_train.check.assert_export_ok`, then renamed into place.
+    :func:`peagle_train.export.check.assert_export_ok`, then renamed into place.
 
     Args:
-        drafter: the trained :class:`~peagle_train.drafter.Drafter` (unwrapped).
+        drafter: the trained :class:`~peagle_train.model.drafter.Drafter` (unwrapped).
         out_dir: destination directory; must not exist or be empty unless ``overwrite``.
         tokenizer: the target's tokenizer (its files are saved alongside), or None.
         target_name: target model id/path, used in the model card and serve command.
@@ -330,7 +330,7 @@ def _llama_config_from_flat(cfg: dict) -> LlamaConfig:
 
 
 def load_exported(path: str | Path, *, check: bool = True) -> Drafter:
-    """Rebuild a :class:`~peagle_train.drafter.Drafter` from an export (either format), in float32.
+    """Rebuild a :class:`~peagle_train.model.drafter.Drafter` from an export (either format), in float32.
 
     The drafter config comes from ``config.json`` only (``transformers.LlamaConfig``
     plus the P-EAGLE extras; for the speculators format the config is first

@@ -97,7 +97,7 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
     """Run the target over ``sequences`` and write the sharded cache (resumable, byte-identical on resume).
 
     Args:
-        target: :class:`~peagle_train.target.Target` (``features()``, ``aux_layer_ids``, ``path``).
+        target: :class:`~peagle_train.features.target.Target` (``features()``, ``aux_layer_ids``, ``path``).
         sequences: token id lists (the training set, in order), each non-empty.
         out_dir: cache directory (created).
         dtype: storage of ``aux``/``last``: ``"bfloat16"`` (default) or ``"fp8"``

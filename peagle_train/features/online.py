@@ -32,7 +32,7 @@ class OnlineFeatures:
     """The frozen target runs inside the trainer (no grad), behind the cache's interface.
 
     Args:
-        target: :class:`~peagle_train.target.Target`. sequences: token id lists.
+        target: :class:`~peagle_train.features.target.Target`. sequences: token id lists.
         batch_size: sequences per target forward inside one ``get``.
     """
 

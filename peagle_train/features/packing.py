@@ -32,7 +32,7 @@ def pack(samples: list[dict], tokens: dict, device) -> dict:
     Returns:
         dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64,
         ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device`` (the token tensors
-        copied without blocking the host, see :meth:`~peagle_train.grid.Grid.to`).
+        copied without blocking the host, see :meth:`~peagle_train.peagle.grid.Grid.to`).
 
     Raises:
         ValueError: the features and the tokens do not hold the same number of tokens (per sequence,

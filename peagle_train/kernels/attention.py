@@ -60,7 +60,7 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
     for the arguments and errors). With ``max_depth`` no step of it waits for the device.
     ``chain_kernel``: ``"auto"``, ``"triton"`` or ``"torch"``, resolved for the grid's device
-    (:func:`peagle_train.chain_kernel.resolve`, which raises where Triton cannot run)."""
+    (:func:`peagle_train.kernels.chain_kernel.resolve`, which raises where Triton cannot run)."""
 
     kv = q if kv is None else kv
     kernel = resolve(chain_kernel, q.anchor.device)
@@ -103,7 +103,7 @@ def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
             deterministic gather (:func:`chain_gather`); None = autograd's ``index_add``.
         scale: score scale; default ``1 / sqrt(hd)`` (FlexAttention's and SDPA's).
         kernel: ``"torch"`` (below) or ``"triton"``: the fused kernels of
-            :func:`peagle_train.chain_kernel.chain_attention_triton` (needs ``inverse`` and
+            :func:`peagle_train.kernels.chain_kernel.chain_attention_triton` (needs ``inverse`` and
             ``inverse_valid``; CUDA, or
             ``TRITON_INTERPRET=1`` on CPU), same contract.
 
@@ -254,7 +254,7 @@ class AttnSpec:
     """How queries see keys; exactly one of:
 
     * ``block_mask``: one FlexAttention ``BlockMask`` of the whole rule (``train.attention: flex_joint``);
-    * ``split``: :class:`~peagle_train.attention.SplitMasks`, the prefix ``BlockMask`` + the chain
+    * ``split``: :class:`~peagle_train.peagle.masks.SplitMasks`, the prefix ``BlockMask`` + the chain
       index (``train.attention: flex``, the default on CUDA);
     * ``dense``: a dense bool mask ``[E_q, E_kv]`` for SDPA (CPU / small inputs / references).
     """
@@ -312,8 +312,8 @@ def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", 
 
     ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
     ``min_chain`` = at least this many chain slots, ``max_depth`` = the deepest depth known on the
-    host, then no host sync; see :func:`~peagle_train.attention.build_chain_index`; ``chain_kernel``:
-    ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.chain_kernel.resolve`);
+    host, then no host sync; see :func:`~peagle_train.peagle.masks.build_chain_index`; ``chain_kernel``:
+    ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.kernels.chain_kernel.resolve`);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
     ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """
@@ -327,6 +327,6 @@ def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", 
     raise ValueError(f"unknown attention kind {kind!r}")
 
 
-def _default_pad_multiple(attention: str) -> int:
+def default_pad_multiple(attention: str) -> int:
     """Grid bucket: 1024 elements for FlexAttention kinds (bounded recompiles), none for dense SDPA."""
     return 1024 if attention in FLEX_KINDS else 1

@@ -2,7 +2,7 @@
 
 The chain part gives each grid query ``(anchor a, depth d)`` a softmax over at most ``C = K - 1``
 keys: the mask elements ``(a, 1..d)`` of its own anchor, listed in ``index [E_q, C]``
-(:func:`~peagle_train.attention.build_chain_index`). In PyTorch that is a gather of
+(:func:`~peagle_train.peagle.masks.build_chain_index`). In PyTorch that is a gather of
 ``[E_q, C, nkv, hd]`` keys and values plus tiny products that Inductor runs as several reduction
 kernels with materialised intermediates (about 27 ms of a 306 ms GPT-OSS-20B step on an H200,
 ``docs/benchmarks.md``). Here it is three kernels that read each gathered row once:
@@ -10,12 +10,12 @@ kernels with materialised intermediates (about 27 ms of a 306 ms GPT-OSS-20B ste
 * forward, one program per ``(block of queries, KV head)``: online softmax over the ``C`` slots
   (FlashAttention's recurrence, Dao et al. 2022 §3.1) for the ``g = nh / nkv`` query heads that
   share the KV head; writes ``out`` and the log-sum-exp ``lse`` that
-  :func:`~peagle_train.attention.merge_by_lse` needs;
+  :func:`~peagle_train.kernels.attention.merge_by_lse` needs;
 * backward of the queries: recomputes the probabilities from ``lse``, writes ``dq`` and the
   per-slot score gradients ``ds`` and probabilities ``p`` (``[E_q, nkv, C, g_pad]``, small);
 * backward of the keys and values, one program per ``(block of key rows, KV head)``: sums the
   contributions of the ``<= C`` ``(query, slot)`` pairs that read each key through the inverse
-  index (:func:`~peagle_train.attention.invert_chain_index`). No atomics: deterministic.
+  index (:func:`~peagle_train.peagle.masks.invert_chain_index`). No atomics: deterministic.
 
 The gradient of ``lse`` is part of the backward (``merge_by_lse`` uses it):
 ``ds_c = p_c * (dp_c - Delta + dlse)`` with ``dp_c = dout . v_c`` and ``Delta = dout . out``.
@@ -315,14 +315,14 @@ if triton is not None:
 def chain_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                            valid: torch.Tensor, inverse: torch.Tensor, inverse_valid: torch.Tensor,
                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chain part (same contract as :func:`~peagle_train.attention.chain_attention`) on the
+    """The chain part (same contract as :func:`~peagle_train.kernels.attention.chain_attention`) on the
     Triton kernels of this module, differentiable in ``q``, ``k`` and ``v``.
 
     Args:
         q: ``[1, nh, E_q, hd]``; k, v: ``[1, nkv, E_kv, hd]``, same shape and dtype as each other
             (any strides; ``nh % nkv == 0``).
         index, valid: ``[E_q, C]`` int64 / bool chain index; inverse, inverse_valid: ``[E_kv, C]``
-            (:func:`~peagle_train.attention.invert_chain_index`), used by the key/value backward.
+            (:func:`~peagle_train.peagle.masks.invert_chain_index`), used by the key/value backward.
             Made contiguous here (the kernels read them row-major).
         scale: score scale, default ``1 / sqrt(hd)``. Triton passes it as float32: in float64 on
             CUDA the result is exact to float64 only where the scale is (``hd`` a power of 4, e.g.

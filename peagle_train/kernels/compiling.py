@@ -11,7 +11,7 @@ Out-of-memory errors and ``torch.utils.checkpoint``'s early-stop signal are neve
 call (also on a later recompile for a new shape) triggers steps 2-3; an error that is
 not the compiler's then simply re-raises from the eager call, so nothing is hidden.
 
-Grids are padded to multiples of 1024 elements (:func:`~peagle_train.grid.pad_grid`),
+Grids are padded to multiples of 1024 elements (:func:`~peagle_train.peagle.grid.pad_grid`),
 so ``dynamic=False`` compiles one graph per bucket; :func:`raise_recompile_limits`
 lifts Dynamo's per-code-object recompile limit so a run with many buckets (or S
 partitions of different lengths) does not silently drop back to eager after 8.

@@ -165,18 +165,18 @@ def loss_path(lm_head: torch.nn.Module, fused: bool, grads: bool = True) -> str:
 def compiled_chunk_loss(inductor_mode: str | None = None, fused: bool = False):
     """The compiled chunk body :func:`chunked_loss` runs: under
     ``torch.compile(fullgraph=True, dynamic=False)`` with the safe fallback of
-    :class:`~peagle_train.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
+    :class:`~peagle_train.kernels.compiling.SafeCompiled`, so the ``[c, Vd]`` elementwise work fuses.
     One shared instance per (body, mode): one graph per distinct chunk length and loss kind.
 
     Args:
         inductor_mode: compile mode label: None (Inductor's defaults) or ``"max-autotune"``
-            (:func:`~peagle_train.compiling.compile_kwargs`).
+            (:func:`~peagle_train.kernels.compiling.compile_kwargs`).
         fused: False: the recompute path's body ``_chunk_loss`` (final norm → lm_head →
             log_softmax → KL/CE → weighted sum, argmax); True: the fused path's ``_fused_chunk``
             (lm_head → loss and its gradients in the forward, :func:`_fused_chunk`).
 
     Returns:
-        a :class:`~peagle_train.compiling.SafeCompiled` callable with that body's signature; its
+        a :class:`~peagle_train.kernels.compiling.SafeCompiled` callable with that body's signature; its
         ``mode`` says whether it compiled (``"pending"`` until first called).
     """
     return _compiled(_fused_chunk if fused else _chunk_loss, inductor_mode)

@@ -20,7 +20,7 @@ describes (:func:`method_of_config`) for
   :meth:`DraftMethod.draft_round`).
 
 Defaults below are those of a chain drafter (EAGLE-3 style) where one exists; a method
-overrides what it changes. ``tests/unit/test_methods.py`` registers a toy method in a few dozen
+overrides what it changes. ``tests/integration/test_methods.py`` registers a toy method in a few dozen
 lines and trains it through the real trainer.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from peagle_train.kernels.attention import _default_pad_multiple, make_attn_spec
+from peagle_train.kernels.attention import default_pad_multiple, make_attn_spec
 from peagle_train.kernels.loss import TargetDist, chunked_loss
 from peagle_train.methods.base import DraftMethod, config_field, loss_weights, register_method
 from peagle_train.model.drafter import Drafter
@@ -79,7 +79,7 @@ class Eagle3Objective(nn.Module):
         drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
-        self.pad_multiple = pad_multiple if pad_multiple is not None else _default_pad_multiple(attention)
+        self.pad_multiple = pad_multiple if pad_multiple is not None else default_pad_multiple(attention)
 
     def step_lengths(self, E0: int, K: int) -> list[int] | None:
         """Per-step padded lengths (:func:`eagle3_step_lengths` with this objective's settings)."""
@@ -90,7 +90,7 @@ class Eagle3Objective(nn.Module):
         """TTT unroll over ``grid.depth`` steps; returns ``(loss, draft_pred [E])`` in grid order.
 
         ``grid`` must be depth-major and each depth's anchors a subset of the previous
-        depth's (as :func:`~peagle_train.grid.cod_sample` guarantees).
+        depth's (as :func:`~peagle_train.peagle.grid.cod_sample` guarantees).
         """
         target = TargetDist(last, self.target_head, argmax)
         K = int(grid.depth.max()) + 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from peagle_train.kernels.attention import _default_pad_multiple, make_attn_spec
+from peagle_train.kernels.attention import default_pad_multiple, make_attn_spec
 from peagle_train.kernels.loss import TargetDist, chunked_loss
 from peagle_train.methods.base import DraftMethod, config_field, loss_weights, register_method
 from peagle_train.model.drafter import Drafter
@@ -31,9 +31,9 @@ class PEagleObjective(nn.Module):
         attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"sdpa"`` (see :func:`make_attn_spec`).
         chain_kernel: the split form's chain part, ``"auto"`` (Triton on CUDA) / ``"triton"`` / ``"torch"``.
         fused_loss: gradients of the lm_head + loss computed in the loss forward (``train.fused_loss``,
-            :func:`~peagle_train.loss.chunked_loss`).
+            :func:`~peagle_train.kernels.loss.chunked_loss`).
         compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
-            and the loss chunk body (:func:`~peagle_train.loss.compiled_chunk_loss`); same math.
+            and the loss chunk body (:func:`~peagle_train.kernels.loss.compiled_chunk_loss`); same math.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
@@ -48,7 +48,7 @@ class PEagleObjective(nn.Module):
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
         # compiled FlexAttention specialises on the sequence length: bucket it
-        self.pad_multiple = pad_multiple if pad_multiple is not None else _default_pad_multiple(attention)
+        self.pad_multiple = pad_multiple if pad_multiple is not None else default_pad_multiple(attention)
 
     def forward(self, grid: Grid, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor,
                 normaliser: float):

@@ -200,10 +200,10 @@ class Drafter(nn.Module):
         """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
         (``train.compile``, issue #7), or back to eager with ``enabled=False``. ``enabled="max-autotune"``
         also benchmarks FlexAttention's kernel configs at each first compile
-        (:data:`~peagle_train.compiling.AUTOTUNE_OPTIONS`).
+        (:data:`~peagle_train.kernels.compiling.AUTOTUNE_OPTIONS`).
 
         Compilation happens lazily on the first forward, once per distinct (bucketed) grid
-        length. Each layer is wrapped in :class:`~peagle_train.compiling.SafeCompiled`: a
+        length. Each layer is wrapped in :class:`~peagle_train.kernels.compiling.SafeCompiled`: a
         compile failure retries with graph breaks, then falls back to eager with a warning.
         FlexAttention called inside a compiled layer is traced into the layer's graph.
         Parameters and ``state_dict`` keys are untouched; activation checkpointing

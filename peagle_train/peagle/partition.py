@@ -2,7 +2,7 @@
 
 For ``S`` segments with boundaries ``B_s = floor(s * N / S)``:
 
-1. one COD sample (one :class:`~peagle_train.grid.Grid`) shared by all segments;
+1. one COD sample (one :class:`~peagle_train.peagle.grid.Grid`) shared by all segments;
 2. depth-0 and depth-1 elements belong to ``seg(a + d)`` with
    ``seg(p) = max{s : B_s <= p}``;
 3. depth ``>= 2`` elements inherit the segment of their chain's depth-1 element,

@@ -78,7 +78,7 @@ class ShapeParams:
 
     @classmethod
     def from_config(cls, cfg) -> "ShapeParams":
-        """From a drafter ``LlamaConfig`` made by :func:`~peagle_train.drafter.make_drafter_config`."""
+        """From a drafter ``LlamaConfig`` made by :func:`~peagle_train.model.drafter.make_drafter_config`."""
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                    cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, cfg.draft_vocab_size,
                    cfg.target_hidden_size, len(cfg.eagle_aux_hidden_state_layer_ids))

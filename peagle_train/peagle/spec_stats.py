@@ -1,6 +1,6 @@
 """Statistics of the reference speculative-decoding loop: per-round acceptance, acceptance
-length, per-position acceptance and timings of :func:`peagle_train.speculative.speculative_generate`
-and :func:`peagle_train.speculative.target_generate`.
+length, per-position acceptance and timings of :func:`peagle_train.decoding.speculative.speculative_generate`
+and :func:`peagle_train.decoding.speculative.target_generate`.
 
 The loop's names (``SpecStats``, ``TargetStats``, ``acceptance_length``,
 ``per_position_acceptance``) are re-exported from :mod:`peagle_train.decoding.speculative`;
@@ -123,7 +123,7 @@ def walk_accepted(ok, sup, first_response_token: int, K: int, horizon: int | Non
     """Accepted drafts per verification round of the greedy decoding loop, replayed on a
     teacher-forced sequence from the training-time predictions (loop-equivalent simulated AL).
 
-    The reference loop (:func:`peagle_train.speculative.speculative_generate`) gets the first
+    The reference loop (:func:`peagle_train.decoding.speculative.speculative_generate`) gets the first
     response token ``x[P]`` from the target's prefill; each round then drafts from anchor ``a``
     (target hidden states known up to ``a``, bonus token ``x[a+1]``) the tokens ``x[a+2..a+1+K]``
     (grid element ``(a, d)`` predicts ``x[a+2+d]``, spec §2), accepts the longest correct prefix
@@ -131,7 +131,7 @@ def walk_accepted(ok, sup, first_response_token: int, K: int, horizon: int | Non
     sequence is the target's own greedy output (regenerated data, greedy fp32 target) the loop
     on its prompt visits exactly these rounds, which makes this the number to compare with the
     measured acceptance length (the position-averaged
-    :meth:`peagle_train.loss.DepthStats.simulated_acceptance_length` weights easy stretches more
+    :meth:`peagle_train.peagle.metrics.DepthStats.simulated_acceptance_length` weights easy stretches more
     than the loop does and reads higher).
 
     At the end of a response the loop may accept drafts past the end-of-turn token (then

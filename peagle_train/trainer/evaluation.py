@@ -80,7 +80,7 @@ class InTrainingEval:
 
     def _heldout_rank(self, i: int) -> int:
         """Position of eval sequence ``i`` in ``data/eval_prompts.json`` (the eval stage's ``heldout``
-        order, :func:`~peagle_train.tokenized.heldout_rows`); a huge number for a sequence not listed."""
+        order, :func:`~peagle_train.features.tokenized.heldout_rows`); a huge number for a sequence not listed."""
         if self._ranks is None:
             self._ranks = {row: rank for rank, row in enumerate(heldout_rows(self.eval_masks))}
         return self._ranks.get(i, 1 << 62)

@@ -263,7 +263,7 @@ class Trainer(InTrainingEval, Checkpoints):
 
     def partitions(self, lengths: list[int]) -> list[int]:
         """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
-        asks :func:`~peagle_train.planner.partitions_for` with this GPU's memory minus what the
+        asks :func:`~peagle_train.peagle.planner.partitions_for` with this GPU's memory minus what the
         online target holds, and takes the maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks
         run the same number of forwards. The planner is told ``train.fused_loss`` (the recompute
         path keeps more) and that gradients are resident during the forward when the step has

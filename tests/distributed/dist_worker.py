@@ -7,7 +7,7 @@ Usage::
     python tests/distributed/dist_worker.py train --cfg CFG.json [--pause-after-save STEP] [--kill-in-save STEP]
                                       [--loss-log FILE]
 
-``step``: build the :class:`~peagle_train.train.Trainer` for the launch layout, run ``N``
+``step``: build the :class:`~peagle_train.trainer.trainer.Trainer` for the launch layout, run ``N``
 optimizer steps and write ``DIR/<tag>-rank<r>.pt`` with this rank's records and the full
 (unsharded) weights. ``--sabotage-no-sync`` also builds a second trainer whose ranks never
 synchronise gradients (``no_sync`` on every backward) and writes ``nosync-rank<r>.pt``: the

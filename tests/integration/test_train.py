@@ -148,7 +148,7 @@ def test_time_schedule_anneals_within_the_time_budget(run_dir, monkeypatch):
 
 
 def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
-    """train.partitions: auto — one S per micro-batch from peagle_train.planner.partitions_for
+    """train.partitions: auto — one S per micro-batch from peagle_train.peagle.planner.partitions_for
     (here forced to 3 and given each micro-batch's packed length): the step equals an explicit
     S = 3 step; without a GPU the planner's answer is S = 1."""
     import peagle_train.peagle.planner as planner

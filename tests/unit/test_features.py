@@ -2,7 +2,7 @@
 kill, checksums, memory-mapped random access, manifest counts, verify-against-recompute.
 
 The target is a tiny random ``LlamaForCausalLM`` (hidden 32, 4 layers, aux ids 1,2,3) wrapped
-in the real :class:`peagle_train.target.Target`, so ``features()`` is the production code path.
+in the real :class:`peagle_train.features.target.Target`, so ``features()`` is the production code path.
 """
 from __future__ import annotations
 
