@@ -20,6 +20,8 @@ Drafter layout (spec §4, vLLM ``vllm/v1/spec_decode/eagle.py`` with ``parallel_
   pre-norm output ``h`` (``H``-dim, no ``fc``), position + 1.
 
 Context-slot KV is kept (those tokens are verified); mask / chain KV is dropped after the round.
+Each round's drafting is the draft method's own :meth:`~peagle_train.methods.base.DraftMethod.draft_round`
+(``methods/peagle.py``: one forward over the mask slots; ``methods/eagle3.py``: the chain of forwards).
 Worked example, prompt ``x0 x1 x2``, target prefill gives ``b = x3``, ``K = 3``::
 
     slot      ctx  ctx  bonus  mask  mask
