@@ -20,14 +20,19 @@ human is shifted by dropping its leading non-human messages, then roles must alt
    two messages of one role in a row, an empty message, or one assistant turn more than
    ``max_turns`` -- and the complete user→assistant pairs read so far are kept;
 4. a conversation left without a user→assistant pair is dropped, with the reason of the
-   violation (``bad_roles``, ``empty_content``) or ``no_assistant_turn``.
+   violation (``bad_roles``, ``empty_content``) or ``no_assistant_turn``;
+5. a conversation whose normal form (roles and contents, :func:`conversation_key`) equals one
+   already kept is dropped as a duplicate (first occurrence in read order kept; counted as
+   ``duplicates_removed``), so no conversation can land in both the train and eval splits.
 
 Structural problems (a record that is not an object, no ``messages``/``conversations``
 list, a turn without a role) are errors naming the file and the row index, never drops.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
+import json
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -211,8 +216,16 @@ def normalize_turns(turns: list[tuple[str, str | None]], max_turns: int) -> Norm
     return Normalized(out, reason, skipped)
 
 
+def conversation_key(conv: Conversation) -> str:
+    """Content fingerprint of a normal-form conversation: sha256 (hex) of its messages' JSON
+    (roles and contents, in order). Two conversations have the same key exactly when they hold
+    the same messages, whichever source record or row they came from."""
+    canon = json.dumps([[m["role"], m["content"]] for m in conv], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
 class _Tally:
-    """Counts for the load report."""
+    """Counts for the load report; also drops repeated conversations (first occurrence kept)."""
 
     def __init__(self, source: str, path: str):
         self.source, self.path = source, path
@@ -221,13 +234,25 @@ class _Tally:
         self.cut: Counter[str] = Counter()
         self.examples: dict[str, list[int]] = {}
         self.skipped_leading_assistant = 0
+        self.seen: set[str] = set()
+        self.duplicate_rows: list[int] = []
+        self.duplicates = 0
 
     def add(self, row: int, norm: Normalized) -> Conversation | None:
+        """Count one record; its conversation, or None when dropped or a copy of one already kept."""
         self.read += 1
         self.skipped_leading_assistant += norm.skipped_leading_assistant
         if norm.messages is None:
             self.drop(row, norm.reason)
-        elif norm.reason is not None:
+            return None
+        key = conversation_key(norm.messages)
+        if key in self.seen:
+            self.duplicates += 1
+            if len(self.duplicate_rows) < _EXAMPLES_PER_REASON:
+                self.duplicate_rows.append(row)
+            return None
+        self.seen.add(key)
+        if norm.reason is not None:
             self.cut[norm.reason] += 1
         return norm.messages
 
@@ -247,6 +272,8 @@ class _Tally:
             "dropped_example_rows": self.examples,
             "cut": dict(self.cut),
             "skipped_leading_assistant": self.skipped_leading_assistant,
+            "duplicates_removed": self.duplicates,
+            "duplicate_example_rows": self.duplicate_rows,
             **extra,
         }
 
@@ -387,7 +414,9 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
         decoded), ``kept`` (= returned), ``dropped`` (reason → count: ``truncated_tail``,
         ``no_assistant_turn``, ``empty_content``, ``bad_roles``),
         ``dropped_example_rows``, ``cut`` (reason → count of conversations shortened),
-        ``skipped_leading_assistant``, ``stopped_early`` and source-specific counts.
+        ``skipped_leading_assistant``, ``duplicates_removed`` (repeated conversations skipped:
+        every kept conversation differs in content from every other) with
+        ``duplicate_example_rows``, ``stopped_early`` and source-specific counts.
 
     Raises:
         FileNotFoundError: missing file or distribution (names the path and the fix).

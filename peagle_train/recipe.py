@@ -7,9 +7,9 @@ every default lives in exactly one field below.
 
 Errors: :class:`ConfigError` (a ``ValueError``) naming the recipe file and the
 dotted key for unknown or misspelled keys, wrong types, and impossible
-combinations. Checks that need the target (vocab size, layer count, mask token
-present in the data) are in :func:`validate_against_target` and
-:func:`validate_mask_token_absent`, run before any heavy work.
+combinations. Checks that need the target (the drafter's shape against the target's
+config: vocab size, layer count, hidden size, heads; the mask token present in the data) are in
+:func:`validate_against_target` and :func:`validate_mask_token_absent`, run before any heavy work.
 
 Draft-method rules: ``train.method`` must name a registered method
 (:func:`peagle_train.methods.get_method`), and the method's own
@@ -160,25 +160,84 @@ def dump_config(cfg: RunConfig, path: str | Path) -> None:
     write_text_atomic(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
-def validate_against_target(cfg: RunConfig, vocab_size: int, num_layers: int) -> None:
-    """Checks needing the target's shape, run before any heavy work.
+def validate_against_target(cfg: RunConfig, target_config) -> None:
+    """Every check that needs the target's shape, run before any heavy work (``prepare`` runs it
+    on the target's config alone, before loading weights, data or tokenizer).
+
+    It covers all that the target decides about the drafter and that would otherwise fail only
+    in ``train`` or ``export``: the drafter's shape is resolved exactly as training builds it
+    (:func:`~peagle_train.model.drafter.make_drafter_config`: ``None`` fields copied from the
+    target) and checked.
+
+    Args:
+        target_config: the target's transformers config (``vocab_size``, ``num_hidden_layers``,
+            ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ...).
 
     Raises:
-        ConfigError: mask token outside ``[0, vocab_size)``, draft vocab larger than
-            the vocab, aux layer id outside ``[1, num_layers)``.
+        ConfigError: naming the recipe file, the key and the fix: mask token missing or outside
+            ``[0, vocab_size)``; draft vocab larger than the vocab; an aux layer id outside
+            ``[1, num_layers)``, or colliding default aux layers; ``drafter.hidden_size`` unlike
+            the target's without ``drafter.allow_hidden_size_mismatch``; a hidden size that is not a
+            multiple of the query heads, or query heads not a multiple of the key/value heads; an
+            odd head dim; anything else the drafter's ``LlamaConfig`` refuses.
     """
+    from peagle_train.features.target import default_aux_layer_ids
+    from peagle_train.model.drafter import make_drafter_config
+
     src = cfg.source_file or "<recipe>"
-    m = cfg.drafter.mask_token_id
+    d = cfg.drafter
+    vocab_size, num_layers, T = target_config.vocab_size, target_config.num_hidden_layers, target_config.hidden_size
+    m = d.mask_token_id
     if m is None:
         raise ConfigError(f"{src}: drafter.mask_token_id is required (a reserved id the tokenizer never emits)")
     if not 0 <= m < vocab_size:
         raise ConfigError(f"{src}: drafter.mask_token_id={m} is outside the target vocab [0, {vocab_size})")
-    vd = cfg.drafter.draft_vocab_size
+    vd = d.draft_vocab_size
     if vd is not None and vd > vocab_size:
-        raise ConfigError(f"{src}: drafter.draft_vocab_size={vd} exceeds the target vocab {vocab_size}")
+        raise ConfigError(f"{src}: drafter.draft_vocab_size={vd} exceeds the target vocab {vocab_size}; "
+                          f"lower it or set it to null (the full vocab)")
     ids = cfg.target.aux_layer_ids
     if ids is not None and max(ids) >= num_layers:
         raise ConfigError(f"{src}: target.aux_layer_ids={ids} must be < the target's {num_layers} layers")
+    if ids is None:
+        try:
+            ids = default_aux_layer_ids(num_layers)
+        except ValueError as e:
+            msg = f"{src}: target.aux_layer_ids is null: {e} (3 ascending ids in [1, {num_layers}))"
+            raise ConfigError(msg) from None
+    H = d.hidden_size or T
+    if H != T and not d.allow_hidden_size_mismatch:
+        raise ConfigError(
+            f"{src}: drafter.hidden_size={H} differs from the target's hidden size {T} ({cfg.target.name}); "
+            f"set drafter.hidden_size: null (or {T}) to use the target's, or drafter.allow_hidden_size_mismatch: "
+            "true to opt in to H != T (spec §5 decision: the export then needs vLLM >= 0.33)")
+    # None fields resolved as make_drafter_config resolves them
+    nh = d.num_attention_heads or target_config.num_attention_heads
+    nkv = d.num_key_value_heads or getattr(target_config, "num_key_value_heads", None) or nh
+    hd = d.head_dim or getattr(target_config, "head_dim", None) or T // target_config.num_attention_heads
+
+    def given(key: str, value: int) -> str:  # "drafter.key=value", saying where a null key's value came from
+        return f"drafter.{key}={value}" + ("" if getattr(d, key) is not None else
+                                           f" (the target's; drafter.{key} is null)")
+
+    if H % nh:
+        raise ConfigError(
+            f"{src}: {given('hidden_size', H)} is not a multiple of {given('num_attention_heads', nh)} (the Llama "
+            "drafter config requires it, whatever drafter.head_dim is); choose drafter.num_attention_heads dividing it")
+    if nh % nkv:
+        raise ConfigError(
+            f"{src}: {given('num_attention_heads', nh)} is not a multiple of {given('num_key_value_heads', nkv)}: "
+            "grouped-query attention shares each key/value head among a whole number of query heads; set "
+            "drafter.num_key_value_heads to a divisor of drafter.num_attention_heads")
+    if hd % 2:
+        raise ConfigError(f"{src}: {given('head_dim', hd)} is odd: rotary position embeddings rotate pairs of "
+                          "channels; set drafter.head_dim to an even number")
+    try:  # whatever else the drafter's config refuses, refused now rather than in train
+        make_drafter_config(target_config, aux_layer_ids=ids, draft_vocab_size=vd or vocab_size, mask_token_id=m,
+                            **d.model_dump(exclude={"draft_vocab_size", "mask_token_id"}))
+    except Exception as e:  # noqa: BLE001 -- transformers' config validators raise several types
+        raise ConfigError(f"{src}: the drafter section does not make a valid drafter for target "
+                          f"{cfg.target.name}: {e}") from e
 
 
 def validate_mask_token_absent(cfg: RunConfig, token_counts_nonzero: bool, where: str) -> None:

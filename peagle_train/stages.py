@@ -91,9 +91,14 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     Returns:
         ``meta.json``'s content; with ``regen_worker``, ``{"regen_worker": [rank, world], "shards": {...}}``.
 
+    Conversations repeated in the source are dropped before the train/eval split (the first
+    kept; counted as ``meta.json`` ``source.duplicates_removed``), so no conversation is in both.
+
     Raises:
-        ConfigError: mask token out of range or present in the data; ``regen_worker`` out of range
-            or given with ``regen.enabled: false``.
+        ConfigError: a recipe the target cannot run (drafter shape, vocab, layers:
+            :func:`~peagle_train.recipe.validate_against_target`, from the target's config before
+            any weight, data or tokenizer is loaded and before anything is written); mask token
+            present in the data; ``regen_worker`` out of range or given with ``regen.enabled: false``.
     """
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import tokenize_conversation
@@ -106,10 +111,12 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             raise ConfigError(f"--regen-worker {rank}/{world}: need 0 <= rank < world (e.g. 0/2 and 1/2)")
         if not cfg.regen.enabled:
             raise ConfigError(f"{cfg.source_file}: --regen-worker needs regen.enabled: true (nothing to regenerate)")
+    # the target's config alone, before weights, data or tokenizer; also when the data is reused, since
+    # the drafter section may have changed since (claim_output_dir allows it) and train is next
+    validate_against_target(cfg, target_config(cfg))
     if (out / "meta.json").exists():
         return json.loads((out / "meta.json").read_text())
     target = load_target(cfg.target)
-    validate_against_target(cfg, target.config.vocab_size, target.config.num_hidden_layers)
     t0 = time.perf_counter()
     convs, src_report = load_conversations(cfg.data)
     train_c, eval_c = split_train_eval(convs, cfg.data.eval_fraction, cfg.data.seed)
@@ -151,6 +158,24 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     meta["seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "meta.json", meta, default=str)  # written last: marks prepared data
     return meta
+
+
+def target_config(cfg: RunConfig):
+    """The target's transformers config alone (no weights): materialises a GGUF target once, like
+    every stage, and reads its ``config.json``.
+
+    Raises:
+        TargetLoadError: the target cannot be found or read (names ``target.path``).
+    """
+    from transformers import AutoConfig
+
+    from peagle_train.features.target import TargetLoadError, materialise_target
+
+    path = materialise_target(cfg.target)
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"target.path '{path}': {e}") from e
 
 
 def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, progress: bool,
@@ -222,8 +247,24 @@ def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
 
 
 def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
-    """Write the hidden-state cache for both splits (``features: cache`` only; resumable)."""
-    from peagle_train.features.cache import write_cache
+    """Write the hidden-state cache for both splits (``features: cache`` only; resumable, self-repairing).
+
+    Per split (``<output_dir>/features/{train,eval}``): the temp files a killed run left are deleted
+    first (:func:`~peagle_train.features.cache.remove_temp_files`; their names are printed). A split
+    whose manifest says complete is verified (:func:`~peagle_train.features.cache.damaged_shards`:
+    every listed shard's existence, size and sha256, i.e. one read of the cache) and skipped when
+    intact, without loading the target; otherwise only its missing or damaged shards are rebuilt,
+    byte-identical to an uninterrupted run, and their names printed. An incomplete split resumes.
+
+    Returns:
+        ``<output_dir>/features``, or None for ``features: online``.
+
+    Raises:
+        CacheError: a split folder holds a cache of other data or settings
+            (:func:`~peagle_train.features.cache.write_cache`).
+        FileNotFoundError: no prepared data.
+    """
+    from peagle_train.features.cache import damaged_shards, remove_temp_files, write_cache
     from peagle_train.features.target import load_target
     from peagle_train.features.tokenized import load_prepared
 
@@ -233,11 +274,22 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     data = load_prepared(Path(cfg.output_dir))
     target = None
     for split in ("train", "eval"):
-        if (root / split / "manifest.json").exists() and json.loads((root / split / "manifest.json").read_text()).get("complete"):
-            continue
+        d = root / split
+        removed = remove_temp_files(d)
+        if removed:
+            print(f"cache: {d}: removed {len(removed)} temp file(s) left by an interrupted run: {', '.join(removed)}")
+        damaged = []
+        if (d / "manifest.json").exists() and json.loads((d / "manifest.json").read_text()).get("complete"):
+            damaged = damaged_shards(d)
+            if not damaged:
+                continue
+            print(f"cache: {d}: rebuilding {len(damaged)} damaged file(s): "
+                  + "; ".join(f"{name} ({why})" for name, why in damaged))
         target = target or load_target(cfg.target, with_tokenizer=False)
-        write_cache(target, data[split]["input_ids"], root / split, dtype=cfg.data.cache_dtype,
+        write_cache(target, data[split]["input_ids"], d, dtype=cfg.data.cache_dtype,
                     batch_size=cfg.regen.batch_size, progress=progress)
+        if damaged:
+            print(f"cache: {d}: rebuilt {', '.join(name for name, _ in damaged)}")
     return root
 
 

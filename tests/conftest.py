@@ -7,12 +7,17 @@ padding at the end, a random loss mask), a whole objective problem over a COD gr
 factories are session-scoped so they can be used from ``hypothesis`` tests. Plain helpers:
 ``conv``, ``mask_runs``, ``save_tiny_target``. ``torch_single_thread`` (module scope) runs a
 module's tiny-tensor math on one intra-op thread: on a small, shared CPU box the OpenMP
-thread pool makes such tiny ops up to ~100x slower.
+thread pool makes such tiny ops up to ~100x slower. ``no_leftover_processes`` (session, autouse)
+fails the run when a process the suite started outlives it (``suite_processes``, ``end_processes``).
 """
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +30,118 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmark scripts import as modules (train_step, quality_report, ...)
+
+
+# -- processes the suite starts --------------------------------------------------------------------------
+#: Every process the suite starts inherits this variable, unique to this pytest process, so the check at the
+#: end of the session also finds a child that was reparented to init when its launcher died (torchrun's
+#: ranks are session leaders of their own: killing the launcher's process group misses them).
+SESSION_MARKER = "PEAGLE_TEST_SESSION"
+os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex}"
+LEFTOVER_GRACE_S = 10.0  # a process killed at the end of the last test may take a moment to go
+#: Helpers that legitimately live until pytest itself exits, with their own children: (a substring of the
+#: command line, why).
+EXPECTED_HELPERS = (
+    ("wandb/bin/wandb-core", ("wandb's service, started by an in-process wandb run (tests/distributed, logging "
+                              "test); it watches the pytest pid (--pid) and exits with it")),
+    ("torch/_inductor/compile_worker", ("Inductor's compile-worker pool (torch.compile on a machine with several "
+                                        "cores); torch shuts it down at interpreter exit")),
+)
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:  # gone, or not ours to read
+        return None
+
+
+def _stat(pid: int) -> list[bytes]:
+    """``/proc/<pid>/stat`` after the command name: ``[state, ppid, ...]`` (``[]`` once the process is gone)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rsplit(b")", 1)[-1].split() if stat else []
+
+
+def _alive(pid: int) -> bool:
+    return _stat(pid)[:1] not in ([], [b"Z"])  # a zombie holds nothing
+
+
+def _expected_helper(pid: int, procs: dict[int, str]) -> bool:
+    """``pid`` or one of its ancestors among ``procs`` is one of :data:`EXPECTED_HELPERS`."""
+    while pid in procs:
+        if any(pattern in procs[pid] for pattern, _ in EXPECTED_HELPERS):
+            return True
+        pid = int((_stat(pid) or [b"Z", b"0"])[1])
+    return False
+
+
+def suite_processes() -> dict[int, str]:
+    """Live processes started by this pytest process → their command lines (Linux ``/proc``; ``{}`` elsewhere).
+
+    Its descendants, found recursively through every thread's ``children`` list, and every process whose
+    environment carries this session's :data:`SESSION_MARKER` (orphans that init adopted).
+    """
+    if not os.path.isdir("/proc/self/task"):
+        return {}
+    me = os.getpid()
+    found, todo = set(), [me]
+    while todo:
+        pid = todo.pop()
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            kids = {int(c) for c in (_read(f"/proc/{pid}/task/{tid}/children") or b"").split()}
+            todo += sorted(kids - found)
+            found |= kids
+    mark = f"{SESSION_MARKER}={os.environ[SESSION_MARKER]}".encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and mark in (_read(f"/proc/{name}/environ") or b"").split(b"\0"):
+            found.add(int(name))
+    found.discard(me)
+    out = {}
+    for pid in sorted(found):
+        cmd = _read(f"/proc/{pid}/cmdline")
+        if cmd is not None and _alive(pid):
+            out[pid] = cmd.replace(b"\0", b" ").decode(errors="replace").strip()
+    return out
+
+
+def end_processes(pids, timeout: float = LEFTOVER_GRACE_S) -> list[int]:
+    """SIGKILL those of ``pids`` that this test session started (:func:`suite_processes`, so a reused pid is
+    never touched) and wait up to ``timeout`` s for them to go; returns the pids that were killed."""
+    ours = [pid for pid in pids if pid in suite_processes()]
+    for pid in ours:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in ours) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ours
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_processes():
+    """At the end of the session, fail if a process the suite started is still alive.
+
+    The processes are waited for up to :data:`LEFTOVER_GRACE_S` s, then reported (pid and command line)
+    and killed, so a failing run leaves nothing behind. :data:`EXPECTED_HELPERS` are not reported.
+    """
+    yield
+
+    def leftovers() -> dict[int, str]:
+        procs = suite_processes()
+        return {pid: cmd for pid, cmd in procs.items() if not _expected_helper(pid, procs)}
+
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        end_processes(list(left))
+        listing = "\n".join(f"  pid {pid}: {cmd[:300]}" for pid, cmd in left.items())
+        pytest.fail(f"{len(left)} process(es) started by the test suite were still alive {LEFTOVER_GRACE_S:.0f} s "
+                    f"after the last test (now killed); end every process a test starts, e.g. in a finally "
+                    f"block:\n{listing}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -58,11 +58,11 @@ class DrafterConfig(Section):
     """Drafter shape. ``None`` fields are copied from the target."""
 
     num_layers: int = Field(4, ge=1)
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    hidden_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
     draft_vocab_size: int | None = Field(None, ge=2, description="Vd; None = full target vocab.")
     mask_token_id: int | None = Field(
         None, description="Reserved token id used as the parallel-drafting mask (ptd_token_id)."
@@ -136,6 +136,12 @@ class TrainConfig(Section):
         ["tensorboard"], description="Experiment trackers; wandb runs offline (WANDB_MODE=offline) without credentials.",
     )
     grad_clip: float = Field(1.0, gt=0.0)
+    max_skipped_steps: int = Field(
+        10, ge=0, description="Optimizer steps of a run (counted across resumed launches) that may be skipped "
+        "because their loss or gradient norm is not finite; each skip prints a warning naming the step, the "
+        "values and its sequences (split, indices, cache shard files). One more skip stops training with an "
+        "error. 0: stop at the first non-finite step.",
+    )
     loss_chunk_size: int = Field(2048, ge=16, description="Grid elements per chunk of the lm_head + loss.")
     fused_loss: bool = Field(
         True, description="Compute the lm_head + loss gradients in the loss forward, chunk by chunk (no lm_head "

@@ -31,19 +31,23 @@ bytes/token, fp8 = ``(A+1)T + 4(A+1) + 8`` (+ the safetensors header and ``offse
 
 Shards are written to ``<name>.tmp``, renamed, hashed (sha256); the manifest is rewritten
 atomically after every shard, so a killed run resumes at the first shard the manifest
-lacks, never trusts a half-written file (a leftover ``.tmp`` is overwritten), and
-re-writes a listed shard whose file is missing or fails its checksum. Feature computation
+lacks, never trusts a half-written file (the temp files a kill leaves are deleted at the
+start of the next run: :func:`remove_temp_files`), and re-writes a listed shard whose file
+is missing, has another size, or fails its checksum (:func:`damaged_shards`; also in a cache
+already marked complete: the repair ``peagle-train cache`` runs). Feature computation
 for a shard depends only on that shard's sequences and ``batch_size``, so a resumed cache
 is byte-identical to an uninterrupted one (tested). Reads are memory-mapped
 (``safetensors.safe_open`` + ``get_slice``): a sequence's rows are the only tensor rows
 read. With ``verify=True`` each shard's sha256 is checked once, on its first use (this
-reads that shard once in full).
+reads that shard once in full). :func:`check_caches_match` (with :meth:`CachedFeatures.mismatches`)
+refuses a cache made for another run (target, aux layers, hidden size, vocab, dtype, token ids).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -63,16 +67,79 @@ FORMAT = "peagle-features-v2"
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
+#: the names of the temp files the cache itself writes: a shard or the head before its rename, and
+#: the manifest (``core.atomic``'s ``.<name>.tmp<pid>``). :func:`remove_temp_files` deletes only these.
+_TEMP_NAME = re.compile(r"(shard-\d{5,}\.safetensors|target_head\.safetensors)\.tmp|\.manifest\.json\.tmp\d+")
+
+
 class CacheError(RuntimeError):
     """A feature cache is missing, corrupt, or does not match the run; the message says what to do."""
 
 
-def _fingerprint(target, sequences: list[list[int]], dtype: str, shard_size: int, batch_size: int) -> str:
-    h = hashlib.sha256(json.dumps([target.path, list(target.aux_layer_ids), dtype, shard_size, batch_size]).encode())
+def _fingerprint(target_path: str, aux_layer_ids, sequences: list[list[int]], dtype: str, shard_size: int,
+                 batch_size: int) -> str:
+    """sha256 (hex) of the settings and every token id a cache is computed from (the manifest's ``fingerprint``)."""
+    h = hashlib.sha256(json.dumps([target_path, list(aux_layer_ids), dtype, shard_size, batch_size]).encode())
     for s in sequences:
         h.update(json.dumps(s).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def remove_temp_files(cache_dir: str | Path) -> list[str]:
+    """Delete the temp files an interrupted :func:`write_cache` left in ``cache_dir``.
+
+    Only names of the cache's own temp naming are touched: ``shard-NNNNN.safetensors.tmp``,
+    ``target_head.safetensors.tmp`` and ``.manifest.json.tmp<pid>``; every other file stays. A
+    kill leaves such a file (up to one shard's size), which a later run would otherwise overwrite
+    only if it writes that shard again (the pid-named manifest temp: never). Two processes must not write one cache at once (this would delete the other's temp
+    file; the manifest would race anyway).
+
+    Returns:
+        the names removed, sorted (``[]`` when ``cache_dir`` does not exist).
+    """
+    d = Path(cache_dir)
+    if not d.is_dir():
+        return []
+    names = sorted(p.name for p in d.iterdir() if _TEMP_NAME.fullmatch(p.name) and p.is_file())
+    for name in names:
+        (d / name).unlink(missing_ok=True)
+    return names
+
+
+def damaged_shards(cache_dir: str | Path, manifest: dict | None = None) -> list[tuple[str, str]]:
+    """The files of a cache that cannot be trusted: listed shards and the target head.
+
+    Each shard the manifest lists must exist, have the manifest's size (``bytes``) and its sha256;
+    ``target_head.safetensors`` must exist (the manifest holds no checksum of it). Cost: one full
+    read of every shard whose size is right (sha256), i.e. one read of the whole cache.
+
+    Args:
+        cache_dir: the cache directory. manifest: its parsed ``manifest.json`` (default: read it).
+
+    Returns:
+        ``[(file name, reason)]`` in manifest order, the head last; ``[]`` for an intact cache.
+
+    Raises:
+        CacheError: no ``manifest.json`` (and no ``manifest`` given).
+    """
+    d = Path(cache_dir)
+    if manifest is None:
+        if not (d / "manifest.json").is_file():
+            raise CacheError(f"{d / 'manifest.json'} not found: not a feature cache")
+        manifest = json.loads((d / "manifest.json").read_text())
+    bad = []
+    for s in manifest["shards"]:
+        path = d / s["file"]
+        if not path.is_file():
+            bad.append((s["file"], "missing"))
+        elif s.get("bytes") is not None and path.stat().st_size != s["bytes"]:
+            bad.append((s["file"], f"{path.stat().st_size} bytes, the manifest says {s['bytes']} (truncated?)"))
+        elif (actual := _sha256(path)) != s["sha256"]:
+            bad.append((s["file"], f"checksum mismatch (sha256 {actual[:16]}…, the manifest says {s['sha256'][:16]}…)"))
+    if not (d / "target_head.safetensors").is_file():
+        bad.append(("target_head.safetensors", "missing"))
+    return bad
 
 
 def _encode_shard(parts: dict, lengths: list[int], dtype: str, A: int) -> dict[str, torch.Tensor]:
@@ -109,6 +176,10 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
         ``out_dir``. Its ``manifest.json`` gains ``complete: true``, ``total_tokens``,
         ``total_bytes`` (shards only) and ``bytes_per_token``.
 
+    Re-running on an existing cache (complete or not) first deletes the temp files a kill left
+    (:func:`remove_temp_files`), then checks every listed shard (:func:`damaged_shards`: one read
+    of the cache) and recomputes only the missing, damaged and unlisted ones.
+
     Raises:
         ValueError: unknown ``dtype``, or an empty sequence (names its index).
         CacheError: ``out_dir`` holds a cache built for other data, another target, another
@@ -123,8 +194,9 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
         raise ValueError(f"write_cache: sequence {empty} is empty; drop empty rows before caching")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_temp_files(out)  # left by a killed run
     A, T = len(target.aux_layer_ids), target.config.hidden_size
-    fingerprint = _fingerprint(target, sequences, dtype, shard_size, batch_size)
+    fingerprint = _fingerprint(target.path, target.aux_layer_ids, sequences, dtype, shard_size, batch_size)
     man_path = out / "manifest.json"
     manifest = {
         "format": FORMAT, "dtype": dtype, "fingerprint": fingerprint,
@@ -141,9 +213,9 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
             raise CacheError(f"{man_path}: cache was built for other data or settings ({'; '.join(what) or 'token ids differ'}); "
                              "delete the directory or choose another output_dir")
         manifest = old
-        # a listed shard whose file is gone or altered is recomputed, not trusted
-        manifest["shards"] = [s for s in manifest["shards"]
-                              if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]]
+        # a listed shard whose file is gone or altered is recomputed, not trusted (a complete cache too)
+        bad = {name for name, _ in damaged_shards(out, manifest)}
+        manifest["shards"] = [s for s in manifest["shards"] if s["file"] not in bad]
         manifest["complete"] = False
     head_path = out / "target_head.safetensors"
     if not head_path.exists():
@@ -218,6 +290,31 @@ def cache_size_report(cache_dir: str | Path) -> dict:
             "tensor_bytes_per_token": {k: v / max(1, tokens) for k, v in sorted(per.items())}}
 
 
+def check_caches_match(caches: dict[str, "CachedFeatures"], sequences: dict[str, list[list[int]]], **run) -> None:
+    """Refuse, before training, feature caches made for another recipe, target or prepared data.
+
+    Args:
+        caches: split name → its cache. sequences: split name → the prepared token id lists.
+        **run: the run's ``target``, ``aux_layer_ids``, ``hidden_size``, ``dtype`` and
+            ``vocab_size`` (:meth:`CachedFeatures.mismatches`).
+
+    Raises:
+        CacheError: names every cache folder that differs, each differing field with the cache's
+            and the run's value, and what to do (re-cache with this recipe, or fix the recipe).
+    """
+    found = {name: c.mismatches(sequences=sequences[name], **run) for name, c in caches.items()}
+    found = {name: d for name, d in found.items() if d}
+    if not found:
+        return
+    what = "; ".join(f"{caches[name].dir}: " + ", ".join(f"{f}: cache {c!r}, this run {r!r}" for f, c, r, _ in d)
+                     for name, d in found.items())
+    fix = ", ".join(dict.fromkeys(k for d in found.values() for *_, k in d))
+    dirs = " and ".join(str(caches[name].dir) for name in found)
+    raise CacheError(f"the feature cache was not made for this run ({what}); training on it would silently use "
+                     f"the wrong features. Delete {dirs} and re-run `peagle-train cache RECIPE` with this recipe, "
+                     f"or fix the recipe ({fix}) to match the cache")
+
+
 class CachedFeatures:
     """Memory-mapped reader of a feature cache (layout in the module docstring).
 
@@ -252,6 +349,55 @@ class CachedFeatures:
     def __len__(self) -> int:
         return len(self._index)
 
+    def mismatches(self, *, target: str, aux_layer_ids, hidden_size: int, dtype: str,
+                   sequences: list[list[int]], vocab_size: int | None = None) -> list[tuple[str, object, object, str]]:
+        """What differs between this cache and the run that wants to train on it.
+
+        Compared: ``target`` (the identity :func:`write_cache` records, ``Target.path``: the
+        string :func:`~peagle_train.features.target.materialise_target` returns; two existing
+        local paths are compared resolved), ``aux_layer_ids``, ``num_aux`` (A), ``hidden_size``
+        (T), ``vocab_size`` (V, the rows of ``target_head.safetensors``' head ``[V, T]``),
+        ``dtype``, ``num_sequences``, ``total_tokens`` and, when the counts agree, the token ids
+        themselves: the manifest's ``fingerprint`` recomputed from ``sequences`` with the
+        manifest's own settings (JSON + sha256 over every token id: about 10 M tokens/s on one core).
+
+        Args:
+            target: the run's target identity. aux_layer_ids: its tapped layers.
+            hidden_size: the target's T. dtype: the recipe's ``data.cache_dtype``.
+            sequences: the prepared split's token id lists, in order (what the cache must hold).
+            vocab_size: the target's V (None: not checked).
+
+        Returns:
+            ``[(field, cache value, run value, what to fix in the recipe)]``; ``[]`` when the cache fits.
+        """
+        m = self.manifest
+        diffs: list[tuple[str, object, object, str]] = []
+
+        def compare(field, cached, run, fix):
+            if cached != run:
+                diffs.append((field, cached, run, fix))
+
+        cached_target = str(m.get("target"))
+        same_path = Path(cached_target).exists() and Path(target).exists() \
+            and Path(cached_target).resolve() == Path(target).resolve()
+        compare("target", m.get("target"), m.get("target") if same_path else target, "target.path / target.gguf_file")
+        compare("aux_layer_ids", m.get("aux_layer_ids"), [int(i) for i in aux_layer_ids], "target.aux_layer_ids")
+        compare("num_aux", m.get("num_aux"), len(aux_layer_ids), "target.aux_layer_ids")
+        compare("hidden_size", m.get("hidden_size"), hidden_size, "target (another model)")
+        head = self.dir / "target_head.safetensors"
+        if vocab_size is not None and head.is_file():
+            with safe_open(str(head), framework="pt") as f:
+                compare("vocab_size", f.get_slice("head").get_shape()[0], vocab_size, "target (another model)")
+        compare("dtype", m.get("dtype"), dtype, "data.cache_dtype")
+        data = "the prepared data (data/)"
+        counts = (len(sequences), sum(len(x) for x in sequences))
+        compare("num_sequences", m.get("num_sequences"), counts[0], data)
+        compare("total_tokens", m.get("total_tokens"), counts[1], data)
+        if counts == (m.get("num_sequences"), m.get("total_tokens")):  # other counts: the ids differ anyway
+            fp = _fingerprint(m["target"], m["aux_layer_ids"], sequences, m["dtype"], m["shard_size"], m["batch_size"])
+            compare("token ids (fingerprint)", m.get("fingerprint", "")[:16] + "…", fp[:16] + "…", data)
+        return diffs
+
     def _open(self, shard: dict):
         path = self.dir / shard["file"]
         if not path.is_file():
@@ -270,6 +416,10 @@ class CachedFeatures:
         if not 0 <= i < len(self._index):
             raise IndexError(f"sequence {i} out of range: the cache holds {len(self._index)} sequences")
         return self._index[i]
+
+    def shard_file(self, i: int) -> Path:
+        """The shard file holding sequence ``i`` (raises IndexError outside ``[0, len)``)."""
+        return self.dir / self._locate(i)[0]["file"]
 
     def get(self, indices: list[int], with_input_ids: bool = False) -> list[dict]:
         """Features of sequences ``indices``, read by slicing only their rows.

@@ -10,7 +10,8 @@ the global supervised count):
 3. for every micro-batch and every partition segment: forward, loss =
    ``sum(own supervised losses) / (G / world)`` (DDP averages over ranks), backward;
    gradients are synchronised only on the very last backward (``no_sync`` before);
-4. clip, skip the step if the grad norm is not finite, AdamW, cosine schedule.
+4. clip, skip the step if the grad norm is not finite (with a warning naming the step's
+   sequences; more than ``train.max_skipped_steps`` skips in a run stop it), AdamW, cosine schedule.
 
 Checkpoints are written atomically (temp dir + rename, a ``COMPLETE`` marker)
 and hold weights, optimizer, scheduler, RNG states of every rank
@@ -49,7 +50,7 @@ from peagle_train.distributed.strategy import (
     reduce_values,
     shard_target,
 )
-from peagle_train.features.cache import CachedFeatures
+from peagle_train.features.cache import CachedFeatures, check_caches_match
 from peagle_train.features.online import OnlineFeatures
 from peagle_train.features.packing import pack, pack_tokens
 from peagle_train.features.tokenized import load_prepared
@@ -63,6 +64,11 @@ from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.trainer.checkpoints import Checkpoints
 from peagle_train.trainer.evaluation import InTrainingEval
 from peagle_train.trainer.setup import build_drafter, epoch_order, resolve_attention, step_generator
+
+
+class SkippedStepsError(RuntimeError):
+    """More optimizer steps of a run were skipped (non-finite loss or grad norm) than
+    ``train.max_skipped_steps`` allows; the message names the steps, the key and what to check."""
 
 
 class Trainer(InTrainingEval, Checkpoints):
@@ -155,13 +161,14 @@ class Trainer(InTrainingEval, Checkpoints):
                 t.model.to(self.device)
 
     # -- data ---------------------------------------------------------------------------------
-    def micro_batches(self, step: int) -> list[list[int]]:
-        """Sequence indices of this rank's micro-batches for optimizer step ``step`` (0-based).
+    def micro_batches(self, step: int, rank: int | None = None) -> list[list[int]]:
+        """Sequence indices of this rank's (or ``rank``'s) micro-batches for optimizer step ``step`` (0-based).
 
         Each step takes the next ``micro_batch_size × grad_accum × world`` sequences of the
         epoch's seeded shuffle and deals them to ranks (:func:`~peagle_train.distributed.batches.rank_batches`).
         """
-        world, rank = self.acc.num_processes, self.acc.process_index
+        world = self.acc.num_processes
+        rank = self.acc.process_index if rank is None else rank
         per_step = self.tc.micro_batch_size * self.grad_accum * world
         epoch, within = divmod(step, self.steps_per_epoch)
         order = epoch_order(len(self.train_ids), self.tc.seed, epoch)
@@ -259,7 +266,46 @@ class Trainer(InTrainingEval, Checkpoints):
                "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length(),
                "loss_path": loss_path(self.acc.unwrap_model(self.model).drafter.lm_head, self.tc.fused_loss)}
         rec.update(peak_memory())
+        if not (math.isfinite(rec["loss"]) and math.isfinite(grad_norm)):
+            self._warn_nonfinite(rec)
         return rec
+
+    def _warn_nonfinite(self, rec: dict) -> None:
+        """Print (main process only) one warning line for a step whose loss or grad norm is not finite.
+
+        It names the step (1-based, as in the logs), the values, whether the optimizer step was
+        skipped, the skips of the run so far against ``train.max_skipped_steps``, the train-split
+        sequence indices of the step (per rank under several processes) and, with cached features,
+        the cache's shard files holding them and which of them hold non-finite cached features (each
+        re-read once, on this failure path only; online features are not recomputed).
+        """
+        if not self.acc.is_main_process:
+            return
+        loss, grad_norm = rec["loss"], rec["grad_norm"]
+        bad = " and ".join(name for name, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v))
+        n_skipped = sum(bool(h.get("skipped")) for h in self.history) + rec["skipped"]
+        if rec["skipped"]:
+            action = (f"optimizer step skipped ({n_skipped} skipped in this run, train.max_skipped_steps="
+                      f"{self.tc.max_skipped_steps})")
+        elif self.layout.strategy == "deepspeed":
+            action = "not skipped: DeepSpeed applies the step inside the backward"
+        else:
+            action = "the gradients are finite, so the optimizer step was applied"
+        world = self.acc.num_processes
+        per_rank = [sorted(i for mb in self.micro_batches(rec["step"] - 1, r) for i in mb) for r in range(world)]
+        seqs = sorted(i for ix in per_rank for i in ix)
+        where = str(seqs) if world == 1 else "; ".join(f"rank {r}: {ix}" for r, ix in enumerate(per_rank))
+        msg = (f"warning: step {rec['step']}: non-finite {bad} (loss={loss}, grad_norm={grad_norm}); {action}; "
+               f"train-split sequences {where}")
+        if isinstance(self.features, CachedFeatures):
+            shards = sorted({self.features.shard_file(i).name for i in seqs})
+            nonfinite = [i for i in seqs if not all(bool(torch.isfinite(f[k]).all())
+                                                    for f in self.features.get([i]) for k in ("aux", "last"))]
+            msg += (f"; feature cache {self.features.dir}, shard files {', '.join(shards)}; sequences with "
+                    f"non-finite cached features: {nonfinite or 'none'}")
+        else:
+            msg += " (features computed online by the target)"
+        self.acc.print(msg)
 
     def partitions(self, lengths: list[int]) -> list[int]:
         """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
@@ -306,9 +352,36 @@ class Trainer(InTrainingEval, Checkpoints):
     def _log(self, rec: dict, prefix: str) -> None:
         self.acc.log(flat_metrics(rec, prefix), step=self.step)
 
+    def _check_skipped(self, bar) -> None:
+        """Stop the run once more steps were skipped than ``train.max_skipped_steps`` allows.
+
+        Counts the skipped records of ``self.history``, so skips before a resume count too; every
+        rank holds the same history (the skip follows the global grad norm), so all ranks stop together.
+
+        Raises:
+            SkippedStepsError: naming the skipped steps, the key and the data to check.
+        """
+        skipped = [h["step"] for h in self.history if h.get("skipped")]
+        limit = self.tc.max_skipped_steps
+        if len(skipped) <= limit:
+            return
+        bar.close()
+        shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+        raise SkippedStepsError(
+            f"{self.cfg.source_file or '<recipe>'}: {len(skipped)} optimizer steps of this run were skipped because "
+            f"their loss or gradient norm was not finite (steps {shown}), more than train.max_skipped_steps={limit} "
+            "allows: check the training data and the features of the sequences named in the warnings above (a "
+            "damaged feature cache is rebuilt by deleting it and re-running `peagle-train cache`), or raise "
+            "train.max_skipped_steps to tolerate more skipped steps")
+
     def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
         """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
-        (a planned interruption: the schedule still targets ``total_steps``)."""
+        (a planned interruption: the schedule still targets ``total_steps``).
+
+        Raises:
+            SkippedStepsError: more than ``train.max_skipped_steps`` skipped steps in the run
+                (:meth:`_check_skipped`); the last checkpoint is left as it was.
+        """
         from tqdm import tqdm
 
         self.acc.init_trackers("peagle_train", init_kwargs={"wandb": {
@@ -329,6 +402,8 @@ class Trainer(InTrainingEval, Checkpoints):
             bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
                 self._log(rec, "train")
+            if rec["skipped"]:
+                self._check_skipped(bar)
             if self.tc.eval_every and self.step % self.tc.eval_every == 0 and self.step < self.total_steps:
                 ev = self.evaluate()
                 rec.update(ev)
@@ -362,6 +437,8 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
 
     Raises:
         ConfigError: an impossible layout or recipe (before the target is loaded).
+        CacheError: ``features: cache`` and a cache that is missing, incomplete, or made for another
+            target, aux layers, dtype or prepared data (before training; names every difference).
         RuntimeError: processes that do not form one group.
     """
     from transformers import AutoConfig
@@ -385,6 +462,9 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     aux_ids = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
     if cfg.train.features == "cache":
         feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
+        # before training: a cache of other aux layers, another target, dtype or data is refused
+        check_caches_match(feats, {s: data[s]["input_ids"] for s in feats}, target=str(tpath), aux_layer_ids=aux_ids,
+                           hidden_size=tconf.hidden_size, vocab_size=tconf.vocab_size, dtype=cfg.data.cache_dtype)
     else:
         target = load_target(cfg.target, with_tokenizer=False)
         feats = {"train": OnlineFeatures(target, data["train"]["input_ids"]),

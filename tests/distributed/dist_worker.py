@@ -17,9 +17,14 @@ records. ``--online-shard-check`` (FSDP2) compares an FSDP2-sharded target's fea
 the unsharded target's and runs one step plus an evaluation with the sharded target.
 
 ``train``: ``run_train`` on the recipe. ``--pause-after-save S``: after the checkpoint of step
-``S`` is complete, write ``<output_dir>/PAUSED`` and sleep (the test then SIGKILLs the job).
-``--kill-in-save S``: while the checkpoint of step ``S`` is being written, write half a file
-and SIGKILL this process. ``--loss-log``: append every step's record (rank 0) as JSON lines.
+``S`` is complete, write ``<output_dir>/PAUSED`` and sleep (the test then SIGKILLs the job; a rank
+whose launcher is gone, or that slept 10 minutes, exits by itself). ``--kill-in-save S``: while
+the checkpoint of step ``S`` is being written, write half a file and SIGKILL this process.
+``--loss-log``: append every step's record (rank 0) as JSON lines.
+
+With ``PEAGLE_TEST_PID_DIR`` set, each worker process first writes an empty file named by its pid
+there, so the test can end every rank it started (torchrun makes each rank a session leader of its
+own: killing the launcher's process group does not reach them).
 """
 from __future__ import annotations
 
@@ -30,6 +35,10 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+if os.environ.get("PEAGLE_TEST_PID_DIR"):  # first, before the slow imports: the test kills what is listed
+    os.makedirs(os.environ["PEAGLE_TEST_PID_DIR"], exist_ok=True)
+    Path(os.environ["PEAGLE_TEST_PID_DIR"], str(os.getpid())).touch()
 
 import torch
 
@@ -143,8 +152,10 @@ def cmd_train(args) -> None:
             if self.step == args.pause_after_save:
                 if self.acc.is_main_process:
                     (out / "PAUSED").write_text(str(self.step))
-                while True:  # the test SIGKILLs the whole job here
+                launcher, deadline = os.getppid(), time.monotonic() + 600
+                while os.getppid() == launcher and time.monotonic() < deadline:  # the test SIGKILLs the job here
                     time.sleep(1)
+                os._exit(1)  # never outlive the test: no clean-up, as after a kill
             return path
 
         Trainer.save_checkpoint = save_then_pause

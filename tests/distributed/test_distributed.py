@@ -15,6 +15,7 @@ Child processes run ``tests/distributed/dist_worker.py`` with ``OMP_NUM_THREADS=
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import save_tiny_target  # noqa: E402
+from conftest import end_processes, save_tiny_target, suite_processes  # noqa: E402
 from peagle_train.core.config import ConfigError
 from peagle_train.recipe import config_from_dict
 from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
@@ -94,6 +95,23 @@ def base(tmp_path_factory):
     _prepared(root / "run")
     run_cache(_cfg(root, "run"), progress=False)
     return root
+
+
+def _worker_pids(pid_dir: Path) -> list[int]:
+    """Pids of the workers that recorded themselves in ``pid_dir`` (``PEAGLE_TEST_PID_DIR``, dist_worker.py)."""
+    return sorted(int(p.name) for p in pid_dir.iterdir()) if pid_dir.is_dir() else []
+
+
+@pytest.fixture(autouse=True)
+def worker_pid_dir(tmp_path, monkeypatch):
+    """Each worker a test launches records its pid in the returned folder; after the test, every one still
+    alive is killed (torchrun's ranks lead their own sessions: a launcher killed or timed out leaves them)."""
+    pid_dir = tmp_path / "worker-pids"
+    monkeypatch.setenv("PEAGLE_TEST_PID_DIR", str(pid_dir))  # the launch environment copies os.environ
+    try:
+        yield pid_dir
+    finally:
+        end_processes(_worker_pids(pid_dir))
 
 
 def _run_dir(base: Path, name: str) -> Path:
@@ -283,8 +301,11 @@ def test_deepspeed_zero3_matches_single_process(base, reference, tmp_path):
 
 # -- resume and checkpoint atomicity -------------------------------------------------------------------
 
-def test_hard_kill_then_resume_matches_straight_run(base, tmp_path):
-    """2 DDP ranks: 4 steps straight vs 2 steps, SIGKILL of the whole job, resume 2 steps — identical losses."""
+def test_hard_kill_then_resume_matches_straight_run(base, tmp_path, worker_pid_dir):
+    """2 DDP ranks: 4 steps straight vs 2 steps, SIGKILL of the whole job, resume 2 steps — identical losses.
+
+    The whole job is the launcher's process group and both ranks, each its own session leader (recorded
+    in ``worker_pid_dir``): none of them outlives the kill."""
     M = 2
     train = dict(max_steps=2 * M, micro_batch_size=2, grad_accum=1, partitions=2, save_every=M)
     straight = _cfg(base, "straight", **train)
@@ -295,16 +316,23 @@ def test_hard_kill_then_resume_matches_straight_run(base, tmp_path):
     want = json.loads((Path(straight.output_dir) / "history.json").read_text())
     kcfg = _write_cfg(killed, tmp_path / "b.json")
     out = Path(killed.output_dir)
+    before = set(_worker_pids(worker_pid_dir))  # the straight run's ranks (ended)
     job = subprocess.Popen(_command("torchrun", ["train", "--cfg", kcfg, "--pause-after-save", str(M)]), cwd=REPO,
                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    t0 = time.time()
-    while not (out / "PAUSED").exists():
-        assert job.poll() is None, "the job ended before its checkpoint"
-        assert time.time() - t0 < 180, "no checkpoint within 180 s"
-        time.sleep(0.2)
-    os.killpg(job.pid, signal.SIGKILL)  # launcher and both ranks, no clean-up
-    job.wait(timeout=30)
+    try:
+        t0 = time.time()
+        while not (out / "PAUSED").exists():
+            assert job.poll() is None, "the job ended before its checkpoint"
+            assert time.time() - t0 < 180, "no checkpoint within 180 s"
+            time.sleep(0.2)
+    finally:  # SIGKILL of the whole job, no clean-up: the launcher's process group ...
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+        ranks = [pid for pid in _worker_pids(worker_pid_dir) if pid not in before]
+        end_processes(ranks, timeout=30)  # ... and both ranks, session leaders of their own (killpg misses them)
     assert job.returncode == -signal.SIGKILL
+    assert len(ranks) == 2 and not set(ranks) & set(suite_processes()), f"a rank of {ranks} outlived the hard kill"
     assert not (out / "history.json").exists() and (out / "checkpoints" / f"step-{M:08d}" / "COMPLETE").exists()
     _launch("torchrun", ["train", "--cfg", kcfg])
     got = json.loads((out / "history.json").read_text())

@@ -18,7 +18,7 @@ from peagle_train.stages import run_cache
 from peagle_train.features.tokenized import save_tokenized
 from peagle_train.model.checkpoint import load_drafter_dir
 from peagle_train.features.tokenized import load_prepared
-from peagle_train.trainer.trainer import Trainer, run_train
+from peagle_train.trainer.trainer import SkippedStepsError, Trainer, run_train
 
 
 def _prepared(out: Path, n=12, length=40, seed=0):
@@ -101,6 +101,91 @@ def test_cache_detects_corruption(run_dir):
     shard.write_bytes(bytes(data))
     with pytest.raises(CacheError, match="checksum"):
         CachedFeatures(root / "train").get([0])
+
+
+def test_train_refuses_a_cache_made_for_another_recipe(run_dir):
+    """train.features: cache compares each split's manifest with the recipe, the target config and the
+    prepared data before training: other aux layers and cache dtype (recipe changed after caching),
+    another target's hidden size and identity (manifest), other token ids (same counts) and other
+    counts each stop the run with a CacheError naming the cache folder, both values and what to do."""
+    cfg = _cfg(run_dir, max_steps=1)
+    root = run_cache(cfg, progress=False)
+    out = Path(cfg.output_dir)
+
+    def refused(c) -> str:
+        with pytest.raises(CacheError) as err:
+            run_train(c, progress=False)
+        assert not [w for w in ("checkpoints", "drafter", "resolved_config.yaml") if (out / w).exists()]
+        msg = str(err.value)
+        assert "re-run `peagle-train cache RECIPE` with this recipe, or fix the recipe" in msg, msg
+        return msg
+
+    other = cfg.model_copy(update={"target": cfg.target.model_copy(update={"aux_layer_ids": [2, 3, 4]}),
+                                   "data": cfg.data.model_copy(update={"cache_dtype": "fp8"})})
+    msg = refused(other)
+    for part in (f"{root / 'train'}: ", f"{root / 'eval'}: ", "aux_layer_ids: cache [1, 3, 4], this run [2, 3, 4]",
+                 "dtype: cache 'bfloat16', this run 'fp8'", "target.aux_layer_ids, data.cache_dtype"):
+        assert part in msg, (part, msg)
+
+    man_path = root / "train" / "manifest.json"
+    good_manifest = man_path.read_text()
+    man = json.loads(good_manifest)
+    man.update(hidden_size=64, target="/models/another-target")
+    man_path.write_text(json.dumps(man))
+    msg = refused(cfg)
+    assert "hidden_size: cache 64, this run 32" in msg and f"{root / 'eval'}" not in msg, msg
+    assert f"target: cache '/models/another-target', this run '{run_dir / 'target'}'" in msg, msg
+    man_path.write_text(good_manifest)
+
+    _prepared(out, seed=1)  # the prepared data changed after caching: same counts, other token ids
+    msg = refused(cfg)
+    assert "token ids (fingerprint): cache" in msg and "the prepared data (data/)" in msg, msg
+    _prepared(out, n=13)
+    assert "num_sequences: cache 10, this run 11, total_tokens: cache 400, this run 440" in refused(cfg)
+
+
+def test_cache_rebuilds_damaged_shards_and_removes_orphan_temp_files(run_dir, monkeypatch, capsys):
+    """`peagle-train cache` on a split marked complete verifies every listed shard: a deleted, a
+    truncated and a bit-flipped shard are rebuilt (only those, byte-identical, named in its output),
+    after which training reads the cache; an intact cache is skipped without loading the target, and
+    temp files a kill left are deleted (others kept)."""
+    import functools
+
+    import peagle_train.features.cache as F
+    import peagle_train.features.target as T
+
+    monkeypatch.setattr(F, "write_cache", functools.partial(F.write_cache, shard_size=4))  # train: 3 shards
+    cfg = _cfg(run_dir)
+    root = run_cache(cfg, progress=False)
+    files = {split: {p.name: p.read_bytes() for p in (root / split).iterdir()} for split in ("train", "eval")}
+    train = sorted((root / "train").glob("shard-*.safetensors"))
+    assert len(train) == 3
+    train[0].unlink()
+    train[2].write_bytes(train[2].read_bytes()[:-7])
+    eval_shard = root / "eval" / "shard-00000.safetensors"
+    flipped = bytearray(eval_shard.read_bytes())
+    flipped[-10] ^= 0xFF
+    eval_shard.write_bytes(bytes(flipped))
+    with pytest.raises(CacheError, match="checksum mismatch"):
+        CachedFeatures(root / "eval").get([0])
+    capsys.readouterr()
+    recomputed = []
+    real_iter = F.iter_target_features
+    monkeypatch.setattr(F, "iter_target_features", lambda t, c, b: (recomputed.append(len(c)), real_iter(t, c, b))[1])
+    run_cache(cfg, progress=False)
+    assert recomputed == [4, 2, 2]  # train shards 0 and 2, eval shard 0
+    said = capsys.readouterr().out
+    assert f"{root / 'train'}: rebuilt shard-00000.safetensors, shard-00002.safetensors" in said, said
+    assert f"{root / 'eval'}: rebuilt shard-00000.safetensors" in said and "checksum mismatch" in said, said
+    assert {split: {p.name: p.read_bytes() for p in (root / split).iterdir()} for split in files} == files
+    assert len(CachedFeatures(root / "eval").get([0, 1])) == 2
+
+    monkeypatch.setattr(T, "load_target", lambda *a, **k: pytest.fail("an intact cache needs no target"))
+    for name in ("shard-00001.safetensors.tmp", ".manifest.json.tmp99999", "notes.tmp"):
+        (root / "train" / name).write_bytes(b"partial" * 100)
+    run_cache(cfg, progress=False)
+    assert "removed 2 temp file(s) left by an interrupted run" in capsys.readouterr().out
+    assert sorted(p.name for p in (root / "train").iterdir()) == sorted([*files["train"], "notes.tmp"])
 
 
 def test_exact_resume(run_dir):
@@ -275,3 +360,68 @@ def test_fused_loss_trains_like_the_recompute_path(run_dir, method):
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
     for k, v in results[True][1].items():
         torch.testing.assert_close(v, results[False][1][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+class _NaNFeatures(CachedFeatures):
+    """A feature cache whose sequences ``bad`` read back with NaN aux features (as a damaged cache would)."""
+
+    def __init__(self, cache_dir, bad):
+        super().__init__(cache_dir)
+        self.bad = set(bad)
+
+    def get(self, indices, with_input_ids=False):
+        out = super().get(indices, with_input_ids)
+        for i, f in zip(indices, out):
+            if i in self.bad:
+                f["aux"] = torch.full_like(f["aux"], float("nan"))
+        return out
+
+
+def test_nonfinite_step_is_skipped_with_a_warning_naming_its_sequences(run_dir, capsys):
+    """NaN features in one sequence: its step is skipped (weights unchanged) and one warning line names
+    the step, the non-finite values, the train-split sequence, its cache shard file and that sequence as
+    the one with non-finite cached features; the finite step before prints nothing."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    tr = Trainer(_cfg(run_dir, max_steps=3), data, feats, tconf, [1, 3, 4])
+    [[bad]] = tr.micro_batches(1)  # step 2 trains one sequence (micro_batch_size 1, grad_accum 1)
+    tr.features = _NaNFeatures(feats["train"].dir, [bad])
+    first = tr.train_step()
+    fc = tr.acc.unwrap_model(tr.model).drafter.fc.weight
+    before = fc.detach().clone()
+    rec = tr.train_step()
+    assert not first["skipped"] and rec["skipped"]
+    assert torch.equal(fc.detach(), before)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("warning: step 2: non-finite loss and grad norm (loss=nan, grad_norm=nan)"), line
+    assert "optimizer step skipped (1 skipped in this run, train.max_skipped_steps=10)" in line, line
+    assert f"train-split sequences [{bad}]" in line, line
+    shard = feats["train"].shard_file(bad)
+    assert f"feature cache {shard.parent}, shard files {shard.name}" in line, line
+    assert line.endswith(f"sequences with non-finite cached features: [{bad}]"), line
+
+
+def test_more_skipped_steps_than_max_skipped_steps_stop_the_run(run_dir):
+    """train.max_skipped_steps: 0 stops at the first non-finite step with an error naming the key; the
+    count spans a resume (one skip before the checkpoint + one after > max_skipped_steps: 1)."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    tr = Trainer(_cfg(run_dir, max_steps=4, max_skipped_steps=0), data, feats, tconf, [1, 3, 4])
+    bad = [i for s in (1, 2) for mb in tr.micro_batches(s) for i in mb]  # the sequences of steps 2 and 3
+    tr.features = _NaNFeatures(feats["train"].dir, bad)
+    with pytest.raises(SkippedStepsError, match=r"1 optimizer steps of this run were skipped .*\(steps 2\), "
+                                                r"more than train.max_skipped_steps=0 allows: check the training data"):
+        tr.fit(progress=False)
+    assert tr.step == 2 and [h["skipped"] for h in tr.history] == [False, True]
+
+    def trainer():
+        t = Trainer(_cfg(run_dir, max_steps=4, max_skipped_steps=1), data, feats, tconf, [1, 3, 4])
+        t.features = _NaNFeatures(feats["train"].dir, bad)
+        return t
+
+    assert trainer().fit(progress=False, stop_at=2) is None  # one skip allowed; checkpoint at step 2
+    resumed = trainer()
+    assert resumed.resume() and resumed.step == 2
+    with pytest.raises(SkippedStepsError, match=r"2 optimizer steps .*\(steps 2, 3\), more than "
+                                                r"train.max_skipped_steps=1"):
+        resumed.fit(progress=False)

@@ -23,6 +23,7 @@ from data_prep.sources import (  # noqa: E402
     iter_json_array,
     load_conversations,
     resolve_path,
+    conversation_key,
     split_train_eval,
 )
 from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
@@ -354,6 +355,83 @@ def test_split_train_eval_is_deterministic_and_disjoint():
     assert split_train_eval(convs, 0.0, seed=0) == (convs, [])
     with pytest.raises(ValueError):
         split_train_eval(convs, 1.0, seed=0)
+
+
+SEVEN = conv("What is the capital of France?", "Paris.")
+
+
+def duplicated_rows():
+    """12 records: 7 copies of one conversation (one with extra whitespace and ShareGPT role
+    names: the same normal form) among 5 others; record 9 repeats record 1 only after cutting to
+    one turn, so it is a copy too once data.max_turns=1."""
+    rows = [{"messages": SEVEN} if i in (0, 2, 3, 5, 6, 8) else {"messages": conv(f"q{i}", f"a{i}")} for i in range(9)]
+    rows.append({"messages": [{"role": "human", "content": "  What is the capital of France?"},
+                              {"role": "gpt", "content": "Paris.\n"}]})  # copy 7: same normal form
+    rows.insert(9, {"messages": conv("q1", "a1", "more?", "more.")})  # == row 1 after max_turns=1
+    rows.append({"messages": conv("q11", "a11")})
+    return rows
+
+
+@pytest.mark.parametrize("source", ["jsonl", "sharegpt"])
+def test_duplicate_conversations_are_dropped_before_the_split(tmp_path, source):
+    """Issue 21: 7 copies of one conversation kept once (count 6 + the cut copy), none in both splits."""
+    rows = duplicated_rows()
+    if source == "jsonl":
+        path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    else:
+        path = tmp_path / "sg.json"
+        path.write_text(json.dumps([sg(*((m["role"], m["content"]) for m in r["messages"])) for r in rows]))
+    cfg = DataConfig(source=source, path=str(path), num_conversations=100, max_turns=1, seed=3)
+    convs, rep = load_conversations(cfg)
+    keys = [conversation_key(c) for c in convs]
+    assert len(set(keys)) == len(keys) == rep["kept"] == 5  # SEVEN, q1, q4, q7, q11
+    assert sum(c == SEVEN for c in convs) == 1
+    assert rep["duplicates_removed"] == 7 and len(rep["duplicate_example_rows"]) == 5  # 6 copies of SEVEN + row 9
+    assert rep["records_read"] == 12 and rep["dropped"] == {}
+    train, ev = split_train_eval(convs, 0.4, seed=3)
+    assert ev and not {conversation_key(c) for c in ev} & {conversation_key(c) for c in train}
+    assert split_train_eval(convs, 0.4, seed=3) == (train, ev)  # still deterministic
+    # num_conversations counts distinct conversations
+    few, rep = load_conversations(cfg.model_copy(update={"num_conversations": 3}))
+    assert len({conversation_key(c) for c in few}) == 3 and rep["stopped_early"]
+
+
+def test_conversation_key_is_content_only():
+    assert conversation_key(SEVEN) == conversation_key([dict(m) for m in SEVEN])
+    assert conversation_key(SEVEN) != conversation_key(conv("What is the capital of France?", "Paris"))
+    assert conversation_key(conv("a", "b")) != conversation_key(conv("a", "b", system="s"))
+    assert conversation_key([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]) != \
+        conversation_key([{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
+
+
+def test_prepare_writes_duplicates_removed_and_disjoint_splits(tok, tmp_path, torch_single_thread):
+    """``run_prepare`` on 7 copies of one conversation plus 9 others: ``meta.json`` counts 6 removed
+    duplicates and no tokenised eval sequence equals a train sequence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peagle_train import stages
+    from peagle_train.core.config import DrafterConfig, TargetConfig
+    from peagle_train.features.tokenized import load_tokenized
+    from peagle_train.recipe import RunConfig
+
+    target = tmp_path / "target"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(target)
+    tok.save_pretrained(target)
+    rows = [{"messages": SEVEN}] * 7 + [{"messages": conv(f"question {i}", f"answer {i}")} for i in range(9)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = RunConfig(output_dir=str(tmp_path / "run"),
+                    target=TargetConfig(name="tiny", path=str(target), aux_layer_ids=[1, 2, 3], device="cpu"),
+                    data=DataConfig(source="jsonl", path=str(data), eval_fraction=0.3, seed=5),
+                    regen=RegenConfig(enabled=False), drafter=DrafterConfig(mask_token_id=16))
+    meta = stages.run_prepare(cfg, progress=False)
+    assert meta == json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
+    assert meta["source"]["duplicates_removed"] == 6 and meta["source"]["kept"] == 10
+    train, ev = (load_tokenized(tmp_path / "run" / "data" / f"{name}.safetensors")["input_ids"]
+                 for name in ("train", "eval"))
+    assert len(train) + len(ev) == 10 and ev
+    assert not {tuple(r) for r in ev} & {tuple(r) for r in train}  # no eval sequence is also in train
+    assert len({tuple(r) for r in train}) == len(train)
 
 
 # --------------------------------------------------------------------------- eval prompts

@@ -184,6 +184,97 @@ def test_resume_rebuilds_a_listed_shard_that_is_corrupt(target, seqs, tmp_path):
     assert dir_bytes(tmp_path) == good
 
 
+def _count_recomputed(monkeypatch, die_at: int | None = None) -> list[int]:
+    """Record the chunk size of every shard the cache computes; with ``die_at``, a kill (KeyboardInterrupt)
+    as the ``die_at``-th shard (1-based) starts computing."""
+    recomputed: list[int] = []
+    real_iter = F.iter_target_features
+
+    def spy(t, chunk, b):
+        recomputed.append(len(chunk))
+        if len(recomputed) == die_at:
+            raise KeyboardInterrupt("killed")
+        return real_iter(t, chunk, b)
+
+    monkeypatch.setattr(F, "iter_target_features", spy)
+    return recomputed
+
+
+def test_damaged_shards_of_a_complete_cache_are_named_and_rebuilt(target, seqs, tmp_path, monkeypatch):
+    """damaged_shards names a deleted, a truncated and a bit-flipped shard and a missing head, each with
+    its reason; write_cache on the cache (still marked complete) rebuilds exactly those, byte-identical."""
+    build(target, seqs, tmp_path)
+    good = dir_bytes(tmp_path)
+    assert F.damaged_shards(tmp_path) == []
+    (tmp_path / "shard-00000.safetensors").unlink()
+    s1, s2 = tmp_path / "shard-00001.safetensors", tmp_path / "shard-00002.safetensors"
+    s1.write_bytes(s1.read_bytes()[:100])
+    flipped = bytearray(s2.read_bytes())
+    flipped[-3] ^= 0x01
+    s2.write_bytes(bytes(flipped))
+    (tmp_path / "target_head.safetensors").unlink()
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"]
+    bad = F.damaged_shards(tmp_path)
+    assert [name for name, _ in bad] == ["shard-00000.safetensors", "shard-00001.safetensors",
+                                         "shard-00002.safetensors", "target_head.safetensors"]
+    assert bad[0][1] == "missing" and bad[3][1] == "missing"
+    assert bad[1][1].startswith("100 bytes, the manifest says ") and "checksum mismatch" in bad[2][1]
+    recomputed = _count_recomputed(monkeypatch)
+    build(target, seqs, tmp_path)
+    assert recomputed == [4, 4, 3]
+    assert dir_bytes(tmp_path) == good
+    with pytest.raises(CacheError, match="not a feature cache"):
+        F.damaged_shards(tmp_path / "nothing")
+
+
+def test_next_run_first_removes_the_temp_files_a_kill_left(target, seqs, tmp_path, monkeypatch):
+    """A kill leaves temp files of the cache's own naming (a half-written shard or head, the manifest's
+    atomic-write temp ``.manifest.json.tmp<pid>``, which no later run would overwrite). The next
+    write_cache deletes them before any work (here it is killed again before reaching shard 1) and
+    leaves every other file alone; the finished cache equals an uninterrupted one."""
+    clean = build(target, seqs, tmp_path / "clean")
+    d = tmp_path / "killed"
+    _count_recomputed(monkeypatch, die_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        build(target, seqs, d)
+    orphans = ["shard-00001.safetensors.tmp", "target_head.safetensors.tmp", ".manifest.json.tmp4242"]
+    others = ["notes.tmp", "shard-00001.safetensors.tmp.bak", "shard-1.safetensors.tmp", ".manifest.json.tmp",
+              "mine.safetensors"]
+    for name in orphans + others:
+        (d / name).write_bytes(b"half a shard" * 100)
+    assert F.remove_temp_files(tmp_path / "absent") == []
+    recomputed = _count_recomputed(monkeypatch, die_at=1)
+    with pytest.raises(KeyboardInterrupt):
+        build(target, seqs, d)
+    assert recomputed == [4]  # killed as it started shard 1: the old temp files are already gone
+    assert not [n for n in orphans if (d / n).exists()]
+    assert all((d / n).read_bytes() == b"half a shard" * 100 for n in others)
+    monkeypatch.setattr(F, "iter_target_features", iter_target_features)
+    build(target, seqs, d)
+    assert {k: v for k, v in dir_bytes(d).items() if k not in others} == dir_bytes(clean)
+
+
+def test_mismatches_name_every_field_that_differs(target, seqs, tmp_path):
+    """CachedFeatures.mismatches compares the manifest with the run: target identity, aux layers (ids
+    and count), hidden size, vocab size, dtype, sequence and token counts, and the token ids themselves."""
+    build(target, seqs, tmp_path)
+    cache = CachedFeatures(tmp_path)
+    run = dict(target="tiny-random-llama", aux_layer_ids=[1, 2, 3], hidden_size=32, vocab_size=128, dtype="bfloat16")
+    assert cache.mismatches(sequences=seqs, **run) == []
+    other = dict(target="other", aux_layer_ids=[0, 2], hidden_size=64, vocab_size=256, dtype="fp8")
+    got = {f: (c, r) for f, c, r, _ in cache.mismatches(sequences=seqs, **other)}
+    assert got == {"target": ("tiny-random-llama", "other"), "aux_layer_ids": ([1, 2, 3], [0, 2]),
+                   "num_aux": (3, 2), "hidden_size": (32, 64), "vocab_size": (128, 256), "dtype": ("bfloat16", "fp8")}
+    swapped = [seqs[1], seqs[0]] + seqs[2:]  # same counts, other order: only the fingerprint sees it
+    assert [f for f, *_ in cache.mismatches(sequences=swapped, **run)] == ["token ids (fingerprint)"]
+    shorter = seqs[:-1]
+    assert [f for f, *_ in cache.mismatches(sequences=shorter, **run)] == ["num_sequences", "total_tokens"]
+    with pytest.raises(CacheError, match=r"not made for this run \(.*dtype: cache 'bfloat16', this run 'fp8'\).*"
+                                         r"re-run `peagle-train cache RECIPE` with this recipe.*data.cache_dtype"):
+        F.check_caches_match({"train": cache}, {"train": seqs}, **{**run, "dtype": "fp8"})
+    F.check_caches_match({"train": cache}, {"train": seqs}, **run)
+
+
 def test_existing_cache_for_other_settings_is_refused(target, seqs, tmp_path):
     build(target, seqs, tmp_path)
     with pytest.raises(CacheError, match=r"dtype 'bfloat16' → 'fp8'.*delete the directory"):
