@@ -34,13 +34,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from data_prep.config import DataConfig, RegenConfig  # noqa: E402
 from data_prep.regenerate import regenerate  # noqa: E402
 from data_prep.sources import load_conversations  # noqa: E402
 from data_prep.template import tokenize_conversation  # noqa: E402
-from data_prep.config import DataConfig, RegenConfig  # noqa: E402
-from peagle_train.recipe import load_config
 from peagle_train.features.cache import CachedFeatures, cache_size_report, write_cache  # noqa: E402
 from peagle_train.features.target import load_target  # noqa: E402
+from peagle_train.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

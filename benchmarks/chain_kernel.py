@@ -30,11 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from train_step import SHAPES  # noqa: E402
+
 import peagle_train.kernels.chain_kernel as ck  # noqa: E402
-from peagle_train.peagle.masks import GridMeta  # noqa: E402
 from peagle_train.kernels.attention import build_split_masks, chain_attention  # noqa: E402
 from peagle_train.peagle.grid import build_grid, cod_sample, pad_grid  # noqa: E402
-from train_step import SHAPES  # noqa: E402
+from peagle_train.peagle.masks import GridMeta  # noqa: E402
 
 KERNELS = ("fwd", "bwd_q", "bwd_kv")
 

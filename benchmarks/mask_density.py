@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peagle_train.peagle.masks import GridMeta, allowed, block_structure  # noqa: E402
 from peagle_train.peagle.grid import build_grid, cod_sample, pad_grid  # noqa: E402
+from peagle_train.peagle.masks import GridMeta, allowed, block_structure  # noqa: E402
 
 
 def density(N: int, K: int = 8, r: float = 0.7, r_min: float = 0.2, seed: int = 0, block: int = 128,

@@ -111,18 +111,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_features, speculators_ref
 
+from synthetic_features import PLACEMENTS, SyntheticFeatures  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
 import peagle_train.kernels.attention as attention_mod  # noqa: E402
 import peagle_train.kernels.loss as loss_mod  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import dense_attention_with_lse  # noqa: E402
-from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING, resolve as resolve_chain_kernel  # noqa: E402
+from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING  # noqa: E402
+from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
 from peagle_train.methods.peagle import PEagleObjective  # noqa: E402
 from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count  # noqa: E402
 from peagle_train.peagle.planner import ShapeParams, predict_peak_bytes  # noqa: E402
 from peagle_train.trainer.trainer import Trainer  # noqa: E402
-from synthetic_features import PLACEMENTS, SyntheticFeatures  # noqa: E402
 
 try:  # the recipe's home (RunConfig, config_from_dict); earlier: peagle_train.core.config
     from peagle_train.recipe import config_from_dict  # noqa: E402
@@ -801,7 +802,8 @@ def run_profile(args, device, rows, variants, attentions, S_list, out_dir: str) 
     """``--profile``: :data:`PROFILED_STEPS` trainer steps of the first N and the last variant under
     ``torch.profiler`` (a fresh Trainer; the schedule skips its set-up and first step, warms up on the
     second); the top-25 kernels and, on CUDA, the GPU timeline (:func:`timeline_summary`)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     N0, spec = args.n[0], S_list[0]
     attn = effective_attention(attentions[-1], device)

@@ -40,6 +40,11 @@ class DataConfig(Section):
         True, description="Learn an assistant turn's reasoning (Qwen3 <think>, GPT-OSS analysis channel) "
         "as well as its answer; false = only the answer content and its end-of-turn token."
     )
+    fold_system_into_user: bool = Field(
+        False, description="Fold a conversation's system message into its first user turn (system text, a "
+        "blank line, then the user text), for targets whose chat template refuses a system role (Gemma: "
+        "'System role not supported')."
+    )
     cache_dtype: Literal["bfloat16", "fp8"] = Field(
         "bfloat16", description="Storage of aux/last hidden states in the feature cache; fp8 = float8_e4m3fn "
         "with per-token float32 scales (about half the bytes/token)."

@@ -13,12 +13,18 @@ conditions on the *regenerated* history. Within a round prompts are sorted by le
 A conversation whose round-``r`` prompt exceeds ``max_prompt_tokens``, or whose
 response is empty, ends there: it keeps turns ``< r`` or, at ``r = 0``, is dropped; both
 are counted in the report, never raised.
+
+Reasoning models (Qwen3): ``generate`` writes the reasoning block into the text
+(``<think>\\n…\\n</think>\\n\\nanswer``); it is decoded with its markers kept and
+:func:`data_prep.rounds.run_rounds` splits it into the message's ``reasoning`` and answer
+``content`` with the markers of the target's own chat template; a response cut inside its
+reasoning ends its conversation (``unfinished_reasoning``).
 """
 from __future__ import annotations
 
 from data_prep.config import RegenConfig
 from data_prep.regenerate_vllm import regenerate_vllm
-from data_prep.rounds import Completion, Job, Message, regen_report, run_rounds
+from data_prep.rounds import Completion, Job, Message, reasoning_markers, regen_report, run_rounds
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -30,6 +36,19 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("neither model.generation_config nor the tokenizer defines an eos token id")
     return ids
+
+
+def _decoder(tokenizer):
+    """``ids -> text`` for a generated turn: ``decode(skip_special_tokens=True)``, stripped, except
+    that the chat template's reasoning markers (:func:`data_prep.rounds.reasoning_markers`) are kept
+    when the tokenizer makes them special tokens, so the reasoning can be split from the answer
+    (Qwen3's ``<think>``/``</think>`` are plain added tokens and survive either way)."""
+    special = set(tokenizer.all_special_ids)
+    vocab = tokenizer.get_vocab()
+    keep = {vocab[m] for m in reasoning_markers(tokenizer) or () if m in vocab} & special
+    if not keep:
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return lambda ids: tokenizer.decode([t for t in ids if t not in special or t in keep]).strip()
 
 
 def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict):
@@ -87,10 +106,13 @@ def regenerate(
 
     Returns:
         ``(conversations, report)``: the surviving conversations in input order, each turn's
-        content decoded with ``skip_special_tokens=True`` and stripped; the report has
+        content decoded with ``skip_special_tokens=True`` and stripped -- with a reasoning
+        template (Qwen3 ``<think>``) only the answer, the reasoning in the message's
+        ``reasoning`` (module docstring); the report has
         counts (``conversations_in/out/dropped/cut``, ``turns_requested/generated``,
         ``prompts_too_long``, ``empty_responses``, ``unfinished_responses`` -- stopped by
-        ``max_new_tokens``), ``generated_tokens`` (including each end-of-turn token),
+        ``max_new_tokens``, ``unfinished_reasoning`` -- stopped inside the reasoning, turn not
+        kept), ``generated_tokens`` (including each end-of-turn token),
         ``generate_seconds``, ``tokens_per_s`` and the ``sampling`` settings.
 
     ``cfg.backend == "vllm"`` dispatches to :func:`data_prep.regenerate_vllm.regenerate_vllm`
@@ -115,14 +137,17 @@ def regenerate(
     if cfg.do_sample:
         gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
 
+    decode = _decoder(tokenizer)
+
     def complete(jobs: list[Job]):
-        """Longest prompts first (ties by conversation index), left-padded batches of ``batch_size``."""
+        """Longest prompts first (ties by conversation index), left-padded batches of ``batch_size``.
+        The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it."""
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             for i, (new, finished) in zip(idx, _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids,
                                                                  gen_kwargs)):
-                yield i, Completion(tokenizer.decode(new, skip_special_tokens=True).strip(), None, len(new), finished)
+                yield i, Completion(decode(new), None, len(new), finished)
 
     kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
     report = regen_report(cfg, {"backend": "hf"}, **stats, max_prompt_tokens=max_prompt_tokens, eos_ids=eos_ids)

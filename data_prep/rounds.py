@@ -1,8 +1,17 @@
 """Engine-independent regeneration: rounds over conversations (turn ``r`` conditions on the
 regenerated history), the :class:`Completion` an engine returns, and the report both engines write.
+
+Reasoning models: an engine that does not separate the reasoning (the HF engine, offline vLLM, a
+vLLM server without a reasoning parser) returns the decoded text with its reasoning block, e.g.
+Qwen3's ``<think>\\n…\\n</think>\\n\\nanswer``. :func:`run_rounds` splits it with the markers of the
+target's own chat template (:func:`reasoning_markers`, :func:`split_reasoning`) into the assistant
+message's ``reasoning`` and its answer ``content``, which is what :mod:`data_prep.template` renders
+(Qwen3's ``reasoning_content``), so ``data.supervise_reasoning`` applies and earlier turns, whose
+reasoning the template drops, still render their content verbatim.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -20,9 +29,10 @@ Job = tuple[int, int, list[Message], list[int]]  # (conversation index, turn, me
 class Completion:
     """One generated assistant turn.
 
-    ``text``: the answer (stripped); ``reasoning``: the reasoning text if the engine
-    separated it (else None); ``tokens``: generated tokens (HF: up to and including the first
-    end-of-turn token; a vLLM server's ``usage.completion_tokens`` or vLLM's output ids);
+    ``text``: the answer (stripped), or, when the engine did not separate the reasoning, the
+    whole response with its reasoning markers (split by :func:`run_rounds`); ``reasoning``: the
+    reasoning text if the engine separated it (else None); ``tokens``: generated tokens (HF: up
+    to and including the first end-of-turn token; a vLLM server's ``usage.completion_tokens`` or vLLM's output ids);
     ``finished``: stopped by end-of-turn, not by ``max_new_tokens``.
     """
 
@@ -53,6 +63,16 @@ def run_rounds(
         :func:`regen_report` that the loop knows (``n_in``, ``n_out``, ``cut``,
         ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine).
 
+    Each completion becomes ``{"role": "assistant", "content": answer, "reasoning"?: reasoning}``.
+    A completion with ``reasoning=None`` is split with the template's reasoning markers
+    (:func:`split_reasoning`; a template without markers keeps the text as it is). A response
+    cut by ``max_new_tokens`` inside its reasoning or before any answer (no end marker, or
+    reasoning with an empty answer) has no answer to learn and would render an end marker or
+    end-of-turn token the model never wrote, so the tokenised masks could not be exact: the turn
+    is not kept, its conversation ends there (it keeps turns ``< r``; at ``r = 0`` it is dropped)
+    and it is counted as ``unfinished_reasoning`` (and, like every cut response, in
+    ``unfinished_responses``). A finished response with an empty answer is ``empty_responses``.
+
     Raises:
         ValueError: a conversation not in normal form (names its index).
     """
@@ -61,7 +81,9 @@ def run_rounds(
     parts = [split_turns(c, k) for k, c in enumerate(conversations)]
     out: list[list[Message]] = [list(head) for head, _ in parts]
     alive = [True] * len(parts)
-    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, turns_generated=0)
+    markers = reasoning_markers(tokenizer)
+    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, unfinished_reasoning=0,
+                  turns_generated=0)
     generated_tokens, seconds = 0, 0.0
     total_turns = sum(len(users) for _, users in parts)
     bar = tqdm(total=total_turns, unit="turn", desc=desc, disable=not progress)
@@ -98,12 +120,17 @@ def run_rounds(
             k = jobs[i][0]
             generated_tokens += c.tokens
             counts["unfinished_responses"] += not c.finished
-            if not c.text:
+            reasoning, text, closed = c.reasoning, c.text, True
+            if reasoning is None and markers is not None:
+                reasoning, text, closed = split_reasoning(c.text, markers)
+            if not closed or (reasoning and not text and not c.finished):
+                end(k, "unfinished_reasoning")
+            elif not text:
                 end(k, "empty_responses")
             else:
-                turn = {"role": "assistant", "content": c.text}
-                if c.reasoning:
-                    turn["reasoning"] = c.reasoning
+                turn = {"role": "assistant", "content": text}
+                if reasoning:
+                    turn["reasoning"] = reasoning
                 out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
                 counts["turns_generated"] += 1
                 bar.update(1)
@@ -115,6 +142,59 @@ def run_rounds(
     return kept, dict(n_in=len(conversations), n_out=len(kept), turns_requested=total_turns, counts=counts,
                       cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)),
                       generated_tokens=generated_tokens, seconds=seconds)
+
+
+#: A closing reasoning tag in a chat template's text: ``</think>`` (Qwen3, DeepSeek-R1), ``</seed:think>``.
+_END_TAG = re.compile(r"</([\w:.-]*think[\w:.-]*)>")
+
+
+def reasoning_markers(tokenizer) -> tuple[str, str] | None:
+    """The ``(start, end)`` reasoning markers the tokenizer's chat template writes, or None.
+
+    Read from the template text (``tokenizer.chat_template``, a string or a dict of named
+    templates): the first closing tag whose name contains ``think`` (``</think>``) whose opening
+    tag (``<think>``) is in the template too. Qwen3 gives ``("<think>", "</think>")``; ChatML,
+    Llama-3 and GPT-OSS Harmony (an ``analysis`` channel, not tags) give None.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    if not isinstance(template, str):
+        return None
+    for m in _END_TAG.finditer(template):
+        if f"<{m.group(1)}>" in template:
+            return f"<{m.group(1)}>", m.group(0)
+    return None
+
+
+def split_reasoning(text: str, markers: tuple[str, str]) -> tuple[str | None, str, bool]:
+    """Split a decoded response into ``(reasoning, answer, closed)`` at the template's markers.
+
+    The answer is what follows the last end marker, as in the Qwen3 template's own split of a
+    ``content`` holding ``</think>``; the reasoning is all that precedes it (a stray end marker
+    inside stays in it), less one leading start marker (a generation prompt that already ends with
+    the start marker, as DeepSeek-R1's does, leaves none); both are stripped. Cases:
+
+    - no end marker and the text does not start with the start marker: ``(None, text, True)``;
+    - ``"<think>\\nR\\n</think>\\n\\nA"``: ``("R", "A", True)`` (an empty block gives ``("", "A", True)``);
+    - cut inside the reasoning (starts with the start marker, no end marker):
+      ``("R…", "", False)`` -- ``closed`` is False and :func:`run_rounds` does not keep the turn.
+
+    Args:
+        text: the decoded response (special tokens removed, the markers kept).
+        markers: ``(start, end)``, e.g. from :func:`reasoning_markers`.
+    """
+    start, end = markers
+    body = text.strip()
+    head, found, answer = body.rpartition(end)
+    if not found:
+        if body.startswith(start):
+            return body[len(start):].strip(), "", False
+        return None, body, True
+    head = head.strip()
+    if head.startswith(start):
+        head = head[len(start):]
+    return head.strip(), answer.strip(), True
 
 
 def split_turns(conv: list[Message], k: int) -> tuple[list[Message], list[str]]:

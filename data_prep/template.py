@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from data_prep.sharegpt import DataError
+
 Message = dict[str, str]
 
 
@@ -52,8 +54,48 @@ class TemplateError(ValueError):
     """The chat template or tokenizer does not allow an exact assistant mask."""
 
 
+class TemplateRefusedData(TemplateError, DataError):
+    """The target's chat template itself raised on a conversation (Jinja ``raise_exception``, e.g.
+    Gemma's "System role not supported"): bad input for this target, so also a :class:`DataError`
+    (the console script prints it and exits 2)."""
+
+
+def _template_name(tokenizer) -> str:
+    """'the chat template of <name or path>', or "the target's chat template" when unnamed."""
+    name = getattr(tokenizer, "name_or_path", None)
+    return f"the chat template of '{name}'" if name else "the target's chat template"
+
+
+def _refused(tokenizer, messages: list[dict], err: Exception) -> TemplateRefusedData:
+    """The error for a template that raised ``err`` on ``messages``: finds the first message whose
+    prefix the template refuses (its index and role) and gives the fix."""
+    j = len(messages) - 1
+    for k in range(len(messages)):
+        try:
+            tokenizer.apply_chat_template(messages[: k + 1], tokenize=False, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 -- any failure of the template on this prefix locates it
+            j = k
+            break
+    role = messages[j]["role"] if messages else None
+    first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
+    fix = ("set data.fold_system_into_user: true (folds the system message into the first user turn), "
+           "or use data without system messages" if role == "system" else
+           "use data whose roles this template accepts, or a target whose template does")
+    return TemplateRefusedData(
+        f"{_template_name(tokenizer)} raised {type(err).__name__}: {err} on message {j} (role {role!r}) of the "
+        f"conversation whose first user turn starts {first_user[:60]!r}; {fix}"
+    )
+
+
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 -- only the template's own errors are re-raised as bad data
+        import jinja2
+
+        if not isinstance(e, jinja2.TemplateError):
+            raise
+        raise _refused(tokenizer, messages, e) from e
     if not isinstance(text, str):
         raise TemplateError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
     return text
@@ -72,6 +114,9 @@ def build_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
 
     Returns:
         list[int] of prompt token ids (length = prompt tokens).
+
+    Raises:
+        TemplateRefusedData: the template raised on the conversation (see :func:`tokenize_conversation`).
     """
     return _ids(tokenizer, [_render(tokenizer, _template_messages(messages), True)])[0]
 
@@ -132,6 +177,8 @@ def tokenize_conversation(
         TemplateError: the history is not prefix-stable, the template does not render an
             assistant content verbatim, no special end-of-turn token follows it, or the
             tokenizer merges text across a span boundary (names the message index).
+        TemplateRefusedData: the template raised on the conversation (e.g. a system role it does
+            not support; names the template, the message index and role, and the fix).
         ValueError: no assistant message; unknown ``overlong`` policy.
     """
     if overlong not in ("truncate", "drop"):

@@ -5,7 +5,7 @@ Usage::
     peagle-train run recipes/smollm2-135m.yaml [section.key=value ...] [--overwrite]
     peagle-train {prepare,cache,train,export,eval} RECIPE [overrides ...]
     peagle-train prepare RECIPE --regen-worker 0/2   # + 1/2 on another GPU, then a plain prepare
-    peagle-train check EXPORT_DIR
+    peagle-train check EXPORT_DIR [--target TARGET_DIR_OR_CONFIG] [--num-speculative-tokens K]
     peagle-train push EXPORT_DIR REPO_ID [--public] [--dry-run]
 
 Exit status 2 with a one-paragraph message for invalid recipes and bad input;
@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(run one per GPU, then a plain 'prepare' tokenises), e.g. 0/2 and 1/2")
     c = sub.add_parser("check", help="contract-check an export directory against vLLM's loader")
     c.add_argument("export_dir")
+    c.add_argument("--target", default=None, metavar="TARGET",
+                   help="also check against the target: a local Hugging Face model directory or its config.json "
+                        "(only the config is read): aux layer ids, hidden size, vocab, bos/eos ids")
+    c.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="the K it will be served with; refused above the trained K of a parallel-drafting export")
     h = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
     h.add_argument("export_dir")
     h.add_argument("repo_id")
@@ -73,13 +78,11 @@ def _stage(args) -> object:
     if args.command == "cache":
         return str(stages.run_cache(cfg, progress))
     if args.command == "train":
-        from peagle_train.trainer.trainer import run_train
-
-        m = run_train(cfg, progress)
+        m = stages.run_train(cfg, progress)  # the trainer with the stage's start/end lines
         return {k: v for k, v in m.items() if k != "history"}
     if args.command == "export":
-        return str(stages.run_export(cfg))
-    return {**stages.run_eval(cfg), "report": report}
+        return str(stages.run_export(cfg, progress))
+    return {**stages.run_eval(cfg, progress), "report": report}
 
 
 ALLOC_CONF_DEFAULT = "expandable_segments:True"
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in STAGES:
         default_allocator_conf()  # before anything allocates on a GPU
+    from data_prep.sources import DataError
     from peagle_train.core.config import ConfigError
     from peagle_train.features.cache import CacheError
     from peagle_train.features.target import TargetLoadError
@@ -126,16 +130,25 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "check":
             from peagle_train.export.check import check_export
 
-            problems = check_export(args.export_dir)
+            problems = check_export(args.export_dir, target=args.target,
+                                    num_speculative_tokens=args.num_speculative_tokens)
             for pr in problems:
                 print(f"FAIL {pr}")
             print("OK: export matches the vLLM contract" if not problems else f"{len(problems)} problem(s)")
             return 1 if problems else 0
         else:
-            from peagle_train.export.hub import push_to_hub
+            from peagle_train.export.check import ExportCheckError
+            from peagle_train.export.hub import HubPushError, push_to_hub
 
-            result = push_to_hub(args.export_dir, args.repo_id, private=not args.public, dry_run=args.dry_run)
-    except (ConfigError, FileNotFoundError, TargetLoadError, CacheError) as e:
+            try:
+                result = push_to_hub(args.export_dir, args.repo_id, private=not args.public, dry_run=args.dry_run)
+            except ExportCheckError as e:  # what `check` reports: the problems, exit 1
+                print(f"peagle-train: push refused: {e}", file=sys.stderr)
+                return 1
+            except HubPushError as e:  # no token, bad repo id, Hub refusal: the message never holds the token
+                print(f"peagle-train: error: {e}", file=sys.stderr)
+                return 2
+    except (ConfigError, FileNotFoundError, TargetLoadError, CacheError, DataError) as e:  # names file/row/key + fix
         print(f"peagle-train: error: {e}", file=sys.stderr)
         return 2
     if isinstance(result, dict) and "datasets" in result:  # eval / run: a short acceptance table
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ds in result["datasets"].items():
             print(f"{name}: " + "  ".join(f"K={r['K']} AL={r['acceptance_length']:.2f}" for r in ds["by_K"]))
         print(f"full report: {result['report']}")
-    elif result is not None:
+    elif result is not None and args.command != "push":  # push printed its own file list
         print(json.dumps(result, indent=1, default=str)[:4000])
     return 0
 

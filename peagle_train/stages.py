@@ -7,9 +7,13 @@ that already holds a run of a *different* recipe is refused before any work.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import os
 import shutil
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import yaml
@@ -25,6 +29,48 @@ _TRAINED = ("drafter", "checkpoints", "export", "eval", "train_metrics.json")  #
 # keys that change logging/bookkeeping or the time budget, not what is computed: a run may continue with new values
 _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", "train.save_every",
                       "train.keep_last", "train.eval_sequences", "train.max_minutes"}
+#: the running stage's end line when it did no work (set by :func:`_reused`), None outside a stage
+_OUTCOME: ContextVar[list[str] | None] = ContextVar("stage_outcome", default=None)
+
+
+def _reused(why: str, verb: str = "reused") -> None:
+    """Called inside a stage: its end line reads ``<stage>: <verb> (<why>)`` instead of ``done in X s``."""
+    note = _OUTCOME.get()
+    if note is not None:
+        note[:] = [f"{verb} ({why})"]
+
+
+def stage_lines(name: str):
+    """Decorator of a stage function: one line when it starts and one when it ends.
+
+    ``<name>: started`` before the call; after it ``<name>: done in 12.3 s`` or, when the stage
+    called :func:`_reused` (its work was already there), ``<name>: reused (why)``. A stage that
+    raises prints no end line. Lines go to stdout, only when the call's ``progress`` argument is
+    true (``--quiet`` silences them) and only on the main process of a distributed launch
+    (``RANK`` unset or 0), so every stage of ``peagle-train run`` is announced once.
+    """
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            show = bool(bound.arguments.get("progress", True)) and int(os.environ.get("RANK", "0")) == 0
+            if show:
+                print(f"{name}: started", flush=True)
+            note: list[str] = []
+            token = _OUTCOME.set(note)
+            t0 = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _OUTCOME.reset(token)
+            if show:
+                print(f"{name}: {note[0] if note else f'done in {time.perf_counter() - t0:.1f} s'}", flush=True)
+            return result
+        return run
+    return wrap
 
 
 def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
@@ -73,6 +119,7 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     return out
 
 
+@stage_lines("prepare")
 def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, int] | None = None) -> dict:
     """Load prompts, regenerate responses with the target, tokenise with assistant-only masks.
 
@@ -115,6 +162,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     # the drafter section may have changed since (claim_output_dir allows it) and train is next
     validate_against_target(cfg, target_config(cfg))
     if (out / "meta.json").exists():
+        _reused("data/meta.json exists")
         return json.loads((out / "meta.json").read_text())
     target = load_target(cfg.target)
     t0 = time.perf_counter()
@@ -219,8 +267,10 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
         reports.append(saved["report"])
     if worker is not None:
         return mine
-    summed = {k: sum(r[k] for r in reports) for k in ("conversations_in", "conversations_out", "generated_tokens",
-                                                     "prompts_too_long", "unfinished_responses")}
+    # unfinished_reasoning: responses cut inside their reasoning (data_prep.rounds); 0 in shards written before it
+    summed = {k: sum(r.get(k, 0) for r in reports) for k in ("conversations_in", "conversations_out", "generated_tokens",
+                                                            "prompts_too_long", "unfinished_responses",
+                                                            "unfinished_reasoning")}
     secs = sum(r["generate_seconds"] for r in reports)
     summed.update(generate_seconds=secs, tokens_per_s=summed["generated_tokens"] / secs if secs else None,
                   sampling=reports[0]["sampling"] if reports else None, shards=len(reports))
@@ -246,6 +296,7 @@ def eval_prompt_ids(rows: list[dict]) -> list[list[int]]:
     return [[int(t) for t in r["input_ids"][:first_supervised(r["loss_mask"])]] for r in listed]
 
 
+@stage_lines("cache")
 def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     """Write the hidden-state cache for both splits (``features: cache`` only; resumable, self-repairing).
 
@@ -269,6 +320,7 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     from peagle_train.features.tokenized import load_prepared
 
     if cfg.train.features != "cache":
+        _reused("train.features: online, the trainer runs the target", verb="skipped")
         return None
     root = Path(cfg.output_dir) / "features"
     data = load_prepared(Path(cfg.output_dir))
@@ -290,16 +342,25 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
                     batch_size=cfg.regen.batch_size, progress=progress)
         if damaged:
             print(f"cache: {d}: rebuilt {', '.join(name for name, _ in damaged)}")
+    if target is None:  # no split needed the target: both were complete and intact
+        _reused("features/train and features/eval complete, checksums verified")
     return root
 
 
 def _card(cfg: RunConfig, eval_results: dict | None = None) -> dict:
-    """Model-card sections from the run's files: training metrics, data report, recipe, eval table."""
+    """Model-card sections from the run's files: training metrics, the dataset's name and counts
+    (never its local path: :func:`~peagle_train.export.model_card.data_summary`), recipe, eval table,
+    and what the serve command names: the target's Hub id or path and the export's absolute path."""
+    from peagle_train.export.model_card import data_summary, target_refs
+
     out = Path(cfg.output_dir)
     metrics = json.loads((out / "train_metrics.json").read_text()) if (out / "train_metrics.json").exists() else {}
     meta = json.loads((out / "data" / "meta.json").read_text()) if (out / "data" / "meta.json").exists() else {}
-    card = {"train": {k: v for k, v in metrics.items() if k != "history"}, "data": meta,
-            "recipe": cfg.model_dump(mode="json")}
+    serve_target, target_hub_id = target_refs(cfg.target.path, cfg.target.name, cfg.export.verifier)
+    card = {"train": {k: v for k, v in metrics.items() if k != "history"},
+            "data": data_summary(meta, cfg.data.source, cfg.data.path) if meta else {},
+            "recipe": cfg.model_dump(mode="json"), "drafter_path": str((out / "export").absolute()),
+            "serve_target": serve_target, "target_hub_id": target_hub_id}
     if eval_results:
         card["eval"] = [
             {"dataset": name, "K": row["K"], "acceptance length": row["acceptance_length"],
@@ -310,31 +371,40 @@ def _card(cfg: RunConfig, eval_results: dict | None = None) -> dict:
     return card
 
 
-def run_export(cfg: RunConfig) -> Path:
-    """Export ``<output_dir>/drafter`` to ``<output_dir>/export`` in vLLM's layout (spec §5), contract-checked."""
+@stage_lines("export")
+def run_export(cfg: RunConfig, progress: bool = True) -> Path:
+    """Export ``<output_dir>/drafter`` to ``<output_dir>/export`` in vLLM's layout (spec §5), contract-checked.
+
+    ``progress``: print the stage's start and end lines (:func:`stage_lines`)."""
     import torch
     from transformers import AutoTokenizer
 
-    from peagle_train.export.writer import export_vllm
+    from peagle_train.export.writer import TargetMismatchError, export_vllm, load_drafter_folder
     from peagle_train.features.target import materialise_target
-    from peagle_train.model.checkpoint import load_drafter_dir
 
     out = Path(cfg.output_dir)
-    drafter = load_drafter_dir(out / "drafter")
+    drafter = load_drafter_folder(out / "drafter")  # ConfigError for a folder that is not a drafter
     tpath = materialise_target(cfg.target)
     tok = AutoTokenizer.from_pretrained(str(tpath))
+    tcfg = target_config(cfg)  # cross-checked: aux ids inside its layers, hidden size, vocab; bos/eos copied
     card = _card(cfg)
-    path = export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name,
-                       dtype=getattr(torch, cfg.export.dtype), card=card, overwrite=True)
-    if cfg.export.speculators_format:
-        from peagle_train.export.writer import export_speculators
+    if cfg.export.speculators_format and cfg.export.verifier is None:
+        raise ConfigError(f"{cfg.source_file}: export.speculators_format needs export.verifier "
+                          "(the target's Hub id: vLLM refuses a local verifier path)")
+    try:
+        path = export_vllm(drafter, out / "export", tokenizer=tok, target_name=cfg.target.name, target_config=tcfg,
+                           dtype=getattr(torch, cfg.export.dtype), card=card, overwrite=True)
+        if cfg.export.speculators_format:
+            from peagle_train.export.writer import export_speculators
 
-        if cfg.export.verifier is None:
-            raise ConfigError(f"{cfg.source_file}: export.speculators_format needs export.verifier "
-                              "(the target's Hub id: vLLM refuses a local verifier path)")
-        export_speculators(drafter, out / "export-speculators", tokenizer=tok, target_name=cfg.target.name,
-                           verifier_name_or_path=cfg.export.verifier, dtype=getattr(torch, cfg.export.dtype),
-                           overwrite=True)
+            spec_dir = out / "export-speculators"
+            export_speculators(drafter, spec_dir, tokenizer=tok, target_name=cfg.target.name,
+                               verifier_name_or_path=cfg.export.verifier, target_config=tcfg,
+                               dtype=getattr(torch, cfg.export.dtype), overwrite=True,
+                               card={**card, "drafter_path": str(spec_dir.absolute())})
+    except TargetMismatchError as e:
+        raise ConfigError(f"{cfg.source_file}: target {cfg.target.name!r} is not the target "
+                          f"{out / 'drafter'} was trained for: {e}") from None
     return path
 
 
@@ -356,8 +426,11 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
     return [TokenPrompt(tuple(p)) for p in json.loads(path.read_text())[:n]]
 
 
-def run_eval(cfg: RunConfig) -> dict:
-    """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``."""
+@stage_lines("eval")
+def run_eval(cfg: RunConfig, progress: bool = True) -> dict:
+    """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``.
+
+    ``progress``: the stage lines (:func:`stage_lines`) and the evaluator's bars per dataset × K."""
     from data_prep.eval_prompts import load_eval_prompts
     from peagle_train.eval import evaluate
     from peagle_train.export.model_card import render_model_card
@@ -370,7 +443,7 @@ def run_eval(cfg: RunConfig) -> dict:
     results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
                                 drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
                                 load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
-                                else load_eval_prompts(name, n))
+                                else load_eval_prompts(name, n), progress=progress)
     # the model card carries the eval table next to the serve command
     export_cfg = json.loads((out / "export" / "config.json").read_text())
     readme = render_model_card(export_cfg, target_name=cfg.target.name, model_ref="export", card=_card(cfg, results))
@@ -378,15 +451,32 @@ def run_eval(cfg: RunConfig) -> dict:
     return results
 
 
-def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> dict:
-    """prepare → cache → train → export → eval; returns the eval summary."""
-    from peagle_train.trainer.trainer import run_train
+@stage_lines("train")
+def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None) -> dict:
+    """The train stage with its start and end lines: :func:`peagle_train.trainer.trainer.run_train`.
 
+    A run that already finished (``train_metrics.json`` and ``drafter/config.json``, no
+    ``stop_at``) is not trained again; it is reported by the stage's end line, ``train: reused
+    (...)``, in place of the trainer's own message.
+    """
+    from peagle_train.trainer.trainer import run_train as train
+
+    out = Path(cfg.output_dir)
+    finished = stop_at is None and (out / "train_metrics.json").exists() and (out / "drafter" / "config.json").exists()
+    if finished:
+        steps = json.loads((out / "train_metrics.json").read_text()).get("steps")
+        _reused(f"{out} already holds a finished run of {steps} steps: train_metrics.json and drafter/; "
+                "delete train_metrics.json or pass --overwrite to train again")
+    return train(cfg, progress and not finished, stop_at)
+
+
+def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> dict:
+    """prepare → cache → train → export → eval, each announced by :func:`stage_lines`; returns the eval summary."""
     claim_output_dir(cfg, overwrite)
     run_prepare(cfg, progress)
     run_cache(cfg, progress)
     run_train(cfg, progress)
-    path = run_export(cfg)
+    path = run_export(cfg, progress)
     if progress:
         print(f"export: {path} (vLLM layout, contract check passed)")
-    return run_eval(cfg)
+    return run_eval(cfg, progress)

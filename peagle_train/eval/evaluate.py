@@ -7,6 +7,10 @@ have two user turns; with ``both_turns`` turn 2 is asked with the history
 ``[user 1, assistant = the target's own greedy turn-1 answer, user 2]``, as FastChat's MT-Bench
 does.
 
+Per dataset, target-alone decoding of every sequence (prompt turn) runs first, then each ``K``
+over the same sequences; with ``progress`` each of these passes shows a tqdm bar (sequences done,
+generated tokens/s).
+
 Aggregation (pooled over all sequences of a dataset):
 
 * acceptance length ``AL = mean(accepted + 1)`` over verification rounds;
@@ -120,6 +124,19 @@ def _top2_margin(target: Target, prompt: list[int], ref: list[int], pos: int) ->
     return float(top[0] - top[1])
 
 
+def _bar(total: int, desc: str, progress: bool):
+    """A tqdm bar over ``total`` decoded sequences (one sequence = one prompt turn); hidden unless ``progress``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="seq", disable=not progress)
+
+
+def _advance(bar, tokens: int, seconds: float) -> None:
+    """One more sequence done; the postfix shows the bar's generated tokens per second so far."""
+    bar.update(1)
+    bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds > 0 else "n/a")
+
+
 def _pool(stats: list[SpecStats], base_tokens: int, base_s: float, K: int, mismatches: int) -> dict:
     accepted = [a for s in stats for a in s.accepted]
     steady = [t for s in stats for t in s.draft_s[1:]]
@@ -157,6 +174,7 @@ def run_eval(
     load_prompts: PromptLoader | None = None,
     encode: Callable[[list[dict]], list[int]] | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    progress: bool = True,
 ) -> dict:
     """Evaluate a drafter against its target and write the report.
 
@@ -170,6 +188,8 @@ def run_eval(
         encode: chat messages → prompt ids (default ``data_prep.template.build_prompt_ids`` with the
             target's tokenizer). decode: answer ids → text for turn 2's history (default the
             tokenizer's ``decode(skip_special_tokens=True)``).
+        progress: show a tqdm bar per dataset for target-alone decoding and one per dataset × K
+            (sequences done of the dataset, generated tokens/s in the postfix); False: silent.
 
     Returns:
         The results dict also written to ``eval.json`` (keys: ``target``, ``drafter``, ``method``,
@@ -197,18 +217,18 @@ def run_eval(
     ks = list(range(1, cfg.k_max + 1))
     mismatches: list[dict] = []
     checked = 0
-    datasets = {}
+    datasets: dict[str, dict] = {}
     warmed = False
     for name in cfg.datasets:
         prompts = load_prompts(name, cfg.num_prompts)
         base = TargetStats()
-        per_k: dict[int, list[SpecStats]] = {k: [] for k in ks}
-        bad_k = {k: 0 for k in ks}
-        n_seq = 0
-        for pi, turns in enumerate(prompts):
+        # target alone first: each sequence's prompt ids and greedy reference (turn 2's history needs turn 1's)
+        seqs: list[tuple[int, int, list[int], list[int]]] = []  # (prompt, turn, ids, reference)
+        steps = [[t] if isinstance(t, TokenPrompt) else t[: 2 if cfg.both_turns else 1] for t in prompts]
+        bar = _bar(sum(map(len, steps)), f"eval[{name}] target alone", progress)
+        for pi, turns in enumerate(steps):
             history: list[dict] = []
-            steps = [turns] if isinstance(turns, TokenPrompt) else turns[: 2 if cfg.both_turns else 1]
-            for ti, user in enumerate(steps):
+            for ti, user in enumerate(turns):
                 if isinstance(user, TokenPrompt):
                     ids = list(user.ids)
                 else:
@@ -221,27 +241,37 @@ def run_eval(
                 ref, bst = target_generate(target, ids, cfg.max_new_tokens, eos_token_id=eos)
                 base.new_tokens += bst.new_tokens
                 base.total_s += bst.total_s
-                n_seq += 1
-                for k in ks:
-                    out, st = speculative_generate(target, drafter, ids, k, cfg.max_new_tokens, eos_token_id=eos)
-                    per_k[k].append(st)
-                    checked += 1
-                    if out != ref:
-                        pos = _first_diff(ref, out)
-                        bad_k[k] += 1
-                        mismatches.append({
-                            "dataset": name, "prompt": pi, "turn": ti + 1, "K": k, "position": pos,
-                            "target_token": ref[pos] if pos < len(ref) else None,
-                            "speculative_token": out[pos] if pos < len(out) else None,
-                            "target_len": len(ref), "speculative_len": len(out),
-                            "target_top2_margin": _top2_margin(target, ids, ref, pos),
-                        })
+                seqs.append((pi, ti, ids, ref))
+                _advance(bar, base.new_tokens, base.total_s)
                 if not isinstance(user, TokenPrompt):
                     answer = [t for t in ref if eos is None or t not in eos]
                     history.append({"role": "assistant", "content": decode(answer)})
+        bar.close()
+        per_k: dict[int, list[SpecStats]] = {k: [] for k in ks}
+        bad_k = {k: 0 for k in ks}
+        found: list[dict] = []
+        for k in ks:
+            bar = _bar(len(seqs), f"eval[{name}] K={k}", progress)
+            for pi, ti, ids, ref in seqs:
+                out, st = speculative_generate(target, drafter, ids, k, cfg.max_new_tokens, eos_token_id=eos)
+                per_k[k].append(st)
+                checked += 1
+                _advance(bar, sum(s.new_tokens for s in per_k[k]), sum(s.total_s for s in per_k[k]))
+                if out != ref:
+                    pos = _first_diff(ref, out)
+                    bad_k[k] += 1
+                    found.append({
+                        "dataset": name, "prompt": pi, "turn": ti + 1, "K": k, "position": pos,
+                        "target_token": ref[pos] if pos < len(ref) else None,
+                        "speculative_token": out[pos] if pos < len(out) else None,
+                        "target_len": len(ref), "speculative_len": len(out),
+                        "target_top2_margin": _top2_margin(target, ids, ref, pos),
+                    })
+            bar.close()
+        mismatches += sorted(found, key=lambda m: (m["prompt"], m["turn"], m["K"]))  # prompt order, then K
         datasets[name] = {
             "num_prompts": len(prompts),
-            "num_sequences": n_seq,
+            "num_sequences": len(seqs),
             "target_alone": {"new_tokens": base.new_tokens, "seconds": base.total_s, "tokens_per_s": base.tokens_per_s},
             "by_K": [_pool(per_k[k], base.new_tokens, base.total_s, k, bad_k[k]) for k in ks],
         }

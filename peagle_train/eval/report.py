@@ -78,37 +78,66 @@ def _figure(ncols: int):
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
 
 
-def plot_acceptance_by_position(results: dict, path: str | Path) -> None:
-    """One panel per dataset: acceptance rate vs draft position, one line per served K."""
+#: one marker per line, in order, so lines that coincide stay distinguishable
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def plot_acceptance_by_position(results: dict, path: str | Path):
+    """One panel per dataset: acceptance rate vs draft position, one line per served K.
+
+    Lines often coincide (a parallel drafter's K=2 and K=3 share positions 1-2), so each K gets
+    its own marker (:data:`MARKERS`, open, so one drawn over another still shows) and a small
+    horizontal offset (at most ±0.15 position) around its integer position.
+
+    Returns:
+        The ``matplotlib.figure.Figure`` (also saved to ``path``).
+    """
     names = list(results["datasets"])
     fig, axes = _figure(len(names))
     for ax, name in zip(axes, names):
-        for row in results["datasets"][name]["by_K"]:
-            pos = list(range(1, row["K"] + 1))
+        rows = results["datasets"][name]["by_K"]
+        step = min(0.3 / max(len(rows) - 1, 1), 0.08)
+        for j, row in enumerate(rows):
+            shift = (j - (len(rows) - 1) / 2) * step
+            pos = [p + shift for p in range(1, row["K"] + 1)]
             rate = [float("nan") if r is None else r for r in row["per_position_acceptance"]]
-            ax.plot(pos, rate, marker="o", label=f"K={row['K']}")
+            ax.plot(pos, rate, marker=MARKERS[j % len(MARKERS)], fillstyle="none", label=f"K={row['K']}")
         ax.set(title=name, xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05))
         ax.set_xticks(list(range(1, results["k_values"][-1] + 1)))
         ax.legend(fontsize="small")
     fig.suptitle(f"{results['drafter']}: acceptance by draft position", wrap=True, fontsize="medium")
     fig.savefig(path, dpi=100)
+    return fig
 
 
-def plot_al_speedup(results: dict, path: str | Path) -> None:
-    """Two panels: acceptance length vs K and speedup vs K, one line per dataset."""
+def plot_al_speedup(results: dict, path: str | Path):
+    """Two panels: acceptance length vs K and speedup vs K, one line (own marker) per dataset.
+
+    The AL axis runs from 1.0 (no draft ever accepted) to the largest bound ``K + 1`` (every draft
+    accepted), drawn dashed, so a difference of 0.01 looks as small as it is instead of filling an
+    autoscaled axis.
+
+    Returns:
+        The ``matplotlib.figure.Figure`` (also saved to ``path``).
+    """
     fig, (ax_al, ax_sp) = _figure(2)
-    for name, d in results["datasets"].items():
+    for j, (name, d) in enumerate(results["datasets"].items()):
         ks = [r["K"] for r in d["by_K"]]
-        ax_al.plot(ks, [r["acceptance_length"] for r in d["by_K"]], marker="o", label=name)
-        ax_sp.plot(ks, [r["speedup"] for r in d["by_K"]], marker="o", label=name)
-    ax_al.set(xlabel="served K", ylabel="acceptance length (tokens/round)", title="Acceptance length")
+        marker = MARKERS[j % len(MARKERS)]
+        ax_al.plot(ks, [r["acceptance_length"] for r in d["by_K"]], marker=marker, fillstyle="none", label=name)
+        ax_sp.plot(ks, [r["speedup"] for r in d["by_K"]], marker=marker, fillstyle="none", label=name)
+    kv = results["k_values"]
+    ax_al.plot(kv, [k + 1 for k in kv], color="grey", lw=0.8, ls="--", label="bound K + 1")
+    ax_al.set(xlabel="served K", ylabel="acceptance length (tokens/round)", title="Acceptance length",
+              ylim=(1.0, kv[-1] + 1 + 0.05 * kv[-1]))
     ax_sp.set(xlabel="served K", ylabel="speedup vs target alone", title="Speedup")
     ax_sp.axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax in (ax_al, ax_sp):
-        ax.set_xticks(results["k_values"])
+        ax.set_xticks(kv)
         ax.legend(fontsize="small")
     fig.suptitle(f"{results['drafter']} on {results['target']}", wrap=True, fontsize="medium")
     fig.savefig(path, dpi=100)
+    return fig
 
 
 def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:

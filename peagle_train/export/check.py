@@ -15,8 +15,15 @@ Both export formats are checked: a speculators-format ``config.json``
 (``speculators_model_type``) is first flattened the way vLLM flattens it
 (:func:`~peagle_train.export.check_speculators.flatten_speculators_config`), then held to the same rules.
 
+With a target (``check_export(..., target=...)``, ``peagle-train check DIR --target TARGET``)
+the export is also held against the target's own ``config.json``
+(:func:`check_against_target`: aux layer ids inside the target, hidden size, vocab, bos/eos ids);
+with a served K (``num_speculative_tokens``) a parallel-drafting export refuses K above the
+trained K (``num_parallel_depths``), which vLLM never checks.
+
 Public API: :func:`check_export` (list of problems, empty = ok),
 :func:`assert_export_ok` (raises :class:`ExportCheckError`),
+:func:`check_against_target`, :func:`read_target_config`, :func:`check_served_k`,
 :func:`expected_weights`, :func:`vllm_architecture`.
 """
 from __future__ import annotations
@@ -27,9 +34,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from peagle_train.core.config import ConfigError
 from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, safetensors_name
 from peagle_train.export.check_speculators import check_speculators, flatten_speculators_config
-from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE, is_int
+from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE, is_int, not_a_drafter_message
 
 #: Target fields that must never reach a drafter config (spec §5): each changes
 #: what vLLM builds (sliding-window layer 0, quantised weights, logit scaling...).
@@ -418,7 +426,99 @@ def _check_weights(cfg: dict, tensors: dict, problems: list[str], check_values: 
                       f"training run)")
 
 
-def check_export(path: str | Path, *, check_values: bool = True) -> list[str]:
+def read_target_config(target: str | Path) -> dict:
+    """The target's ``config.json`` as a dict, read alone (no weights, no model code).
+
+    Args:
+        target: a local Hugging Face model directory (holding ``config.json``) or the path of
+            a ``config.json`` file.
+
+    Raises:
+        FileNotFoundError: neither a directory with ``config.json`` nor a file.
+        ConfigError: the file is not a JSON object (the CLI maps both to exit 2).
+    """
+    p = Path(target)
+    f = p / CONFIG_FILE if p.is_dir() else p
+    if not f.is_file():
+        raise FileNotFoundError(f"target '{target}': no {CONFIG_FILE} there; pass a local Hugging Face model "
+                                f"directory or the path of its {CONFIG_FILE}")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"target config '{f}' is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"target config '{f}': the top level must be a JSON object")
+    return cfg
+
+
+def _target_field(target_cfg: dict, key: str):
+    """``target_cfg[key]``, or the same field of its ``text_config`` (multimodal targets nest the LM there)."""
+    if target_cfg.get(key) is not None:
+        return target_cfg[key]
+    text = target_cfg.get("text_config")
+    return text.get(key) if isinstance(text, dict) else None
+
+
+def check_against_target(cfg: dict, target_cfg: dict) -> list[str]:
+    """What the export's (flat, vLLM-layout) ``config.json`` must share with its target's config.
+
+    Checks every aux layer id ``< num_hidden_layers`` of the target (vLLM taps the input residual
+    of those target layers), ``target_hidden_size == hidden_size``, ``vocab_size`` equal, and the
+    ``bos_token_id`` / ``eos_token_id`` the export records equal to the target's. A field the
+    target config lacks is not checked.
+
+    Args:
+        cfg: the export's config (a speculators-format one flattened first).
+        target_cfg: the target's ``config.json`` dict (:func:`read_target_config`, or
+            ``PretrainedConfig.to_dict()``).
+
+    Returns:
+        Problems naming the field and both values; empty when they agree.
+    """
+    problems: list[str] = []
+    P = problems.append
+    f = CONFIG_FILE
+    L = _target_field(target_cfg, "num_hidden_layers")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if is_int(L) and isinstance(ids, list):
+        bad = [i for i in ids if is_int(i) and not 0 <= i < L]
+        if bad:
+            P(f"{f}: eagle_aux_hidden_state_layer_ids {ids} has {bad} outside the target's num_hidden_layers = "
+              f"{L} (valid ids 0..{L - 1}); the drafter was trained on another target. Export the drafter "
+              f"trained for this target")
+    for ours, theirs in (("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+        a, b = cfg.get(ours), _target_field(target_cfg, theirs)
+        if a is not None and b is not None and a != b:
+            P(f"{f}: {ours}={a!r} but the target config has {b!r} ({theirs}); the drafter was built for "
+              f"another target (spec §5: these must equal the target's)")
+    for k in ("bos_token_id", "eos_token_id"):
+        a, b = cfg.get(k), _target_field(target_cfg, k)
+        if a is not None and b is not None and a != b:
+            P(f"{f}: {k}={a!r} but the target config has {b!r} ({k}); re-export with the target's config")
+    return problems
+
+
+def check_served_k(cfg: dict, num_speculative_tokens: int) -> list[str]:
+    """Problems of serving this export with ``num_speculative_tokens`` (the served K).
+
+    A parallel-drafting (P-EAGLE) export predicts depths ``0..K-1`` of the trained K
+    (``num_parallel_depths``); vLLM never compares the served K with it, so a larger K drafts
+    depths the model never learned. An EAGLE-3 export drafts autoregressively: any K >= 1.
+    """
+    f = CONFIG_FILE
+    k = num_speculative_tokens
+    if not is_int(k) or k < 1:
+        return [f"num_speculative_tokens must be an integer >= 1 (got {k!r})"]
+    trained = cfg.get("num_parallel_depths")
+    if is_parallel(cfg) and is_int(trained) and k > trained:
+        return [f"{f}: num_speculative_tokens = {k} exceeds the trained K (num_parallel_depths) = {trained} of "
+                f"this parallel-drafting export; vLLM does not check it and would draft depths the model never "
+                f"learned. Serve with num_speculative_tokens <= {trained}"]
+    return []
+
+
+def check_export(path: str | Path, *, check_values: bool = True, target: str | Path | dict | None = None,
+                 num_speculative_tokens: int | None = None) -> list[str]:
     """Check an export directory against the vLLM 0.33 contract (spec §5).
 
     Verifies ``config.json`` (model_type, architectures vLLM can map, drafter
@@ -433,18 +533,30 @@ def check_export(path: str | Path, *, check_values: bool = True) -> list[str]:
     Args:
         path: the export directory.
         check_values: also load every float tensor and check it is finite.
+        target: the target the export is served with: a local model directory, a
+            ``config.json`` path (:func:`read_target_config`) or the config dict itself;
+            adds :func:`check_against_target`.
+        num_speculative_tokens: the K it will be served with; adds :func:`check_served_k`.
 
     Returns:
         Problems, one sentence each naming the file/key, what was expected, what
-        was found and what to do. Empty when the export is loadable as trained.
+        was found and what to do. Empty when the export is loadable as trained. A folder
+        whose ``config.json`` has none of the drafter fields (a target model, say) gives one
+        problem saying so.
+
+    Raises:
+        FileNotFoundError, ConfigError: ``target`` cannot be read (:func:`read_target_config`).
     """
     d = Path(path)
+    target_cfg = read_target_config(target) if isinstance(target, (str, Path)) else target
     problems: list[str] = []
     if not d.is_dir():
         return [f"{d}: not a directory"]
     cfg = _read_config(d, problems)
     if cfg is None:
         return problems
+    if "speculators_model_type" not in cfg and (msg := not_a_drafter_message(d, cfg)):
+        return [msg]
     if "speculators_model_type" in cfg:
         n_before = len(problems)
 
@@ -454,23 +566,28 @@ def check_export(path: str | Path, *, check_values: bool = True) -> list[str]:
         cfg = flatten_speculators_config(cfg)
     tensors = _read_tensor_index(d, problems)
     _check_config(cfg, problems, set(tensors or ()))
+    if target_cfg is not None:
+        problems += check_against_target(cfg, target_cfg)
+    if num_speculative_tokens is not None:
+        problems += check_served_k(cfg, num_speculative_tokens)
     if _dims(cfg, problems) is None or tensors is None:
         return problems
     _check_weights(cfg, tensors, problems, check_values)
     return problems
 
 
-def assert_export_ok(path: str | Path, *, check_values: bool = True) -> None:
-    """Raise :class:`ExportCheckError` listing every problem :func:`check_export` finds.
+def assert_export_ok(path: str | Path, *, check_values: bool = True, target: str | Path | dict | None = None) -> None:
+    """Raise :class:`ExportCheckError` listing every problem :func:`check_export` finds (``target`` as there).
 
     Raises:
         ExportCheckError: the export would not load in vLLM, or would load wrong.
     """
-    problems = check_export(path, check_values=check_values)
+    problems = check_export(path, check_values=check_values, target=target)
     if problems:
         raise ExportCheckError(Path(path), problems)
 
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "FORBIDDEN_CONFIG_FIELDS", "VLLM_EAGLE3_LLAMA_NAMES", "ExportCheckError",
-           "WeightTable", "assert_export_ok", "check_export", "expected_weights",
+           "WeightTable", "assert_export_ok", "check_against_target", "check_export", "check_served_k",
+           "expected_weights", "read_target_config",
            "is_parallel", "vllm_architecture"]

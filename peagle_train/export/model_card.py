@@ -22,25 +22,142 @@ spec §5 for vLLM 0.33. Optional sections come from the ``card`` dict passed to
   its scalars are listed under Training and, when ``metrics`` is not given, its
   ``final.eval_acc`` / ``final.eval_cond_acc`` give the per-depth table.
 * ``recipe``: the resolved run config (dict), shown in a collapsed YAML block.
-* ``model_id``: how the drafter is named in the serve command (a Hub id);
-  default: the export directory's name.
+* ``model_id``: the drafter's Hub repo id, named in the serve command (set by
+  :func:`peagle_train.export.hub.push_to_hub`); default: ``drafter_path``.
+* ``drafter_path``: the export's absolute local path, named in the serve command when
+  there is no ``model_id``; default: the ``model_ref`` argument (the writer passes the
+  absolute export directory).
+* ``serve_target``: the target as ``vllm serve`` takes it (a Hub id or a local model
+  directory); default: ``target_name``. ``target_hub_id``: the target's Hub id, used
+  instead of a local ``serve_target`` in the card that is pushed to the Hub.
 * ``license``: SPDX id for the front matter. ``notes``: free text appended.
+
+The serve command is runnable as written: it names the target's Hub id or path and the
+drafter's Hub repo id or absolute path, and the card says which each is. Everything else
+(``data``, ``training``, ``train``, ``recipe``, ``eval``, ``notes``) is published as
+it is, so local paths, home folders and tokens in them are redacted
+(:func:`redact_local_paths`); :func:`data_summary` keeps only a dataset's name and counts.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 from peagle_train.methods import method_of_config
 from peagle_train.peagle.metrics import simulated_acceptance_lengths
 
-CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id", "license", "notes")
+CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id", "drafter_path", "serve_target",
+             "target_hub_id", "license", "notes")
+
+#: the target in a published serve command when only a local folder of it was known (the card says to fill it in).
+TARGET_PLACEHOLDER = "<TARGET_HUB_ID_OR_PATH>"
+#: what stands in the published card for a redacted local path, home folder or token.
+REDACTED = "<local path>"
+# an absolute POSIX path (/root, /home/user/x) or a home-relative one (~/x), not part of a URL or a
+# relative path (a/b), nor a lone slash between words ("H / T")
+_ABS_PATH = re.compile(r"(?<![\w.:/~-])(?:~(?=/)|~[A-Za-z_][\w.-]*(?=/)|)/(?:[\w.@+-]+/?)+")
+_WIN_PATH = re.compile(r"(?<![\w])[A-Za-z]:\\[^\s`'\"|)]*")
+_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 
 
 def _floats(xs) -> list[float]:
     """Floats of a per-depth list read back from strict JSON, where ``null`` stands for NaN (a depth
     without supervised elements, or one no chain reached: :func:`~peagle_train.core.atomic.finite_or_none`)."""
     return [float("nan") if x is None else float(x) for x in xs]
+
+
+def redact_local_paths(text: str) -> str:
+    """``text`` with absolute and home-relative paths, Windows paths and Hub tokens (``hf_...``, and
+    the value of ``$HF_TOKEN``) replaced by :data:`REDACTED`: what a published card must never hold."""
+    tok = os.environ.get("HF_TOKEN")
+    if tok:
+        text = text.replace(tok, "<token>")
+    text = _TOKEN.sub("<token>", text)
+    text = _WIN_PATH.sub(REDACTED, text)
+    return _ABS_PATH.sub(REDACTED, text)
+
+
+def public_value(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, scalars) with :func:`redact_local_paths` applied to every string."""
+    if isinstance(obj, str):
+        return redact_local_paths(obj)
+    if isinstance(obj, dict):
+        return {public_value(k) if isinstance(k, str) else k: public_value(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [public_value(v) for v in obj]
+    return obj
+
+
+def is_local_path(ref: str) -> bool:
+    """Whether a model reference names a local folder (absolute, ``~``, ``./``, or existing) rather than a Hub id."""
+    return (os.path.isabs(ref) or ref.startswith(("~", "./", "../")) or Path(ref).exists()) if ref else False
+
+
+def dataset_name(source: str, path: str | None) -> str:
+    """How a dataset is named in a published card: the Hub dataset id or ``pkg:`` file as given, a
+    local file by its file name only (never its folders), or the source's default."""
+    if not path:
+        return f"{source} (the source's default dataset)"
+    if is_local_path(path) or "\\" in path:
+        return f"{source}: {Path(path.replace(chr(92), '/')).name} (local file)"
+    return f"{source}: {path}"
+
+
+def target_refs(path: str | None, name: str, hub_id: str | None = None) -> tuple[str, str | None]:
+    """``(serve_target, target_hub_id)`` of a recipe's target (card keys of the same names).
+
+    Args:
+        path: ``target.path`` (a local model directory or a Hub id), None for a GGUF target.
+        name: ``target.name``: what a GGUF target is served as.
+        hub_id: the target's Hub id when the recipe knows it (``export.verifier``).
+
+    Returns:
+        The target as the local card's serve command names it (a local directory made
+        absolute, else the Hub id, else the name) and its Hub id for the published card
+        (None when only a local folder is known).
+    """
+    if path:
+        if is_local_path(path):
+            return str(Path(path).expanduser().absolute()), hub_id
+        return path, hub_id or path
+    return name, hub_id or name
+
+
+def _counts(d: Any) -> dict:
+    """The integer / float leaves of ``d`` (nested dicts kept), every string dropped."""
+    out = {}
+    for k, v in (d or {}).items() if isinstance(d, dict) else ():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[k] = v
+        elif isinstance(v, dict) and (sub := _counts(v)):
+            out[k] = sub
+    return out
+
+
+def data_summary(meta: dict, source: str, path: str | None) -> dict:
+    """The training-data section of a card: the dataset's name and counts only.
+
+    Args:
+        meta: ``data/meta.json`` of a run (``source`` report, ``splits``).
+        source: the recipe's ``data.source``. path: its ``data.path`` (a local file, Hub name or None).
+
+    Returns:
+        ``{"dataset": name, "source": {counts}, "splits": {split: {counts}}}``: numbers only
+        besides the name, so no local path, user name or token can leak from the report.
+    """
+    out: dict = {"dataset": dataset_name(source, path)}
+    if (src := _counts(meta.get("source"))):
+        out["source"] = src
+    splits = {name: _counts({k: v for k, v in sp.items() if k not in ("regeneration", "reasoning")})
+              for name, sp in (meta.get("splits") or {}).items() if isinstance(sp, dict)}
+    if splits:
+        out["splits"] = splits
+    return out
 
 
 def _per_depth(metrics: Any) -> tuple[list[float], list[float] | None]:
@@ -88,13 +205,43 @@ def serve_command(target_name: str, model_ref: str, K: int, parallel_drafting: b
     return f"vllm serve {target_name} --speculative-config '{json.dumps(spec)}'"
 
 
+def drafter_ref_note(drafter_ref: str, on_hub: bool) -> str:
+    """The card's sentence saying what the serve command's ``model`` is."""
+    if on_hub:
+        return f"- `model` is the drafter's Hub repo id `{drafter_ref}`."
+    return (f"- `model` is this export's absolute local path `{drafter_ref}` (on this machine only); "
+            f"`peagle-train push` re-renders this card with the Hub repo id.")
+
+
+def target_ref_note(target_ref: str, target_name: str) -> str:
+    """The card's sentence saying what the serve command's target is (Hub id, local path, or to fill in)."""
+    if target_ref == TARGET_PLACEHOLDER:
+        return (f"- Replace `{target_ref}` with the Hub id or a local directory of the target {target_name} "
+                f"(it was a local folder when the drafter was trained).")
+    if is_local_path(target_ref):
+        return f"- The target `{target_ref}` is a local model directory (on this machine only)."
+    return f"- The target `{target_ref}` is a Hub id (or a name the serving machine resolves)."
+
+
+def serve_section(target_ref: str, target_name: str, drafter_ref: str, drafter_on_hub: bool, K: int,
+                  parallel_drafting: bool) -> list[str]:
+    """The lines of the card's serve block: the command and what its target and ``model`` are.
+
+    :func:`peagle_train.export.hub.hub_readme` swaps this block for the one with the Hub repo id,
+    so it is one function of these arguments."""
+    return ["```bash", serve_command(target_ref, drafter_ref, K, parallel_drafting), "```", "",
+            target_ref_note(target_ref, target_name), drafter_ref_note(drafter_ref, drafter_on_hub)]
+
+
 def render_model_card(config: dict, *, target_name: str, model_ref: str, card: dict | None = None) -> str:
     """Markdown model card for an export.
 
     Args:
         config: the export's ``config.json`` dict (source of K, H, T, vocab sizes, aux ids).
-        target_name: the target model (Hub id or path) the drafter serves.
-        model_ref: how the drafter is named in the serve command (overridden by ``card['model_id']``).
+        target_name: the target model's name (title, front matter); the serve command uses
+            ``card['serve_target']`` when given.
+        model_ref: how the drafter is named in the serve command: its absolute local path
+            (overridden by ``card['drafter_path']``, then by the Hub id ``card['model_id']``).
         card: optional sections, see the module docstring.
 
     Returns:
@@ -109,7 +256,11 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
         raise ValueError(f"unknown model card keys {unknown}; allowed: {list(CARD_KEYS)}")
     parallel_drafting = config.get("parallel_drafting") is True
     K = int(config.get("num_parallel_depths") or 1) if parallel_drafting else None
-    ref = card.get("model_id") or model_ref
+    on_hub = bool(card.get("model_id"))
+    ref = card.get("model_id") or card.get("drafter_path") or model_ref
+    target_ref = card.get("serve_target") or target_name
+    card = {k: (public_value(v) if k in ("data", "training", "train", "recipe", "eval", "notes") else v)
+            for k, v in card.items()}
     H, T = config.get("hidden_size"), config.get("target_hidden_size")
     V, Vd = config.get("vocab_size"), config.get("draft_vocab_size")
     method = method_of_config(config).title
@@ -133,8 +284,8 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
             f"{config.get('num_attention_heads')}, {config.get('num_key_value_heads')}, {config.get('head_dim')} |",
             f"| weights dtype | {config.get('dtype', 'n/a')} |"]
 
-    out += ["", "## Serve with vLLM (>= 0.33)", "", "```bash",
-            serve_command(target_name, ref, K if parallel_drafting else 3, parallel_drafting), "```", ""]
+    out += ["", "## Serve with vLLM (>= 0.33)", ""]
+    out += serve_section(target_ref, target_name, ref, on_hub, K if parallel_drafting else 3, parallel_drafting)
     if parallel_drafting:
         out += [f"- `num_speculative_tokens` may be any K <= **{K}** (the K trained). vLLM does not check this: "
                 f"a larger K drafts depths the model never learned.",
@@ -204,4 +355,6 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
     return "\n".join(out)
 
 
-__all__ = ["CARD_KEYS", "render_model_card", "serve_command", "simulated_acceptance_lengths"]
+__all__ = ["CARD_KEYS", "REDACTED", "TARGET_PLACEHOLDER", "data_summary", "dataset_name", "drafter_ref_note",
+           "is_local_path", "public_value", "redact_local_paths", "render_model_card", "serve_command", "serve_section",
+           "simulated_acceptance_lengths", "target_ref_note", "target_refs"]

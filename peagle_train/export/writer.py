@@ -17,7 +17,14 @@ Two formats:
 
 Both write into a temporary directory next to ``out_dir``, run the contract
 check (:mod:`peagle_train.export.check`) on it, and only then rename it into place, so
-a failed export never leaves a partial directory behind.
+a failed export never leaves a partial directory behind. Every file is written
+``0644`` and every folder ``0755`` (safetensors and ``mkdtemp`` create ``0600`` /
+``0700``), so a serving process running as another user can read the export.
+
+Beside the files vLLM reads, an export holds the hidden :data:`CARD_SOURCE_FILE`: the
+arguments of the model card's serve block, so that
+:func:`peagle_train.export.hub.push_to_hub` can re-render that block with the Hub repo id
+(hidden files are never uploaded).
 """
 from __future__ import annotations
 
@@ -33,22 +40,33 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from peagle_train.core.config import ConfigError
 from peagle_train.core.dtypes import FLOAT_EXPORT_DTYPES, SAFETENSORS_DTYPES, dtype_name
-from peagle_train.export.check import ExportCheckError, assert_export_ok, expected_weights
+from peagle_train.export.check import ExportCheckError, assert_export_ok, check_against_target, expected_weights
 from peagle_train.export.check_speculators import flatten_speculators_config, is_hub_repo_id
-from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE
-from peagle_train.export.model_card import render_model_card
+from peagle_train.export.contract import CONFIG_FILE, WEIGHTS_FILE, not_a_drafter_message
+from peagle_train.export.model_card import is_local_path, render_model_card
 from peagle_train.methods import method_of_config
 from peagle_train.model.drafter import Drafter
 
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 README_FILE = "README.md"
+#: hidden file of an export: the model card's serve-block arguments (:func:`card_source`), read by
+#: :func:`peagle_train.export.hub.hub_readme`; never uploaded (hidden).
+CARD_SOURCE_FILE = ".peagle-card.json"
+#: modes of every exported file and folder (readable by a serving process of another user).
+FILE_MODE, DIR_MODE = 0o644, 0o755
 #: torch dtypes an export may be written in (``config.json`` names them with :func:`~peagle_train.core.dtypes.dtype_name`).
 EXPORT_DTYPES = tuple(SAFETENSORS_DTYPES[code] for code in FLOAT_EXPORT_DTYPES)
 
 
 class ExportError(RuntimeError):
     """The drafter (or the requested export) cannot produce a valid vLLM checkpoint; the message says why."""
+
+
+class TargetMismatchError(ExportError):
+    """The drafter does not fit the target it is exported for (bad input, not a bug: the recipe names
+    another target than the one it was trained on); the message lists every differing field."""
 
 
 # --------------------------------------------------------------------------- config
@@ -70,25 +88,31 @@ def _rope_fields(cfg) -> dict:
     return {"rope_theta": theta, "rope_scaling": dict(scaling) if scaling else None, "rope_parameters": rp}
 
 
+def _target_dict(target_config) -> dict:
+    """A target config (a transformers config or its ``config.json`` dict) as a dict."""
+    return dict(target_config) if isinstance(target_config, dict) else target_config.to_dict()
+
+
 def _validate_against_target(cfg, target_config) -> None:
-    T = cfg.target_hidden_size
-    checks = [
-        ("vocab_size", cfg.vocab_size, target_config.vocab_size),
-        ("target_hidden_size", T, target_config.hidden_size),
-        ("max_position_embeddings", cfg.max_position_embeddings, target_config.max_position_embeddings),
-    ]
-    for name, ours, theirs in checks:
-        if ours != theirs:
-            raise ExportError(f"drafter config {name}={ours} but the target config has {theirs}; the drafter was "
-                              f"built for another target (spec §5: these must equal the target's)")
-    L = getattr(target_config, "num_hidden_layers", None)
-    ids = cfg.eagle_aux_hidden_state_layer_ids
-    if L is not None and max(ids) >= L:
-        raise ExportError(f"aux layer ids {ids} exceed the target's {L} layers")
+    """Raise :class:`ExportError` listing every field the drafter config does not share with its target
+    (:func:`~peagle_train.export.check.check_against_target`, plus ``max_position_embeddings`` and the
+    draft method's own rule)."""
+    flat = {"eagle_aux_hidden_state_layer_ids": list(cfg.eagle_aux_hidden_state_layer_ids),
+            "target_hidden_size": cfg.target_hidden_size, "vocab_size": cfg.vocab_size}
+    target = _target_dict(target_config)
+    problems = check_against_target(flat, target)
+    tmax = target.get("max_position_embeddings")
+    if tmax is not None and cfg.max_position_embeddings != tmax:
+        problems.append(f"drafter config max_position_embeddings = {cfg.max_position_embeddings} but the target's "
+                        f"max_position_embeddings = {tmax} (spec §5: must equal the target's)")
+    if problems:
+        raise TargetMismatchError("the drafter does not fit the target it is exported for:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
     try:
-        method_of_config(cfg).check_target(cfg, target_config.vocab_size)
+        if target.get("vocab_size") is not None:
+            method_of_config(cfg).check_target(cfg, target["vocab_size"])
     except ValueError as e:
-        raise ExportError(str(e)) from None
+        raise TargetMismatchError(str(e)) from None
 
 
 def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -159,9 +183,10 @@ def build_vllm_config(drafter_config, *, target_config=None, dtype: torch.dtype 
         "torch_dtype": dtype_name(dtype),
     }
     if target_config is not None:
+        target = _target_dict(target_config)
         for k in ("bos_token_id", "eos_token_id"):
-            if getattr(target_config, k, None) is not None:
-                out[k] = getattr(target_config, k)
+            if target.get(k) is not None:
+                out[k] = target[k]
     if H != T:
         out["allow_hidden_size_mismatch"] = True
     try:  # the draft method's own fields (P-EAGLE: parallel_drafting, ptd_token_id, pard_token, K)
@@ -231,7 +256,7 @@ def _atomic_dir(out: Path, overwrite: bool):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
+        _set_modes(tmp)
         if out.exists():
             if any(out.iterdir()) and not overwrite:
                 raise FileExistsError(f"export target '{out}' was filled while exporting; not overwriting")
@@ -248,6 +273,19 @@ def _atomic_dir(out: Path, overwrite: bool):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _set_modes(root: Path) -> None:
+    """``chmod`` every file under ``root`` to :data:`FILE_MODE` and every folder (``root`` too) to
+    :data:`DIR_MODE`: ``mkdtemp`` makes ``0700`` and safetensors' ``save_file`` ``0600``."""
+    os.chmod(root, DIR_MODE)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames:
+            os.chmod(os.path.join(dirpath, n), DIR_MODE)
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            if not os.path.islink(p):
+                os.chmod(p, FILE_MODE)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -284,10 +322,15 @@ def export_vllm(
         drafter: the trained :class:`~peagle_train.model.drafter.Drafter` (unwrapped).
         out_dir: destination directory; must not exist or be empty unless ``overwrite``.
         tokenizer: the target's tokenizer (its files are saved alongside), or None.
-        target_name: target model id/path, used in the model card and serve command.
-        target_config: the target's transformers config, cross-checked (optional).
+        target_name: the target's name, used in the model card (its serve command names
+            ``card['serve_target']``, default ``target_name``).
+        target_config: the target's transformers config (or its ``config.json`` dict),
+            cross-checked (optional): aux ids inside its layers, hidden size, vocab,
+            ``max_position_embeddings``; its bos/eos ids are copied.
         dtype: float dtype of the weights (bfloat16 for serving; float32 for exact round trips).
-        card: optional model-card sections (see :mod:`peagle_train.export.model_card`).
+        card: optional model-card sections (see :mod:`peagle_train.export.model_card`); the
+            serve command names the drafter by ``card['model_id']`` (a Hub id) or else by the
+            absolute ``out_dir``.
         overwrite: replace a non-empty ``out_dir``.
 
     Returns:
@@ -295,16 +338,57 @@ def export_vllm(
 
     Raises:
         FileExistsError: ``out_dir`` is non-empty and ``overwrite`` is False.
-        ExportError: the drafter cannot be expressed in vLLM's format.
+        ExportError: the drafter cannot be expressed in vLLM's format, or does not fit ``target_config``.
         ExportCheckError: the written files fail the contract check (nothing is left behind).
         ValueError: malformed ``card``.
     """
     out = _prepare_target_dir(out_dir, overwrite)
     config = build_vllm_config(drafter.config, target_config=target_config, dtype=dtype)
     tensors = export_state_dict(drafter, config, dtype)
-    readme = render_model_card(config, target_name=target_name, model_ref=out.name, card=card)
-    _write_export(out, overwrite, tokenizer, config, tensors, readme)
+    card = {"drafter_path": str(out), **(card or {})}
+    readme = render_model_card(config, target_name=target_name, model_ref=str(out), card=card)
+    _write_export(out, overwrite, tokenizer, config, tensors, readme, card_source(config, target_name, card))
     return out
+
+
+def card_source(config: dict, target_name: str, card: dict | None) -> dict:
+    """What :data:`CARD_SOURCE_FILE` records: the arguments of the card's serve block
+    (:func:`~peagle_train.export.model_card.serve_section`) as rendered locally, and the target's
+    Hub id for the published card (``card['target_hub_id']``, else ``serve_target`` when it is a
+    Hub id, else None: the pushed card then asks the reader to fill it in)."""
+    card = card or {}
+    parallel = config.get("parallel_drafting") is True
+    target_ref = card.get("serve_target") or target_name
+    hub_id = card.get("target_hub_id") or (None if is_local_path(target_ref) else target_ref)
+    return {"target_ref": target_ref, "target_name": target_name, "target_hub_id": hub_id,
+            "drafter_ref": card.get("model_id") or card.get("drafter_path"),
+            "drafter_on_hub": bool(card.get("model_id")),
+            "K": int(config.get("num_parallel_depths") or 1) if parallel else 3, "parallel_drafting": parallel}
+
+
+def load_drafter_folder(path: str | Path) -> Drafter:
+    """:func:`peagle_train.model.checkpoint.load_drafter_dir`, refusing first a folder that is not a drafter.
+
+    Raises:
+        FileNotFoundError: no ``model.safetensors`` / ``config.json`` (says to train first).
+        ConfigError: ``config.json`` is not JSON or has none of the drafter fields (a target or
+            base model folder): names the folder and the missing fields.
+    """
+    from peagle_train.model.checkpoint import load_drafter_dir
+
+    p = Path(path)
+    if (p / CONFIG_FILE).is_file():
+        try:
+            raw = json.loads((p / CONFIG_FILE).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{p / CONFIG_FILE}: not valid JSON ({e}); re-run `peagle-train train RECIPE`") from None
+        msg = not_a_drafter_message(p, raw) if isinstance(raw, dict) else f"{p / CONFIG_FILE}: not a JSON object"
+        if msg:
+            raise ConfigError(msg)
+    elif (p / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{p / CONFIG_FILE} not found: the drafter folder is incomplete; re-run "
+                                f"`peagle-train train RECIPE`")
+    return load_drafter_dir(p)
 
 
 def _llama_config_from_flat(cfg: dict) -> LlamaConfig:
@@ -384,12 +468,16 @@ def build_speculators_config(drafter_config, *, verifier_name_or_path: str, veri
     false`` (written explicitly: speculators defaults it to True for eagle3),
     ``eagle_aux_hidden_state_layer_ids``, ``mask_token_id`` (P-EAGLE; vLLM maps it
     to ``pard_token``), and ``speculators_config`` with
-    ``proposal_methods[0].speculative_tokens`` = K and the verifier path.
+    ``proposal_methods[0].speculative_tokens`` = K and the verifier path; the verifier's
+    ``architectures`` are ``verifier_architectures``, by default the target config's
+    ``architectures`` (empty without a target config).
 
     Raises:
         ExportError: as :func:`build_vllm_config`.
     """
     flat = build_vllm_config(drafter_config, target_config=target_config, dtype=dtype)
+    if verifier_architectures is None and target_config is not None:
+        verifier_architectures = _target_dict(target_config).get("architectures")
     method = method_of_config(flat)
     layer_keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "intermediate_size", "rms_norm_eps", "hidden_act", "max_position_embeddings",
@@ -460,29 +548,34 @@ def export_speculators(
                           f"paths in a speculators config. Pass verifier_name_or_path='owner/name' (serve a local "
                           f"target with --model PATH --speculative-config), or use export_vllm")
     out = _prepare_target_dir(out_dir, overwrite)
-    archs = getattr(target_config, "architectures", None) if target_config is not None else None
     config = build_speculators_config(drafter.config, verifier_name_or_path=verifier,
-                                      verifier_architectures=archs, target_config=target_config, dtype=dtype)
+                                      target_config=target_config, dtype=dtype)
     flat = flatten_speculators_config(config)
     tensors = export_state_dict(drafter, flat, dtype)
-    readme = render_model_card(flat, target_name=target_name, model_ref=out.name, card=card)
+    card = {"drafter_path": str(out), "target_hub_id": verifier, **(card or {})}
+    readme = render_model_card(flat, target_name=target_name, model_ref=str(out), card=card)
+    ref = card.get("model_id") or card["drafter_path"]
     readme += ("\nThis directory is in vLLM's *speculators* format (`speculators_model_type: "
-               f"\"{config['speculators_model_type']}\"`): `vllm serve {out.name}` reads the verifier from "
+               f"\"{config['speculators_model_type']}\"`): `vllm serve {ref}` reads the verifier from "
                "`speculators_config.verifier.name_or_path`.\n")
-    _write_export(out, overwrite, tokenizer, config, tensors, readme)
+    _write_export(out, overwrite, tokenizer, config, tensors, readme, card_source(flat, target_name, card))
     return out
 
 
-def _write_export(out: Path, overwrite: bool, tokenizer, config: dict, tensors: dict, readme: str) -> None:
-    """Write tokenizer, config, weights and card into a temp dir, contract-check it, then rename it to ``out``."""
+def _write_export(out: Path, overwrite: bool, tokenizer, config: dict, tensors: dict, readme: str,
+                  source: dict) -> None:
+    """Write tokenizer, config, weights, card and :data:`CARD_SOURCE_FILE` into a temp dir, contract-check it,
+    then give every file mode 0644 (folders 0755) and rename it to ``out``."""
     with _atomic_dir(out, overwrite) as tmp:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         _write_json(tmp / CONFIG_FILE, config)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / README_FILE).write_text(readme)
+        _write_json(tmp / CARD_SOURCE_FILE, source)
         assert_export_ok(tmp)
 
 
-__all__ = ["EXPORT_ARCHITECTURE", "ExportCheckError", "ExportError", "build_speculators_config",
-           "build_vllm_config", "export_speculators", "export_state_dict", "export_vllm", "load_exported"]
+__all__ = ["CARD_SOURCE_FILE", "DIR_MODE", "EXPORT_ARCHITECTURE", "ExportCheckError", "ExportError", "FILE_MODE",
+           "TargetMismatchError", "build_speculators_config", "build_vllm_config", "card_source",
+           "export_speculators", "export_state_dict", "export_vllm", "load_drafter_folder", "load_exported"]

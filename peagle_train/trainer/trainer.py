@@ -399,7 +399,9 @@ class Trainer(InTrainingEval, Checkpoints):
             rec["elapsed_s"] = time.perf_counter() - t_start  # wall time since fit() started (s)
             self.history.append(rec)
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", al=f"{rec['sim_al']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            # the simulated AL of this step's batch (train_sim_al), not the eval stage's measured AL
+            bar.set_postfix({"loss": f"{rec['loss']:.3f}", "sim_al(train)": f"{rec['sim_al']:.2f}",
+                             "tok_s": f"{rec['tokens_per_s']:.0f}"})
             if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
                 self._log(rec, "train")
             if rec["skipped"]:

@@ -44,13 +44,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from peagle_train.trainer import trainer as train_mod  # noqa: E402
-from peagle_train.recipe import config_from_dict
 from peagle_train.distributed.accelerator import end_process_group  # noqa: E402
 from peagle_train.distributed.strategy import full_state_dict  # noqa: E402
 from peagle_train.features.cache import CachedFeatures  # noqa: E402
 from peagle_train.features.online import OnlineFeatures  # noqa: E402
 from peagle_train.features.tokenized import load_prepared  # noqa: E402
+from peagle_train.recipe import config_from_dict
+from peagle_train.trainer import trainer as train_mod  # noqa: E402
 from peagle_train.trainer.trainer import Trainer, run_train  # noqa: E402
 
 

@@ -30,17 +30,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import end_processes, save_tiny_target, suite_processes  # noqa: E402
+
 from peagle_train.core.config import ConfigError
-from peagle_train.recipe import config_from_dict
-from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
 from peagle_train.distributed.accelerator import check_accelerator, end_process_group
 from peagle_train.distributed.batches import rank_batches
+from peagle_train.distributed.layout import Layout, requested_layout, validate_layout
 from peagle_train.features.cache import CachedFeatures
+from peagle_train.features.tokenized import load_prepared, save_tokenized
+from peagle_train.recipe import config_from_dict
 from peagle_train.stages import run_cache
-from peagle_train.features.tokenized import save_tokenized
-from peagle_train.features.tokenized import load_prepared
 from peagle_train.trainer.setup import epoch_order
 from peagle_train.trainer.trainer import Trainer, run_train
 

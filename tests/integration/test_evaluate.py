@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from peagle_train.decoding import speculative
 from peagle_train.core.config import EvalConfig
-from peagle_train.model.drafter import Drafter, make_drafter_config
-from peagle_train.eval.evaluate import LosslessError, run_eval
+from peagle_train.decoding import speculative
 from peagle_train.decoding.speculative import per_position_acceptance, speculative_generate, target_generate
+from peagle_train.eval.evaluate import LosslessError, run_eval
 from peagle_train.features.target import Target
+from peagle_train.model.drafter import Drafter, make_drafter_config
 
 V, C, MASK = 64, 5, 3
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -210,3 +210,20 @@ def test_token_prompts_are_used_verbatim_and_heldout_loader(tmp_path):
         acc = [a for p in prompts for a in
                speculative_generate(target, drafter, list(p.ids), row["K"], 10, eos_token_id=2)[1].accepted]
         assert row["rounds"] == len(acc)
+
+
+def test_run_eval_shows_a_bar_per_dataset_and_K_unless_quiet(tmp_path, capsys):
+    """The eval prints progress while it decodes: one tqdm bar for target-alone decoding and one per
+    served K of each dataset, counting the dataset's sequences, with generated tokens/s; none with
+    ``progress=False``."""
+    target, drafter = tiny_pair(K=2)
+    cfg = EvalConfig(datasets=["mt_bench"], num_prompts=2, max_new_tokens=4, k_max=2, both_turns=True)
+    run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=2,
+             load_prompts=lambda name, n: PROMPTS[:n])
+    err = capsys.readouterr().err
+    for desc in ("eval[mt_bench] target alone", "eval[mt_bench] K=1", "eval[mt_bench] K=2"):
+        assert f"{desc}: 100%" in err and f"{desc}:" in err, desc
+    assert "4/4" in err and "tok_s=" in err  # 2 prompts x 2 turns
+    run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=2,
+             load_prompts=lambda name, n: PROMPTS[:n], progress=False)
+    assert "eval[" not in capsys.readouterr().err

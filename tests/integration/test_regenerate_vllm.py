@@ -21,11 +21,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from conftest import conv  # noqa: E402
+
+from data_prep.config import RegenConfig  # noqa: E402
 from data_prep.regenerate import regenerate  # noqa: E402
 from data_prep.regenerate_vllm import ServerError, regenerate_vllm  # noqa: E402
 from data_prep.template import build_prompt_ids  # noqa: E402
-from conftest import conv  # noqa: E402
-from data_prep.config import RegenConfig  # noqa: E402
 
 #: Keys of the HF backend's report (data_prep.regenerate.regenerate).
 HF_REPORT_KEYS = {

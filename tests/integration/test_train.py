@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import save_tiny_target
+
 from peagle_train.core.config import ConfigError
-from peagle_train.recipe import config_from_dict
-from peagle_train.features.cache import CacheError, CachedFeatures
-from peagle_train.stages import run_cache
-from peagle_train.features.tokenized import save_tokenized
+from peagle_train.features.cache import CachedFeatures, CacheError
+from peagle_train.features.tokenized import load_prepared, save_tokenized
 from peagle_train.model.checkpoint import load_drafter_dir
-from peagle_train.features.tokenized import load_prepared
+from peagle_train.recipe import config_from_dict
+from peagle_train.stages import run_cache
 from peagle_train.trainer.trainer import SkippedStepsError, Trainer, run_train
 
 

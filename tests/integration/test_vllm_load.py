@@ -37,10 +37,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from peagle_train.export.check import check_export  # noqa: E402
 from peagle_train.export.writer import export_speculators, export_vllm  # noqa: E402
+
 try:  # shared tiny-drafter helpers; `tests` is a package only when the repo root is on sys.path
-    from tests.unit.test_export import AUX, K, MASK, T, V, make_drafter, target_config  # noqa: E402
+    from tests.unit.test_export import AUX, MASK, K, T, V, make_drafter, target_config  # noqa: E402
 except ImportError:  # pragma: no cover - plain `pytest` puts tests/ itself on sys.path
-    from test_export import AUX, K, MASK, T, V, make_drafter, target_config  # noqa: E402
+    from test_export import AUX, MASK, K, T, V, make_drafter, target_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -33,11 +33,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from chain_kernel import fwd_bwd  # noqa: E402  (benchmarks/, on sys.path through conftest)
+
 import peagle_train.kernels.chain_kernel as ck  # noqa: E402
-from peagle_train.peagle.masks import GridMeta, build_chain_index, invert_chain_index  # noqa: E402
 from peagle_train.kernels.attention import chain_attention  # noqa: E402
 from peagle_train.peagle.grid import pad_grid  # noqa: E402
-from chain_kernel import fwd_bwd  # noqa: E402  (benchmarks/, on sys.path through conftest)
+from peagle_train.peagle.masks import GridMeta, build_chain_index, invert_chain_index  # noqa: E402
 from tests.unit.test_attention import grid_case, make_grid  # noqa: E402
 from tests.unit.test_split_attention import case_pair, check_split_objective_matches_sdpa  # noqa: E402
 

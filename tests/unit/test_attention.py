@@ -36,10 +36,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
-from peagle_train.peagle.masks import GridMeta, allowed, build_block_mask, dense_mask, make_mask_mod
-from peagle_train.kernels.attention import AttnSpec, attend
+from peagle_train.kernels.attention import AttnSpec, attend, make_attn_spec
 from peagle_train.peagle.grid import build_grid, cod_sample
-from peagle_train.kernels.attention import make_attn_spec
+from peagle_train.peagle.masks import GridMeta, allowed, build_block_mask, dense_mask, make_mask_mod
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import peagle_train.kernels.chain_kernel as ck
-from peagle_train.peagle.masks import GridMeta, build_chain_index, invert_chain_index
-from peagle_train.kernels.attention import build_split_masks, chain_attention
 from peagle_train.core.config import ConfigError, TrainConfig
+from peagle_train.kernels.attention import build_split_masks, chain_attention
 from peagle_train.peagle.grid import pad_grid
+from peagle_train.peagle.masks import GridMeta, build_chain_index, invert_chain_index
 from tests.unit.test_attention import make_grid
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_cc
 
 import peagle_train.kernels.loss as loss_mod
-from conftest import needs_cc
 from peagle_train.kernels.compiling import SafeCompiled
 from peagle_train.kernels.loss import compiled_chunk_loss
 from peagle_train.methods.peagle import PEagleObjective

@@ -14,21 +14,22 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from conftest import conv, mask_runs  # noqa: E402
+
+from data_prep.config import DataConfig, RegenConfig  # noqa: E402
 from data_prep.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts  # noqa: E402
 from data_prep.regenerate import regenerate  # noqa: E402
 from data_prep.sources import (  # noqa: E402
     SHAREGPT_DIST,
     SHAREGPT_FILE,
     TruncatedTail,
+    conversation_key,
     iter_json_array,
     load_conversations,
     resolve_path,
-    conversation_key,
     split_train_eval,
 )
 from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
-from conftest import conv, mask_runs  # noqa: E402
-from data_prep.config import DataConfig, RegenConfig  # noqa: E402
 
 END = "<|im_end|>"
 

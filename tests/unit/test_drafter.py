@@ -32,14 +32,13 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from peagle_train.peagle.masks import GridMeta, dense_mask
-from peagle_train.kernels.attention import AttnSpec
-from peagle_train.model.drafter import Drafter, make_drafter_config
-from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count
+from peagle_train.kernels.attention import AttnSpec, make_attn_spec
 from peagle_train.kernels.loss import TargetDist, chunked_loss
 from peagle_train.methods.eagle3 import Eagle3Objective, eagle3_tokens
 from peagle_train.methods.peagle import PEagleObjective
-from peagle_train.kernels.attention import make_attn_spec
+from peagle_train.model.drafter import Drafter, make_drafter_config
+from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count
+from peagle_train.peagle.masks import GridMeta, dense_mask
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -532,8 +531,8 @@ def test_eagle3_steps_have_fixed_bucketed_shapes(eagle3_problem, monkeypatch):
 
 
 def test_eagle3_step_lengths_follow_the_cod_bound():
-    from peagle_train.peagle.grid import cod_keep_counts
     from peagle_train.methods.eagle3 import eagle3_step_lengths
+    from peagle_train.peagle.grid import cod_keep_counts
 
     assert eagle3_step_lengths(11000, 7, 1, (0.7, 0.2, None)) is None
     lens = eagle3_step_lengths(11000, 7, 1024, (0.7, 0.2, None))

@@ -12,9 +12,9 @@ import re
 
 import pytest
 import yaml
+from conftest import conv, save_tiny_target
 from transformers import LlamaConfig
 
-from conftest import conv, save_tiny_target
 from peagle_train.cli import main
 from peagle_train.core.config import ConfigError, DrafterConfig, TargetConfig
 from peagle_train.recipe import RunConfig, load_config, validate_against_target

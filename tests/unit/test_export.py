@@ -16,16 +16,22 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from peagle_train.peagle.masks import GridMeta
-from peagle_train.export.check import ExportCheckError, assert_export_ok, check_export, expected_weights, vllm_architecture
-from peagle_train.model.drafter import Drafter, make_drafter_config
-from peagle_train.export.writer import ExportError, build_vllm_config, export_speculators, export_vllm, load_exported
-from peagle_train.peagle.grid import build_grid, cod_sample
-from peagle_train.export.hub import HubPushError, push_to_hub
-from peagle_train.peagle.metrics import DepthStats
 from peagle_train.core.atomic import write_json_atomic
+from peagle_train.export.check import (
+    ExportCheckError,
+    assert_export_ok,
+    check_export,
+    expected_weights,
+    vllm_architecture,
+)
+from peagle_train.export.hub import HubPushError, push_to_hub
 from peagle_train.export.model_card import simulated_acceptance_lengths
+from peagle_train.export.writer import ExportError, build_vllm_config, export_speculators, export_vllm, load_exported
 from peagle_train.kernels.attention import make_attn_spec
+from peagle_train.model.drafter import Drafter, make_drafter_config
+from peagle_train.peagle.grid import build_grid, cod_sample
+from peagle_train.peagle.masks import GridMeta
+from peagle_train.peagle.metrics import DepthStats
 
 V, T, L = 128, 32, 8
 MASK = 127

@@ -15,9 +15,9 @@ import torch
 
 from peagle_train.features import cache as F
 from peagle_train.features import packing
-from peagle_train.features.cache import CacheError, CachedFeatures, cache_size_report, write_cache
-from peagle_train.features.online import OnlineFeatures, iter_target_features
+from peagle_train.features.cache import CachedFeatures, CacheError, cache_size_report, write_cache
 from peagle_train.features.fp8 import dequantize_fp8_rows, quantize_fp8_rows
+from peagle_train.features.online import OnlineFeatures, iter_target_features
 from peagle_train.features.target import Target
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

@@ -22,7 +22,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peagle_train.peagle.grid import build_grid, cod_keep_counts, cod_sample, doc_starts, pad_grid, supervised_count, valid_at_depth
+from peagle_train.peagle.grid import (
+    build_grid,
+    cod_keep_counts,
+    cod_sample,
+    doc_starts,
+    pad_grid,
+    supervised_count,
+    valid_at_depth,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

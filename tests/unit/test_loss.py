@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from peagle_train.kernels.loss import TargetDist, chunked_loss
 from peagle_train.model.drafter import RMSNorm
 from peagle_train.peagle.metrics import DepthStats, depth_stats
-from peagle_train.kernels.loss import TargetDist, chunked_loss
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -20,9 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peagle_train.peagle.masks import GridMeta, dense_mask
-from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count
 from peagle_train.methods.peagle import PEagleObjective
+from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count
+from peagle_train.peagle.masks import GridMeta, dense_mask
 from peagle_train.peagle.partition import owner_segment, plan_partitions, segment_boundaries
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

@@ -23,10 +23,18 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from peagle_train.decoding.speculative import (
+    DraftSession,
+    acceptance_length,
+    per_position_acceptance,
+    speculative_generate,
+    target_generate,
+    verify_greedy,
+    verify_sampling,
+)
+from peagle_train.features.target import Target
 from peagle_train.kernels.attention import AttnSpec
 from peagle_train.model.drafter import Drafter, make_drafter_config
-from peagle_train.decoding.speculative import DraftSession, acceptance_length, per_position_acceptance, speculative_generate, target_generate, verify_greedy, verify_sampling
-from peagle_train.features.target import Target
 
 AUX = [1, 2, 3]
 C = 5  # the token biased targets favour
@@ -449,9 +457,9 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel, reduced_v
     counts of the real decoding loop on the target's own greedy output (every served K)."""
     from peagle_train.features.online import OnlineFeatures
     from peagle_train.features.packing import pack, pack_tokens
-    from peagle_train.peagle.grid import build_grid, cod_sample
     from peagle_train.methods.eagle3 import Eagle3Objective
     from peagle_train.methods.peagle import PEagleObjective
+    from peagle_train.peagle.grid import build_grid, cod_sample
     from peagle_train.peagle.spec_stats import acceptance_length, chain_matrix, walk_accepted
 
     target = make_target(c_quantile=0.4 if reduced_vocab else 0.75)

@@ -32,21 +32,44 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_cc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import peagle_train.kernels.attention as attention_mod
-from conftest import needs_cc
-from peagle_train.peagle.masks import GridMeta, SplitMasks, block_structure, build_block_mask, build_chain_index, dense_mask, invert_chain_index
-from peagle_train.kernels.attention import build_split_masks, chain_attention, chain_gather, dense_attention_with_lse, merge_by_lse
-from peagle_train.kernels.attention import AttnSpec, attend, split_attention
-from peagle_train.peagle.grid import pad_grid
+from peagle_train.kernels.attention import (
+    AttnSpec,
+    attend,
+    build_split_masks,
+    chain_attention,
+    chain_gather,
+    dense_attention_with_lse,
+    make_attn_spec,
+    merge_by_lse,
+    split_attention,
+)
 from peagle_train.methods.peagle import PEagleObjective
-from peagle_train.kernels.attention import make_attn_spec
+from peagle_train.peagle.grid import pad_grid
+from peagle_train.peagle.masks import (
+    GridMeta,
+    SplitMasks,
+    block_structure,
+    build_block_mask,
+    build_chain_index,
+    dense_mask,
+    invert_chain_index,
+)
 from peagle_train.peagle.partition import plan_partitions
-from tests.unit.test_attention import (cat_meta, decode_blocks, grid_case, make_grid, manual_attention, ref_dense,
-                                  sub_meta)
+from tests.unit.test_attention import (
+    cat_meta,
+    decode_blocks,
+    grid_case,
+    make_grid,
+    manual_attention,
+    ref_dense,
+    sub_meta,
+)
 
 pytestmark = [pytest.mark.usefixtures("torch_single_thread"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]

@@ -22,8 +22,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
 from conftest import conv, mask_runs  # noqa: E402
+
+from data_prep.template import TemplateError, build_prompt_ids, tokenize_conversation  # noqa: E402
 
 FIX = Path(__file__).parents[1] / "fixtures"
 
@@ -87,8 +88,8 @@ def test_llama3_mask_is_content_plus_eot(llama3):
 
 
 def test_llama3_mask_exact_on_real_sharegpt(llama3):
-    from data_prep.sources import load_conversations
     from data_prep.config import DataConfig
+    from data_prep.sources import load_conversations
 
     convs, _ = load_conversations(DataConfig(num_conversations=15, max_turns=3))
     for msgs in convs:
