@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from data_prep.config import RegenConfig
-from data_prep.template import build_prompt_ids
+from data_prep.template import TemplateRefusedData, build_prompt_ids
 
 Message = dict[str, str]
 
@@ -100,7 +100,10 @@ def run_rounds(
                 # role/content only: reasoning is not sent back
                 msgs = [{"role": m["role"], "content": m["content"]} for m in out[k]]
                 msgs.append({"role": "user", "content": users[r]})
-                ids = build_prompt_ids(tokenizer, msgs)
+                try:
+                    ids = build_prompt_ids(tokenizer, msgs)
+                except TemplateRefusedData as e:  # say which conversation and turn
+                    raise TemplateRefusedData(f"conversation {k}, turn {r}: {e}") from None
                 if len(ids) > max_prompt_tokens:
                     end(k, "prompts_too_long")
                 else:

@@ -148,7 +148,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             present in the data; ``regen_worker`` out of range or given with ``regen.enabled: false``.
     """
     from data_prep.sources import load_conversations, split_train_eval
-    from data_prep.template import tokenize_conversation
+    from data_prep.template import TemplateRefusedData, tokenize_conversation
     from peagle_train.features.target import load_target
 
     out = Path(cfg.output_dir) / "data"
@@ -181,9 +181,12 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
         if cfg.regen.enabled:
             split, regen_report = _regenerate_sharded(target, split, cfg, out / "regen", name, progress)
         rows, dropped, reasoning_counts = [], 0, {}
-        for conv in split:
-            r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong,
-                                      supervise_reasoning=cfg.data.supervise_reasoning, report=reasoning_counts)
+        for k, conv in enumerate(split):
+            try:
+                r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong,
+                                          supervise_reasoning=cfg.data.supervise_reasoning, report=reasoning_counts)
+            except TemplateRefusedData as e:  # say which conversation, as the data files do
+                raise TemplateRefusedData(f"{name} split, conversation {k}: {e}") from None
             if r is None or sum(r["loss_mask"]) == 0:
                 dropped += 1
                 continue

@@ -44,10 +44,12 @@ refuses a cache made for another run (target, aux layers, hidden size, vocab, dt
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -159,6 +161,29 @@ def _encode_shard(parts: dict, lengths: list[int], dtype: str, A: int) -> dict[s
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _save_or_explain(tensors: dict[str, torch.Tensor], tmp: Path, metadata: dict | None = None) -> None:
+    """``save_file(tensors, tmp)``; a full disk becomes a :class:`CacheError` saying where, how many
+    bytes the file needed and how many were free, after removing the partial ``tmp`` (the manifest
+    lists only finished shards, so a re-run after freeing space resumes at this shard).
+
+    Raises:
+        CacheError: no space left on the device (``errno.ENOSPC``, or the quota's ``EDQUOT``).
+        OSError: any other write error, unchanged.
+    """
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        tmp.unlink(missing_ok=True)
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        free = shutil.disk_usage(tmp.parent).free
+        raise CacheError(f"{tmp.parent}: disk full while writing {tmp.name.removesuffix('.tmp')} (it needs about "
+                         f"{need / 2**20:.1f} MiB; {free / 2**20:.1f} MiB free there). Free space (or point output_dir "
+                         "at a larger disk) and re-run `peagle-train cache`: the finished shards are kept and the "
+                         "cache resumes at this one") from None
+
+
 def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtype: str = "bfloat16",
                 batch_size: int = 8, shard_size: int = 64, progress: bool = True) -> Path:
     """Run the target over ``sequences`` and write the sharded cache (resumable, byte-identical on resume).
@@ -220,9 +245,9 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
     head_path = out / "target_head.safetensors"
     if not head_path.exists():
         tmp = out / "target_head.safetensors.tmp"
-        save_file({"head": target.lm_head_weight().detach().to("cpu", torch.bfloat16).contiguous(),
-                   "embed": target.model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16).contiguous()},
-                  str(tmp))
+        _save_or_explain({"head": target.lm_head_weight().detach().to("cpu", torch.bfloat16).contiguous(),
+                          "embed": target.model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16)
+                          .contiguous()}, tmp)
         os.replace(tmp, head_path)
     done = {s["first"] for s in manifest["shards"]}
     bar = tqdm(total=sum(len(s) for s in sequences), unit="tok", desc=f"cache ({dtype})", disable=not progress)
@@ -242,7 +267,7 @@ def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtyp
         tmp = out / (name + ".tmp")
         # one metadata key only: safetensors writes a multi-key metadata map in hash order, which
         # would make otherwise identical shards differ byte-wise between runs
-        save_file(tensors, str(tmp), metadata={"peagle_features": f"{FORMAT} {dtype}"})
+        _save_or_explain(tensors, tmp, metadata={"peagle_features": f"{FORMAT} {dtype}"})
         os.replace(tmp, out / name)
         manifest["shards"].append({"file": name, "sha256": _sha256(out / name), "first": first, "count": len(chunk),
                                    "tokens": sum(lengths), "bytes": (out / name).stat().st_size})

@@ -123,7 +123,7 @@ CASES = [
     ("sharegpt_not_utf8", "sharegpt", "sg8.json", _SG_LATIN, "chatml", {},
      ["sg8.json", "not UTF-8", f"offset {_SG_LATIN.index(bytes([0xFF]))}, line 1"]),
     ("template_refuses_system", "jsonl", "sys.jsonl", _jsonl([{"messages": conv("q", "a", system="Be kind.")}]),
-     "no_system", {}, ["no_system'", "System role not supported", "message 0 (role 'system')",
+     "no_system", {}, ["conversation 0", "no_system'", "System role not supported", "message 0 (role 'system')",
                        "data.fold_system_into_user: true"]),
 ]
 

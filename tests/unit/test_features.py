@@ -172,6 +172,37 @@ def test_resume_after_kill_mid_shard_is_byte_identical(target, seqs, tmp_path, m
     assert dir_bytes(killed) == dir_bytes(clean)  # shards, head and manifest byte-identical; no .tmp left
 
 
+def test_disk_full_names_where_and_how_much_and_resumes(target, seqs, tmp_path, monkeypatch):
+    """A full disk while writing shard 1 is a CacheError naming the folder, the shard and the bytes it
+    needed; no partial file stays, the manifest lists only finished shards, and a re-run after space is
+    freed finishes a cache byte-identical to an uninterrupted one."""
+    import errno
+
+    clean, full = tmp_path / "clean", tmp_path / "full"
+    build(target, seqs, clean)
+    real_save = F.save_file
+    calls = {"n": 0}
+
+    def no_space(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 3:  # head, shard 0, then the disk is full in shard 1
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(F, "save_file", no_space)
+    with pytest.raises(CacheError, match=r"full: disk full while writing shard-00001\.safetensors \(it needs about "
+                                         r"[0-9.]+ MiB; [0-9.]+ MiB free there\).*re-run `peagle-train cache`"):
+        build(target, seqs, full)
+    assert not (full / "shard-00001.safetensors.tmp").exists()
+    man = json.loads((full / "manifest.json").read_text())
+    assert not man["complete"] and [s["file"] for s in man["shards"]] == ["shard-00000.safetensors"]
+    monkeypatch.setattr(F, "save_file", real_save)
+    build(target, seqs, full)
+    for f in sorted(clean.glob("shard-*.safetensors")):
+        assert (full / f.name).read_bytes() == f.read_bytes()
+
+
 def test_resume_rebuilds_a_listed_shard_that_is_corrupt(target, seqs, tmp_path):
     build(target, seqs, tmp_path)
     good = dir_bytes(tmp_path)
