@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         default_allocator_conf()  # before anything allocates on a GPU
     from data_prep.sources import DataError
     from peagle_train.core.config import ConfigError
+    from peagle_train.core.errors import SkippedStepsError
     from peagle_train.features.cache import CacheError
     from peagle_train.features.target import TargetLoadError
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             except HubPushError as e:  # no token, bad repo id, Hub refusal: the message never holds the token
                 print(f"peagle-train: error: {e}", file=sys.stderr)
                 return 2
-    except (ConfigError, FileNotFoundError, TargetLoadError, CacheError, DataError) as e:  # names file/row/key + fix
+    except (ConfigError, FileNotFoundError, TargetLoadError, CacheError, DataError, SkippedStepsError) as e:  # names file/row/key + fix
         print(f"peagle-train: error: {e}", file=sys.stderr)
         return 2
     if isinstance(result, dict) and "datasets" in result:  # eval / run: a short acceptance table

@@ -37,6 +37,7 @@ import torch
 from peagle_train.core.atomic import write_json_atomic
 from peagle_train.core.config import ConfigError
 from peagle_train.core.device import to_device
+from peagle_train.core.errors import SkippedStepsError
 from peagle_train.core.tracking import flat_metrics, peak_memory
 from peagle_train.distributed.accelerator import make_accelerator
 from peagle_train.distributed.batches import rank_batches
@@ -64,11 +65,6 @@ from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.trainer.checkpoints import Checkpoints
 from peagle_train.trainer.evaluation import InTrainingEval
 from peagle_train.trainer.setup import build_drafter, epoch_order, resolve_attention, step_generator
-
-
-class SkippedStepsError(RuntimeError):
-    """More optimizer steps of a run were skipped (non-finite loss or grad norm) than
-    ``train.max_skipped_steps`` allows; the message names the steps, the key and what to check."""
 
 
 class Trainer(InTrainingEval, Checkpoints):

@@ -12,12 +12,13 @@ import torch
 from conftest import save_tiny_target
 
 from peagle_train.core.config import ConfigError
+from peagle_train.core.errors import SkippedStepsError
 from peagle_train.features.cache import CachedFeatures, CacheError
 from peagle_train.features.tokenized import load_prepared, save_tokenized
 from peagle_train.model.checkpoint import load_drafter_dir
 from peagle_train.recipe import config_from_dict
 from peagle_train.stages import run_cache
-from peagle_train.trainer.trainer import SkippedStepsError, Trainer, run_train
+from peagle_train.trainer.trainer import Trainer, run_train
 
 
 def _prepared(out: Path, n=12, length=40, seed=0):
@@ -424,3 +425,17 @@ def test_more_skipped_steps_than_max_skipped_steps_stop_the_run(run_dir):
     with pytest.raises(SkippedStepsError, match=r"2 optimizer steps .*\(steps 2, 3\), more than "
                                                 r"train.max_skipped_steps=1"):
         resumed.fit(progress=False)
+
+
+def test_too_many_skipped_steps_is_exit_2_at_the_console(monkeypatch, capsys):
+    """The console script reports a SkippedStepsError as one error line and exit code 2 (bad data the
+    user must look at), not a traceback."""
+    from peagle_train import cli
+
+    def stage(args):
+        raise SkippedStepsError("recipe.yaml: 3 optimizer steps of this run were skipped ... train.max_skipped_steps=2")
+
+    monkeypatch.setattr(cli, "_stage", stage)
+    assert cli.main(["train", "recipes/smollm2-135m.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("peagle-train: error: recipe.yaml: 3 optimizer steps") and "Traceback" not in err
