@@ -12,14 +12,8 @@ from torch import nn
 
 from peagle_train.kernels.attention import make_attn_spec
 from peagle_train.kernels.loss import TargetDist, chunked_loss
-from peagle_train.methods import (
-    DraftMethod,
-    get_method,
-    method_names,
-    method_of_config,
-    register_method,
-    unregister_method,
-)
+from peagle_train.methods import DraftMethod, get_method, method_names, method_of_config, register_method
+from peagle_train.methods import unregister_method
 from peagle_train.methods.base import config_field, loss_weights
 from peagle_train.peagle.grid import build_grid, cod_sample
 from peagle_train.peagle.masks import GridMeta
