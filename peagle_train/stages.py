@@ -149,7 +149,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     """
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import TemplateRefusedData, tokenize_conversation
-    from peagle_train.features.target import load_target
+    from peagle_train.features.target import load_target, load_target_config
 
     out = Path(cfg.output_dir) / "data"
     if regen_worker is not None:
@@ -160,7 +160,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             raise ConfigError(f"{cfg.source_file}: --regen-worker needs regen.enabled: true (nothing to regenerate)")
     # the target's config alone, before weights, data or tokenizer; also when the data is reused, since
     # the drafter section may have changed since (claim_output_dir allows it) and train is next
-    validate_against_target(cfg, target_config(cfg))
+    validate_against_target(cfg, load_target_config(cfg.target)[1])
     if (out / "meta.json").exists():
         _reused("data/meta.json exists")
         return json.loads((out / "meta.json").read_text())
@@ -209,24 +209,6 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     meta["seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "meta.json", meta, default=str)  # written last: marks prepared data
     return meta
-
-
-def target_config(cfg: RunConfig):
-    """The target's transformers config alone (no weights): materialises a GGUF target once, like
-    every stage, and reads its ``config.json``.
-
-    Raises:
-        TargetLoadError: the target cannot be found or read (names ``target.path``).
-    """
-    from transformers import AutoConfig
-
-    from peagle_train.features.target import TargetLoadError, materialise_target
-
-    path = materialise_target(cfg.target)
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise TargetLoadError(f"target.path '{path}': {e}") from e
 
 
 def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, progress: bool,
@@ -383,13 +365,12 @@ def run_export(cfg: RunConfig, progress: bool = True) -> Path:
     from transformers import AutoTokenizer
 
     from peagle_train.export.writer import TargetMismatchError, export_vllm, load_drafter_folder
-    from peagle_train.features.target import materialise_target
+    from peagle_train.features.target import load_target_config
 
     out = Path(cfg.output_dir)
     drafter = load_drafter_folder(out / "drafter")  # ConfigError for a folder that is not a drafter
-    tpath = materialise_target(cfg.target)
+    tpath, tcfg = load_target_config(cfg.target)  # tcfg cross-checked: aux ids, hidden size, vocab; bos/eos copied
     tok = AutoTokenizer.from_pretrained(str(tpath))
-    tcfg = target_config(cfg)  # cross-checked: aux ids inside its layers, hidden size, vocab; bos/eos copied
     card = _card(cfg)
     if cfg.export.speculators_format and cfg.export.verifier is None:
         raise ConfigError(f"{cfg.source_file}: export.speculators_format needs export.verifier "

@@ -152,6 +152,22 @@ def materialise_target(cfg: TargetConfig) -> Path:
     return out
 
 
+def load_target_config(cfg: TargetConfig):
+    """``(path, config)``: the target's plain HF model directory (:func:`materialise_target`: a GGUF is
+    de-quantised once) and its transformers config, read from ``config.json`` alone (no weights).
+
+    Raises:
+        TargetLoadError: the target cannot be found or its config read (names the path).
+    """
+    from transformers import AutoConfig
+
+    path = materialise_target(cfg)
+    try:
+        return path, AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"target.path '{path}': {e}") from e
+
+
 def pick_device(pref: str) -> torch.device:
     """``auto`` → CUDA when available, else CPU."""
     if pref == "auto":

@@ -439,9 +439,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
             target, aux layers, dtype or prepared data (before training; names every difference).
         RuntimeError: processes that do not form one group.
     """
-    from transformers import AutoConfig
-
-    from peagle_train.features.target import default_aux_layer_ids, load_target, materialise_target
+    from peagle_train.features.target import default_aux_layer_ids, load_target, load_target_config
 
     out = Path(cfg.output_dir)
     done = out / "train_metrics.json"
@@ -455,8 +453,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     layout = requested_layout()
     validate_layout(cfg, layout, len(data["train"]["input_ids"]))  # before loading anything heavy
     acc = make_accelerator(cfg, layout, out / "logs")  # also selects this rank's GPU for the target below
-    tpath = materialise_target(cfg.target)
-    tconf = AutoConfig.from_pretrained(str(tpath))
+    tpath, tconf = load_target_config(cfg.target)
     aux_ids = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
     if cfg.train.features == "cache":
         feats = {"train": CachedFeatures(out / "features" / "train"), "eval": CachedFeatures(out / "features" / "eval")}
