@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
+    """Base of every recipe section: an unknown (misspelled) key is an error, and assignments are
+    validated too (pydantic ``extra="forbid"``, ``validate_assignment=True``)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
