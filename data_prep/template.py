@@ -50,14 +50,22 @@ from data_prep.sharegpt import DataError
 Message = dict[str, str]
 
 
-class TemplateError(ValueError):
-    """The chat template or tokenizer does not allow an exact assistant mask."""
+class TemplateError(DataError):
+    """The target's chat template or tokenizer does not allow an exact assistant mask, or does not
+    render at all (a template that does not compile or fails on a message): bad input for this
+    target, so a :class:`DataError` (the console script prints it and exits 2). The message names the
+    template and the assistant message, and says what to do."""
 
 
-class TemplateRefusedData(TemplateError, DataError):
+class TemplateRefusedData(TemplateError):
     """The target's chat template itself raised on a conversation (Jinja ``raise_exception``, e.g.
-    Gemma's "System role not supported"): bad input for this target, so also a :class:`DataError`
-    (the console script prints it and exits 2)."""
+    Gemma's "System role not supported", or a template error such as a ``TypeError`` on one message);
+    names the message index and role."""
+
+
+#: What to do about a template that cannot give the exact mask or does not render.
+TEMPLATE_FIX = ("fix the template (chat_template.jinja, or the chat_template field of tokenizer_config.json, "
+                "in the target's folder) or use a target whose template does")
 
 
 def _template_name(tokenizer) -> str:
@@ -66,9 +74,17 @@ def _template_name(tokenizer) -> str:
     return f"the chat template of '{name}'" if name else "the target's chat template"
 
 
+def _mask_error(tokenizer, i: int, problem: str) -> TemplateError:
+    """The error for assistant message ``i`` whose exact mask ``problem`` prevents, naming the template."""
+    return TemplateError(f"{_template_name(tokenizer)}: assistant message {i}: {problem}")
+
+
 def _refused(tokenizer, messages: list[dict], err: Exception) -> TemplateRefusedData:
     """The error for a template that raised ``err`` on ``messages``: finds the first message whose
-    prefix the template refuses (its index and role) and gives the fix."""
+    prefix the template refuses (its index and role) and gives the fix (a template's own
+    ``raise_exception`` refuses the data; any other error is the template's to fix)."""
+    import jinja2
+
     j = len(messages) - 1
     for k in range(len(messages)):
         try:
@@ -78,9 +94,13 @@ def _refused(tokenizer, messages: list[dict], err: Exception) -> TemplateRefused
             break
     role = messages[j]["role"] if messages else None
     first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
-    fix = ("set data.fold_system_into_user: true (folds the system message into the first user turn), "
-           "or use data without system messages" if role == "system" else
-           "use data whose roles this template accepts, or a target whose template does")
+    if type(err) is not jinja2.TemplateError:  # not raise_exception: the template fails on this message
+        fix = TEMPLATE_FIX
+    elif role == "system":
+        fix = ("set data.fold_system_into_user: true (folds the system message into the first user turn), "
+               "or use data without system messages")
+    else:
+        fix = "use data whose roles this template accepts, or a target whose template does"
     return TemplateRefusedData(
         f"{_template_name(tokenizer)} raised {type(err).__name__}: {err} on message {j} (role {role!r}) of the "
         f"conversation whose first user turn starts {first_user[:60]!r}; {fix}"
@@ -88,16 +108,29 @@ def _refused(tokenizer, messages: list[dict], err: Exception) -> TemplateRefused
 
 
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
+    """``apply_chat_template(messages, tokenize=False)``; the template's failures as :class:`TemplateError`.
+
+    Raises:
+        TemplateError: the tokenizer has no chat template, the template does not compile (Jinja
+            ``TemplateSyntaxError``, with its line) or returns no string.
+        TemplateRefusedData: the template raised while rendering ``messages`` (its own
+            ``raise_exception`` or any other error); names the message index and role.
+    """
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # noqa: BLE001 -- only the template's own errors are re-raised as bad data
+    except Exception as e:  # noqa: BLE001 -- with tokenize=False only the template runs: its failures are bad input
         import jinja2
 
-        if not isinstance(e, jinja2.TemplateError):
-            raise
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(f"{_template_name(tokenizer)} is missing: the tokenizer has no chat template; "
+                                f"{TEMPLATE_FIX}") from e
+        if isinstance(e, jinja2.TemplateSyntaxError):
+            raise TemplateError(f"{_template_name(tokenizer)} does not compile: {type(e).__name__}: {e.message} "
+                                f"(template line {e.lineno}); {TEMPLATE_FIX}") from e
         raise _refused(tokenizer, messages, e) from e
     if not isinstance(text, str):
-        raise TemplateError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+        raise TemplateError(f"{_template_name(tokenizer)}: apply_chat_template(tokenize=False) returned "
+                            f"{type(text).__name__}, expected str; {TEMPLATE_FIX}")
     return text
 
 
@@ -174,11 +207,13 @@ def tokenize_conversation(
         overlong and dropped, or when not even the first assistant turn fits.
 
     Raises:
-        TemplateError: the history is not prefix-stable, the template does not render an
-            assistant content verbatim, no special end-of-turn token follows it, or the
-            tokenizer merges text across a span boundary (names the message index).
+        TemplateError: (a :class:`DataError`) the history is not prefix-stable, the template does
+            not render an assistant content verbatim, no special end-of-turn token follows it, or
+            the tokenizer merges text across a span boundary (names the template, the assistant
+            message index and the fix); the template does not compile or is missing.
         TemplateRefusedData: the template raised on the conversation (e.g. a system role it does
-            not support; names the template, the message index and role, and the fix).
+            not support, or a Jinja/Python error on one message; names the template, the message
+            index and role, and the fix).
         ValueError: no assistant message; unknown ``overlong`` policy.
     """
     if overlong not in ("truncate", "drop"):
@@ -193,11 +228,11 @@ def tokenize_conversation(
     for t, i in enumerate(turns):
         prompt = _render(tokenizer, msgs[:i], True)
         if not full.startswith(prompt):
-            raise TemplateError(
-                f"chat template is not prefix-stable: R(messages[:{i}], gen=True) is not a prefix of the "
-                f"conversation's render ({_first_diff(prompt, full)}); the exact assistant mask needs a template "
-                f"that renders the history before a turn the same whatever follows"
-            )
+            raise _mask_error(tokenizer, i, (
+                f"the template is not prefix-stable: the history before this turn, rendered with the generation "
+                f"prompt, is not a prefix of the whole conversation's render ({_first_diff(prompt, full)}); the "
+                f"exact assistant mask needs a template that renders the history the same whatever follows; "
+                f"{TEMPLATE_FIX}"))
         s = len(prompt)
         # the turn ends before the next user message (rendered the same, prefix-stable history)
         region_end = len(full)
@@ -208,8 +243,10 @@ def tokenize_conversation(
         content = messages[i]["content"]
         c = full.rfind(content, s, region_end)
         if c < 0:
-            raise TemplateError(f"assistant message {i}: the chat template does not render its content verbatim "
-                                f"after the assistant header; the exact mask needs the content as written")
+            raise _mask_error(tokenizer, i, (
+                "the template does not render its content verbatim after the assistant header; the exact mask "
+                "needs the content as written (reasoning left inside the content, e.g. <think>...</think>, "
+                f"belongs in the message's reasoning field); {TEMPLATE_FIX}"))
         start = s
         reasoning = messages[i].get("reasoning")
         if reasoning:
@@ -228,11 +265,9 @@ def tokenize_conversation(
         if ids[: len(part)] != part:
             i = next(i for i, a, b in spans if p in (a, b))
             what = "header" if any(p == a for _, a, _b in spans) else "end-of-turn token"
-            raise TemplateError(
-                f"assistant message {i}: the tokenizer merges text across the {what} boundary (the "
-                f"prefix's {len(part)} tokens are not a prefix of the conversation's tokens); strip "
-                f"leading/trailing whitespace from message contents"
-            )
+            raise _mask_error(tokenizer, i, (
+                f"the tokenizer merges text across the {what} boundary (the prefix's {len(part)} tokens are not "
+                f"a prefix of the conversation's tokens); strip leading/trailing whitespace from message contents"))
         tok_at[p] = len(part)
     mask = [0] * len(ids)
     boundaries = []
@@ -240,11 +275,12 @@ def tokenize_conversation(
     for i, a, b in spans:
         start, stop = tok_at[a], tok_at[b]
         if stop >= len(ids) or ids[stop] not in added:
-            raise TemplateError(f"assistant message {i}: no special end-of-turn token follows its content "
-                                f"(found {tokenizer.convert_ids_to_tokens(ids[stop]) if stop < len(ids) else 'the end'})")
+            found = tokenizer.convert_ids_to_tokens(ids[stop]) if stop < len(ids) else "the end"
+            raise _mask_error(tokenizer, i, f"no special end-of-turn token follows its content (found {found}); "
+                                            f"{TEMPLATE_FIX}")
         stop += 1  # the end-of-turn token is learned: the drafter must learn to stop
         if stop <= start:
-            raise TemplateError(f"assistant message {i}: the template renders no tokens for it")
+            raise _mask_error(tokenizer, i, f"the template renders no tokens for it; {TEMPLATE_FIX}")
         mask[start:stop] = [1] * (stop - start)
         end = stop  # a cut may keep whitespace the template writes after the end-of-turn token
         while end < len(ids) and ids[end] not in added and not tokenizer.decode([ids[end]]).strip():

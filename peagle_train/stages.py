@@ -73,6 +73,37 @@ def stage_lines(name: str):
     return wrap
 
 
+def stamp_differences(cfg: RunConfig, stamp: dict) -> list[str]:
+    """The identity keys (``"section.key"``) in which ``cfg`` differs from a folder's stamp.
+
+    ``stamp`` is a loaded ``run_config.yaml`` (``RunConfig.model_dump(mode="json")`` of the recipe
+    that made the folder). Only :data:`_IDENTITY_SECTIONS` count, minus :data:`_NON_IDENTITY_KEYS`.
+    A key the stamp lacks (added to the recipe schema after the folder was stamped, e.g.
+    ``data.fold_system_into_user``) counts as equal when the recipe leaves it at its default (the
+    behaviour the folder was made with); set to another value it is a difference.
+
+    Returns:
+        Sorted list of differing keys (empty: the same recipe).
+    """
+    from pydantic_core import to_jsonable_python
+
+    mine = cfg.model_dump(mode="json")
+    diffs = []
+    for s in _IDENTITY_SECTIONS:
+        ours, theirs = mine.get(s, {}), stamp.get(s) or {}
+        fields = type(getattr(cfg, s)).model_fields
+        for k in set(ours) | set(theirs):
+            if f"{s}.{k}" in _NON_IDENTITY_KEYS:
+                continue
+            if k not in theirs and k in fields:  # a key newer than the stamp: equal at its default
+                default = to_jsonable_python(fields[k].get_default(call_default_factory=True))
+                if ours.get(k) == default:
+                    continue
+            if ours.get(k) != theirs.get(k):
+                diffs.append(f"{s}.{k}")
+    return sorted(diffs)
+
+
 def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     """Create ``output_dir`` or check it holds a run of the same recipe.
 
@@ -83,7 +114,8 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     except ``drafter.mask_token_id`` once the data is tokenised (``data/meta.json``: prepare checked
     that token's absence from it).
     Once training output exists (``drafter/``, ``checkpoints/``, ``export/``, ``eval/``,
-    ``train_metrics.json``) every identity change is refused.
+    ``train_metrics.json``) every identity change is refused. A key newer than the stamp is no
+    change while the recipe leaves it at its default (:func:`stamp_differences`).
 
     Raises:
         ConfigError: the folder holds a run whose target/data/regen/drafter/train
@@ -91,11 +123,8 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     """
     out = Path(cfg.output_dir)
     stamp = out / "run_config.yaml"
-    mine = cfg.model_dump(mode="json")
     if stamp.exists() and not overwrite:
-        theirs = yaml.safe_load(stamp.read_text()) or {}
-        diffs = [f"{s}.{k}" for s in _IDENTITY_SECTIONS for k in set(mine.get(s, {})) | set(theirs.get(s, {}))
-                 if mine.get(s, {}).get(k) != theirs.get(s, {}).get(k) and f"{s}.{k}" not in _NON_IDENTITY_KEYS]
+        diffs = stamp_differences(cfg, yaml.safe_load(stamp.read_text()) or {})
         if not diffs:
             return out
         trained = any((out / w).exists() for w in _TRAINED)
@@ -146,9 +175,14 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             :func:`~peagle_train.recipe.validate_against_target`, from the target's config before
             any weight, data or tokenizer is loaded and before anything is written); mask token
             present in the data; ``regen_worker`` out of range or given with ``regen.enabled: false``.
+        DataError: unusable data (from :mod:`data_prep.sources`), or the target's chat template fails
+            on a conversation (:class:`~data_prep.template.TemplateError`: not prefix-stable, content
+            not rendered verbatim, does not compile, raises; prefixed with the split and conversation
+            index, naming the template, the message and the fix). Regenerated shards already written
+            stay on disk for the next run.
     """
     from data_prep.sources import load_conversations, split_train_eval
-    from data_prep.template import TemplateRefusedData, tokenize_conversation
+    from data_prep.template import TemplateError, tokenize_conversation
     from peagle_train.features.target import load_target, load_target_config
 
     out = Path(cfg.output_dir) / "data"
@@ -185,8 +219,8 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             try:
                 r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong,
                                           supervise_reasoning=cfg.data.supervise_reasoning, report=reasoning_counts)
-            except TemplateRefusedData as e:  # say which conversation, as the data files do
-                raise TemplateRefusedData(f"{name} split, conversation {k}: {e}") from None
+            except TemplateError as e:  # say which conversation, as the data files do (exit 2)
+                raise type(e)(f"{name} split, conversation {k}: {e}") from None
             if r is None or sum(r["loss_mask"]) == 0:
                 dropped += 1
                 continue
@@ -218,12 +252,19 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
 
     With ``worker = (rank, world)`` only shards ``i % world == rank`` are generated and the
     return value is ``{"written": [...], "reused": [...]}`` (shard indices); otherwise
-    ``(conversations, summed report)`` over all shards."""
-    from data_prep.regenerate import regenerate
+    ``(conversations, summed report)`` over all shards.
+
+    Before the first shard that must be generated, the HF backend's cap, batch and KV budget are checked
+    against free memory (:func:`data_prep.regenerate.check_regen_memory`): reduced with a printed message,
+    or refused (ConfigError) when not one sequence fits. A run killed mid-shard loses only that shard's
+    work: a shard file is complete or absent (``write_json_atomic``), so a re-run redoes exactly the
+    missing shards, each conversation once."""
+    from data_prep.regenerate import check_regen_memory, regenerate
 
     root.mkdir(parents=True, exist_ok=True)
     out, reports = [], []
     size = cfg.regen.shard_size
+    regen_cfg = None  # cfg.regen once checked against memory
     mine: dict[str, list[int]] = {"written": [], "reused": []}
     for i, start in enumerate(range(0, len(convs), size)):
         path = root / f"{split}-{i:05d}.json"
@@ -242,7 +283,16 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
                     f"{path}: this regeneration shard was made from other conversations than the recipe now selects "
                     "(data section or source file changed); delete the data/regen folder or choose another output_dir")
         else:
-            new, rep = regenerate(target.model, target.tokenizer, convs[start:start + size], cfg.regen,
+            if regen_cfg is None:
+                regen_cfg = cfg.regen
+                if cfg.regen.backend == "hf":
+                    try:
+                        regen_cfg, note = check_regen_memory(target.model, cfg.regen, cfg.data.max_prompt_tokens)
+                    except ValueError as e:
+                        raise ConfigError(f"{cfg.source_file}: {e}") from None
+                    if note:
+                        print(f"prepare: {note}")
+            new, rep = regenerate(target.model, target.tokenizer, convs[start:start + size], regen_cfg,
                                   cfg.data.max_prompt_tokens, progress=progress)
             saved = {"conversations": new, "report": rep, "inputs_sha256": digest}
             write_json_atomic(path, saved, indent=None)
@@ -258,6 +308,7 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
                                                             "unfinished_reasoning")}
     secs = sum(r["generate_seconds"] for r in reports)
     summed.update(generate_seconds=secs, tokens_per_s=summed["generated_tokens"] / secs if secs else None,
+                  engine=sorted({r.get("engine", "generate") for r in reports}),  # HF shards written before it: generate
                   sampling=reports[0]["sampling"] if reports else None, shards=len(reports))
     return out, summed
 

@@ -33,6 +33,25 @@ NO_SYSTEM_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+#: ChatML that marks the last message: the history before a turn renders differently once the turn
+#: follows it, so the exact assistant mask cannot be derived (not prefix-stable).
+NOT_PREFIX_STABLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: ChatML whose loop is never closed: Jinja refuses to compile it (TemplateSyntaxError).
+SYNTAX_ERROR_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+#: ChatML that adds a number to an assistant's text: Jinja raises TypeError while rendering that turn.
+TYPE_ERROR_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{{ m['content'] + 1 }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: target folder name -> chat template saved with it (``None``: the tokenizer's own ChatML)
+TEMPLATES = {"chatml": None, "no_system": NO_SYSTEM_TEMPLATE, "not_prefix_stable": NOT_PREFIX_STABLE_TEMPLATE,
+             "syntax_error": SYNTAX_ERROR_TEMPLATE, "type_error": TYPE_ERROR_TEMPLATE}
+
 GOOD = {"messages": conv("What is 2+2?", "4")}
 
 
@@ -58,8 +77,9 @@ def no_system_tok(tok):
 
 
 @pytest.fixture(scope="module")
-def targets(tok, no_system_tok, tmp_path_factory):
-    """``{"chatml": dir, "no_system": dir}``: one tiny random Llama, saved with either tokenizer."""
+def targets(tok, tmp_path_factory):
+    """``{name: dir}`` for each of :data:`TEMPLATES`: one tiny random Llama, saved with the SmolLM2
+    tokenizer carrying that chat template."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,9 +88,13 @@ def targets(tok, no_system_tok, tmp_path_factory):
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(root / "chatml")
     tok.save_pretrained(root / "chatml")
-    shutil.copytree(root / "chatml", root / "no_system")
-    no_system_tok.save_pretrained(root / "no_system")
-    return {name: root / name for name in ("chatml", "no_system")}
+    for name, template in TEMPLATES.items():
+        if template is not None:
+            shutil.copytree(root / "chatml", root / name)
+            t = copy.deepcopy(tok)
+            t.chat_template = template
+            t.save_pretrained(root / name)
+    return {name: root / name for name in TEMPLATES}
 
 
 def _recipe(tmp_path: Path, target: Path, data: dict) -> Path:
@@ -125,6 +149,13 @@ CASES = [
     ("template_refuses_system", "jsonl", "sys.jsonl", _jsonl([{"messages": conv("q", "a", system="Be kind.")}]),
      "no_system", {}, ["conversation 0", "no_system'", "System role not supported", "message 0 (role 'system')",
                        "data.fold_system_into_user: true"]),
+    ("template_not_prefix_stable", "jsonl", "multi.jsonl", _jsonl([GOOD, {"messages": conv("q", "a", "q2", "a2")}]),
+     "not_prefix_stable", {}, ["not_prefix_stable'", "train split, conversation 0", "assistant message 1",
+                               "not prefix-stable", "chat_template.jinja"]),
+    ("template_syntax_error", "jsonl", "ok.jsonl", _jsonl([GOOD]), "syntax_error", {},
+     ["syntax_error'", "does not compile", "TemplateSyntaxError", "chat_template.jinja"]),
+    ("template_type_error", "jsonl", "ok2.jsonl", _jsonl([GOOD]), "type_error", {},
+     ["type_error'", "train split, conversation 0", "TypeError", "message 1 (role 'assistant')", "chat_template.jinja"]),
 ]
 
 

@@ -166,7 +166,7 @@ def test_content_not_rendered_verbatim_is_an_error(llama3):
     original = llama3.chat_template
     llama3.chat_template = original.replace("message['content'] | trim", "message['content'] | upper")
     try:
-        with pytest.raises(TemplateError, match="assistant message 1: the chat template does not render its content"):
+        with pytest.raises(TemplateError, match="assistant message 1: the template does not render its content verbatim"):
             tokenize_conversation(llama3, conv("q", "answer"), 1024, "drop")
     finally:
         llama3.chat_template = original

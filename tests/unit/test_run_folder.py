@@ -1,0 +1,42 @@
+"""A run folder's stamp (``run_config.yaml``) across recipe-schema versions (issue 21).
+
+A key added to the recipe after a folder was stamped (``data.fold_system_into_user``) is no recipe
+change while it keeps its default: the folder, even one holding a finished run, is reused. Set to
+another value it is a change and refused like any other.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from peagle_train.core.config import ConfigError
+from peagle_train.recipe import load_config
+from peagle_train.stages import claim_output_dir, stamp_differences
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"
+
+
+def _old_stamp(out: Path, *missing: str) -> None:
+    """Rewrite ``out``'s stamp as a version of the recipe schema without the keys ``missing`` wrote it."""
+    stamp = yaml.safe_load((out / "run_config.yaml").read_text())
+    for key in missing:
+        section, name = key.split(".")
+        del stamp[section][name]
+    (out / "run_config.yaml").write_text(yaml.safe_dump(stamp, sort_keys=False))
+
+
+def test_key_newer_than_the_stamp_at_its_default_reuses_the_folder(tmp_path):
+    out = tmp_path / "run"
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *o])  # noqa: E731
+    claim_output_dir(cfg())
+    (out / "train_metrics.json").write_text("{}")  # a finished run: every identity change is refused
+    _old_stamp(out, "data.fold_system_into_user", "train.max_skipped_steps")
+    assert claim_output_dir(cfg()) == out  # the same recipe: reused
+    assert stamp_differences(cfg(), yaml.safe_load((out / "run_config.yaml").read_text())) == []
+    with pytest.raises(ConfigError, match=r"differs in: data\.fold_system_into_user\)"):
+        claim_output_dir(cfg("data.fold_system_into_user=true"))
+    with pytest.raises(ConfigError, match=r"differs in: train\.lr\)"):  # other keys still count
+        claim_output_dir(cfg("train.lr=1e-3"))
+    assert (out / "train_metrics.json").exists()
