@@ -95,7 +95,7 @@ def default_allocator_conf(environ=None) -> bool:
     Why: grid lengths change from step to step (COD sampling, packing, S partitions); expandable
     segments let the allocator grow one mapping instead of leaving fragments between differently
     sized blocks. The N = 65,536 GPT-OSS-20B-shaped step in one partition (112.9 GiB of an H200's
-    139.8, ``docs/benchmarks.md``, eighth session) was measured with it. It takes effect only
+    139.8, ``docs/benchmarks.md``, 2026-11-30) was measured with it. It takes effect only
     before the first CUDA allocation, which is why the console script sets it first.
 
     Args:

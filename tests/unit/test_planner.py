@@ -23,7 +23,7 @@ def test_expected_elements():
     assert expected_elements(8192, **COD) / 8192 == pytest.approx(3.373, abs=1e-3)
 
 
-# peaks measured on one H200 in the eighth session (docs/data/train_step_s8_*.json; docs/benchmarks.md)
+# peaks measured on one H200 on 2026-11-30 (docs/data/train_step_s8_*.json; docs/benchmarks.md)
 @pytest.mark.parametrize("N,S,measured_gib", [(2048, 1, 17.23), (4096, 1, 20.61), (8192, 1, 26.62), (16384, 1, 38.91),
                                               (32768, 1, 63.56), (65536, 2, 83.32), (65536, 1, 112.87)])
 def test_calibration_points_within_2_percent(N, S, measured_gib):
