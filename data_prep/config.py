@@ -59,11 +59,31 @@ class RegenConfig(Section):
 
     enabled: bool = True
     backend: Literal["hf", "vllm"] = "hf"
-    max_new_tokens: int = Field(256, ge=1)
+    engine: Literal["auto", "continuous", "generate"] = Field(
+        "auto", description="backend hf: 'continuous' = transformers' continuous batching (paged KV cache, "
+        "requests join and leave the running batch); 'generate' = plain model.generate on left-padded batches "
+        "(the reference); 'auto' = continuous on CUDA, generate elsewhere (the report says which ran)."
+    )
+    max_new_tokens: int = Field(2048, ge=1, description="Cap on generated tokens per turn (a response stopped by "
+                                "it is counted as unfinished).")
     do_sample: bool = False
     temperature: float = Field(0.7, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="backend hf: prompts per generate call (engine generate), or the "
+                            "most sequences decoded together (engine continuous).")
+    kv_blocks: int | None = Field(
+        None, ge=1, description="engine continuous: KV-cache blocks of 256 tokens (all layers); None = sized "
+        "from kv_memory_fraction of the free accelerator memory."
+    )
+    kv_memory_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="engine continuous: fraction of the free accelerator memory (after the "
+        "model is loaded) given to the KV cache when kv_blocks is None; None = transformers' default (0.9, or "
+        "0.8 when sampling)."
+    )
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="engine continuous: most tokens (prefill + decode) in one forward; None = sized "
+        "by transformers from the memory left."
+    )
     shard_size: int = Field(256, ge=1, description="Conversations per resumable regeneration shard.")
     seed: int = Field(0, description="Sampling seed (HF: transformers.set_seed; vLLM: per-request seed).")
     server_url: str | None = Field(
@@ -87,6 +107,10 @@ class RegenConfig(Section):
     def _server_needs_vllm(self) -> "RegenConfig":
         if self.backend != "vllm" and (self.server_url is not None or self.api_key_env is not None):
             raise ValueError("regen.server_url / regen.api_key_env are only used with regen.backend: vllm")
+        hf_only = [k for k in ("kv_blocks", "kv_memory_fraction", "max_batch_tokens") if getattr(self, k) is not None]
+        if self.backend != "hf" and (self.engine != "auto" or hf_only):
+            raise ValueError(f"regen.{'engine' if self.engine != 'auto' else hf_only[0]} is a setting of regen.backend: "
+                             "hf (the vLLM backend has its own engine)")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(f"regen.server_url must start with http:// or https:// (got '{self.server_url}')")
         return self

@@ -1,14 +1,21 @@
-"""Regenerate every assistant turn with the target (Hugging Face ``generate`` backend;
-``regen.backend: vllm`` is dispatched to :mod:`data_prep.regenerate_vllm`).
+"""Regenerate every assistant turn with the target (Hugging Face backend; ``regen.backend: vllm``
+is dispatched to :mod:`data_prep.regenerate_vllm`).
+
+Two HF engines (``regen.engine``, :func:`resolve_engine`): ``continuous`` -- transformers' continuous
+batching with a paged KV cache (:mod:`data_prep.regenerate_cb`), the default on CUDA -- and
+``generate``, plain ``model.generate`` on left-padded batches, the default elsewhere and the
+reference the other is tested against (greedy outputs token-identical). The report's ``engine`` says
+which ran; :func:`check_regen_memory` checks the cap and batch against free memory first.
 
 Drafters learn the target's own distribution best when trained on the target's own
 responses (EAGLE-3 / P-EAGLE recipes regenerate UltraChat/ShareGPT answers with the
 target). Turns are regenerated in rounds: round ``r`` builds, for every conversation
 still alive, the prompt ``system? + (user_1, regenerated_1, ..., user_r)`` with the
 target's chat template (:func:`data_prep.template.build_prompt_ids`), so turn ``r``
-conditions on the *regenerated* history. Within a round prompts are sorted by length
-(longest first, ties by conversation index) and generated in left-padded batches of
-``RegenConfig.batch_size``.
+conditions on the *regenerated* history. Engine ``generate``: within a round prompts are sorted
+by length (longest first, ties by conversation index) and generated in left-padded batches of
+``RegenConfig.batch_size``; engine ``continuous``: the whole round is submitted and answers come back
+as they finish.
 
 A conversation whose round-``r`` prompt exceeds ``max_prompt_tokens``, or whose
 response is empty, ends there: it keeps turns ``< r`` or, at ``r = 0``, is dropped; both
@@ -23,6 +30,8 @@ reasoning ends its conversation (``unfinished_reasoning``).
 from __future__ import annotations
 
 from data_prep.config import RegenConfig
+from data_prep.regen_memory import fit_regen_memory, free_memory_bytes
+from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
 from data_prep.rounds import Completion, Job, Message, reasoning_markers, regen_report, run_rounds
 
@@ -96,10 +105,13 @@ def regenerate(
         conversations: normal-form conversations (:mod:`data_prep.sources`): an optional
             system message, then alternating user/assistant messages starting with a user
             message. Assistant contents are ignored; a trailing user message is answered too.
-        cfg: backend, ``max_new_tokens`` (per turn), ``do_sample``, ``temperature``, ``top_p``
-            (sampling uses only these: HF's default top-k of 50 is disabled), ``batch_size``,
-            ``seed`` (``transformers.set_seed`` once at the start; sampled output is
-            reproducible for the same inputs, batch size and device).
+        cfg: backend, ``engine`` (:func:`resolve_engine`), ``max_new_tokens`` (per turn),
+            ``do_sample``, ``temperature``, ``top_p`` (sampling uses only these: HF's default top-k
+            of 50 is disabled), ``batch_size``, ``seed`` (``transformers.set_seed`` once at the
+            start, and continuous batching's seed; sampled output is reproducible for the same
+            inputs, engine, batch size and device), the continuous engine's ``kv_blocks``,
+            ``kv_memory_fraction``, ``max_batch_tokens``. Memory is not checked here
+            (:func:`check_regen_memory`).
         max_prompt_tokens: a prompt (tokens, including the assistant header) longer than
             this ends its conversation (counted, not raised).
         progress: show a tqdm bar (turns, with generated tokens/s).
@@ -113,42 +125,98 @@ def regenerate(
         ``prompts_too_long``, ``empty_responses``, ``unfinished_responses`` -- stopped by
         ``max_new_tokens``, ``unfinished_reasoning`` -- stopped inside the reasoning, turn not
         kept), ``generated_tokens`` (including each end-of-turn token),
-        ``generate_seconds``, ``tokens_per_s`` and the ``sampling`` settings.
+        ``generate_seconds``, ``tokens_per_s``, the ``engine`` that ran and the ``sampling`` settings.
 
     ``cfg.backend == "vllm"`` dispatches to :func:`data_prep.regenerate_vllm.regenerate_vllm`
     (OpenAI-compatible server at ``regen.server_url``, or offline ``vllm.LLM``), which
     returns a report with the same keys (and raises its own errors, documented there).
 
     Raises:
-        ValueError: ``cfg.enabled`` is false; a conversation not in normal form.
+        ValueError: ``cfg.enabled`` is false; a conversation not in normal form; ``engine: continuous``
+            where continuous batching cannot run the model or its generation settings.
+        RuntimeError: continuous batching failed on a request (:mod:`data_prep.regenerate_cb`).
     """
     if cfg.backend == "vllm":
 
         return regenerate_vllm(model, tokenizer, conversations, cfg, max_prompt_tokens, progress)
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
+    complete, engine = hf_engine(model, tokenizer, cfg)
+    kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
+    report = regen_report(cfg, {"backend": "hf", "engine": engine}, **stats, max_prompt_tokens=max_prompt_tokens,
+                          eos_ids=_eos_ids(model, tokenizer))
+    return kept, report
+
+
+def resolve_engine(model, cfg: RegenConfig) -> str:
+    """The HF engine ``regen.engine`` names: ``auto`` is ``continuous`` on CUDA when continuous batching
+    supports the model (:func:`data_prep.regenerate_cb.unsupported_reason`), else ``generate``.
+
+    Raises:
+        ValueError: ``continuous`` asked for where it cannot run (says why and what to set).
+    """
+    why = unsupported_reason(model)
+    if cfg.engine == "continuous" and why is not None:
+        raise ValueError(f"regen.engine: continuous: {why}; use regen.engine: generate (or auto)")
+    if cfg.engine == "auto":
+        return "continuous" if why is None and model.device.type == "cuda" else "generate"
+    return cfg.engine
+
+
+def check_regen_memory(model, cfg: RegenConfig, max_prompt_tokens: int,
+                       free_bytes: int | None = None) -> tuple[RegenConfig, str | None]:
+    """:func:`data_prep.regen_memory.fit_regen_memory` for ``model`` with the engine ``cfg`` resolves to
+    (:func:`resolve_engine`): the KV bytes per token from its config and dtype, the free memory of its
+    device unless ``free_bytes`` is given (tests). Run once before the first shard is generated.
+
+    Returns / Raises: as :func:`~data_prep.regen_memory.fit_regen_memory` (``RegenMemoryError``, a ValueError).
+    """
+    engine = resolve_engine(model, cfg)
+    if free_bytes is None:
+        free_bytes = free_memory_bytes(model.device)
+    return fit_regen_memory(cfg, model.config, model.dtype.itemsize, engine, max_prompt_tokens, free_bytes,
+                            where=str(model.device))
+
+
+def hf_engine(model, tokenizer, cfg: RegenConfig):
+    """The HF backend's engine for :func:`data_prep.rounds.run_rounds`: ``(complete, engine name)``.
+
+    ``complete(jobs)`` yields ``(job position, Completion)`` with the generated ``token_ids`` (through the
+    first end-of-turn token) as they are ready: ``generate`` answers longest prompts first (ties by
+    conversation index) in left-padded batches of ``batch_size``; ``continuous``
+    (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
+    when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
+    ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode.
+    """
     import transformers
 
+    engine = resolve_engine(model, cfg)
     transformers.set_seed(cfg.seed)
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    decode = _decoder(tokenizer)
+
+    def answer(i: int, new: list[int], finished: bool) -> tuple[int, Completion]:
+        return i, Completion(decode(new), None, len(new), finished, new)
+
+    if engine == "continuous":
+        def complete(jobs: list[Job]):
+            for i, new, finished in continuous_generate(model, [j[3] for j in jobs], cfg, eos_ids, pad_id):
+                yield answer(i, new, finished)
+
+        return complete, engine
+
     gen_kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample}
     if cfg.do_sample:
         gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
 
-    decode = _decoder(tokenizer)
-
     def complete(jobs: list[Job]):
-        """Longest prompts first (ties by conversation index), left-padded batches of ``batch_size``.
-        The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it."""
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             for i, (new, finished) in zip(idx, _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids,
                                                                  gen_kwargs)):
-                yield i, Completion(decode(new), None, len(new), finished)
+                yield answer(i, new, finished)
 
-    kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
-    report = regen_report(cfg, {"backend": "hf"}, **stats, max_prompt_tokens=max_prompt_tokens, eos_ids=eos_ids)
-    return kept, report
+    return complete, engine

@@ -33,13 +33,15 @@ class Completion:
     whole response with its reasoning markers (split by :func:`run_rounds`); ``reasoning``: the
     reasoning text if the engine separated it (else None); ``tokens``: generated tokens (HF: up
     to and including the first end-of-turn token; a vLLM server's ``usage.completion_tokens`` or vLLM's output ids);
-    ``finished``: stopped by end-of-turn, not by ``max_new_tokens``.
+    ``finished``: stopped by end-of-turn, not by ``max_new_tokens``; ``token_ids``: the generated ids
+    (the HF engines; None where the engine gives none).
     """
 
     text: str
     reasoning: str | None
     tokens: int
     finished: bool
+    token_ids: list[int] | None = None
 
 
 def run_rounds(

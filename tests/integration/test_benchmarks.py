@@ -159,3 +159,25 @@ def test_timeline_summary_busy_idle_and_categories(bench):
         bench.timeline_summary(kernels, 0)
     with pytest.raises(ValueError, match="ends before"):
         bench.timeline_summary([("x", 5.0, 1.0)], 1)
+
+
+def test_regen_throughput_cpu_smoke(tmp_path, capsys):
+    """``benchmarks/regen_throughput.py --smoke``: both engines on the same real prompts through prepare's
+    engine, token-identical, one JSON with the command and commit, a one-line summary."""
+    from conftest import need_smollm2
+
+    need_smollm2()
+    import regen_throughput
+
+    out = tmp_path / "regen.json"
+    result = regen_throughput.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["meta"]["command"] == f"python benchmarks/regen_throughput.py --smoke --out {out}"
+    assert "commit" in result["meta"]
+    (run,) = result["runs"]
+    assert run["continuous"]["engine"] == "continuous" and run["generate"]["engine"] == "generate"
+    assert run["continuous"]["prompts"] == run["generate"]["prompts"] == 4
+    assert run["continuous"]["generated_tokens"] > 0 and run["continuous"]["tokens_per_s"] > 0
+    assert run["identical"] == {"compared": 4, "identical": 4, "all": True, "first_differing_prompt": None}
+    assert capsys.readouterr().out.strip().splitlines()[-1] == result["summary"]
+    assert result["summary"].startswith("regen_throughput (cap 12): float32: continuous")

@@ -1,0 +1,159 @@
+"""Regeneration throughput: plain HF ``generate`` vs continuous batching, on the same prompts, through
+the engine ``peagle-train prepare`` uses (:func:`data_prep.regenerate.hf_engine`, after its memory
+check :func:`data_prep.regenerate.check_regen_memory`).
+
+The prompts are ShareGPT first turns read from the recipe's source (``data_prep.sources``), rendered
+with the target's chat template; those over ``data.max_prompt_tokens`` are skipped. Per target dtype:
+
+(a) ``generate`` (left-padded batches of ``--batch``) on the first ``--subset`` prompts;
+(b) ``continuous`` (``regen.batch_size = --cb-batch``) on all ``--prompts`` prompts;
+
+each timed (generated tokens incl. end-of-turn tokens / wall seconds of the engine), with its
+unfinished count (stopped by the cap); then how many of the subset's greedy outputs are
+token-identical between (a) and (b). One JSON (``--out``) with the command and commit
+(``train_step.provenance``), one summary line printed last.
+
+GPU (H200; GGUF and prompts as ``benchmarks/quality_experiment.sh setup`` leaves them)::
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/regen_throughput.py \\
+        --gguf /tmp/peagle_quality/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --prompts-file /tmp/peagle_quality/sharegpt_prompts.json --out $OUT/regen_throughput.json
+
+CPU smoke (CI, ``tests/integration/test_benchmarks.py``): ``--smoke --out x.json`` (the CPU demo
+recipe, its packaged GGUF and ShareGPT file, 4 prompts, 12 new tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default=str(ROOT / "recipes" / "smollm2-135m-peagle-gpu.yaml"))
+    p.add_argument("--gguf", help="target GGUF file (sets target.gguf_package=null target.gguf_file=...)")
+    p.add_argument("--prompts-file", help="ShareGPT JSON (sets data.path)")
+    p.add_argument("--prompts", type=int, default=1024, help="prompts for the continuous engine")
+    p.add_argument("--subset", type=int, default=256, help="first prompts also run through plain generate")
+    p.add_argument("--cap", type=int, default=2048, help="regen.max_new_tokens")
+    p.add_argument("--batch", type=int, default=256, help="plain generate's batch (regen.batch_size)")
+    p.add_argument("--cb-batch", type=int, default=512, help="continuous engine's regen.batch_size")
+    p.add_argument("--kv-memory-fraction", type=float, default=None, help="regen.kv_memory_fraction")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="regen.max_batch_tokens")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="target dtypes, one run each")
+    p.add_argument("--skip-generate", action="store_true", help="only the continuous engine (no identity count)")
+    p.add_argument("--override", nargs="*", default=[], help="further recipe overrides key=value")
+    p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
+    p.add_argument("--out", required=True, help="JSON output path")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.recipe = str(ROOT / "recipes" / "smollm2-135m.yaml")
+        args.prompts, args.subset, args.cap, args.batch, args.cb_batch = 4, 4, 12, 4, 4
+        args.dtypes = ["float32"]
+    args.subset = min(args.subset, args.prompts)
+    return args
+
+
+def load_prompts(tokenizer, cfg, n: int) -> list[list[int]]:
+    """The first ``n`` ShareGPT first turns (chat-templated ids) no longer than ``data.max_prompt_tokens``."""
+    from data_prep.sources import load_conversations
+    from data_prep.template import build_prompt_ids
+
+    convs, _ = load_conversations(cfg.data.model_copy(update={"num_conversations": 2 * n + 16}))
+    prompts = []
+    for c in convs:
+        head = [m for m in c[:1] if m["role"] == "system"]
+        user = next(m for m in c if m["role"] == "user")
+        ids = build_prompt_ids(tokenizer, [*head, {"role": "user", "content": user["content"]}])
+        if len(ids) <= cfg.data.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> dict:
+    """Regenerate ``prompts`` with the engine ``regen_cfg`` names, as prepare does; timed."""
+    import torch
+
+    from data_prep.regenerate import check_regen_memory, hf_engine
+
+    regen_cfg, note = check_regen_memory(target.model, regen_cfg, max_prompt_tokens)
+    complete, engine = hf_engine(target.model, target.tokenizer, regen_cfg)
+    jobs = [(k, 0, [], p) for k, p in enumerate(prompts)]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = dict(complete(jobs))
+    sync()
+    secs = time.perf_counter() - t0
+    tokens = sum(c.tokens for c in out.values())
+    return {"engine": engine, "batch_size": regen_cfg.batch_size, "memory_note": note, "prompts": len(prompts),
+            "generated_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 1),
+            "unfinished": sum(not c.finished for c in out.values()),
+            "ids": [out[k].token_ids for k in range(len(prompts))]}
+
+
+def main(argv=None) -> dict:
+    import torch
+    import transformers
+
+    from peagle_train.features.target import load_target
+    from peagle_train.recipe import load_config
+    from train_step import provenance
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    overrides = [f"regen.max_new_tokens={args.cap}", *args.override]
+    if args.gguf:
+        overrides += ["target.gguf_package=null", f"target.gguf_file={args.gguf}"]
+    if args.prompts_file:
+        overrides.append(f"data.path={args.prompts_file}")
+    result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_throughput.py", *argv]),
+                       "torch": torch.__version__, "transformers": transformers.__version__,
+                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                       "recipe": args.recipe, "overrides": overrides, "cap": args.cap}, "runs": []}
+    summary = []
+    for dtype in args.dtypes:
+        cfg = load_config(args.recipe, [*overrides, f"target.dtype={dtype}"])
+        target = load_target(cfg.target)
+        prompts = load_prompts(target.tokenizer, cfg, args.prompts)
+        knobs = {"kv_memory_fraction": args.kv_memory_fraction, "max_batch_tokens": args.max_batch_tokens}
+        run = {"dtype": dtype, "prompts": len(prompts), "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+               "attn_implementation": target.model.config._attn_implementation}
+        cont = run_engine(target, cfg.regen.model_copy(update={"engine": "continuous", "batch_size": args.cb_batch,
+                                                               **knobs}),
+                          cfg.data.max_prompt_tokens, prompts)
+        run["continuous"] = {k: v for k, v in cont.items() if k != "ids"}
+        line = (f"{dtype}: continuous {cont['tokens_per_s']:,.0f} tok/s ({cont['prompts']} prompts, "
+                f"{cont['unfinished']} unfinished)")
+        if not args.skip_generate:
+            gen = run_engine(target, cfg.regen.model_copy(update={"engine": "generate", "batch_size": args.batch}),
+                             cfg.data.max_prompt_tokens, prompts[: args.subset])
+            run["generate"] = {k: v for k, v in gen.items() if k != "ids"}
+            same = [a == b for a, b in zip(gen["ids"], cont["ids"])]
+            first_diff = next((i for i, s in enumerate(same) if not s), None)
+            run["identical"] = {"compared": len(same), "identical": sum(same), "all": all(same),
+                                "first_differing_prompt": first_diff}
+            line += (f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['prompts']} prompts, {gen['unfinished']} "
+                     f"unfinished), identical {sum(same)}/{len(same)}")
+        result["runs"].append(run)
+        summary.append(line)
+        del target
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result["summary"] = f"regen_throughput (cap {args.cap}): " + "; ".join(summary)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(result["summary"])
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Will a regeneration fit in memory? Checked before the first token is generated, so a cap or batch
+size the accelerator cannot hold is reduced or refused with a message instead of failing hours in.
+
+The KV cache dominates: ``layers × 2 (K and V) × kv_heads × head_dim × dtype bytes`` per token
+(:func:`kv_bytes_per_token`), read from the target's config. The worst case of one sequence is
+``data.max_prompt_tokens + regen.max_new_tokens`` tokens. Plain ``generate`` holds ``batch_size`` such
+sequences (its cache grows to the longest one in the batch) plus one step of float32 logits per
+sequence; continuous batching holds what its block pool holds (``regen.kv_blocks`` blocks of
+:data:`PAGE_TOKENS` tokens, or a fraction of the free memory) and schedules within it, so only a pool
+smaller than one sequence, or larger than the free memory, is wrong. Free memory: the accelerator's
+free bytes (``torch.cuda.mem_get_info``), on CPU the available RAM (``MemAvailable``).
+"""
+from __future__ import annotations
+
+import math
+
+from data_prep.config import RegenConfig
+
+#: Tokens per KV-cache block of transformers' continuous batching (its default page/block size, 256 in
+#: transformers 5.17 ``block_size`` and 5.24 ``page_size``).
+PAGE_TOKENS = 256
+#: Share of the free memory the check lets the KV cache (and logits) take: the rest is activations,
+#: the allocator's fragmentation and the sampler's temporaries.
+HEADROOM = 0.9
+GIB = 1024 ** 3
+
+
+class RegenMemoryError(ValueError):
+    """The regeneration settings cannot fit the memory (names the keys, the figures and the fix)."""
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes in every layer: ``layers × 2 × kv_heads × head_dim × dtype_bytes``.
+
+    Args:
+        config: the target's transformers config (its text config is used for a multimodal one).
+        dtype_bytes: bytes per cached element (the model's dtype: 4 for float32, 2 for bfloat16).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return int(text.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
+
+
+def free_memory_bytes(device) -> int | None:
+    """Free bytes where the cache will live: CUDA ``mem_get_info`` of ``device``; CPU: ``MemAvailable``
+    of ``/proc/meminfo``; None where unknown (another accelerator, no ``/proc``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: str, max_prompt_tokens: int,
+                     free_bytes: int | None, where: str = "the device") -> tuple[RegenConfig, str | None]:
+    """The regeneration settings that fit ``free_bytes``, and a message when they had to change.
+
+    Args:
+        cfg: the ``regen`` section (``max_new_tokens``, ``batch_size``, ``kv_blocks``).
+        model_config, dtype_bytes: the target's config and cache element size (:func:`kv_bytes_per_token`).
+        engine: ``"generate"`` or ``"continuous"`` (resolved, not ``auto``).
+        max_prompt_tokens: the longest prompt a turn may have (``data.max_prompt_tokens``).
+        free_bytes: free memory where the cache lives (:func:`free_memory_bytes`); None skips the check.
+        where: the device, for the message (``"cuda:0"``).
+
+    Returns:
+        ``(cfg, message)``: ``cfg`` itself and None when it fits; otherwise a copy with ``batch_size``
+        (generate) or ``kv_blocks`` (continuous) reduced to what fits, and a message saying so.
+
+    Raises:
+        RegenMemoryError: not even one sequence of ``max_prompt_tokens + max_new_tokens`` tokens fits;
+            or ``kv_blocks`` hold fewer tokens than one such sequence.
+    """
+    per_token = kv_bytes_per_token(model_config, dtype_bytes)
+    seq = max_prompt_tokens + cfg.max_new_tokens
+    vocab = int(getattr(model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config,
+                        "vocab_size", 0) or 0)
+    shape = (f"(data.max_prompt_tokens {max_prompt_tokens} + regen.max_new_tokens {cfg.max_new_tokens} tokens × "
+             f"{per_token:,} KV bytes/token)")
+    if engine == "continuous" and cfg.kv_blocks is not None and cfg.kv_blocks * PAGE_TOKENS < seq:
+        raise RegenMemoryError(
+            f"regen.kv_blocks={cfg.kv_blocks} holds {cfg.kv_blocks * PAGE_TOKENS:,} tokens, fewer than one sequence "
+            f"needs {shape}: raise regen.kv_blocks to at least {math.ceil(seq / PAGE_TOKENS)}, or lower "
+            "regen.max_new_tokens / data.max_prompt_tokens")
+    if free_bytes is None:
+        return cfg, None
+    usable = int(free_bytes * HEADROOM)
+    free = f"{free_bytes / GIB:.2f} GiB free on {where}"
+    if engine == "generate":
+        per_seq = seq * per_token + vocab * 4  # its KV cache and one step of float32 logits
+        need = cfg.batch_size * per_seq
+        if need <= usable:
+            return cfg, None
+        fits = usable // per_seq
+        if fits < 1:
+            raise RegenMemoryError(
+                f"one sequence {shape} needs {per_seq / GIB:.2f} GiB, more than {HEADROOM:.0%} of the {free}: lower "
+                "regen.max_new_tokens or data.max_prompt_tokens, or use a larger device")
+        return cfg.model_copy(update={"batch_size": int(fits)}), (
+            f"regen.batch_size {cfg.batch_size} × {shape} needs {need / GIB:.2f} GiB of KV cache, more than "
+            f"{HEADROOM:.0%} of the {free}: regenerating with batch_size {fits} instead")
+    pool = int(free_bytes * (cfg.kv_memory_fraction or HEADROOM))  # what continuous batching's cache may take
+    if cfg.kv_blocks is None and seq * per_token > pool:
+        raise RegenMemoryError(
+            f"one sequence {shape} needs {seq * per_token / GIB:.2f} GiB of KV cache, more than "
+            f"{cfg.kv_memory_fraction or HEADROOM:.0%} of the {free}: lower regen.max_new_tokens or "
+            "data.max_prompt_tokens, raise regen.kv_memory_fraction, or use a larger device")
+    if cfg.kv_blocks is None or cfg.kv_blocks * PAGE_TOKENS * per_token <= usable:
+        return cfg, None
+    fits = usable // (PAGE_TOKENS * per_token)
+    if fits * PAGE_TOKENS < seq:
+        raise RegenMemoryError(
+            f"regen.kv_blocks {cfg.kv_blocks}: the {free} hold {fits} blocks of {PAGE_TOKENS} tokens, fewer than one "
+            f"sequence needs {shape}: lower regen.max_new_tokens or data.max_prompt_tokens, or use a larger device")
+    return cfg.model_copy(update={"kv_blocks": int(fits)}), (
+        f"regen.kv_blocks {cfg.kv_blocks} ({cfg.kv_blocks * PAGE_TOKENS * per_token / GIB:.2f} GiB at "
+        f"{per_token:,} KV bytes/token) is more than {HEADROOM:.0%} of the {free}: using kv_blocks {fits} instead")

@@ -1,0 +1,172 @@
+"""The HF backend's regeneration engines (issue 19): continuous batching (``regen.engine: continuous``,
+``data_prep/regenerate_cb.py``) is token-identical to plain ``generate`` on the real SmolLM2-135M in
+float32 on CPU; its sampling settings are honoured or refused; the engine choice; the memory check
+(``data_prep/regen_memory.py``) with a fake free-memory figure, and prepare refusing before any shard
+is generated.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from conftest import need_smollm2
+
+from data_prep.config import RegenConfig
+from data_prep.regen_memory import PAGE_TOKENS, RegenMemoryError, fit_regen_memory, kv_bytes_per_token
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny CPU matmuls: one thread is faster under load
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"
+QUESTIONS = [  # varied prompt lengths; some answers end before the cap, some are cut by it
+    "Hi",
+    "2+2?",
+    "What is the capital of France? Answer in one word.",
+    "List three prime numbers.",
+    "Write a haiku about the sea and the moon and explain it in detail.",
+    "Explain how a transformer neural network works, step by step, including attention, residual connections, "
+    "layer normalisation, the feed-forward blocks and how the output distribution over the vocabulary is formed.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    need_smollm2()
+    from peagle_train.features.target import load_target
+    from peagle_train.recipe import load_config
+
+    cfg = load_config(str(RECIPE), [])
+    return cfg, load_target(cfg.target)
+
+
+def _jobs(tokenizer):
+    from data_prep.template import build_prompt_ids
+
+    return [(k, 0, [], build_prompt_ids(tokenizer, [{"role": "user", "content": q}])) for k, q in enumerate(QUESTIONS)]
+
+
+def _run(target, regen: RegenConfig, jobs):
+    from data_prep.regenerate import hf_engine
+
+    complete, engine = hf_engine(target.model, target.tokenizer, regen)
+    return engine, dict(complete(jobs))
+
+
+def test_continuous_batching_is_token_identical_to_generate(smollm2):
+    cfg, target = smollm2
+    jobs = _jobs(target.tokenizer)
+    regen = cfg.regen.model_copy(update={"max_new_tokens": 32, "do_sample": False})
+    # the reference: plain generate as prepare runs it (one left-padded batch); and, for the two short
+    # answers (a few steps each on a loaded 2-core box), one prompt at a time: no padding, nothing else in the batch
+    _, ref_all = _run(target, regen.model_copy(update={"engine": "generate", "batch_size": len(jobs)}), jobs)
+    _, alone = _run(target, regen.model_copy(update={"engine": "generate", "batch_size": 1}), jobs[:2])
+    engine, cont = _run(target, regen.model_copy(update={"engine": "continuous", "batch_size": len(jobs)}), jobs)
+    assert engine == "continuous"
+    assert target.model.config._attn_implementation == "sdpa"  # given back after the engine ran
+    assert [alone[i].token_ids for i in range(2)] == [ref_all[i].token_ids for i in range(2)]
+    for i, (k, _, _, prompt) in enumerate(jobs):
+        ref = ref_all[i]
+        assert cont[i].token_ids == ref.token_ids, (f"prompt {k} ({len(prompt)} tokens): continuous batching "
+                                                    f"{cont[i].token_ids} != generate {ref.token_ids}")
+        assert (cont[i].text, cont[i].tokens, cont[i].finished) == (ref.text, ref.tokens, ref.finished)
+    finished = [c.finished for c in cont.values()]
+    assert any(finished) and not all(finished)  # both an end-of-turn stop and a cut at the cap were compared
+    eot = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert all(c.token_ids[-1] == eot for c in cont.values() if c.finished)  # the end-of-turn token is counted
+
+
+def test_continuous_sampling_is_seeded_and_unsupported_processors_are_refused(smollm2):
+    from data_prep.regenerate_cb import generation_config
+
+    cfg, target = smollm2
+    jobs = _jobs(target.tokenizer)[:2]
+    regen = cfg.regen.model_copy(update={"engine": "continuous", "max_new_tokens": 6, "do_sample": True,
+                                         "temperature": 0.8, "top_p": 0.9, "seed": 3})
+    gc = generation_config(target.model, regen, [2], 2)
+    assert (gc.do_sample, gc.temperature, gc.top_p, gc.top_k, gc.max_new_tokens) == (True, 0.8, 0.9, 0, 6)
+    a, b = _run(target, regen, jobs)[1], _run(target, regen, jobs)[1]
+    assert [a[i].token_ids for i in range(2)] == [b[i].token_ids for i in range(2)]  # same seed, same samples
+    saved = copy.deepcopy(target.model.generation_config)
+    target.model.generation_config.repetition_penalty = 1.3  # a processor continuous batching cannot apply
+    try:
+        with pytest.raises(ValueError, match="RepetitionPenalty.*regen.engine: generate"):
+            _run(target, regen.model_copy(update={"do_sample": False}), jobs)
+    finally:
+        target.model.generation_config = saved
+    assert target.model.config._attn_implementation == "sdpa"
+
+
+def test_engine_choice(smollm2, tiny_llama_config):
+    from data_prep.regenerate import resolve_engine
+
+    cfg, target = smollm2
+    assert resolve_engine(target.model, cfg.regen) == "generate"  # auto on CPU
+    assert resolve_engine(target.model, cfg.regen.model_copy(update={"engine": "continuous"})) == "continuous"
+
+    class NoPaged:  # a model whose attention cannot be paged
+        _supports_attention_backend = False
+        init_continuous_batching = None
+
+    with pytest.raises(ValueError, match="regen.engine: continuous.*NoPaged.*regen.engine: generate"):
+        resolve_engine(NoPaged(), RegenConfig(engine="continuous"))
+    with pytest.raises(ValueError, match="regen.engine is a setting of regen.backend: hf"):
+        RegenConfig(backend="vllm", engine="continuous")
+    with pytest.raises(ValueError, match="regen.kv_blocks"):
+        RegenConfig(backend="vllm", kv_blocks=8)
+    assert RegenConfig().max_new_tokens == 2048 and RegenConfig().engine == "auto"
+
+
+# -- memory check, with a fake free-memory figure ---------------------------------------------------------
+GIB = 1024 ** 3
+
+
+def test_kv_bytes_per_token_from_the_config(tiny_llama_config):
+    c = tiny_llama_config(num_hidden_layers=4, num_key_value_heads=2, hidden_size=32, num_attention_heads=4)
+    assert kv_bytes_per_token(c, 4) == 4 * 2 * 2 * 8 * 4
+    smol = tiny_llama_config(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9)
+    assert kv_bytes_per_token(smol, 2) == 30 * 2 * 3 * 64 * 2  # SmolLM2-135M in bf16: 23,040 bytes/token
+
+
+def test_generate_batch_is_reduced_or_refused_before_generation(tiny_llama_config):
+    c = tiny_llama_config(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9,
+                          vocab_size=49152)
+    per_seq = (512 + 2048) * kv_bytes_per_token(c, 4) + 49152 * 4  # 118 MB
+    cfg = RegenConfig(engine="generate", max_new_tokens=2048, batch_size=512)
+    same, note = fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=200 * GIB)
+    assert same is cfg and note is None
+    small, note = fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=10 * GIB)
+    assert small.batch_size == int(10 * GIB * 0.9) // per_seq < 512 and cfg.batch_size == 512
+    assert "regen.batch_size 512" in note and f"batch_size {small.batch_size} instead" in note and "GiB free" in note
+    with pytest.raises(RegenMemoryError, match="one sequence.*regen.max_new_tokens"):
+        fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=per_seq // 2)
+    assert fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=None) == (cfg, None)  # unknown: not checked
+
+
+def test_continuous_kv_budget_is_checked(tiny_llama_config):
+    c = tiny_llama_config(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9)
+    per_tok = kv_bytes_per_token(c, 2)
+    cfg = RegenConfig(engine="continuous", max_new_tokens=2048, kv_blocks=4)  # 1,024 tokens < 512 + 2,048
+    with pytest.raises(RegenMemoryError, match="regen.kv_blocks=4 holds 1,024 tokens.*at least 10"):
+        fit_regen_memory(cfg, c, 2, "continuous", 512, free_bytes=None)
+    big = cfg.model_copy(update={"kv_blocks": 100_000})  # 25.6M tokens: 550 GiB at bf16
+    fitted, note = fit_regen_memory(big, c, 2, "continuous", 512, free_bytes=80 * GIB)
+    assert fitted.kv_blocks == int(80 * GIB * 0.9) // (PAGE_TOKENS * per_tok) and "kv_blocks 100000" in note
+    auto = cfg.model_copy(update={"kv_blocks": None})  # sized by transformers from the free memory: fits
+    assert fit_regen_memory(auto, c, 2, "continuous", 512, free_bytes=80 * GIB) == (auto, None)
+    with pytest.raises(RegenMemoryError, match="one sequence.*regen.kv_memory_fraction"):
+        fit_regen_memory(auto, c, 2, "continuous", 512, free_bytes=(512 + 2048) * per_tok)
+
+
+def test_prepare_refuses_a_cap_that_cannot_fit_before_any_shard(smollm2, tmp_path, monkeypatch):
+    import data_prep.regenerate as R
+    from peagle_train.core.config import ConfigError
+    from peagle_train.recipe import load_config
+    from peagle_train.stages import run_prepare
+
+    monkeypatch.setattr(R, "free_memory_bytes", lambda device: 50 * 1024 ** 2)  # 50 MiB "free"
+    monkeypatch.setattr(R, "regenerate", lambda *a, **k: pytest.fail("generation started"))
+    cfg = load_config(str(RECIPE), [f"output_dir={tmp_path / 'run'}", "data.num_conversations=3",
+                                    "regen.max_new_tokens=100000", "regen.batch_size=2"])
+    with pytest.raises(ConfigError, match="smollm2-135m.yaml.*one sequence.*GiB.*regen.max_new_tokens"):
+        run_prepare(cfg, progress=False)
+    assert not list((tmp_path / "run" / "data" / "regen").glob("*.json"))
