@@ -17,7 +17,8 @@ GPU (H200; GGUF and prompts as ``benchmarks/quality_experiment.sh setup`` leaves
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/regen_throughput.py \\
         --gguf /tmp/peagle_quality/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --prompts-file /tmp/peagle_quality/sharegpt_prompts.json --out $OUT/regen_throughput.json
+        --prompts-file /tmp/peagle_quality/sharegpt_prompts.json --prompts 512 --subset 128 --batch 128 \\
+        --cb-batch 512 --cap 2048 --dtypes float32 bfloat16 --max-seconds 60 --out $OUT/regen_throughput.json
 
 CPU smoke (CI, ``tests/integration/test_benchmarks.py``): ``--smoke --out x.json`` (the CPU demo
 recipe, its packaged GGUF and ShareGPT file, 4 prompts, 12 new tokens).
@@ -47,6 +48,7 @@ def parse_args(argv):
     p.add_argument("--kv-memory-fraction", type=float, default=None, help="regen.kv_memory_fraction")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="regen.max_batch_tokens")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="target dtypes, one run each")
+    p.add_argument("--max-seconds", type=float, default=150.0, help="per engine run: abandon what is unfinished")
     p.add_argument("--skip-generate", action="store_true", help="only the continuous engine (no identity count)")
     p.add_argument("--override", nargs="*", default=[], help="further recipe overrides key=value")
     p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
@@ -78,8 +80,10 @@ def load_prompts(tokenizer, cfg, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> dict:
-    """Regenerate ``prompts`` with the engine ``regen_cfg`` names, as prepare does; timed."""
+def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]], max_seconds: float) -> dict:
+    """Regenerate ``prompts`` with the engine ``regen_cfg`` names, as prepare does; timed. Past
+    ``max_seconds`` the answers not yet finished are abandoned (``timed_out``; tokens/s then counts the
+    finished answers only, an underestimate)."""
     import torch
 
     from data_prep.regenerate import check_regen_memory, hf_engine
@@ -90,14 +94,20 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    out = dict(complete(jobs))
+    out, answers = {}, complete(jobs)
+    for i, c in answers:
+        out[i] = c
+        if time.perf_counter() - t0 > max_seconds:
+            break
+    answers.close()  # stops the engine at once if answers are still in flight
     sync()
     secs = time.perf_counter() - t0
     tokens = sum(c.tokens for c in out.values())
     return {"engine": engine, "batch_size": regen_cfg.batch_size, "memory_note": note, "prompts": len(prompts),
+            "answered": len(out), "timed_out": len(out) < len(prompts),
             "generated_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 1),
             "unfinished": sum(not c.finished for c in out.values()),
-            "ids": [out[k].token_ids for k in range(len(prompts))]}
+            "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 
 
 def main(argv=None) -> dict:
@@ -129,20 +139,20 @@ def main(argv=None) -> dict:
                "attn_implementation": target.model.config._attn_implementation}
         cont = run_engine(target, cfg.regen.model_copy(update={"engine": "continuous", "batch_size": args.cb_batch,
                                                                **knobs}),
-                          cfg.data.max_prompt_tokens, prompts)
+                          cfg.data.max_prompt_tokens, prompts, args.max_seconds)
         run["continuous"] = {k: v for k, v in cont.items() if k != "ids"}
-        line = (f"{dtype}: continuous {cont['tokens_per_s']:,.0f} tok/s ({cont['prompts']} prompts, "
+        line = (f"{dtype}: continuous {cont['tokens_per_s']:,.0f} tok/s ({cont['answered']}/{cont['prompts']} prompts, "
                 f"{cont['unfinished']} unfinished)")
         if not args.skip_generate:
             gen = run_engine(target, cfg.regen.model_copy(update={"engine": "generate", "batch_size": args.batch}),
-                             cfg.data.max_prompt_tokens, prompts[: args.subset])
+                             cfg.data.max_prompt_tokens, prompts[: args.subset], args.max_seconds)
             run["generate"] = {k: v for k, v in gen.items() if k != "ids"}
-            same = [a == b for a, b in zip(gen["ids"], cont["ids"])]
+            same = [a == b for a, b in zip(gen["ids"], cont["ids"]) if a is not None and b is not None]
             first_diff = next((i for i, s in enumerate(same) if not s), None)
             run["identical"] = {"compared": len(same), "identical": sum(same), "all": all(same),
                                 "first_differing_prompt": first_diff}
-            line += (f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['prompts']} prompts, {gen['unfinished']} "
-                     f"unfinished), identical {sum(same)}/{len(same)}")
+            line += (f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['answered']}/{gen['prompts']} prompts, "
+                     f"{gen['unfinished']} unfinished), identical {sum(same)}/{len(same)}")
         result["runs"].append(run)
         summary.append(line)
         del target
