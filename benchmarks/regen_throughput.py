@@ -49,6 +49,8 @@ def parse_args(argv):
     p.add_argument("--max-batch-tokens", type=int, default=None, help="regen.max_batch_tokens")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="target dtypes, one run each")
     p.add_argument("--max-seconds", type=float, default=150.0, help="per engine run: abandon what is unfinished")
+    p.add_argument("--attn", default=None, help="model attention implementation to set before the runs (e.g. "
+                   "flash_attention_2 where flash-attn is installed; continuous batching pages it); default: as loaded")
     p.add_argument("--skip-generate", action="store_true", help="only the continuous engine (no identity count)")
     p.add_argument("--override", nargs="*", default=[], help="further recipe overrides key=value")
     p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
@@ -133,6 +135,8 @@ def main(argv=None) -> dict:
     for dtype in args.dtypes:
         cfg = load_config(args.recipe, [*overrides, f"target.dtype={dtype}"])
         target = load_target(cfg.target)
+        if args.attn:
+            target.model.set_attn_implementation(args.attn)
         prompts = load_prompts(target.tokenizer, cfg, args.prompts)
         knobs = {"kv_memory_fraction": args.kv_memory_fraction, "max_batch_tokens": args.max_batch_tokens}
         run = {"dtype": dtype, "prompts": len(prompts), "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
