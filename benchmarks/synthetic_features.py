@@ -39,16 +39,21 @@ class SyntheticFeatures:
         placement: ``"device"`` or ``"host"`` (:data:`PLACEMENTS`).
         aux_layers: ``A``, tapped target layers (3).
         seed: seed of the draws (the head and embeddings are drawn on each call, from the same seed).
+        lengths: tokens of each sequence index (real prepared data, ``benchmarks/train_step.py --data-from``);
+            ``get`` then hands out the first ``lengths[i]`` rows. None: every sequence has ``n_tokens``.
 
     Raises:
         ValueError: an unknown ``placement``.
     """
 
     def __init__(self, n_tokens: int, hidden_size: int, vocab_size: int, device, placement: str = "device",
-                 aux_layers: int = 3, seed: int = 0):
+                 aux_layers: int = 3, seed: int = 0, lengths: list[int] | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r} is not one of {sorted(PLACEMENTS)}")
         self.n, self.T, self.V, self.seed = n_tokens, hidden_size, vocab_size, seed
+        self.lengths = lengths  # per sequence index (prepared data); None: every sequence has n_tokens
+        if lengths is not None and max(lengths, default=0) > n_tokens:
+            raise ValueError(f"a sequence of {max(lengths)} tokens is longer than n_tokens={n_tokens}")
         self.device = torch.device(device) if placement == "device" else torch.device("cpu")
         self.dtype = torch.bfloat16  # a bf16 cache (the default train.features: cache) or a bf16 target
         g = self._generator(seed)
@@ -63,8 +68,12 @@ class SyntheticFeatures:
         return torch.randn(shape, generator=g, device=self.device, dtype=self.dtype).mul_(std)
 
     def get(self, indices: list[int]) -> list[dict]:
-        """Per index ``{"aux": [n, A*T], "last": [n, T], "argmax": [n] int64}``: the same tensors each time."""
-        return [{"aux": self.aux, "last": self.last, "argmax": self.argmax} for _ in indices]
+        """Per index ``{"aux": [n, A*T], "last": [n, T], "argmax": [n] int64}``: the same tensors each time
+        (with ``lengths``, their first ``lengths[i]`` rows: views, no copy)."""
+        if self.lengths is None:
+            return [{"aux": self.aux, "last": self.last, "argmax": self.argmax} for _ in indices]
+        return [{"aux": self.aux[:n], "last": self.last[:n], "argmax": self.argmax[:n]}
+                for n in (self.lengths[i] for i in indices)]
 
     def target_head(self) -> torch.Tensor:
         """A random target head ``[V, T]`` (std 0.02, bfloat16), drawn anew on each call (the trainer reads it once)."""

@@ -123,6 +123,8 @@ from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
 from peagle_train.methods.peagle import PEagleObjective  # noqa: E402
 from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count  # noqa: E402
 from peagle_train.peagle.planner import ShapeParams, predict_peak_bytes  # noqa: E402
+from peagle_train.trainer.profiling import (  # noqa: E402,F401  (re-exported: tests/integration/test_benchmarks.py)
+    KERNEL_CATEGORIES, device_kernels, kernel_category, kernel_table, timeline_summary)
 from peagle_train.trainer.trainer import Trainer  # noqa: E402
 
 try:  # the recipe's home (RunConfig, config_from_dict); earlier: peagle_train.core.config
@@ -176,7 +178,7 @@ def train_section(args, *, partitions: int | str, compile: bool | str = False, a
             "compile": compile, "attention": attention, "chain_kernel": chain_kernel, "fused_loss": fused_loss,
             "loss_chunk_size": args.chunk, "activation_checkpointing": args.checkpointing,
             "mixed_precision": args.mixed_precision, "lr": args.lr, "features": "cache",
-            "micro_batch_size": 1, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
+            "micro_batch_size": args.micro_batch, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
             "save_every": None, "report_to": [], "seed": 0}
 
 
@@ -215,11 +217,27 @@ def build_trainer(args, N: int, train: dict, device, out_dir: str) -> Trainer:
         "drafter": {"num_layers": DRAFTER_LAYERS, "draft_vocab_size": draft_vocab(args), "mask_token_id": V - 1},
         "train": train, "eval": {"k_max": min(args.K, 7)}}, "benchmarks/train_step.py")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    feats = SyntheticFeatures(N, tconf.hidden_size, V, device, args.feature_placement, seed=1000 * rank)
+    if args.data_from:  # real prepared sequences: the same micro-batches, lengths and COD samples as the trainer's
+        data = prepared_data(args.data_from)
+        lengths = [len(x) for x in data["train"]["input_ids"]]
+        feats = SyntheticFeatures(max(lengths), tconf.hidden_size, V, device, args.feature_placement,
+                                  seed=1000 * rank, lengths=lengths)
+    else:
+        data = synthetic_data(N, V, world * args.micro_batch)
+        feats = SyntheticFeatures(N, tconf.hidden_size, V, device, args.feature_placement, seed=1000 * rank)
     reset_accelerate_state()
     with warnings.catch_warnings():  # train.report_to: [] is meant: no trackers
         warnings.filterwarnings("ignore", message="`log_with=", category=UserWarning)
-        return Trainer(cfg, synthetic_data(N, V, world), {"train": feats, "eval": feats}, tconf, AUX_LAYER_IDS)
+        return Trainer(cfg, data, {"train": feats, "eval": feats}, tconf, AUX_LAYER_IDS)
+
+
+def prepared_data(run_dir: str) -> dict:
+    """``--data-from``: the prepared ``data/{train,eval}.safetensors`` of a run folder (token ids and
+    loss masks, :func:`peagle_train.features.tokenized.load_prepared`), with every token id above the
+    shape's vocabulary refused (the data must come from a target of the same vocabulary)."""
+    from peagle_train.features.tokenized import load_prepared
+
+    return load_prepared(Path(run_dir))
 
 
 class GridProbe:
@@ -340,10 +358,11 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
         gc.callbacks.remove(gc_clock)
     drafter = objective.drafter
     world = trainer.acc.num_processes
-    med, flop = statistics.median(times), flops(drafter, E, keys, N)
+    n_tokens = recs[-1]["tokens"] // world if "tokens" in recs[-1] else N  # this rank's tokens in the last step
+    med, flop = statistics.median(times), flops(drafter, E, keys, n_tokens)
     row = {
         "S": S, "first_step_s": first, "positions": E, "flop": flop,
-        "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+        "tokens": n_tokens, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "step_ms_all": [t * 1e3 for t in times], "gc_ms_all": gc_ms, "gc_full_all": gc_full,
         # the trainer's own rates (global over ranks, its clock) → per GPU
         "positions_per_s": statistics.median(r["positions_per_s"] for r in recs) / world,
@@ -464,108 +483,6 @@ def count_syncs(fn) -> dict:
             torch.cuda.set_sync_debug_mode(prev)
             warnings.showwarning = orig
     return {"count": n, "sites": [[k, v] for k, v in sites.most_common(15)]}
-
-
-def _is_device_kernel(e) -> bool:
-    """A profiler event that is a CUDA kernel or copy, not an annotated range (``Optimizer.step#...``,
-    Inductor's ``## Call CompiledFxGraph ##``), which the profiler also lists on the device."""
-    from torch.autograd import DeviceType
-
-    return getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-
-
-def kernel_table(prof, step_ms: float, n_steps: int, top: int = 25) -> list[dict]:
-    """Top ``top`` CUDA kernels of a profile (CPU ops when there are no kernels): name, ms per step
-    (total / ``n_steps``), % of the measured step time ``step_ms``, calls per step."""
-    events = prof.key_averages()
-    gpu = [e for e in events if _is_device_kernel(e)]
-
-    def dev_us(e):
-        for k in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
-            v = getattr(e, k, None)
-            if v:
-                return float(v)
-        return 0.0
-
-    if gpu:
-        rows = [(e.key, dev_us(e), e.count) for e in gpu]
-    else:
-        rows = [(e.key, float(e.self_cpu_time_total), e.count) for e in events]
-    rows.sort(key=lambda x: -x[1])
-    out = []
-    for name, us, count in rows[:top]:
-        ms = us / 1e3 / n_steps
-        out.append({"name": name[:120], "ms_per_step": round(ms, 3),
-                    "pct_of_step": round(100 * ms / step_ms, 2) if step_ms else None,
-                    "calls_per_step": round(count / n_steps, 1)})
-    return out
-
-
-KERNEL_CATEGORIES = (  # first match wins; names as the CUDA profiler reports them (torch 2.11, H200)
-    ("flex attention backward", ("flex_attention_backward",)),
-    ("flex attention forward", ("flex_attention",)),
-    ("GEMM (cuBLAS / CUTLASS)", ("nvjet", "gemm", "cutlass", "magma", "sm90_xmma")),
-    ("optimizer (fused multi-tensor)", ("multi_tensor_apply",)),
-    ("copies", ("memcpy", "memset", "direct_copy", "copy_kernel")),
-    ("chain part (Triton kernels, train.chain_kernel)", ("_chain_",)),
-    ("Inductor fused (norms, RoPE, loss, chain part, ...)", ("triton_",)),  # the chain part: chain_kernel torch
-)
-
-
-def kernel_category(name: str) -> str:
-    """Coarse category of a CUDA kernel name (:data:`KERNEL_CATEGORIES`; anything else: ``other``)."""
-    low = name.lower()
-    for cat, keys in KERNEL_CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
-
-
-def timeline_summary(kernels: list[tuple[str, float, float]], n_steps: int) -> dict:
-    """GPU busy and idle time of a profiled window, from kernel intervals.
-
-    Args:
-        kernels: ``(name, start_us, end_us)`` of every device kernel / copy of ``n_steps`` steps.
-        n_steps: steps in the window (``>= 1``).
-
-    Returns:
-        ``{"window_ms", "busy_ms", "idle_ms"}`` per step (the window spans the first start to the
-        last end; busy is the union of the intervals, so overlapping kernels on several streams
-        count once; idle = window - busy) and ``"by_category"``: ``{category: ms per step}`` of
-        summed kernel time (:func:`kernel_category`), largest first. Empty input gives zeros.
-
-    Raises:
-        ValueError: ``n_steps < 1`` or an interval that ends before it starts.
-    """
-    if n_steps < 1:
-        raise ValueError(f"timeline_summary: n_steps must be >= 1, got {n_steps}")
-    if any(e < b for _, b, e in kernels):
-        raise ValueError("timeline_summary: an interval ends before it starts")
-    cats: dict[str, float] = {}
-    busy, cur_b, cur_e = 0.0, None, None
-    for name, b, e in sorted(kernels, key=lambda x: x[1]):
-        cat = kernel_category(name)
-        cats[cat] = cats.get(cat, 0.0) + (e - b)
-        if cur_e is None or b > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_b
-            cur_b, cur_e = b, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_b
-    window = (max(e for _, _, e in kernels) - min(b for _, b, _ in kernels)) if kernels else 0.0
-    per = 1e3 * n_steps
-    return {"window_ms": round(window / per, 3), "busy_ms": round(busy / per, 3),
-            "idle_ms": round((window - busy) / per, 3),
-            "by_category": {k: round(v / per, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}}
-
-
-def device_kernels(prof) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of the device kernels and copies in a ``torch.profiler`` run
-    (empty on CPU-only runs)."""
-    return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
-            if _is_device_kernel(e) and e.time_range.end > e.time_range.start]
 
 
 def _dense_prefix(q, k, v, prefix_mask):
@@ -738,6 +655,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="time nothing: compare the split form's loss and fp32 parameter gradients with the joint "
                          "kernel's on a small grid (--check-n tokens) of --shape, per --compile variant")
     ap.add_argument("--check-n", type=int, default=512, help="tokens of the --check-grads grid")
+    ap.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size: sequences packed per "
+                    "micro-batch (of --seq-len tokens each, or of the --data-from sequences)")
+    ap.add_argument("--data-from", default=None, help="a run folder (output_dir) whose prepared data/ the steps train "
+                    "on: the real sequences, lengths and loss masks in the trainer's order, synthetic features; "
+                    "--seq-len is then the longest sequence (set automatically)")
     ap.add_argument("--steps", type=int, default=10, help="timed trainer steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed trainer steps before them")
     ap.add_argument("--chunk", type=int, default=8192, help="train.loss_chunk_size (grid elements)")
@@ -755,6 +677,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(benchmarks/speculators_ref.py; needs its wheels) and add the ratio to each row")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as run: recorded in the JSON (provenance)
+    if args.data_from:  # one row: the prepared sequences decide the lengths
+        args.n = [max(len(x) for x in prepared_data(args.data_from)["train"]["input_ids"])]
     return args
 
 

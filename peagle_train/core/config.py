@@ -34,6 +34,15 @@ class TargetConfig(Section):
         None, description="Path of the GGUF file inside that distribution, or a GGUF file on disk (no gguf_package)."
     )
     gguf_sha256: str | None = Field(None, description="Expected sha256 of the GGUF file (hex).")
+    random_init_from_config: str | None = Field(
+        None, description="A model configuration JSON (a real model's config.json; 'pkg:peagle_train/<file>' names "
+        "one shipped in peagle_train/data/target_configs/): build the target from it with RANDOM weights (seeded by "
+        "random_init_seed) instead of loading a checkpoint. Every shape, memory figure and time is real, acceptance "
+        "is not; reports and model cards say so. Exclusive with path and gguf_file.")
+    random_init_seed: int = Field(0, description="Seed of the random target weights (random_init_from_config).")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder or Hub id; None = the target's own (a random_init_from_config target "
+        "has none: set this for the stages that tokenise or decode: prepare, eval).")
     aux_layer_ids: list[int] | None = Field(
         None,
         description="Target layers whose input residual stream is tapped. None = vLLM default (2, L//2, L-3).",
@@ -43,8 +52,10 @@ class TargetConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> "TargetConfig":
-        if (self.path is None) == (self.gguf_file is None):
-            raise ValueError("set exactly one of target.path or target.gguf_file (with or without target.gguf_package)")
+        sources = [k for k in ("path", "gguf_file", "random_init_from_config") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            raise ValueError("set exactly one of target.path, target.gguf_file (with or without target.gguf_package) "
+                             f"or target.random_init_from_config (got {sources or 'none'})")
         if self.aux_layer_ids is not None:
             ids = self.aux_layer_ids
             if len(ids) != 3 or sorted(set(ids)) != ids or min(ids) < 1:
@@ -159,6 +170,12 @@ class TrainConfig(Section):
         "compile: a longer first step); GEMMs stay on cuBLAS.",
     )
     log_every: int = Field(10, ge=1)
+    profile_steps: int = Field(
+        0, ge=0, description="Profile this many optimizer steps with torch.profiler (after profile_start steps) and "
+        "write logs/profile.json: host time per phase, GPU busy/idle time, top kernels "
+        "(peagle_train.trainer.profiling). 0 = off.")
+    profile_start: int = Field(10, ge=0, description="Optimizer steps run before profile_steps starts (warm-up, "
+                               "compilation).")
     eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")
     eval_sequences: int = Field(32, ge=1, description="Eval-split sequences used for the in-training eval.")
     save_every: int | None = Field(None, ge=1)

@@ -83,6 +83,75 @@ def _is_materialised(d: Path) -> bool:
                                                                          "model.safetensors.index.json"))
 
 
+#: The marker file of a random-weight target's folder (``target.random_init_from_config``).
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS.json"
+
+
+def random_config_file(spec: str) -> Path:
+    """The configuration JSON that ``target.random_init_from_config`` names: a file path, or
+    ``pkg:peagle_train/<file>`` for a file under ``peagle_train/data/target_configs/``.
+
+    Raises:
+        TargetLoadError: the file does not exist (names it and the shipped choices).
+    """
+    shipped = Path(__file__).resolve().parents[1] / "data" / "target_configs"
+    path = shipped / spec.split("/", 1)[1] if spec.startswith("pkg:peagle_train/") else Path(spec)
+    if not path.is_file():
+        choices = ", ".join(f"pkg:peagle_train/{p.name}" for p in sorted(shipped.glob("*.json")))
+        raise TargetLoadError(f"target.random_init_from_config '{spec}' does not exist ({path}); give a model's "
+                              f"config.json or one of the shipped configurations: {choices}")
+    return path
+
+
+def _materialise_random(cfg: TargetConfig) -> Path:
+    """A folder for a random-weight target: its ``config.json`` (the given configuration, made
+    loadable by ``AutoConfig``), the tokenizer of ``target.tokenizer`` if set, and
+    :data:`RANDOM_WEIGHTS_MARKER` (source, sha256, seed) -- no weights: :func:`load_target` draws them.
+    The folder is ``cache_root()/targets/random-<sha256 of the JSON and seed>``, written atomically."""
+    import json
+
+    src = random_config_file(cfg.random_init_from_config)
+    raw = src.read_bytes()
+    digest = hashlib.sha256(raw + f"seed={cfg.random_init_seed};tok={cfg.tokenizer}".encode()).hexdigest()
+    out = cache_root() / "targets" / f"random-{digest[:16]}"
+    if (out / RANDOM_WEIGHTS_MARKER).is_file():
+        return out
+    from transformers import AutoConfig
+
+    tree = json.loads(raw)
+    tree.pop("quantization_config", None)  # random weights are plain: no quantised checkpoint to describe
+    tree = {k: v for k, v in tree.items() if not k.startswith("_")}  # "_source" notes of the shipped files
+    try:
+        config = AutoConfig.for_model(tree.pop("model_type"), **tree)
+    except (KeyError, ValueError) as e:
+        raise TargetLoadError(f"target.random_init_from_config '{src}': not a model configuration transformers "
+                              f"knows ({e})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    config.save_pretrained(tmp)
+    if cfg.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(cfg.tokenizer).save_pretrained(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp)
+            raise TargetLoadError(f"target.tokenizer '{cfg.tokenizer}': {e}") from None
+    (tmp / RANDOM_WEIGHTS_MARKER).write_text(json.dumps(
+        {"random_weights": True, "config_source": str(cfg.random_init_from_config), "config_sha256":
+         hashlib.sha256(raw).hexdigest(), "seed": cfg.random_init_seed, "tokenizer": cfg.tokenizer}, indent=1))
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process renamed its identical copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def is_random_target(path) -> bool:
+    """True for a target folder made by ``target.random_init_from_config`` (random weights)."""
+    return (Path(str(path)) / RANDOM_WEIGHTS_MARKER).is_file()
+
+
 def materialise_target(cfg: TargetConfig) -> Path:
     """Return a plain HF model directory for the target, de-quantising a GGUF once.
 
@@ -96,6 +165,8 @@ def materialise_target(cfg: TargetConfig) -> Path:
     """
     if cfg.path is not None:
         return Path(cfg.path) if Path(cfg.path).exists() else cfg.path  # type: ignore[return-value]
+    if cfg.random_init_from_config is not None:
+        return _materialise_random(cfg)
     if cfg.gguf_sha256:  # already materialised: skip hashing the GGUF again
         cached = cache_root() / "targets" / cfg.gguf_sha256[:16]
         if _is_materialised(cached):
@@ -224,6 +295,24 @@ class Target:
         return {"aux": aux, "last": hs[-1], "argmax": out.logits.argmax(-1)}
 
 
+def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch.device):
+    """The target of a random-weight folder (:func:`_materialise_random`): built from its config with
+    ``torch.manual_seed(seed)`` directly on ``device`` (transformers' own initialisation), so every
+    stage and rank on the same kind of device draws the same weights (a CPU and a GPU draw differ).
+
+    Returns:
+        a ``transformers`` causal LM in ``dtype`` on ``device``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
     """Materialise (if GGUF) and load the target frozen, in ``cfg.dtype`` on ``cfg.device``.
 
@@ -237,12 +326,20 @@ def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
 
     path = materialise_target(cfg)
     dtype = getattr(torch, cfg.dtype)
+    device = pick_device(cfg.device)
+    tok_path = cfg.tokenizer or str(path)
+    if with_tokenizer and cfg.tokenizer is None and is_random_target(path):
+        raise TargetLoadError(f"target.random_init_from_config '{cfg.random_init_from_config}' gives no tokenizer: "
+                              "set target.tokenizer to a tokenizer folder or Hub id (this stage tokenises or decodes)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(str(path)) if with_tokenizer else None
+        if is_random_target(path):
+            model = random_target_model(path, cfg.random_init_seed, dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(tok_path) if with_tokenizer else None
     except OSError as e:
         raise TargetLoadError(f"target.path '{path}': {e}") from e
-    model.to(pick_device(cfg.device)).eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
     if tok is not None and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

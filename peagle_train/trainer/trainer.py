@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from peagle_train.core.atomic import write_json_atomic
 from peagle_train.core.config import ConfigError
@@ -64,6 +65,7 @@ from peagle_train.peagle.metrics import DepthStats, depth_stats
 from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.trainer.checkpoints import Checkpoints
 from peagle_train.trainer.evaluation import InTrainingEval
+from peagle_train.trainer.profiling import StepProfiler
 from peagle_train.trainer.setup import build_drafter, epoch_order, resolve_attention, step_generator
 
 
@@ -182,11 +184,13 @@ class Trainer(InTrainingEval, Checkpoints):
         Returns:
             ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
         """
-        feats = source.get(indices)
-        tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
-        packed = pack(feats, tokens, self.device)
-        host_grid = self.method.build_grid(tokens, self.cfg, gen)
-        return packed, host_grid.to(self.device, non_blocking=True), host_grid
+        with record_function("peagle/features"):
+            feats = source.get(indices)
+        with record_function("peagle/host_inputs"):
+            tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
+            packed = pack(feats, tokens, self.device)
+            host_grid = self.method.build_grid(tokens, self.cfg, gen)
+            return packed, host_grid.to(self.device, non_blocking=True), host_grid
 
     def _forward(self, packed, grid, normaliser):
         return self.model(grid, packed["aux"], packed["last"], packed["argmax"], normaliser,
@@ -206,58 +210,63 @@ class Trainer(InTrainingEval, Checkpoints):
         micros = [self.prepare_micro(ix, self.features, self.train_ids, self.train_masks,
                                      step_generator(self.tc.seed, self.step, self.acc.process_index, m))
                   for m, ix in enumerate(self.micro_batches(self.step))]
-        local_count = sum(supervised_count(h) for _, _, h in micros)  # host grids: no device sync
-        global_count = float(reduce_values(self.acc, [local_count], "sum")[0])
-        normaliser = max(global_count, 1.0) / self.acc.num_processes
-        stats = DepthStats.zeros(self.tc.K, self.device)
-        loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
-        plans = []
-        parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
-        for (packed, grid, host_grid), S in zip(micros, parts):
-            n = packed["input_ids"].numel()
-            # each segment with the indices of the elements it owns, found on the host (no nonzero sync);
-            # None: the method trains the whole grid in one forward
-            host_segs = self.method.segments(host_grid, n, S)
-            segs = None if host_segs is None else [
-                (seg.to(self.device, non_blocking=True),
-                 to_device(seg.owned.nonzero().flatten(), self.device, non_blocking=True)) for seg in host_segs]
-            plans.append(segs)
-            positions += len(grid)
-            tokens += n
-        n_backward = sum(len(s) if s else 1 for s in plans)
+        with record_function("peagle/plan"):
+            local_count = sum(supervised_count(h) for _, _, h in micros)  # host grids: no device sync
+            global_count = float(reduce_values(self.acc, [local_count], "sum")[0])
+            normaliser = max(global_count, 1.0) / self.acc.num_processes
+            stats = DepthStats.zeros(self.tc.K, self.device)
+            loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
+            plans = []
+            parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
+            for (packed, grid, host_grid), S in zip(micros, parts):
+                n = packed["input_ids"].numel()
+                # each segment with the indices of the elements it owns, found on the host (no nonzero sync);
+                # None: the method trains the whole grid in one forward
+                host_segs = self.method.segments(host_grid, n, S)
+                segs = None if host_segs is None else [
+                    (seg.to(self.device, non_blocking=True),
+                     to_device(seg.owned.nonzero().flatten(), self.device, non_blocking=True)) for seg in host_segs]
+                plans.append(segs)
+                positions += len(grid)
+                tokens += n
+            n_backward = sum(len(s) if s else 1 for s in plans)
         done = 0
         self.model.train()
-        for (packed, grid, _), segs in zip(micros, plans):
-            for seg, owned_at in (segs or [(None, None)]):
-                done += 1
-                last = done == n_backward  # gradients are synchronised on the last backward only (spec §3)
-                g = seg.apply(grid) if seg is not None else grid
-                with grad_sync(self.acc, self.model, last):
-                    with self.acc.autocast():
-                        loss, pred = self._forward(packed, g, normaliser)
-                    backward(self.acc, loss, last)
-                loss_total = loss_total + loss.detach().double()  # summed on the device: no sync per backward
-                own = g if seg is None else g.select(owned_at)
-                own_pred = pred if seg is None else pred[owned_at]
-                stats = stats.add(self._stats(packed, own, own_pred))
-        grad_norm = grad_norm_value(self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip))
-        # DeepSpeed has already stepped inside the last backward (no skip there: see docs/distributed.md)
-        skipped = not math.isfinite(grad_norm) and self.layout.strategy != "deepspeed"
-        if skipped:
+        with record_function("peagle/forward_backward"):
+            for (packed, grid, _), segs in zip(micros, plans):
+                for seg, owned_at in (segs or [(None, None)]):
+                    done += 1
+                    last = done == n_backward  # gradients are synchronised on the last backward only (spec §3)
+                    g = seg.apply(grid) if seg is not None else grid
+                    with grad_sync(self.acc, self.model, last):
+                        with self.acc.autocast():
+                            loss, pred = self._forward(packed, g, normaliser)
+                        backward(self.acc, loss, last)
+                    loss_total = loss_total + loss.detach().double()  # summed on the device: no sync per backward
+                    own = g if seg is None else g.select(owned_at)
+                    own_pred = pred if seg is None else pred[owned_at]
+                    stats = stats.add(self._stats(packed, own, own_pred))
+        with record_function("peagle/optimizer"):
+            grad_norm = grad_norm_value(self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip))
+            # DeepSpeed has already stepped inside the last backward (no skip there: see docs/distributed.md)
+            skipped = not math.isfinite(grad_norm) and self.layout.strategy != "deepspeed"
+            if skipped:
+                self.opt.zero_grad(set_to_none=True)
+            else:
+                self.opt.step()
+            self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-        else:
-            self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        counts = torch.tensor([positions, tokens], dtype=torch.float64, device=self.device)
-        # one collective and one device-to-host copy for the step's loss, counts and depth statistics
-        sums = self.acc.reduce(torch.cat([loss_total.reshape(1), counts, stats.stacked().flatten()]),
-                               reduction="sum").cpu()
+        with record_function("peagle/stats"):
+            counts = torch.tensor([positions, tokens], dtype=torch.float64, device=self.device)
+            # one collective and one device-to-host copy for the step's loss, counts and depth statistics
+            sums = self.acc.reduce(torch.cat([loss_total.reshape(1), counts, stats.stacked().flatten()]),
+                                   reduction="sum").cpu()
         st = DepthStats.from_stacked(sums[3:].view(4, self.tc.K))
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": float(sums[0]) / self.acc.num_processes,
                "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped,
+               "positions": int(sums[1]), "tokens": int(sums[2]),  # grid elements and tokens of the step (all ranks)
                "positions_per_s": float(sums[1]) / dt, "tokens_per_s": float(sums[2]) / dt,
                "supervised": global_count, "acc": st.accuracy(), "sim_al": st.simulated_acceptance_length(),
                "loss_path": loss_path(self.acc.unwrap_model(self.model).drafter.lm_head, self.tc.fused_loss)}
@@ -385,12 +394,15 @@ class Trainer(InTrainingEval, Checkpoints):
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
                    disable=not (progress and self.acc.is_local_main_process))
         t_start = time.perf_counter() - self.elapsed_before
+        profiler = StepProfiler(self.tc.profile_steps if self.acc.is_main_process else 0, self.tc.profile_start,
+                                self.out / "logs" / "profile.json")
         while self.step < self.total_steps:
             if self.tc.max_minutes is not None:
                 frac = torch.tensor([(time.perf_counter() - t_start) / (60 * self.tc.max_minutes)], device=self.device)
                 self.time_fraction = float(self.acc.reduce(frac, reduction="max"))  # all ranks agree (LR, stop)
                 if self.time_fraction > 1.0:
                     break
+            profiler.before_step(self.step)
             rec = self.train_step()
             rec["elapsed_s"] = time.perf_counter() - t_start  # wall time since fit() started (s)
             self.history.append(rec)
@@ -399,20 +411,25 @@ class Trainer(InTrainingEval, Checkpoints):
             bar.set_postfix({"loss": f"{rec['loss']:.3f}", "sim_al(train)": f"{rec['sim_al']:.2f}",
                              "tok_s": f"{rec['tokens_per_s']:.0f}"})
             if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
-                self._log(rec, "train")
+                with record_function("peagle/log"):
+                    self._log(rec, "train")
             if rec["skipped"]:
                 self._check_skipped(bar)
             if self.tc.eval_every and self.step % self.tc.eval_every == 0 and self.step < self.total_steps:
-                ev = self.evaluate()
+                with record_function("peagle/eval"):
+                    ev = self.evaluate()
                 rec.update(ev)
                 self._log(ev, "eval")
+            profiler.after_step(self.step - 1)
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
             if stop_at is not None and self.step >= stop_at:
+                profiler.finish()
                 self.save_checkpoint()
                 bar.close()
                 return None
         bar.close()
+        profiler.finish()  # a run that ended inside the profiled window still writes its summary
         final = self.evaluate()
         self._log(final, "eval")
         for tracker in self.acc.trackers:  # not end_training(): the process group is still needed to save

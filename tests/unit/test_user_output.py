@@ -140,11 +140,12 @@ def test_training_bar_labels_its_al_as_the_train_batch_simulation(capsys):
         fake.step = state.step
         return {"step": state.step, "loss": 0.5, "sim_al": 1.64, "tokens_per_s": 1234.0, "skipped": False}
 
-    acc = SimpleNamespace(init_trackers=lambda *a, **k: None, is_local_main_process=True, trackers=[])
+    acc = SimpleNamespace(init_trackers=lambda *a, **k: None, is_local_main_process=True, is_main_process=True,
+                          trackers=[])
     fake = SimpleNamespace(acc=acc, out=Path("unused"), cfg=SimpleNamespace(model_dump=lambda **k: {}),
                            total_steps=2, step=0, elapsed_before=0.0, history=[], train_step=train_step,
                            tc=SimpleNamespace(method="peagle", max_minutes=None, log_every=100, eval_every=0,
-                                              save_every=0),
+                                              save_every=0, profile_steps=0, profile_start=0),
                            _log=lambda *a: None, evaluate=lambda: {"eval_sim_al": 1.5})
     assert Trainer.fit(fake, progress=True) == {"eval_sim_al": 1.5}
     err = capsys.readouterr().err

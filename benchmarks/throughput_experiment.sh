@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Throughput of the real trainer on one GPU (docs/benchmarks.md "Trainer throughput"): `peagle-train train`
+# on the SmolLM2 GPU recipe, variants side by side, and benchmarks/train_step.py on the same prepared
+# sequences, micro-batch and shape in the same call.
+#
+#   bash benchmarks/throughput_experiment.sh stage          # HERE (CPU): build .gpu/ (inputs the GPU machine lacks)
+#   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
+#   bash benchmarks/throughput_experiment.sh trainer NAME [override ...]
+#                                                           # GPU: `peagle-train train` in $WORK/runs/NAME
+#   bash benchmarks/throughput_experiment.sh bench NAME [train_step.py flags ...]
+#                                                           # GPU: train_step.py --data-from the prepared data
+#   bash benchmarks/throughput_experiment.sh summary OUT.json NAME [NAME ...]
+#                                                           # trainer_throughput.py over runs of this machine
+#
+# The target is SmolLM2-135M-Instruct's architecture with RANDOM weights
+# (target.random_init_from_config=pkg:peagle_train/smollm2-135m-instruct.json) and its real tokenizer:
+# speed does not depend on the weights, and the 98 MB GGUF need not travel. The data are the first
+# 10,036 ShareGPT conversations of the recipe with their own answers (regen.enabled=false: no
+# regeneration by a random target), prepared HERE by `peagle-train prepare` (median 382 tokens, as
+# the regenerated data of the recipe). .gpu/ holds: tok/ (tokenizer files of the de-quantised GGUF),
+# prepared.tar.xz (+ .sha256: run_config.yaml and data/ of that prepare) and whl/ (pydantic and
+# DeepSpeed wheels: the GPU image has neither).
+set -euo pipefail
+WORK=${WORK:-/tmp/peagle_throughput}
+R=recipes/smollm2-135m-peagle-gpu.yaml
+OVR=(target.gguf_package=null target.gguf_file=null target.gguf_sha256=null
+     target.random_init_from_config=pkg:peagle_train/smollm2-135m-instruct.json target.tokenizer=.gpu/tok
+     regen.enabled=false)
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+cli() { if [ -x .venv/bin/peagle-train ]; then .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
+py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
+
+case "${1:?step}" in
+  stage)  # on the CPU machine, after `bash setup.sh`
+    mkdir -p .gpu/tok .gpu/whl .gpu/prep
+    py - <<'PY'
+import shutil
+from peagle_train.recipe import load_config
+from peagle_train.features.target import materialise_target
+src = materialise_target(load_config("recipes/smollm2-135m.yaml").target)  # the GGUF, de-quantised once
+for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(src / f, ".gpu/tok/" + f)
+PY
+    [ -f .gpu/prep/data/meta.json ] || cli prepare "$R" "${OVR[@]}" output_dir=.gpu/prep --quiet
+    tar -C .gpu/prep -cJf .gpu/prepared.tar.xz run_config.yaml data
+    (cd .gpu && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
+    rm -rf .gpu/prep
+    v() { py -c "import importlib.metadata as m; print(m.version('$1'))"; }
+    for p in pydantic pydantic-core annotated-types typing-inspection hjson; do
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu/whl "$p==$(v "$p")"
+    done
+    ls .gpu/whl/deepspeed-*.whl >/dev/null 2>&1 || DS_BUILD_OPS=0 py -m pip wheel -q --no-deps --no-build-isolation \
+      "deepspeed==$(v deepspeed)" -w .gpu/whl  # from the sdist: no CUDA ops needed for ZeRO-2 with a torch optimizer
+    du -sh .gpu ;;
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+    (cd .gpu && sha256sum -c prepared.tar.xz.sha256)
+    mkdir -p "$WORK/prep" && tar -C "$WORK/prep" -xJf .gpu/prepared.tar.xz
+    python3 -c "import torch, transformers, accelerate, deepspeed; print('torch', torch.__version__, 'transformers',
+      transformers.__version__, 'accelerate', accelerate.__version__, 'deepspeed', deepspeed.__version__,
+      torch.cuda.get_device_name())" ;;
+  trainer)  # NAME [override ...]; LAUNCH="accelerate launch --config_file ..." runs it under a launcher
+    name=${2:?name}; shift 2
+    d="$WORK/runs/$name"
+    rm -rf "$d" && mkdir -p "$d" && cp -r "$WORK/prep/data" "$d/"
+    ${LAUNCH:-cli} train "$R" "${OVR[@]}" "output_dir=$d" "$@" --quiet > "$d.out" 2> "$d.err" \
+      || { echo "trainer $name failed:"; tail -c 1500 "$d.err"; }
+    py benchmarks/trainer_throughput.py "$d" --names "$name" --out "$d.summary.json" || true ;;
+  bench)  # NAME [flags]: the benchmark's step on the prepared sequences (micro-batch 8 unless flags say otherwise)
+    name=${2:?name}; shift 2
+    py benchmarks/train_step.py --shape smollm2-135m --data-from "$WORK/prep" --micro-batch 8 \
+      --out "$WORK/bench-$name.json" "$@" 2>&1 | tail -n 8 ;;
+  summary)  # OUT NAME...: one JSON of the named trainer runs' summaries
+    out=${2:?out}; shift 2
+    runs=(); for n in "$@"; do runs+=("$WORK/runs/$n"); done
+    py benchmarks/trainer_throughput.py "${runs[@]}" --names "$@" --out "$out" ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac

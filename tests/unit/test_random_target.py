@@ -1,0 +1,69 @@
+"""``target.random_init_from_config``: a target of a real model's shape with random weights.
+
+Pins: exactly one target source; the shipped configurations resolve (``pkg:peagle_train/…``) and a
+missing one is named with the choices; the same seed gives the same weights in every stage (two
+loads), another seed other weights; the folder is marked as random weights and holds no weights; a
+stage that tokenises without ``target.tokenizer`` gets a clear error; the config carries the
+shipped file's values (the ``_source`` note is dropped).
+"""
+import json
+
+import pytest
+import torch
+
+from peagle_train.core.config import TargetConfig
+from peagle_train.features.target import (
+    TargetLoadError,
+    is_random_target,
+    load_target,
+    load_target_config,
+    random_config_file,
+)
+
+SMOL = "pkg:peagle_train/smollm2-135m-instruct.json"
+
+
+@pytest.fixture()
+def tiny_config(tmp_path, monkeypatch):
+    """A tiny Llama configuration JSON (with a ``_source`` note, as the shipped files have) and an empty cache."""
+    monkeypatch.setenv("PEAGLE_CACHE", str(tmp_path / "cache"))
+    cfg = {"_source": "test", "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+           "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 8,
+           "vocab_size": 96, "max_position_embeddings": 128, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_exactly_one_target_source():
+    with pytest.raises(ValueError, match="exactly one of target.path"):
+        TargetConfig(name="t", path="x", random_init_from_config=SMOL)
+    with pytest.raises(ValueError, match="exactly one of target.path"):
+        TargetConfig(name="t")
+    assert TargetConfig(name="t", random_init_from_config=SMOL).path is None
+
+
+def test_shipped_configuration_resolves_and_a_missing_one_is_named():
+    assert json.loads(random_config_file(SMOL).read_text())["hidden_size"] == 576
+    with pytest.raises(TargetLoadError, match=r"nope\.json.*pkg:peagle_train/smollm2-135m-instruct\.json"):
+        random_config_file("pkg:peagle_train/nope.json")
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tiny_config):
+    cfg = TargetConfig(name="tiny", random_init_from_config=str(tiny_config), device="cpu")
+    path, conf = load_target_config(cfg)
+    assert is_random_target(path) and conf.num_hidden_layers == 8 and not hasattr(conf, "_source")
+    assert not any(path.glob("*.safetensors"))  # no weights on disk: drawn at load
+    a = load_target(cfg, with_tokenizer=False)
+    b = load_target(cfg, with_tokenizer=False)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    c = load_target(cfg.model_copy(update={"random_init_seed": 1}), with_tokenizer=False)
+    assert not torch.equal(a.model.lm_head.weight, c.model.lm_head.weight)
+    assert a.aux_layer_ids == [2, 4, 5]
+
+
+def test_a_stage_that_tokenises_needs_target_tokenizer(tiny_config):
+    cfg = TargetConfig(name="tiny", random_init_from_config=str(tiny_config), device="cpu")
+    with pytest.raises(TargetLoadError, match="set target.tokenizer"):
+        load_target(cfg)
