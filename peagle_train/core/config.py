@@ -169,6 +169,14 @@ class TrainConfig(Section):
         "the same with Inductor's max_autotune for FlexAttention (benchmarks its kernel configs at each first "
         "compile: a longer first step); GEMMs stay on cuBLAS.",
     )
+    dynamic_shapes: bool = Field(
+        True, description="Compile FlexAttention (and, with compile, the drafter layers and loss chunks) for any grid "
+        "length: torch's automatic dynamic shapes, one recompile in all. false: one compiled graph per 1024-element "
+        "grid bucket (each new bucket costs a compile of several seconds, minutes with max-autotune).")
+    prefetch: bool = Field(
+        True, description="Build the next optimizer step's host inputs (packed token lists, COD sample, grid) on a "
+        "worker thread while the current step runs on the device. Same inputs either way (they depend on the step "
+        "alone); off = built at the start of each step.")
     log_every: int = Field(10, ge=1)
     profile_steps: int = Field(
         0, ge=0, description="Profile this many optimizer steps with torch.profiler (after profile_start steps) and "

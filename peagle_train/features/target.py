@@ -246,6 +246,21 @@ def pick_device(pref: str) -> torch.device:
     return torch.device(pref)
 
 
+def _padded_sdpa_backends(device: torch.device):
+    """SDPA backends for the target's feature forward on CUDA: flash, memory-efficient and math, not
+    cuDNN. Every micro-batch has a new padded shape, and cuDNN's attention builds (and caches) an
+    execution plan per shape on the host: on an H200 this made a bf16 SmolLM2 target's features
+    slower than float32's, whose SDPA never picks cuDNN (docs/benchmarks.md, "Trainer throughput").
+    Elsewhere: no restriction."""
+    import contextlib
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @dataclass
 class Target:
     """A loaded frozen target.
@@ -287,9 +302,10 @@ class Target:
             ``last`` ``[B, N, T]`` final hidden state after the final norm, and
             ``argmax`` ``[B, N]`` int64 target greedy next token at each position.
         """
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-        )
+        with _padded_sdpa_backends(input_ids.device):
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            )
         hs = out.hidden_states
         aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
         return {"aux": aux, "last": hs[-1], "argmax": out.logits.argmax(-1)}

@@ -202,7 +202,7 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     return out, torch.where(any_key, lse_safe, torch.full_like(lse_safe, float("-inf")))
 
 
-_FLEX_COMPILED = None
+_FLEX_COMPILED: dict = {}  # compiled flex_attention per ``dynamic=`` setting (kernels.compiling.DYNAMIC)
 
 
 try:  # torch >= 2.7: ``return_aux=AuxRequest(lse=True)``; ``return_lse`` is deprecated there
@@ -228,19 +228,20 @@ def _flex(q, k, v, block_mask, return_lse: bool = False):
 
     Returns ``out [1, nh, E_q, hd]``, or ``(out, lse)`` with ``return_lse`` (see :func:`_flex_call`).
     """
-    global _FLEX_COMPILED
     from torch.nn.attention.flex_attention import flex_attention
+
+    from peagle_train.kernels import compiling
 
     if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
         return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
     if q.is_cuda:
-        if _FLEX_COMPILED is None:
-            from peagle_train.kernels.compiling import raise_recompile_limits
-
-            # one compiled kernel per bucketed grid length (see grid.pad_grid)
-            raise_recompile_limits()
-            _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-        return _flex_call(_FLEX_COMPILED, q, k, v, block_mask, return_lse)
+        dynamic = compiling.DYNAMIC
+        if dynamic not in _FLEX_COMPILED:
+            # dynamic=False: one compiled kernel per bucketed grid length (see grid.pad_grid);
+            # None: torch's automatic dynamic shapes, one recompile in all (train.dynamic_shapes)
+            compiling.raise_recompile_limits()
+            _FLEX_COMPILED[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+        return _flex_call(_FLEX_COMPILED[dynamic], q, k, v, block_mask, return_lse)
     return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
 
 

@@ -12,7 +12,8 @@ call (also on a later recompile for a new shape) triggers steps 2-3; an error th
 not the compiler's then simply re-raises from the eager call, so nothing is hidden.
 
 Grids are padded to multiples of 1024 elements (:func:`~peagle_train.peagle.grid.pad_grid`),
-so ``dynamic=False`` compiles one graph per bucket; :func:`raise_recompile_limits`
+so ``dynamic=False`` compiles one graph per bucket (``train.dynamic_shapes: true`` compiles with
+torch's automatic dynamic shapes instead: :data:`DYNAMIC`); :func:`raise_recompile_limits`
 lifts Dynamo's per-code-object recompile limit so a run with many buckets (or S
 partitions of different lengths) does not silently drop back to eager after 8.
 """
@@ -23,6 +24,19 @@ import warnings
 import torch
 
 RECOMPILE_LIMIT = 64
+#: ``dynamic=`` of every compile this module makes (and of the compiled FlexAttention): False = one graph
+#: per bucketed grid length; None = torch's automatic dynamic shapes (the first length is compiled
+#: static, the next new one recompiles once with symbolic lengths, which then serves every length).
+#: Set per run from ``train.dynamic_shapes`` by :func:`set_dynamic_shapes`.
+DYNAMIC: bool | None = False
+
+
+def set_dynamic_shapes(on: bool) -> None:
+    """``train.dynamic_shapes``: compile for any grid length (``True``: ``dynamic=None``, torch's
+    automatic dynamic shapes) or one graph per bucketed length (``False``). Applies to compiles made
+    after the call."""
+    global DYNAMIC
+    DYNAMIC = None if on else False
 AUTOTUNE = "max-autotune"  # train.compile: max-autotune → Inductor options AUTOTUNE_OPTIONS
 # Inductor's max-autotune for the Triton templates (FlexAttention's forward and backward kernels: block
 # sizes, warps, stages benchmarked at the first compile of each shape); GEMMs stay on cuBLAS (ATEN), so
@@ -92,7 +106,7 @@ class SafeCompiled:
 
     def _make(self, fullgraph: bool):
         raise_recompile_limits()
-        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=False,
+        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=DYNAMIC,
                                        **compile_kwargs(self.inductor_mode))
         self.mode = "fullgraph" if fullgraph else "graph-breaks"
 

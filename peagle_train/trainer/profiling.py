@@ -134,12 +134,22 @@ def device_kernels(prof) -> list[tuple[str, float, float]]:
 
 
 def range_table(prof, n_steps: int) -> dict[str, dict]:
-    """Host milliseconds per step of every :data:`PHASES` range in a profile (``cpu_ms``: wall time
-    the host spent inside the range; ``calls`` per step). Phases that did not run are left out."""
-    out = {}
+    """Per step, for every :data:`PHASES` range in a profile: ``cpu_ms``, the host's wall time inside
+    the range, and ``calls``; on a GPU also ``gpu_span_ms``, the span from the first to the last
+    kernel the range launched (the profiler's device-side annotation; a span, not busy time). Phases
+    that did not run are left out."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, dict] = {}
     for e in prof.key_averages():
-        if e.key in PHASES:
-            out[e.key] = {"cpu_ms": round(e.cpu_time_total / 1e3 / n_steps, 3), "calls": round(e.count / n_steps, 2)}
+        if e.key not in PHASES:
+            continue
+        row = out.setdefault(e.key, {})
+        if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU:
+            row.update(cpu_ms=round(e.cpu_time_total / 1e3 / n_steps, 3), calls=round(e.count / n_steps, 2))
+        else:
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            row["gpu_span_ms"] = round(float(dev) / 1e3 / n_steps, 3)
     return {k: out[k] for k in PHASES if k in out}
 
 

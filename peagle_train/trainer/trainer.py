@@ -58,6 +58,7 @@ from peagle_train.features.packing import pack, pack_tokens
 from peagle_train.features.tokenized import load_prepared
 from peagle_train.features.vocab import select_draft_vocab, token_frequencies
 from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
+from peagle_train.kernels.compiling import set_dynamic_shapes
 from peagle_train.kernels.loss import loss_path
 from peagle_train.methods import get_method
 from peagle_train.peagle.grid import supervised_count
@@ -118,6 +119,7 @@ class Trainer(InTrainingEval, Checkpoints):
             self._place_target()
         drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head)
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
+        set_dynamic_shapes(self.tc.dynamic_shapes)  # before anything is compiled
         self.attention = resolve_attention(self.tc.attention, self.device)
         try:  # once, at set-up: a recipe asking for Triton where it cannot run fails here, not at the first step
             self.chain_kernel = resolve_chain_kernel(self.tc.chain_kernel, self.device)
@@ -147,6 +149,8 @@ class Trainer(InTrainingEval, Checkpoints):
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
         self._plan_inputs = None  # (drafter shape, GPU bytes) for train.partitions: auto, set on first use
+        self._pool = None  # worker thread building the next step's host inputs (train.prefetch), started on first use
+        self._ahead: dict = {}  # {0-based step: Future of its host_inputs}
         self.history: list[dict] = []
 
     def _place_target(self) -> None:
@@ -174,22 +178,66 @@ class Trainer(InTrainingEval, Checkpoints):
         return rank_batches(chunk, self.lengths, world, rank, self.tc.micro_batch_size, self.grad_accum,
                             self.tc.length_balance)
 
-    def prepare_micro(self, indices, source, ids, masks, gen):
-        """Fetch features for ``indices``, pack them, sample COD and build the grid.
+    def host_micro(self, indices, ids, masks, gen) -> tuple:
+        """The CPU side of one micro-batch: its token lists packed and its COD grid, built from the
+        token lists alone (no device, no features), so it can be built ahead on a worker thread.
 
-        The COD sample, the grid, and what is derived from it on the host (the supervised count, the
-        partition plan) are built on the CPU from the token lists, and the grid is copied to the
-        device without blocking: no host sync before the forward.
+        Returns:
+            ``(indices, tokens, host_grid)``: :func:`~peagle_train.features.packing.pack_tokens` and the
+            method's grid (:meth:`~peagle_train.methods.base.DraftMethod.build_grid`), both on the CPU.
+        """
+        tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
+        return indices, tokens, self.method.build_grid(tokens, self.cfg, gen)
+
+    def host_inputs(self, step: int) -> list[tuple]:
+        """:meth:`host_micro` of every micro-batch of this rank for 0-based optimizer step ``step``
+        (the COD generator of each is :func:`step_generator` of the step, rank and micro-batch, so the
+        result depends on ``step`` alone: built ahead or now, it is the same)."""
+        return [self.host_micro(ix, self.train_ids, self.train_masks,
+                                step_generator(self.tc.seed, step, self.acc.process_index, m))
+                for m, ix in enumerate(self.micro_batches(step))]
+
+    def _step_host_inputs(self) -> list[tuple]:
+        """This step's :meth:`host_inputs`: taken from the worker thread that built them while the
+        previous step ran on the device (built now if none was started, e.g. the first step of a launch),
+        after starting the next step's on the worker (``train.prefetch``)."""
+        fut = self._ahead.pop(self.step, None)
+        if self.tc.prefetch and self.step + 1 < self.total_steps:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peagle-host-inputs")
+            self._ahead = {self.step + 1: self._pool.submit(self.host_inputs, self.step + 1)}
+        return fut.result() if fut is not None else self.host_inputs(self.step)
+
+    def _stop_prefetch(self) -> None:
+        """Drop the inputs built ahead and end the worker thread (end of ``fit``; a later step builds its own)."""
+        self._ahead = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def prepare_micro(self, indices, source, ids, masks, gen):
+        """Fetch features for ``indices``, pack them, sample COD and build the grid (:meth:`host_micro`
+        then :meth:`device_micro`).
 
         Returns:
             ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
         """
+        return self.device_micro(self.host_micro(indices, ids, masks, gen), source)
+
+    def device_micro(self, host: tuple, source) -> tuple:
+        """Features of a :meth:`host_micro` result (cache read or online target forward), packed on the
+        device, and its grid copied there without blocking: no host sync before the forward.
+
+        Returns:
+            ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
+        """
+        indices, tokens, host_grid = host
         with record_function("peagle/features"):
             feats = source.get(indices)
         with record_function("peagle/host_inputs"):
-            tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
             packed = pack(feats, tokens, self.device)
-            host_grid = self.method.build_grid(tokens, self.cfg, gen)
             return packed, host_grid.to(self.device, non_blocking=True), host_grid
 
     def _forward(self, packed, grid, normaliser):
@@ -207,9 +255,9 @@ class Trainer(InTrainingEval, Checkpoints):
     def train_step(self) -> dict:
         """One optimizer step (module docstring); returns the step's record (global loss, lr, grad norm, rates)."""
         t0 = time.perf_counter()
-        micros = [self.prepare_micro(ix, self.features, self.train_ids, self.train_masks,
-                                     step_generator(self.tc.seed, self.step, self.acc.process_index, m))
-                  for m, ix in enumerate(self.micro_batches(self.step))]
+        with record_function("peagle/host_inputs"):
+            host = self._step_host_inputs()
+        micros = [self.device_micro(h, self.features) for h in host]
         with record_function("peagle/plan"):
             local_count = sum(supervised_count(h) for _, _, h in micros)  # host grids: no device sync
             global_count = float(reduce_values(self.acc, [local_count], "sum")[0])
@@ -424,11 +472,13 @@ class Trainer(InTrainingEval, Checkpoints):
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
             if stop_at is not None and self.step >= stop_at:
+                self._stop_prefetch()
                 profiler.finish()
                 self.save_checkpoint()
                 bar.close()
                 return None
         bar.close()
+        self._stop_prefetch()
         profiler.finish()  # a run that ended inside the profiled window still writes its summary
         final = self.evaluate()
         self._log(final, "eval")

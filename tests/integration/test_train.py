@@ -439,3 +439,55 @@ def test_too_many_skipped_steps_is_exit_2_at_the_console(monkeypatch, capsys):
     assert cli.main(["train", "recipes/smollm2-135m.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("peagle-train: error: recipe.yaml: 3 optimizer steps") and "Traceback" not in err
+
+
+def test_prefetched_host_inputs_give_the_same_steps(run_dir):
+    """train.prefetch: the next step's host inputs (token lists, COD sample, grid) are built on the
+    worker thread while the current step runs; the losses equal a run that builds them in the step,
+    and every step after the first took its inputs from the worker."""
+    import threading
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    losses, built_on = {}, []
+    for prefetch in (False, True):
+        tr = Trainer(_cfg(run_dir, max_steps=4, prefetch=prefetch), data, feats, tconf, [1, 3, 4])
+        orig = tr.host_inputs
+
+        def spy(step, orig=orig):
+            built_on.append((prefetch, step, threading.current_thread().name))
+            return orig(step)
+
+        tr.host_inputs = spy
+        losses[prefetch] = [tr.train_step()["loss"] for _ in range(4)]
+        tr._stop_prefetch()
+    assert losses[True] == losses[False]
+    on = dict((s, name) for p, s, name in built_on if p)  # step -> the thread that built its inputs
+    assert on[0] == threading.current_thread().name  # the first step builds its own
+    assert sorted(s for s, name in on.items() if name.startswith("peagle-host-inputs")) == [1, 2, 3]
+    assert all(name == threading.current_thread().name for p, _, name in built_on if not p)
+
+
+def test_profile_steps_write_the_phase_summary(run_dir):
+    """train.profile_steps: logs/profile.json holds the profiled steps' wall times, the host time of
+    each marked phase and the top ops (CPU here), and training is otherwise unchanged."""
+    cfg = _cfg(run_dir, max_steps=4, profile_steps=2, profile_start=1, features="online")
+    run_train(cfg, progress=False)
+    prof = json.loads((Path(cfg.output_dir) / "logs" / "profile.json").read_text())
+    assert prof["steps"] == [2, 3] and len(prof["step_ms"]) == 2
+    for phase in ("peagle/host_inputs", "peagle/features", "peagle/forward_backward", "peagle/optimizer"):
+        assert prof["ranges"][phase]["cpu_ms"] > 0, phase
+    assert prof["top"] and prof["timeline"] is None  # no GPU timeline on a CPU
+
+
+def test_dynamic_shapes_set_the_compile_mode(run_dir):
+    """train.dynamic_shapes decides torch.compile's dynamic= for what the run compiles (flex, layers, loss)."""
+    from peagle_train.kernels import compiling
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    try:
+        Trainer(_cfg(run_dir, max_steps=1, dynamic_shapes=False), data, feats, tconf, [1, 3, 4])
+        assert compiling.DYNAMIC is False
+        Trainer(_cfg(run_dir, max_steps=1), data, feats, tconf, [1, 3, 4])
+        assert compiling.DYNAMIC is None  # automatic dynamic shapes: one recompile in all
+    finally:
+        compiling.set_dynamic_shapes(False)
