@@ -5,15 +5,27 @@ check :func:`data_prep.regenerate.check_regen_memory`).
 The prompts are ShareGPT first turns read from the recipe's source (``data_prep.sources``), rendered
 with the target's chat template; those over ``data.max_prompt_tokens`` are skipped. Per target dtype:
 
-(a) ``generate`` (left-padded batches of ``--batch``) on the first ``--subset`` prompts;
-(b) ``continuous`` (``regen.batch_size = --cb-batch``) on all ``--prompts`` prompts;
+(a) ``generate`` (left-padded batches of ``--batch``, cap ``--generate-cap``, default ``--cap``) on the
+    first ``--subset`` prompts;
+(b) ``continuous`` (``regen.batch_size = --cb-batch``, cap ``--cap``) on all ``--prompts`` prompts;
 
 each timed (generated tokens incl. end-of-turn tokens / wall seconds of the engine), with its
 unfinished count (stopped by the cap); then how many of the subset's greedy outputs are
-token-identical between (a) and (b). One JSON (``--out``) with the command and commit
-(``train_step.provenance``), one summary line printed last.
+token-identical between (a) and (b) (over (a)'s cap: (b)'s answer cut there). One JSON (``--out``)
+with the command and commit (``train_step.provenance``), one summary line printed last.
 
-GPU (H200; GGUF and prompts as ``benchmarks/quality_experiment.sh setup`` leaves them)::
+The target is the recipe's (a GGUF with ``--gguf``) or, with ``--random-init-from-config SPEC
+--tokenizer DIR``, a real model's architecture with RANDOM weights (``target.random_init_from_config``,
+loaded by the same :func:`peagle_train.features.target.load_target` as ``prepare``). A random target
+almost never emits its end-of-turn token, so every answer runs to the cap: tokens/s is then the
+engine's full-batch decode rate and the unfinished counts mean nothing; the JSON says
+``"random_weights": true`` and so does the summary line. Token identity stays meaningful (greedy
+decoding of the same weights by both engines).
+
+GPU, random-weight SmolLM2 (tokenizer and prompts as ``benchmarks/throughput_experiment.sh stage``
+leaves them in ``.gpu/``): ``bash benchmarks/throughput_experiment.sh regen OUT.json`` (its ``regen)``
+case has the command line). GPU, the real SmolLM2 (GGUF and prompts as
+``benchmarks/quality_experiment.sh setup`` leaves them)::
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/regen_throughput.py \\
         --gguf /tmp/peagle_quality/SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -39,10 +51,16 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "smollm2-135m-peagle-gpu.yaml"))
     p.add_argument("--gguf", help="target GGUF file (sets target.gguf_package=null target.gguf_file=...)")
+    p.add_argument("--random-init-from-config", metavar="SPEC", help="a model configuration JSON or "
+                   "pkg:peagle_train/<file>: the target with RANDOM weights (target.random_init_from_config; needs "
+                   "--tokenizer)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder of the random-weight target (target.tokenizer)")
     p.add_argument("--prompts-file", help="ShareGPT JSON (sets data.path)")
     p.add_argument("--prompts", type=int, default=1024, help="prompts for the continuous engine")
     p.add_argument("--subset", type=int, default=256, help="first prompts also run through plain generate")
     p.add_argument("--cap", type=int, default=2048, help="regen.max_new_tokens")
+    p.add_argument("--generate-cap", type=int, default=None, help="plain generate's regen.max_new_tokens "
+                   "(default --cap; the identity count compares continuous answers cut at this length)")
     p.add_argument("--batch", type=int, default=256, help="plain generate's batch (regen.batch_size)")
     p.add_argument("--cb-batch", type=int, default=512, help="continuous engine's regen.batch_size")
     p.add_argument("--kv-memory-fraction", type=float, default=None, help="regen.kv_memory_fraction")
@@ -56,11 +74,14 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
     p.add_argument("--out", required=True, help="JSON output path")
     args = p.parse_args(argv)
+    if args.random_init_from_config and (args.gguf or not args.tokenizer):
+        p.error("--random-init-from-config needs --tokenizer and excludes --gguf")
     if args.smoke:
         args.recipe = str(ROOT / "recipes" / "smollm2-135m.yaml")
         args.prompts, args.subset, args.cap, args.batch, args.cb_batch = 4, 4, 12, 4, 4
         args.dtypes = ["float32"]
     args.subset = min(args.subset, args.prompts)
+    args.generate_cap = min(args.generate_cap or args.cap, args.cap)
     return args
 
 
@@ -116,7 +137,7 @@ def main(argv=None) -> dict:
     import torch
     import transformers
 
-    from peagle_train.features.target import load_target
+    from peagle_train.features.target import is_random_target, load_target
     from peagle_train.recipe import load_config
     from train_step import provenance
 
@@ -125,16 +146,22 @@ def main(argv=None) -> dict:
     overrides = [f"regen.max_new_tokens={args.cap}", *args.override]
     if args.gguf:
         overrides += ["target.gguf_package=null", f"target.gguf_file={args.gguf}"]
+    if args.random_init_from_config:
+        overrides += ["target.gguf_package=null", "target.gguf_file=null", "target.gguf_sha256=null", "target.path=null",
+                      f"target.random_init_from_config={args.random_init_from_config}",
+                      f"target.tokenizer={args.tokenizer}"]
     if args.prompts_file:
         overrides.append(f"data.path={args.prompts_file}")
     result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_throughput.py", *argv]),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                       "recipe": args.recipe, "overrides": overrides, "cap": args.cap}, "runs": []}
+                       "recipe": args.recipe, "overrides": overrides, "cap": args.cap,
+                       "generate_cap": args.generate_cap}, "random_weights": False, "runs": []}
     summary = []
     for dtype in args.dtypes:
         cfg = load_config(args.recipe, [*overrides, f"target.dtype={dtype}"])
         target = load_target(cfg.target)
+        result["random_weights"] = is_random_target(target.path)
         if args.attn:
             target.model.set_attn_implementation(args.attn)
         prompts = load_prompts(target.tokenizer, cfg, args.prompts)
@@ -148,10 +175,14 @@ def main(argv=None) -> dict:
         line = (f"{dtype}: continuous {cont['tokens_per_s']:,.0f} tok/s ({cont['answered']}/{cont['prompts']} prompts, "
                 f"{cont['unfinished']} unfinished)")
         if not args.skip_generate:
-            gen = run_engine(target, cfg.regen.model_copy(update={"engine": "generate", "batch_size": args.batch}),
+            gen = run_engine(target, cfg.regen.model_copy(update={"engine": "generate", "batch_size": args.batch,
+                                                                  "max_new_tokens": args.generate_cap}),
                              cfg.data.max_prompt_tokens, prompts[: args.subset], args.max_seconds)
             run["generate"] = {k: v for k, v in gen.items() if k != "ids"}
-            same = [a == b for a, b in zip(gen["ids"], cont["ids"]) if a is not None and b is not None]
+            # generate's answer (at most generate_cap tokens, ended by the cap or end-of-turn) against the
+            # continuous answer cut at generate_cap: equal iff greedy decoding agrees up to there
+            same = [a == b[: args.generate_cap] for a, b in zip(gen["ids"], cont["ids"])
+                    if a is not None and b is not None]
             first_diff = next((i for i, s in enumerate(same) if not s), None)
             run["identical"] = {"compared": len(same), "identical": sum(same), "all": all(same),
                                 "first_differing_prompt": first_diff}
@@ -162,7 +193,11 @@ def main(argv=None) -> dict:
         del target
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    result["summary"] = f"regen_throughput (cap {args.cap}): " + "; ".join(summary)
+    caps = f"cap {args.cap}" + (f", generate cap {args.generate_cap}" if args.generate_cap != args.cap else "")
+    if result["random_weights"]:
+        caps += (", random_weights: true (answers run to the cap: tokens/s = full-batch decode rate, "
+                 "unfinished counts meaningless)")
+    result["summary"] = f"regen_throughput ({caps}): " + "; ".join(summary)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(result["summary"])

@@ -53,6 +53,16 @@ PY
     done
     ls .gpu/whl/deepspeed-*.whl >/dev/null 2>&1 || DS_BUILD_OPS=0 py -m pip wheel -q --no-deps --no-build-isolation \
       "deepspeed==$(v deepspeed)" -w .gpu/whl  # from the sdist: no CUDA ops needed for ZeRO-2 with a torch optimizer
+    py - <<'PY'  # .gpu/sharegpt_prompts.json for `regen`: the first 2,000 first user turns under 3,000 characters
+import json
+from data_prep.config import DataConfig
+from data_prep.sources import load_conversations
+convs, _ = load_conversations(DataConfig(source="sharegpt", num_conversations=2400, max_turns=1))
+rows = [[{"from": m["role"].replace("user", "human"), "value": m["content"]} for m in c[:-1]] for c in convs]
+rows = [r for r in rows if len(r[-1]["value"]) < 3000][:2000]  # answer: a placeholder (regen uses prompts only)
+json.dump([{"conversations": [*r, {"from": "gpt", "value": "(answer omitted)"}]} for r in rows],
+          open(".gpu/sharegpt_prompts.json", "w"))
+PY
     du -sh .gpu ;;
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
@@ -76,5 +86,11 @@ PY
     out=${2:?out}; shift 2
     runs=(); for n in "$@"; do runs+=("$WORK/runs/$n"); done
     py benchmarks/trainer_throughput.py "${runs[@]}" --names "$@" --out "$out" ;;
+  regen)  # OUT.json [flags]: regeneration tokens/s, continuous batching vs generate (regen_throughput.py), on the
+    # random-weight SmolLM2 (answers run to the cap); ~2.5-3 min on one H200: 512 x 2048 tokens per dtype
+    out=${2:?out.json}; shift 2
+    py benchmarks/regen_throughput.py --random-init-from-config pkg:peagle_train/smollm2-135m-instruct.json \
+      --tokenizer .gpu/tok --prompts-file .gpu/sharegpt_prompts.json --prompts 512 --cb-batch 512 --cap 2048 \
+      --subset 64 --batch 64 --generate-cap 256 --dtypes bfloat16 float32 --max-seconds 70 --out "$out" "$@" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -181,3 +181,41 @@ def test_regen_throughput_cpu_smoke(tmp_path, capsys):
     assert run["identical"] == {"compared": 4, "identical": 4, "all": True, "first_differing_prompt": None}
     assert capsys.readouterr().out.strip().splitlines()[-1] == result["summary"]
     assert result["summary"].startswith("regen_throughput (cap 12): float32: continuous")
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
+    """``--random-init-from-config SPEC --tokenizer DIR``: the target is built with random weights by the
+    project's ``load_target`` (a tiny Llama configuration JSON, a character-level tokenizer folder), the
+    prompts come from ``--prompts-file``, plain generate runs at its own shorter cap and its answers are
+    compared with the continuous ones cut there; the JSON and the summary say ``random_weights``."""
+    import regen_throughput
+    from test_evaluate import tiny_tokenizer
+
+    monkeypatch.setenv("PEAGLE_CACHE", str(tmp_path / "cache"))
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 8,
+              "vocab_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    prompts = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "(answer omitted)"}]}
+               for q in ("what is two plus two?", "write a haiku about rain.", "name three colors.", "hi")]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    out = tmp_path / "regen.json"
+    result = regen_throughput.main([
+        "--recipe", "recipes/smollm2-135m.yaml", "--random-init-from-config", str(tmp_path / "config.json"),
+        "--tokenizer", str(tmp_path / "tok"), "--prompts-file", str(tmp_path / "prompts.json"), "--prompts", "4",
+        "--subset", "3", "--cap", "12", "--generate-cap", "5", "--batch", "3", "--cb-batch", "4",
+        "--dtypes", "float32", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["random_weights"] is True and result["meta"]["generate_cap"] == 5
+    assert f"target.random_init_from_config={tmp_path / 'config.json'}" in result["meta"]["overrides"]
+    (run,) = result["runs"]
+    assert run["continuous"]["prompts"] == 4 and run["generate"]["prompts"] == 3
+    assert run["continuous"]["generated_tokens"] > run["generate"]["generated_tokens"] > 0
+    assert run["identical"] == {"compared": 3, "identical": 3, "all": True, "first_differing_prompt": None}
+    assert capsys.readouterr().out.strip().splitlines()[-1] == result["summary"]
+    assert result["summary"].startswith("regen_throughput (cap 12, generate cap 5, random_weights: true")
+    with pytest.raises(SystemExit):
+        regen_throughput.parse_args(["--random-init-from-config", "x.json", "--out", "o.json"])  # no --tokenizer
