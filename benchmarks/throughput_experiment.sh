@@ -71,7 +71,8 @@ PY
     python3 -c "import torch, transformers, accelerate, deepspeed; print('torch', torch.__version__, 'transformers',
       transformers.__version__, 'accelerate', accelerate.__version__, 'deepspeed', deepspeed.__version__,
       torch.cuda.get_device_name())" ;;
-  trainer)  # NAME [override ...]; LAUNCH="accelerate launch --config_file ..." runs it under a launcher
+  trainer)  # NAME [override ...]; under a launcher, e.g. ZeRO-2 on one GPU:
+    # LAUNCH="accelerate launch --config_file launch/accelerate/deepspeed_zero2.yaml --num_processes 1 -m peagle_train.cli"
     name=${2:?name}; shift 2
     d="$WORK/runs/$name"
     rm -rf "$d" && mkdir -p "$d" && cp -r "$WORK/prep/data" "$d/"

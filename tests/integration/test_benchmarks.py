@@ -219,3 +219,50 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
     assert result["summary"].startswith("regen_throughput (cap 12, generate cap 5, random_weights: true")
     with pytest.raises(SystemExit):
         regen_throughput.parse_args(["--random-init-from-config", "x.json", "--out", "o.json"])  # no --tokenizer
+
+
+def test_train_step_data_from_trains_on_the_prepared_sequences(bench, tmp_path):
+    """--data-from: the benchmark's steps train on a run folder's prepared sequences in the trainer's
+    order (micro-batch of --micro-batch sequences, their real lengths): the step's tokens are those of
+    the trainer's first micro-batch, and --seq-len becomes the longest sequence."""
+    from peagle_train.features.tokenized import save_tokenized
+
+    lengths = [30, 45, 17, 60, 24, 38]
+    rows = [{"input_ids": [(7 * i + j) % 500 for j in range(n)], "loss_mask": [0] * 5 + [1] * (n - 5)}
+            for i, n in enumerate(lengths)]
+    save_tokenized(rows, tmp_path / "run" / "data" / "train.safetensors")
+    save_tokenized(rows[:1], tmp_path / "run" / "data" / "eval.safetensors")
+    out = tmp_path / "b.json"
+    res = bench.main(["--shape", "tiny", "--data-from", str(tmp_path / "run"), "--micro-batch", "2",
+                      "--steps", "1", "--warmup", "0", "--out", str(out)])
+    row = res[0]
+    assert "error" not in row, row
+    assert row["N"] == max(lengths)
+    from peagle_train.trainer.setup import epoch_order
+
+    order = epoch_order(len(lengths), 0, 0)
+    assert row["tokens"] == lengths[order[0]] + lengths[order[1]]  # the trainer's first micro-batch (step 0)
+    assert json.loads(out.read_text())["meta"]["command"].count("--data-from") == 1
+
+
+def test_trainer_throughput_reads_the_steady_step_from_the_history(tmp_path):
+    """benchmarks/trainer_throughput.py: the median gap between steps after the warm-up, leaving out
+    the step whose gap holds an in-training evaluation; the evaluation's own time; a missing run is named."""
+    import trainer_throughput as tt
+
+    run = tmp_path / "run"
+    run.mkdir()
+    elapsed, hist, t = [5.0, 5.1, 5.2, 5.3, 8.4, 8.5, 8.6, 8.7], [], 0.0
+    for i, e in enumerate(elapsed):
+        rec = {"step": i + 1, "elapsed_s": e, "tokens": 1000}
+        if i + 1 == 4:
+            rec["eval_loss"] = 1.0  # evaluated after step 4: step 5's gap (3.1 s) holds it
+        hist.append(rec)
+    (run / "train_metrics.json").write_text(json.dumps({"history": hist}))
+    s = tt.summarise(run, skip=1)
+    assert s["step_ms"] == pytest.approx(100.0)
+    assert s["steady_steps"] == 6 and s["tokens_per_s"] == pytest.approx(10000.0)
+    assert s["eval_s"] == [pytest.approx(3.0)]
+    assert s["first_steps_s"] == 5.0
+    rows = tt.main([str(tmp_path / "missing"), "--skip", "1"])
+    assert "not found" in rows[0]["error"]
