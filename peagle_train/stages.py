@@ -397,6 +397,9 @@ def _card(cfg: RunConfig, eval_results: dict | None = None) -> dict:
             "data": data_summary(meta, cfg.data.source, cfg.data.path) if meta else {},
             "recipe": cfg.model_dump(mode="json"), "drafter_path": str((out / "export").absolute()),
             "serve_target": serve_target, "target_hub_id": target_hub_id}
+    if cfg.target.random_init_from_config:  # named by its shipped name or file name, never a local path
+        src = cfg.target.random_init_from_config
+        card["random_weights"] = src if src.startswith("pkg:") else Path(src).name
     if eval_results:
         card["eval"] = [
             {"dataset": name, "K": row["K"], "acceptance length": row["acceptance_length"],
@@ -475,7 +478,9 @@ def run_eval(cfg: RunConfig, progress: bool = True) -> dict:
     out = Path(cfg.output_dir)
     target = load_target(cfg.target)
     drafter = load_exported(out / "export").to(target.device)
-    results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=cfg.target.name,
+    target_name = cfg.target.name + (" (RANDOM WEIGHTS: target.random_init_from_config)"
+                                     if cfg.target.random_init_from_config else "")
+    results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=target_name,
                                 drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
                                 load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
                                 else load_eval_prompts(name, n), progress=progress)

@@ -31,6 +31,8 @@ spec §5 for vLLM 0.33. Optional sections come from the ``card`` dict passed to
   directory); default: ``target_name``. ``target_hub_id``: the target's Hub id, used
   instead of a local ``serve_target`` in the card that is pushed to the Hub.
 * ``license``: SPDX id for the front matter. ``notes``: free text appended.
+* ``random_weights``: the configuration a random-weight target was built from
+  (``target.random_init_from_config``); the card then opens with a warning that its acceptance means nothing.
 
 The serve command is runnable as written: it names the target's Hub id or path and the
 drafter's Hub repo id or absolute path, and the card says which each is. Everything else
@@ -50,7 +52,7 @@ from peagle_train.methods import method_of_config
 from peagle_train.peagle.metrics import simulated_acceptance_lengths
 
 CARD_KEYS = ("data", "metrics", "eval", "training", "train", "recipe", "model_id", "drafter_path", "serve_target",
-             "target_hub_id", "license", "notes")
+             "target_hub_id", "license", "notes", "random_weights")
 
 #: the target in a published serve command when only a local folder of it was known (the card says to fill it in).
 TARGET_PLACEHOLDER = "<TARGET_HUB_ID_OR_PATH>"
@@ -273,6 +275,10 @@ def render_model_card(config: dict, *, target_name: str, model_ref: str, card: d
     out = ["\n".join(fm), "", f"# {method} drafter for {target_name}", ""]
     out.append(f"A {config.get('num_hidden_layers')}-layer {method} draft model for speculative decoding of "
                f"**{target_name}** in vLLM, trained with peagle_train.")
+    if card.get("random_weights"):
+        out += ["", f"> **Random-weight target.** This drafter was trained on a target built from "
+                f"`{card['random_weights']}` with random weights (`target.random_init_from_config`): its shapes, "
+                "memory figures and times are the real model's, its acceptance lengths mean nothing. Do not serve it."]
     out += ["", "| property | value |", "|---|---|", f"| target | `{target_name}` |", f"| method | {method} |"]
     if parallel_drafting:
         out.append(f"| K trained (max servable `num_speculative_tokens`) | **{K}** |")

@@ -67,3 +67,24 @@ def test_a_stage_that_tokenises_needs_target_tokenizer(tiny_config):
     cfg = TargetConfig(name="tiny", random_init_from_config=str(tiny_config), device="cpu")
     with pytest.raises(TargetLoadError, match="set target.tokenizer"):
         load_target(cfg)
+
+
+def test_model_card_and_eval_report_say_random_weights(tmp_path):
+    """A run on a random-weight target says so: the card built from the run (``stages._card``) carries the
+    configuration's name (never a local path) and the rendered card opens with the warning."""
+    from peagle_train.export.model_card import render_model_card
+    from peagle_train.recipe import config_from_dict
+    from peagle_train.stages import _card
+
+    local = tmp_path / "secret" / "cfg.json"
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"),
+                            "target": {"name": "tiny", "random_init_from_config": str(local)},
+                            "drafter": {"num_layers": 1, "mask_token_id": 5}})
+    card = _card(cfg)
+    assert card["random_weights"] == "cfg.json"
+    config = {"parallel_drafting": True, "num_parallel_depths": 4, "ptd_token_id": 5, "num_hidden_layers": 1,
+              "architectures": ["LlamaForCausalLMEagle3"]}
+    text = render_model_card(config, target_name="tiny", model_ref="/abs/export", card={"random_weights": "cfg.json"})
+    assert "Random-weight target" in text and "Do not serve it" in text and str(local) not in text
+    plain = render_model_card(config, target_name="tiny", model_ref="/abs/export")
+    assert "Random-weight" not in plain
