@@ -218,7 +218,7 @@ def build_trainer(args, N: int, train: dict, device, out_dir: str) -> Trainer:
         "train": train, "eval": {"k_max": min(args.K, 7)}}, "benchmarks/train_step.py")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if args.data_from:  # real prepared sequences: the same micro-batches, lengths and COD samples as the trainer's
-        data = prepared_data(args.data_from)
+        data = args.prepared  # read once, in parse_args
         lengths = [len(x) for x in data["train"]["input_ids"]]
         feats = SyntheticFeatures(max(lengths), tconf.hidden_size, V, device, args.feature_placement,
                                   seed=1000 * rank, lengths=lengths)
@@ -231,13 +231,24 @@ def build_trainer(args, N: int, train: dict, device, out_dir: str) -> Trainer:
         return Trainer(cfg, data, {"train": feats, "eval": feats}, tconf, AUX_LAYER_IDS)
 
 
-def prepared_data(run_dir: str) -> dict:
+def prepared_data(run_dir: str, vocab_size: int) -> dict:
     """``--data-from``: the prepared ``data/{train,eval}.safetensors`` of a run folder (token ids and
-    loss masks, :func:`peagle_train.features.tokenized.load_prepared`), with every token id above the
-    shape's vocabulary refused (the data must come from a target of the same vocabulary)."""
+    loss masks, :func:`peagle_train.features.tokenized.load_prepared`).
+
+    Raises:
+        SystemExit: a token id at or above ``vocab_size - 1`` (the shape's vocabulary, whose last id is
+            the benchmark's mask token): the data were prepared for a target of another vocabulary
+            (names the folder, the largest id and the shape's vocabulary).
+    """
     from peagle_train.features.tokenized import load_prepared
 
-    return load_prepared(Path(run_dir))
+    data = load_prepared(Path(run_dir))
+    top = max((max(x, default=-1) for split in data.values() for x in split["input_ids"]), default=-1)
+    if top >= vocab_size - 1:
+        raise SystemExit(f"--data-from {run_dir}: token id {top} in data/ but --shape has a vocabulary of "
+                         f"{vocab_size} (id {vocab_size - 1} is the mask token): prepare the data with a target of "
+                         "this shape's tokenizer, or pick the matching --shape")
+    return data
 
 
 class GridProbe:
@@ -677,8 +688,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(benchmarks/speculators_ref.py; needs its wheels) and add the ratio to each row")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as run: recorded in the JSON (provenance)
+    args.prepared = None
     if args.data_from:  # one row: the prepared sequences decide the lengths
-        args.n = [max(len(x) for x in prepared_data(args.data_from)["train"]["input_ids"])]
+        args.prepared = prepared_data(args.data_from, SHAPES[args.shape]["vocab_size"])
+        args.n = [max(len(x) for x in args.prepared["train"]["input_ids"])]
     return args
 
 

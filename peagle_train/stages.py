@@ -419,12 +419,12 @@ def run_export(cfg: RunConfig, progress: bool = True) -> Path:
     from transformers import AutoTokenizer
 
     from peagle_train.export.writer import TargetMismatchError, export_vllm, load_drafter_folder
-    from peagle_train.features.target import load_target_config
+    from peagle_train.features.target import load_target_config, tokenizer_source
 
     out = Path(cfg.output_dir)
     drafter = load_drafter_folder(out / "drafter")  # ConfigError for a folder that is not a drafter
     tpath, tcfg = load_target_config(cfg.target)  # tcfg cross-checked: aux ids, hidden size, vocab; bos/eos copied
-    tok = AutoTokenizer.from_pretrained(str(tpath))
+    tok = AutoTokenizer.from_pretrained(tokenizer_source(cfg.target, tpath))
     card = _card(cfg)
     if cfg.export.speculators_format and cfg.export.verifier is None:
         raise ConfigError(f"{cfg.source_file}: export.speculators_format needs export.verifier "

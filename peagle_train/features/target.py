@@ -105,14 +105,15 @@ def random_config_file(spec: str) -> Path:
 
 def _materialise_random(cfg: TargetConfig) -> Path:
     """A folder for a random-weight target: its ``config.json`` (the given configuration, made
-    loadable by ``AutoConfig``), the tokenizer of ``target.tokenizer`` if set, and
-    :data:`RANDOM_WEIGHTS_MARKER` (source, sha256, seed) -- no weights: :func:`load_target` draws them.
+    loadable by ``AutoConfig``) and :data:`RANDOM_WEIGHTS_MARKER` (source, sha256, seed) -- no weights:
+    :func:`load_target` draws them; no tokenizer: ``target.tokenizer`` is read where it is used
+    (:func:`tokenizer_source`).
     The folder is ``cache_root()/targets/random-<sha256 of the JSON and seed>``, written atomically."""
     import json
 
     src = random_config_file(cfg.random_init_from_config)
     raw = src.read_bytes()
-    digest = hashlib.sha256(raw + f"seed={cfg.random_init_seed};tok={cfg.tokenizer}".encode()).hexdigest()
+    digest = hashlib.sha256(raw + f"seed={cfg.random_init_seed}".encode()).hexdigest()
     out = cache_root() / "targets" / f"random-{digest[:16]}"
     if (out / RANDOM_WEIGHTS_MARKER).is_file():
         return out
@@ -129,17 +130,9 @@ def _materialise_random(cfg: TargetConfig) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     config.save_pretrained(tmp)
-    if cfg.tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            AutoTokenizer.from_pretrained(cfg.tokenizer).save_pretrained(tmp)
-        except OSError as e:
-            shutil.rmtree(tmp)
-            raise TargetLoadError(f"target.tokenizer '{cfg.tokenizer}': {e}") from None
     (tmp / RANDOM_WEIGHTS_MARKER).write_text(json.dumps(
         {"random_weights": True, "config_source": str(cfg.random_init_from_config), "config_sha256":
-         hashlib.sha256(raw).hexdigest(), "seed": cfg.random_init_seed, "tokenizer": cfg.tokenizer}, indent=1))
+         hashlib.sha256(raw).hexdigest(), "seed": cfg.random_init_seed}, indent=1))
     try:
         os.replace(tmp, out)
     except OSError:  # another process renamed its identical copy first
@@ -311,6 +304,13 @@ class Target:
         return {"aux": aux, "last": hs[-1], "argmax": out.logits.argmax(-1)}
 
 
+def tokenizer_source(cfg: TargetConfig, path) -> str:
+    """Where the target's tokenizer is read from: ``target.tokenizer`` when set, else the target's own
+    folder or Hub id ``path`` (:func:`materialise_target`). One rule for every stage that loads it
+    (prepare and eval through :func:`load_target`, export's copy of it)."""
+    return cfg.tokenizer or str(path)
+
+
 def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch.device):
     """The target of a random-weight folder (:func:`_materialise_random`): built from its config with
     ``torch.manual_seed(seed)`` directly on ``device`` (transformers' own initialisation), so every
@@ -343,10 +343,11 @@ def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
     path = materialise_target(cfg)
     dtype = getattr(torch, cfg.dtype)
     device = pick_device(cfg.device)
-    tok_path = cfg.tokenizer or str(path)
+    tok_path = tokenizer_source(cfg, path)
     if with_tokenizer and cfg.tokenizer is None and is_random_target(path):
         raise TargetLoadError(f"target.random_init_from_config '{cfg.random_init_from_config}' gives no tokenizer: "
                               "set target.tokenizer to a tokenizer folder or Hub id (this stage tokenises or decodes)")
+    model = None
     try:
         if is_random_target(path):
             model = random_target_model(path, cfg.random_init_seed, dtype, device)
@@ -354,7 +355,8 @@ def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         tok = AutoTokenizer.from_pretrained(tok_path) if with_tokenizer else None
     except OSError as e:
-        raise TargetLoadError(f"target.path '{path}': {e}") from e
+        key = f"target.tokenizer '{cfg.tokenizer}'" if cfg.tokenizer and model is not None else f"target.path '{path}'"
+        raise TargetLoadError(f"{key}: {e}") from e
     model.to(device).eval().requires_grad_(False)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
     if tok is not None and tok.pad_token_id is None:

@@ -217,15 +217,6 @@ class Trainer(InTrainingEval, Checkpoints):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def prepare_micro(self, indices, source, ids, masks, gen):
-        """Fetch features for ``indices``, pack them, sample COD and build the grid (:meth:`host_micro`
-        then :meth:`device_micro`).
-
-        Returns:
-            ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
-        """
-        return self.device_micro(self.host_micro(indices, ids, masks, gen), source)
-
     def device_micro(self, host: tuple, source) -> tuple:
         """Features of a :meth:`host_micro` result (cache read or online target forward), packed on the
         device, and its grid copied there without blocking: no host sync before the forward.

@@ -266,3 +266,16 @@ def test_trainer_throughput_reads_the_steady_step_from_the_history(tmp_path):
     assert s["first_steps_s"] == 5.0
     rows = tt.main([str(tmp_path / "missing"), "--skip", "1"])
     assert "not found" in rows[0]["error"]
+
+
+def test_train_step_data_from_refuses_ids_outside_the_shape(bench, tmp_path):
+    """--data-from with token ids the --shape's vocabulary cannot hold stops before any work, naming the
+    folder, the largest id and the vocabulary."""
+    from peagle_train.features.tokenized import save_tokenized
+
+    rows = [{"input_ids": [1, 2, 600], "loss_mask": [0, 1, 1]}]
+    for split in ("train", "eval"):
+        save_tokenized(rows, tmp_path / "run" / "data" / f"{split}.safetensors")
+    with pytest.raises(SystemExit, match=r"token id 600 .* vocabulary of 512"):
+        bench.main(["--shape", "tiny", "--data-from", str(tmp_path / "run"), "--out", str(tmp_path / "b.json")])
+    assert not (tmp_path / "b.json").exists()

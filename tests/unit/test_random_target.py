@@ -88,3 +88,11 @@ def test_model_card_and_eval_report_say_random_weights(tmp_path):
     assert "Random-weight target" in text and "Do not serve it" in text and str(local) not in text
     plain = render_model_card(config, target_name="tiny", model_ref="/abs/export")
     assert "Random-weight" not in plain
+
+
+def test_a_missing_tokenizer_is_named_by_its_key(tiny_config, tmp_path):
+    """``target.tokenizer`` pointing nowhere: the error names the key and the path, not the target folder."""
+    cfg = TargetConfig(name="tiny", random_init_from_config=str(tiny_config), device="cpu",
+                       tokenizer=str(tmp_path / "no_tokenizer_here"))
+    with pytest.raises(TargetLoadError, match=r"target\.tokenizer '.*no_tokenizer_here'"):
+        load_target(cfg)
