@@ -222,7 +222,12 @@ class Trainer(InTrainingEval, Checkpoints):
         device, and its grid copied there without blocking: no host sync before the forward.
 
         Returns:
-            ``(packed, grid, host_grid)``: ``grid`` on the device, ``host_grid`` the same on the CPU.
+            ``(packed, grid, host_grid)``: ``packed`` as :func:`~peagle_train.features.packing.pack` (tokens,
+            ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` on the device), ``grid`` on the device,
+            ``host_grid`` the same on the CPU.
+
+        Raises:
+            ValueError: features that do not match the token lists (:func:`~peagle_train.features.packing.pack`).
         """
         indices, tokens, host_grid = host
         with record_function("peagle/features"):
