@@ -55,6 +55,7 @@ class SyntheticFeatures:
         if lengths is not None and max(lengths, default=0) > n_tokens:
             raise ValueError(f"a sequence of {max(lengths)} tokens is longer than n_tokens={n_tokens}")
         self.device = torch.device(device) if placement == "device" else torch.device("cpu")
+        self.reads_on_host = placement == "host"  # as CachedFeatures: the trainer reads host features ahead
         self.dtype = torch.bfloat16  # a bf16 cache (the default train.features: cache) or a bf16 target
         g = self._generator(seed)
         self.aux = self._randn((n_tokens, aux_layers * hidden_size), 0.5, g)  # [n, A*T]

@@ -7,6 +7,9 @@
 #   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
 #   bash benchmarks/throughput_experiment.sh trainer NAME [override ...]
 #                                                           # GPU: `peagle-train train` in $WORK/runs/NAME
+#   bash benchmarks/throughput_experiment.sh cache [override ...]  # GPU: `peagle-train cache` of the prepared data
+#                                                           # into $WORK/cache (a trainer run with
+#                                                           # train.features=cache reads it)
 #   bash benchmarks/throughput_experiment.sh bench NAME [train_step.py flags ...]
 #                                                           # GPU: train_step.py --data-from the prepared data
 #   bash benchmarks/throughput_experiment.sh summary OUT.json NAME [NAME ...]
@@ -76,9 +79,16 @@ PY
     name=${2:?name}; shift 2
     d="$WORK/runs/$name"
     rm -rf "$d" && mkdir -p "$d" && cp -r "$WORK/prep/data" "$d/"
+    if [[ " $* " == *" train.features=cache "* ]]; then ln -s "$WORK/cache/features" "$d/features"; fi
     ${LAUNCH:-cli} train "$R" "${OVR[@]}" "output_dir=$d" "$@" --quiet > "$d.out" 2> "$d.err" \
       || { echo "trainer $name failed:"; tail -c 1500 "$d.err"; }
     py benchmarks/trainer_throughput.py "$d" --names "$name" --out "$d.summary.json" || true ;;
+  cache)  # [override ...]: the offline feature cache of the prepared data (bf16 target forward unless overridden)
+    rm -rf "$WORK/cache" && mkdir -p "$WORK/cache" && cp -r "$WORK/prep/data" "$WORK/cache/"
+    t0=$(date +%s.%N)
+    cli cache "$R" "${OVR[@]}" "output_dir=$WORK/cache" target.dtype=bfloat16 "$@" --quiet
+    python3 -c "import sys; print(f'cache: {float(sys.argv[2]) - float(sys.argv[1]):.1f} s')" "$t0" "$(date +%s.%N)"
+    du -sb "$WORK/cache/features" ;;
   bench)  # NAME [flags]: the benchmark's step on the prepared sequences (micro-batch 8 unless flags say otherwise)
     name=${2:?name}; shift 2
     py benchmarks/train_step.py --shape smollm2-135m --data-from "$WORK/prep" --micro-batch 8 \

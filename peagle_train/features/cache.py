@@ -353,6 +353,9 @@ class CachedFeatures:
             the shard, the expected and actual digests, and says to delete it and re-run).
     """
 
+    #: ``get`` reads files on the CPU: the trainer calls it ahead, on its worker thread (``train.prefetch``)
+    reads_on_host = True
+
     def __init__(self, cache_dir: str | Path, verify: bool = True):
         self.dir = Path(cache_dir)
         man = self.dir / "manifest.json"

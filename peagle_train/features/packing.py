@@ -22,17 +22,17 @@ def pack_tokens(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict
     }
 
 
-def pack(samples: list[dict], tokens: dict, device) -> dict:
-    """One packed micro-batch on ``device``: the sequences' features and their :func:`pack_tokens`.
+def concat_features(samples: list[dict], tokens: dict, pin: bool = False) -> dict:
+    """The features of a micro-batch's sequences concatenated in packing order, where they are (CPU for a
+    cache read, the target's device online); ``pin``: CPU tensors go to pinned memory, so the later copy to
+    the GPU does not block (the trainer does this ahead, on its worker thread).
 
     Args:
         samples: per sequence, ``aux``/``last``/``argmax`` (:meth:`CachedFeatures.get` /
             :meth:`OnlineFeatures.get`). tokens: :func:`pack_tokens` of the same sequences.
 
     Returns:
-        dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64,
-        ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device`` (the token tensors
-        copied without blocking the host, see :meth:`~peagle_train.peagle.grid.Grid.to`).
+        ``{"aux": [N, A*T], "last": [N, T], "argmax": [N] int64}``.
 
     Raises:
         ValueError: the features and the tokens do not hold the same number of tokens (per sequence,
@@ -45,8 +45,27 @@ def pack(samples: list[dict], tokens: dict, device) -> dict:
         raise ValueError(f"pack: the features hold {sum(n_feat)} tokens (per sequence {n_feat}, aux rows) but the "
                          f"token lists hold {sum(n_tok)} (per sequence {n_tok}), or last/argmax rows differ from aux "
                          "rows; the feature cache does not match the prepared data: re-run `peagle-train cache`")
-    return {k: to_device(v, device, non_blocking=True) for k, v in tokens.items()} | {
-        "aux": torch.cat([s["aux"] for s in samples]).to(device),
-        "last": torch.cat([s["last"] for s in samples]).to(device),
-        "argmax": torch.cat([s["argmax"] for s in samples]).to(device),
-    }
+    out = {k: torch.cat([s[k] for s in samples]) for k in ("aux", "last", "argmax")}
+    if pin:
+        out = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in out.items()}
+    return out
+
+
+def pack(samples: list[dict] | dict, tokens: dict, device) -> dict:
+    """One packed micro-batch on ``device``: the sequences' features and their :func:`pack_tokens`.
+
+    Args:
+        samples: per sequence, ``aux``/``last``/``argmax`` (:meth:`CachedFeatures.get` /
+            :meth:`OnlineFeatures.get`), or their :func:`concat_features` already.
+        tokens: :func:`pack_tokens` of the same sequences.
+
+    Returns:
+        dict with ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``doc_ids [N]`` int64,
+        ``aux [N, A*T]``, ``last [N, T]``, ``argmax [N]`` int64, on ``device``, every CPU tensor copied
+        without blocking the host (:func:`~peagle_train.core.device.to_device`).
+
+    Raises:
+        ValueError: see :func:`concat_features`.
+    """
+    feats = samples if isinstance(samples, dict) else concat_features(samples, tokens)
+    return {k: to_device(v, device, non_blocking=True) for k, v in (tokens | feats).items()}

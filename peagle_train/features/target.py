@@ -296,12 +296,34 @@ class Target:
             ``argmax`` ``[B, N]`` int64 target greedy next token at each position.
         """
         with _padded_sdpa_backends(input_ids.device):
-            out = self.model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-            )
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                             use_cache=False, logits_to_keep=1)  # the full [B, N, V] logits are never built
         hs = out.hidden_states
         aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
-        return {"aux": aux, "last": hs[-1], "argmax": out.logits.argmax(-1)}
+        return {"aux": aux, "last": hs[-1], "argmax": self.greedy_tokens(hs[-1])}
+
+    @torch.no_grad()
+    def greedy_tokens(self, last: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """The target's greedy next token from its final (normed) hidden state, ``chunk`` positions at a
+        time: ``argmax`` of the output head's logits without holding the ``[..., V]`` logits of the whole
+        batch (at GPT-OSS's 201,088-token vocabulary, 16K positions would hold 6.6 GB in bf16).
+
+        The output head alone decides the argmax: the final logit transforms transformers applies after
+        it (Gemma's soft-capping, Cohere's and Granite's positive scales) are increasing, so they keep the
+        order. Equal to ``model(...).logits.argmax(-1)`` (``tests/unit/test_target_architectures.py``).
+
+        Args:
+            last: ``[..., T]`` final hidden state (model dtype). chunk: positions per head matmul.
+
+        Returns:
+            ``[...]`` int64 token ids.
+        """
+        head = self.model.get_output_embeddings()
+        flat = last.reshape(-1, last.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=last.device)
+        for s in range(0, flat.shape[0], chunk):
+            out[s:s + chunk] = head(flat[s:s + chunk]).argmax(-1)
+        return out.view(last.shape[:-1])
 
 
 def tokenizer_source(cfg: TargetConfig, path) -> str:

@@ -54,7 +54,7 @@ from peagle_train.distributed.strategy import (
 )
 from peagle_train.features.cache import CachedFeatures, check_caches_match
 from peagle_train.features.online import OnlineFeatures
-from peagle_train.features.packing import pack, pack_tokens
+from peagle_train.features.packing import concat_features, pack, pack_tokens
 from peagle_train.features.tokenized import load_prepared
 from peagle_train.features.vocab import select_draft_vocab, token_frequencies
 from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
@@ -178,23 +178,30 @@ class Trainer(InTrainingEval, Checkpoints):
         return rank_batches(chunk, self.lengths, world, rank, self.tc.micro_batch_size, self.grad_accum,
                             self.tc.length_balance)
 
-    def host_micro(self, indices, ids, masks, gen) -> tuple:
+    def host_micro(self, indices, ids, masks, gen, source=None) -> tuple:
         """The CPU side of one micro-batch: its token lists packed and its COD grid, built from the
-        token lists alone (no device, no features), so it can be built ahead on a worker thread.
+        token lists alone (no device), so it can be built ahead on a worker thread; with a ``source``
+        that reads on the host (a feature cache, ``reads_on_host``), its features too, concatenated in
+        pinned memory (:func:`~peagle_train.features.packing.concat_features`).
 
         Returns:
-            ``(indices, tokens, host_grid)``: :func:`~peagle_train.features.packing.pack_tokens` and the
-            method's grid (:meth:`~peagle_train.methods.base.DraftMethod.build_grid`), both on the CPU.
+            ``(indices, tokens, host_grid, features or None)``: :func:`~peagle_train.features.packing.pack_tokens`,
+            the method's grid (:meth:`~peagle_train.methods.base.DraftMethod.build_grid`), both on the CPU,
+            and the cache's features (None: :meth:`device_micro` asks the source, e.g. the online target).
         """
         tokens = pack_tokens([ids[i] for i in indices], [masks[i] for i in indices])
-        return indices, tokens, self.method.build_grid(tokens, self.cfg, gen)
+        grid = self.method.build_grid(tokens, self.cfg, gen)
+        feats = None
+        if source is not None and getattr(source, "reads_on_host", False):
+            feats = concat_features(source.get(indices), tokens, pin=self.device.type == "cuda")
+        return indices, tokens, grid, feats
 
     def host_inputs(self, step: int) -> list[tuple]:
         """:meth:`host_micro` of every micro-batch of this rank for 0-based optimizer step ``step``
         (the COD generator of each is :func:`step_generator` of the step, rank and micro-batch, so the
         result depends on ``step`` alone: built ahead or now, it is the same)."""
         return [self.host_micro(ix, self.train_ids, self.train_masks,
-                                step_generator(self.tc.seed, step, self.acc.process_index, m))
+                                step_generator(self.tc.seed, step, self.acc.process_index, m), self.features)
                 for m, ix in enumerate(self.micro_batches(step))]
 
     def _step_host_inputs(self) -> list[tuple]:
@@ -218,8 +225,9 @@ class Trainer(InTrainingEval, Checkpoints):
             self._pool = None
 
     def device_micro(self, host: tuple, source) -> tuple:
-        """Features of a :meth:`host_micro` result (cache read or online target forward), packed on the
-        device, and its grid copied there without blocking: no host sync before the forward.
+        """Features of a :meth:`host_micro` result (read ahead from the cache, or asked of ``source`` now:
+        the online target's forward), packed on the device, and its grid copied there without blocking:
+        no host sync before the forward.
 
         Returns:
             ``(packed, grid, host_grid)``: ``packed`` as :func:`~peagle_train.features.packing.pack` (tokens,
@@ -229,9 +237,10 @@ class Trainer(InTrainingEval, Checkpoints):
         Raises:
             ValueError: features that do not match the token lists (:func:`~peagle_train.features.packing.pack`).
         """
-        indices, tokens, host_grid = host
-        with record_function("peagle/features"):
-            feats = source.get(indices)
+        indices, tokens, host_grid, feats = host
+        if feats is None:
+            with record_function("peagle/features"):
+                feats = source.get(indices)
         with record_function("peagle/host_inputs"):
             packed = pack(feats, tokens, self.device)
             return packed, host_grid.to(self.device, non_blocking=True), host_grid

@@ -17,7 +17,7 @@ from peagle_train.features import cache as F
 from peagle_train.features import packing
 from peagle_train.features.cache import CachedFeatures, CacheError, cache_size_report, write_cache
 from peagle_train.features.fp8 import dequantize_fp8_rows, quantize_fp8_rows
-from peagle_train.features.online import OnlineFeatures, iter_target_features
+from peagle_train.features.online import OnlineFeatures, iter_target_features, length_batches
 from peagle_train.features.target import Target
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -418,7 +418,7 @@ def test_verify_against_recompute(target, seqs, tmp_path):
 
 def test_online_features_match_the_cache_interface(target, seqs, tmp_path):
     build(target, seqs, tmp_path)
-    online, cached = OnlineFeatures(target, seqs, batch_size=2), CachedFeatures(tmp_path)
+    online, cached = OnlineFeatures(target, seqs, batch_tokens=40), CachedFeatures(tmp_path)
     assert len(online) == len(cached)
     for o, c in zip(online.get([2, 9]), cached.get([2, 9])):
         assert o.keys() == c.keys()
@@ -483,3 +483,36 @@ def test_pack_refuses_features_of_other_token_lists():
     samples[1]["last"] = torch.zeros(3, 2)
     with pytest.raises(ValueError, match="last/argmax rows differ"):
         packing.pack(samples, packing.pack_tokens([[1, 2, 3], [4, 5, 6, 7]], [[0, 1, 1], [0, 0, 1, 1]]), "cpu")
+
+
+def test_length_batches_sort_and_respect_the_budget():
+    assert length_batches([5, 100, 7, 90], 200) == [[1, 3], [2, 0]]  # the docstring's example
+    assert length_batches([300, 5], 200) == [[0], [1]]  # longer than the budget: alone
+    assert length_batches([4] * 5, 100, max_batch=2) == [[0, 1], [2, 3], [4]]
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 700, (200,), generator=g).tolist()
+    batches = length_batches(lengths, 4096)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    assert all(len(b) * max(lengths[i] for i in b) <= 4096 or len(b) == 1 for b in batches)
+    assert len(batches) < 60  # 200 sequences of ~350 tokens: ~10 a forward, not 200
+    with pytest.raises(ValueError, match="batch_tokens=0"):
+        length_batches([3], 0)
+
+
+def test_online_features_do_not_depend_on_their_batch(target, seqs):
+    """Alone (budget 1: one sequence a forward) or batched with others, in any order asked:
+    the same features in the order of the indices."""
+    alone, batched = OnlineFeatures(target, seqs, batch_tokens=1), OnlineFeatures(target, seqs, batch_tokens=10_000)
+    ix = [9, 2, 5, 0]
+    for a, b, i in zip(alone.get(ix), batched.get(ix), ix):
+        assert a["aux"].shape[0] == len(seqs[i])
+        torch.testing.assert_close(a["aux"], b["aux"], rtol=1e-4, atol=1e-4)  # fp32: batch-shape noise only
+        torch.testing.assert_close(a["last"], b["last"], rtol=1e-4, atol=1e-4)
+        assert torch.equal(a["argmax"], b["argmax"])
+
+
+def test_greedy_tokens_in_chunks_equal_the_full_head(target):
+    last = torch.randn(3, 7, target.config.hidden_size)
+    want = (last @ target.lm_head_weight().T).argmax(-1)
+    for chunk in (1, 4, 4096):
+        assert torch.equal(target.greedy_tokens(last, chunk=chunk), want)
