@@ -84,9 +84,10 @@ PY
       || { echo "trainer $name failed:"; tail -c 1500 "$d.err"; }
     py benchmarks/trainer_throughput.py "$d" --names "$name" --out "$d.summary.json" || true ;;
   cache)  # [override ...]: the offline feature cache of the prepared data (bf16 target forward unless overridden)
+    shift
     rm -rf "$WORK/cache" && mkdir -p "$WORK/cache" && cp -r "$WORK/prep/data" "$WORK/cache/"
     t0=$(date +%s.%N)
-    cli cache "$R" "${OVR[@]}" "output_dir=$WORK/cache" target.dtype=bfloat16 "$@" --quiet
+    cli cache "$R" "${OVR[@]}" "output_dir=$WORK/cache" target.dtype=bfloat16 train.features=cache "$@" --quiet
     python3 -c "import sys; print(f'cache: {float(sys.argv[2]) - float(sys.argv[1]):.1f} s')" "$t0" "$(date +%s.%N)"
     du -sb "$WORK/cache/features" ;;
   bench)  # NAME [flags]: the benchmark's step on the prepared sequences (micro-batch 8 unless flags say otherwise)

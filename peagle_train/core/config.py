@@ -169,6 +169,11 @@ class TrainConfig(Section):
         "the same with Inductor's max_autotune for FlexAttention (benchmarks its kernel configs at each first "
         "compile: a longer first step); GEMMs stay on cuBLAS.",
     )
+    compile_target: bool = Field(
+        False, description="train.features: online: torch.compile the target's feature forward (dynamic shapes: "
+        "one graph for every padded batch), falling back to eager with a warning. The eager forward of a "
+        "transformers model is host-bound (a SmolLM2 target's took 260 ms of a 335 ms step at micro-batch 64, "
+        "docs/benchmarks.md). Same math up to kernel rounding; costs a compile at the first step.")
     dynamic_shapes: bool = Field(
         True, description="Compile FlexAttention (and, with compile, the drafter layers and loss chunks) for any grid "
         "length: torch's automatic dynamic shapes, one recompile in all. false: one compiled graph per 1024-element "

@@ -269,6 +269,15 @@ class Target:
     tokenizer: object
     aux_layer_ids: list[int]
     path: str
+    forward: object = None  # what features() calls: None = the model itself; compile_forward() sets a compiled one
+
+    def compile_forward(self) -> None:
+        """``train.compile_target``: run :meth:`features` through ``torch.compile`` of the model with
+        dynamic shapes (:class:`~peagle_train.kernels.compiling.SafeCompiled`: falls back to graph breaks,
+        then eager, with a warning)."""
+        from peagle_train.kernels.compiling import SafeCompiled
+
+        self.forward = SafeCompiled(self.model, "target forward", dynamic=True)
 
     @property
     def config(self):
@@ -296,8 +305,9 @@ class Target:
             ``argmax`` ``[B, N]`` int64 target greedy next token at each position.
         """
         with _padded_sdpa_backends(input_ids.device):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                             use_cache=False, logits_to_keep=1)  # the full [B, N, V] logits are never built
+            out = (self.forward or self.model)(  # logits_to_keep=1: the [B, N, V] logits are never built
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                logits_to_keep=1)
         hs = out.hidden_states
         aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
         return {"aux": aux, "last": hs[-1], "argmax": self.greedy_tokens(hs[-1])}

@@ -89,6 +89,8 @@ class SafeCompiled:
             keys do not change).
         name: label for the warning.
         inductor_mode: compile mode label (None = Inductor's defaults; see :func:`compile_kwargs`).
+        dynamic: ``torch.compile``'s ``dynamic=`` (default: the run's :data:`DYNAMIC`); ``True`` for inputs
+            whose every dimension changes from call to call (the online target's padded batches).
 
     Attributes:
         mode: ``"pending"`` (not called yet), ``"fullgraph"``, ``"graph-breaks"`` or ``"eager"``.
@@ -98,15 +100,16 @@ class SafeCompiled:
     records it as that variant's error row; in training, set ``train.compile: false``).
     """
 
-    def __init__(self, fn, name: str, inductor_mode: str | None = None):
+    def __init__(self, fn, name: str, inductor_mode: str | None = None, dynamic: bool | None | str = "run"):
         self.fn, self.name = fn, name
+        self.dynamic = dynamic
         self.mode = "pending"
         self.inductor_mode = inductor_mode
         self._compiled = None
 
     def _make(self, fullgraph: bool):
         raise_recompile_limits()
-        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=DYNAMIC,
+        self._compiled = torch.compile(self.fn, fullgraph=fullgraph, dynamic=DYNAMIC if self.dynamic == "run" else self.dynamic,
                                        **compile_kwargs(self.inductor_mode))
         self.mode = "fullgraph" if fullgraph else "graph-breaks"
 

@@ -161,6 +161,8 @@ class Trainer(InTrainingEval, Checkpoints):
                 shard_target(t.model)
             else:
                 t.model.to(self.device)
+            if self.tc.compile_target:
+                t.compile_forward()
 
     # -- data ---------------------------------------------------------------------------------
     def micro_batches(self, step: int, rank: int | None = None) -> list[list[int]]:

@@ -516,3 +516,25 @@ def test_greedy_tokens_in_chunks_equal_the_full_head(target):
     want = (last @ target.lm_head_weight().T).argmax(-1)
     for chunk in (1, 4, 4096):
         assert torch.equal(target.greedy_tokens(last, chunk=chunk), want)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="needs a C++ compiler")
+def test_compiled_target_forward_gives_the_same_features(seqs):
+    """train.compile_target: the compiled forward (dynamic shapes) hands out the eager forward's features
+    for batches of several shapes, and compiles (no fallback to eager)."""
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import _tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_llama_config()).eval().requires_grad_(False)
+    eager = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
+    compiled = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
+    compiled.compile_forward()
+    a, b = OnlineFeatures(eager, seqs, batch_tokens=64), OnlineFeatures(compiled, seqs, batch_tokens=64)
+    for ix in ([0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10]):
+        for x, y in zip(a.get(ix), b.get(ix)):
+            torch.testing.assert_close(y["aux"], x["aux"], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(y["last"], x["last"], rtol=1e-4, atol=1e-4)
+            assert torch.equal(y["argmax"], x["argmax"])
+    assert compiled.forward.mode in ("fullgraph", "graph-breaks")
