@@ -305,7 +305,11 @@ class Target:
             ``argmax`` ``[B, N]`` int64 target greedy next token at each position.
         """
         with _padded_sdpa_backends(input_ids.device):
-            out = (self.forward or self.model)(  # logits_to_keep=1: the [B, N, V] logits are never built
+            # a compiled forward (train.compile_target) is not used for a batch of one: torch specialises
+            # size 1, so it would compile a second graph (over a minute for a 30-layer target) for the few
+            # single-sequence batches (the in-training evaluation's), which cost less eager
+            fwd = self.forward if self.forward is not None and input_ids.shape[0] > 1 else self.model
+            out = fwd(  # logits_to_keep=1: the [B, N, V] logits are never built
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
                 logits_to_keep=1)
         hs = out.hidden_states

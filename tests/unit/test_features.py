@@ -532,9 +532,14 @@ def test_compiled_target_forward_gives_the_same_features(seqs):
     compiled = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
     compiled.compile_forward()
     a, b = OnlineFeatures(eager, seqs, batch_tokens=64), OnlineFeatures(compiled, seqs, batch_tokens=64)
-    for ix in ([0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10]):
+    for ix in ([0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10], [4]):  # [4]: one sequence, run eagerly (no recompile)
         for x, y in zip(a.get(ix), b.get(ix)):
             torch.testing.assert_close(y["aux"], x["aux"], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(y["last"], x["last"], rtol=1e-4, atol=1e-4)
             assert torch.equal(y["argmax"], x["argmax"])
     assert compiled.forward.mode in ("fullgraph", "graph-breaks")
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    compiled.forward = type("Spy", (), {"__call__": lambda self, **kw: (_ for _ in ()).throw(AssertionError("compiled"))})()
+    b.get([4])  # a batch of one never reaches the compiled forward
+    assert calls
