@@ -239,6 +239,15 @@ def pick_device(pref: str) -> torch.device:
     return torch.device(pref)
 
 
+def _is_sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a ``DTensor`` shard (an FSDP2-sharded target, ``train.target_sharding: shard``)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(weight, DTensor)
+
+
 def _padded_sdpa_backends(device: torch.device):
     """SDPA backends for the target's feature forward on CUDA: flash, memory-efficient and math, not
     cuDNN. Every micro-batch has a new padded shape, and cuDNN's attention builds (and caches) an
@@ -309,12 +318,16 @@ class Target:
             # size 1, so it would compile a second graph (over a minute for a 30-layer target) for the few
             # single-sequence batches (the in-training evaluation's), which cost less eager
             fwd = self.forward if self.forward is not None and input_ids.shape[0] > 1 else self.model
-            out = fwd(  # logits_to_keep=1: the [B, N, V] logits are never built
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
-                logits_to_keep=1)
+            # an FSDP2-sharded head (train.target_sharding: shard) is gathered only inside the model's
+            # forward: there the model computes every position's logits; otherwise only the last position's
+            # (the [B, N, V] logits are never built) and greedy_tokens takes the argmax chunk by chunk
+            sharded = _is_sharded(self.model.get_output_embeddings().weight)
+            out = fwd(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                      logits_to_keep=0 if sharded else 1)
         hs = out.hidden_states
         aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
-        return {"aux": aux, "last": hs[-1], "argmax": self.greedy_tokens(hs[-1])}
+        argmax = out.logits.argmax(-1) if sharded else self.greedy_tokens(hs[-1])
+        return {"aux": aux, "last": hs[-1], "argmax": argmax}
 
     @torch.no_grad()
     def greedy_tokens(self, last: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
