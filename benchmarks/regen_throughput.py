@@ -1,18 +1,21 @@
-"""Regeneration throughput: plain HF ``generate`` vs continuous batching, on the same prompts, through
+"""Regeneration throughput: plain HF ``generate`` vs the fast engines (static cache, continuous batching), on
+the same prompts, through
 the engine ``peagle-train prepare`` uses (:func:`data_prep.regenerate.hf_engine`, after its memory
 check :func:`data_prep.regenerate.check_regen_memory`).
 
 The prompts are ShareGPT first turns read from the recipe's source (``data_prep.sources``), rendered
 with the target's chat template; those over ``data.max_prompt_tokens`` are skipped. Per target dtype:
 
-(a) ``generate`` (left-padded batches of ``--batch``, cap ``--generate-cap``, default ``--cap``) on the
+(a) each engine of ``--engines`` (default ``static continuous``; ``regen.batch_size = --engine-batch``, cap
+    ``--cap``) on all ``--prompts`` prompts;
+(b) ``generate`` (left-padded batches of ``--batch``, cap ``--generate-cap``, default ``--cap``) on the
     first ``--subset`` prompts;
-(b) ``continuous`` (``regen.batch_size = --cb-batch``, cap ``--cap``) on all ``--prompts`` prompts;
 
 each timed (generated tokens incl. end-of-turn tokens / wall seconds of the engine), with its
 unfinished count (stopped by the cap); then how many of the subset's greedy outputs are
-token-identical between (a) and (b) (over (a)'s cap: (b)'s answer cut there). One JSON (``--out``)
-with the command and commit (``train_step.provenance``), one summary line printed last.
+token-identical between (b) and each of (a) (over (b)'s cap: (a)'s answer cut there). One JSON (``--out``,
+rewritten after every engine run, so a run stopped by a time limit keeps what it measured) with the
+command and commit (``train_step.provenance``), one summary line printed last.
 
 The target is the recipe's (a GGUF with ``--gguf``) or, with ``--random-init-from-config SPEC
 --tokenizer DIR``, a real model's architecture with RANDOM weights (``target.random_init_from_config``,
@@ -62,14 +65,17 @@ def parse_args(argv):
     p.add_argument("--generate-cap", type=int, default=None, help="plain generate's regen.max_new_tokens "
                    "(default --cap; the identity count compares continuous answers cut at this length)")
     p.add_argument("--batch", type=int, default=256, help="plain generate's batch (regen.batch_size)")
-    p.add_argument("--cb-batch", type=int, default=512, help="continuous engine's regen.batch_size")
+    p.add_argument("--engines", nargs="+", choices=["static", "continuous"], default=["static", "continuous"],
+                   help="the fast engines to time (regen.engine), in this order")
+    p.add_argument("--engine-batch", "--cb-batch", dest="cb_batch", type=int, default=512,
+                   help="regen.batch_size of the fast engines")
     p.add_argument("--kv-memory-fraction", type=float, default=None, help="regen.kv_memory_fraction")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="regen.max_batch_tokens")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="target dtypes, one run each")
     p.add_argument("--max-seconds", type=float, default=150.0, help="per engine run: abandon what is unfinished")
     p.add_argument("--attn", default=None, help="model attention implementation to set before the runs (e.g. "
                    "flash_attention_2 where flash-attn is installed; continuous batching pages it); default: as loaded")
-    p.add_argument("--skip-generate", action="store_true", help="only the continuous engine (no identity count)")
+    p.add_argument("--skip-generate", action="store_true", help="only the fast engines (no identity count)")
     p.add_argument("--override", nargs="*", default=[], help="further recipe overrides key=value")
     p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
     p.add_argument("--out", required=True, help="JSON output path")
@@ -168,27 +174,35 @@ def main(argv=None) -> dict:
         knobs = {"kv_memory_fraction": args.kv_memory_fraction, "max_batch_tokens": args.max_batch_tokens}
         run = {"dtype": dtype, "prompts": len(prompts), "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
                "attn_implementation": target.model.config._attn_implementation}
-        cont = run_engine(target, cfg.regen.model_copy(update={"engine": "continuous", "batch_size": args.cb_batch,
-                                                               **knobs}),
-                          cfg.data.max_prompt_tokens, prompts, args.max_seconds)
-        run["continuous"] = {k: v for k, v in cont.items() if k != "ids"}
-        line = (f"{dtype}: continuous {cont['tokens_per_s']:,.0f} tok/s ({cont['answered']}/{cont['prompts']} prompts, "
-                f"{cont['unfinished']} unfinished)")
+        result["runs"].append(run)
+        fast, parts = {}, []
+        for name in args.engines:
+            res = run_engine(target, cfg.regen.model_copy(update={"engine": name, "batch_size": args.cb_batch,
+                                                                  **knobs}),
+                             cfg.data.max_prompt_tokens, prompts, args.max_seconds)
+            fast[name] = res
+            run[name] = {k: v for k, v in res.items() if k != "ids"}
+            parts.append(f"{name} {res['tokens_per_s']:,.0f} tok/s ({res['answered']}/{res['prompts']} prompts, "
+                         f"{res['unfinished']} unfinished)")
+            _write(args.out, result)
+        line = f"{dtype}: " + ", ".join(parts)
         if not args.skip_generate:
             gen = run_engine(target, cfg.regen.model_copy(update={"engine": "generate", "batch_size": args.batch,
                                                                   "max_new_tokens": args.generate_cap}),
                              cfg.data.max_prompt_tokens, prompts[: args.subset], args.max_seconds)
             run["generate"] = {k: v for k, v in gen.items() if k != "ids"}
-            # generate's answer (at most generate_cap tokens, ended by the cap or end-of-turn) against the
-            # continuous answer cut at generate_cap: equal iff greedy decoding agrees up to there
-            same = [a == b[: args.generate_cap] for a, b in zip(gen["ids"], cont["ids"])
-                    if a is not None and b is not None]
-            first_diff = next((i for i, s in enumerate(same) if not s), None)
-            run["identical"] = {"compared": len(same), "identical": sum(same), "all": all(same),
-                                "first_differing_prompt": first_diff}
-            line += (f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['answered']}/{gen['prompts']} prompts, "
-                     f"{gen['unfinished']} unfinished), identical {sum(same)}/{len(same)}")
-        result["runs"].append(run)
+            line += f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['answered']}/{gen['prompts']} prompts)"
+            run["identical"] = {}
+            for name, res in fast.items():
+                # generate's answer (at most generate_cap tokens, ended by the cap or end-of-turn) against the
+                # engine's answer cut at generate_cap: equal iff greedy decoding agrees up to there
+                same = [a == b[: args.generate_cap] for a, b in zip(gen["ids"], res["ids"])
+                        if a is not None and b is not None]
+                first_diff = next((i for i, x in enumerate(same) if not x), None)
+                run["identical"][name] = {"compared": len(same), "identical": sum(same), "all": all(same),
+                                          "first_differing_prompt": first_diff}
+                line += f", {name} identical to generate {sum(same)}/{len(same)}"
+            _write(args.out, result)
         summary.append(line)
         del target
         if torch.cuda.is_available():
@@ -198,10 +212,15 @@ def main(argv=None) -> dict:
         caps += (", random_weights: true (answers run to the cap: tokens/s = full-batch decode rate, "
                  "unfinished counts meaningless)")
     result["summary"] = f"regen_throughput ({caps}): " + "; ".join(summary)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    _write(args.out, result)
     print(result["summary"])
     return result
+
+
+def _write(out: str, result: dict) -> None:
+    """Write ``result`` to ``out`` (again after every engine run: what a time limit stops keeps what it measured)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -98,11 +98,15 @@ PY
     out=${2:?out}; shift 2
     runs=(); for n in "$@"; do runs+=("$WORK/runs/$n"); done
     py benchmarks/trainer_throughput.py "${runs[@]}" --names "$@" --out "$out" ;;
-  regen)  # OUT.json [flags]: regeneration tokens/s, continuous batching vs generate (regen_throughput.py), on the
-    # random-weight SmolLM2 (answers run to the cap); ~2.5-3 min on one H200: 512 x 2048 tokens per dtype
+  regen)  # OUT.json [flags]: regeneration tokens/s of the static-cache engine (one batch of 512 prompts to a
+    # 2,048-token cap) and plain generate (64 prompts, cap 256; the identity count), regen_throughput.py, on the
+    # random-weight SmolLM2 (answers run to the cap). An engine answers a whole batch at once, so --max-seconds
+    # cannot stop it mid-batch: add `--engines static continuous` only with few prompts and a short cap
+    # (without flash attention continuous batching's step grows with the square of the batch: docs/data.md)
     out=${2:?out.json}; shift 2
     py benchmarks/regen_throughput.py --random-init-from-config pkg:peagle_train/smollm2-135m-instruct.json \
-      --tokenizer .gpu/tok --prompts-file .gpu/sharegpt_prompts.json --prompts 512 --cb-batch 512 --cap 2048 \
-      --subset 64 --batch 64 --generate-cap 256 --dtypes bfloat16 float32 --max-seconds 70 --out "$out" "$@" ;;
+      --tokenizer .gpu/tok --prompts-file .gpu/sharegpt_prompts.json --engines static --prompts 512 \
+      --engine-batch 512 --cap 2048 --subset 64 --batch 64 --generate-cap 256 --dtypes bfloat16 --max-seconds 60 \
+      --out "$out" "$@" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -59,18 +59,22 @@ class RegenConfig(Section):
 
     enabled: bool = True
     backend: Literal["hf", "vllm"] = "hf"
-    engine: Literal["auto", "continuous", "generate"] = Field(
+    engine: Literal["auto", "continuous", "static", "generate"] = Field(
         "auto", description="backend hf: 'continuous' = transformers' continuous batching (paged KV cache, "
-        "requests join and leave the running batch); 'generate' = plain model.generate on left-padded batches "
-        "(the reference); 'auto' = continuous on CUDA, generate elsewhere (the report says which ran)."
+        "requests join and leave the running batch; fast only with a flash attention implementation: without one "
+        "transformers attends over the whole batch's keys with a dense mask); 'static' = model.generate with a "
+        "static KV cache, whose decoding transformers compiles on CUDA (CUDA graphs), on left-padded batches of "
+        "bucketed prompt length; 'generate' = plain model.generate on left-padded batches (the reference); "
+        "'auto' = continuous on CUDA with flash attention installed, static on CUDA without it, generate elsewhere "
+        "(the report says which ran)."
     )
     max_new_tokens: int = Field(2048, ge=1, description="Cap on generated tokens per turn (a response stopped by "
                                 "it is counted as unfinished).")
     do_sample: bool = False
     temperature: float = Field(0.7, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
-    batch_size: int = Field(8, ge=1, description="backend hf: prompts per generate call (engine generate), or the "
-                            "most sequences decoded together (engine continuous).")
+    batch_size: int = Field(8, ge=1, description="backend hf: prompts per generate call (engines generate and "
+                            "static), or the most sequences decoded together (engine continuous).")
     kv_blocks: int | None = Field(
         None, ge=1, description="engine continuous: KV-cache blocks of 256 tokens (all layers); None = sized "
         "from kv_memory_fraction of the free accelerator memory."

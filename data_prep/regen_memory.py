@@ -5,7 +5,8 @@ The KV cache dominates: ``layers × 2 (K and V) × kv_heads × head_dim × dtype
 (:func:`kv_bytes_per_token`), read from the target's config. The worst case of one sequence is
 ``data.max_prompt_tokens + regen.max_new_tokens`` tokens. Plain ``generate`` holds ``batch_size`` such
 sequences (its cache grows to the longest one in the batch) plus one step of float32 logits per
-sequence; continuous batching holds what its block pool holds (``regen.kv_blocks`` blocks of
+sequence (engine ``static``: the same, its prompt length rounded up to the bucket it is padded to);
+continuous batching holds what its block pool holds (``regen.kv_blocks`` blocks of
 :data:`PAGE_TOKENS` tokens, or a fraction of the free memory) and schedules within it, so only a pool
 smaller than one sequence, or larger than the free memory, is wrong. Free memory: the accelerator's
 free bytes (``torch.cuda.mem_get_info``), on CPU the available RAM (``MemAvailable``).
@@ -69,7 +70,7 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     Args:
         cfg: the ``regen`` section (``max_new_tokens``, ``batch_size``, ``kv_blocks``).
         model_config, dtype_bytes: the target's config and cache element size (:func:`kv_bytes_per_token`).
-        engine: ``"generate"`` or ``"continuous"`` (resolved, not ``auto``).
+        engine: ``"generate"``, ``"static"`` or ``"continuous"`` (resolved, not ``auto``).
         max_prompt_tokens: the longest prompt a turn may have (``data.max_prompt_tokens``).
         free_bytes: free memory where the cache lives (:func:`free_memory_bytes`); None skips the check.
         where: the device, for the message (``"cuda:0"``).
@@ -97,7 +98,11 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
         return cfg, None
     usable = int(free_bytes * HEADROOM)
     free = f"{free_bytes / GIB:.2f} GiB free on {where}"
-    if engine == "generate":
+    if engine in ("generate", "static"):
+        if engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
+            from data_prep.regenerate import STATIC_PROMPT_BUCKET
+
+            seq = -(-max_prompt_tokens // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET + cfg.max_new_tokens
         per_seq = seq * per_token + vocab * 4  # its KV cache and one step of float32 logits
         need = cfg.batch_size * per_seq
         if need <= usable:

@@ -1,10 +1,15 @@
 """Regenerate every assistant turn with the target (Hugging Face backend; ``regen.backend: vllm``
 is dispatched to :mod:`data_prep.regenerate_vllm`).
 
-Two HF engines (``regen.engine``, :func:`resolve_engine`): ``continuous`` -- transformers' continuous
-batching with a paged KV cache (:mod:`data_prep.regenerate_cb`), the default on CUDA -- and
-``generate``, plain ``model.generate`` on left-padded batches, the default elsewhere and the
-reference the other is tested against (greedy outputs token-identical). The report's ``engine`` says
+Three HF engines (``regen.engine``, :func:`resolve_engine`): ``continuous`` -- transformers' continuous
+batching with a paged KV cache (:mod:`data_prep.regenerate_cb`), the default on CUDA where a flash
+attention implementation is installed; ``static`` -- ``model.generate`` with a static KV cache, whose
+decoding step transformers compiles (CUDA graphs) on CUDA, the default on CUDA without flash
+attention; and ``generate``, plain ``model.generate`` on left-padded batches, the default elsewhere and
+the reference the others are tested against (greedy outputs token-identical). Why not continuous
+batching everywhere: without flash attention transformers runs it through SDPA over the keys of the
+*whole* running batch with a dense block-diagonal mask (``[queries of all requests, keys of all
+requests]`` per layer and step), so its cost grows with the square of the batch. The report's ``engine`` says
 which ran; :func:`check_regen_memory` checks the cap and batch against free memory first.
 
 Drafters learn the target's own distribution best when trained on the target's own
@@ -60,15 +65,21 @@ def _decoder(tokenizer):
     return lambda ids: tokenizer.decode([t for t in ids if t not in special or t in keep]).strip()
 
 
-def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict):
-    """Left-pad ``prompts`` and generate.
+#: engine ``static``: prompts are left-padded to a multiple of this many tokens, so the static cache (prompt +
+#: ``max_new_tokens``) and the compiled decoding step see a few shapes per run, not one per batch.
+STATIC_PROMPT_BUCKET = 128
+
+
+def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
+                    bucket: int = 1):
+    """Left-pad ``prompts`` (to a multiple of ``bucket`` tokens) and generate.
 
     Returns:
         list of (new token ids up to and including the first eos, finished: bool) per prompt.
     """
     import torch
 
-    B, L = len(prompts), max(len(p) for p in prompts)
+    B, L = len(prompts), -(-max(len(p) for p in prompts) // bucket) * bucket
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((B, L), dtype=torch.long)  # (B, L), 0 on left padding
     for b, p in enumerate(prompts):
@@ -157,10 +168,25 @@ def resolve_engine(model, cfg: RegenConfig) -> str:
     """
     why = unsupported_reason(model)
     if cfg.engine == "continuous" and why is not None:
-        raise ValueError(f"regen.engine: continuous: {why}; use regen.engine: generate (or auto)")
+        raise ValueError(f"regen.engine: continuous: {why}; use regen.engine: static or generate (or auto)")
     if cfg.engine == "auto":
-        return "continuous" if why is None and model.device.type == "cuda" else "generate"
+        if model.device.type != "cuda":
+            return "generate"
+        return "continuous" if why is None and flash_attention_available(model) else "static"
     return cfg.engine
+
+
+def flash_attention_available(model) -> bool:
+    """Whether continuous batching would run ``model`` on a flash attention kernel (its own implementation is
+    one, or transformers can switch it to FlashAttention 2 / 3 from an installed package): the condition
+    for ``regen.engine: auto`` to pick ``continuous`` (module docstring)."""
+    impl = str(getattr(model.config, "_attn_implementation", "") or "")
+    if "flash" in impl:
+        return True
+    from transformers.utils import import_utils
+
+    return any(bool(getattr(import_utils, name, lambda: False)())
+               for name in ("is_flash_attn_3_available", "is_flash_attn_2_available"))
 
 
 def check_regen_memory(model, cfg: RegenConfig, max_prompt_tokens: int,
@@ -183,7 +209,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     ``complete(jobs)`` yields ``(job position, Completion)`` with the generated ``token_ids`` (through the
     first end-of-turn token) as they are ready: ``generate`` answers longest prompts first (ties by
-    conversation index) in left-padded batches of ``batch_size``; ``continuous``
+    conversation index) in left-padded batches of ``batch_size``; ``static`` the same with a static KV cache
+    and prompts left-padded to a multiple of :data:`STATIC_PROMPT_BUCKET` tokens; ``continuous``
     (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
     when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
     ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode.
@@ -210,13 +237,17 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     gen_kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample}
     if cfg.do_sample:
         gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
+    bucket = 1
+    if engine == "static":  # transformers compiles the decoding step for a static cache on CUDA
+        gen_kwargs["cache_implementation"] = "static"
+        bucket = STATIC_PROMPT_BUCKET
 
     def complete(jobs: list[Job]):
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             for i, (new, finished) in zip(idx, _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids,
-                                                                 gen_kwargs)):
+                                                                 gen_kwargs, bucket)):
                 yield answer(i, new, finished)
 
     return complete, engine

@@ -162,8 +162,9 @@ def test_timeline_summary_busy_idle_and_categories(bench):
 
 
 def test_regen_throughput_cpu_smoke(tmp_path, capsys):
-    """``benchmarks/regen_throughput.py --smoke``: both engines on the same real prompts through prepare's
-    engine, token-identical, one JSON with the command and commit, a one-line summary."""
+    """``benchmarks/regen_throughput.py --smoke``: the static-cache and continuous engines and plain generate
+    on the same real prompts through prepare's engine, token-identical, one JSON with the command and commit,
+    a one-line summary."""
     from conftest import need_smollm2
 
     need_smollm2()
@@ -176,11 +177,13 @@ def test_regen_throughput_cpu_smoke(tmp_path, capsys):
     assert "commit" in result["meta"]
     (run,) = result["runs"]
     assert run["continuous"]["engine"] == "continuous" and run["generate"]["engine"] == "generate"
-    assert run["continuous"]["prompts"] == run["generate"]["prompts"] == 4
-    assert run["continuous"]["generated_tokens"] > 0 and run["continuous"]["tokens_per_s"] > 0
-    assert run["identical"] == {"compared": 4, "identical": 4, "all": True, "first_differing_prompt": None}
+    assert run["static"]["engine"] == "static"
+    assert run["static"]["prompts"] == run["continuous"]["prompts"] == run["generate"]["prompts"] == 4
+    for name in ("static", "continuous"):
+        assert run[name]["generated_tokens"] > 0 and run[name]["tokens_per_s"] > 0
+        assert run["identical"][name] == {"compared": 4, "identical": 4, "all": True, "first_differing_prompt": None}
     assert capsys.readouterr().out.strip().splitlines()[-1] == result["summary"]
-    assert result["summary"].startswith("regen_throughput (cap 12): float32: continuous")
+    assert result["summary"].startswith("regen_throughput (cap 12): float32: static")
 
 
 @pytest.mark.usefixtures("torch_single_thread")
@@ -207,14 +210,15 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
         "--recipe", "recipes/smollm2-135m.yaml", "--random-init-from-config", str(tmp_path / "config.json"),
         "--tokenizer", str(tmp_path / "tok"), "--prompts-file", str(tmp_path / "prompts.json"), "--prompts", "4",
         "--subset", "3", "--cap", "12", "--generate-cap", "5", "--batch", "3", "--cb-batch", "4",
-        "--dtypes", "float32", "--out", str(out)])
+        "--dtypes", "float32", "--engines", "continuous", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["random_weights"] is True and result["meta"]["generate_cap"] == 5
     assert f"target.random_init_from_config={tmp_path / 'config.json'}" in result["meta"]["overrides"]
     (run,) = result["runs"]
     assert run["continuous"]["prompts"] == 4 and run["generate"]["prompts"] == 3
     assert run["continuous"]["generated_tokens"] > run["generate"]["generated_tokens"] > 0
-    assert run["identical"] == {"compared": 3, "identical": 3, "all": True, "first_differing_prompt": None}
+    assert "static" not in run  # --engines continuous: only that one
+    assert run["identical"] == {"continuous": {"compared": 3, "identical": 3, "all": True, "first_differing_prompt": None}}
     assert capsys.readouterr().out.strip().splitlines()[-1] == result["summary"]
     assert result["summary"].startswith("regen_throughput (cap 12, generate cap 5, random_weights: true")
     with pytest.raises(SystemExit):

@@ -1,6 +1,6 @@
 """The HF backend's regeneration engines (issue 19): continuous batching (``regen.engine: continuous``,
-``data_prep/regenerate_cb.py``) is token-identical to plain ``generate`` on the real SmolLM2-135M in
-float32 on CPU; its sampling settings are honoured or refused; the engine choice; the memory check
+``data_prep/regenerate_cb.py``) and ``generate`` with a static cache (``regen.engine: static``) are
+token-identical to plain ``generate`` on the real SmolLM2-135M in float32 on CPU; its sampling settings are honoured or refused; the engine choice; the memory check
 (``data_prep/regen_memory.py``) with a fake free-memory figure, and prepare refusing before any shard
 is generated.
 """
@@ -52,7 +52,7 @@ def _run(target, regen: RegenConfig, jobs):
     return engine, dict(complete(jobs))
 
 
-def test_continuous_batching_is_token_identical_to_generate(smollm2):
+def test_continuous_batching_and_static_cache_are_token_identical_to_generate(smollm2):
     cfg, target = smollm2
     jobs = _jobs(target.tokenizer)
     regen = cfg.regen.model_copy(update={"max_new_tokens": 32, "do_sample": False})
@@ -63,6 +63,10 @@ def test_continuous_batching_is_token_identical_to_generate(smollm2):
     engine, cont = _run(target, regen.model_copy(update={"engine": "continuous", "batch_size": len(jobs)}), jobs)
     assert engine == "continuous"
     assert target.model.config._attn_implementation == "sdpa"  # given back after the engine ran
+    # static cache: prompts left-padded to a multiple of 128 tokens (more padding than generate's), two batches
+    engine, static = _run(target, regen.model_copy(update={"engine": "static", "batch_size": 3}), jobs)
+    assert engine == "static"
+    assert [static[i].token_ids for i in range(len(jobs))] == [ref_all[i].token_ids for i in range(len(jobs))]
     assert [alone[i].token_ids for i in range(2)] == [ref_all[i].token_ids for i in range(2)]
     for i, (k, _, _, prompt) in enumerate(jobs):
         ref = ref_all[i]
@@ -107,13 +111,41 @@ def test_engine_choice(smollm2, tiny_llama_config):
         _supports_attention_backend = False
         init_continuous_batching = None
 
-    with pytest.raises(ValueError, match="regen.engine: continuous.*NoPaged.*regen.engine: generate"):
+    with pytest.raises(ValueError, match="regen.engine: continuous.*NoPaged.*regen.engine: static or generate"):
         resolve_engine(NoPaged(), RegenConfig(engine="continuous"))
     with pytest.raises(ValueError, match="regen.engine is a setting of regen.backend: hf"):
         RegenConfig(backend="vllm", engine="continuous")
     with pytest.raises(ValueError, match="regen.kv_blocks"):
         RegenConfig(backend="vllm", kv_blocks=8)
     assert RegenConfig().max_new_tokens == 2048 and RegenConfig().engine == "auto"
+
+
+def test_auto_engine_on_cuda_needs_flash_attention_for_continuous_batching(monkeypatch):
+    """On CUDA, ``auto`` is continuous batching only where a flash attention kernel serves it (without one,
+    transformers attends over the whole batch's keys with a dense mask), else the static-cache generate."""
+    import torch
+    from transformers.utils import import_utils
+
+    from data_prep.regenerate import resolve_engine
+
+    class Cfg:
+        _attn_implementation = "sdpa"
+
+    class OnCuda:  # resolve_engine reads the device, the attention implementation and the paging support
+        device = torch.device("cuda")
+        config = Cfg()
+        _supports_attention_backend = True
+        init_continuous_batching = None
+
+    for name in ("is_flash_attn_2_available", "is_flash_attn_3_available"):
+        monkeypatch.setattr(import_utils, name, lambda *a, **k: False, raising=False)
+    assert resolve_engine(OnCuda(), RegenConfig()) == "static"
+    monkeypatch.setattr(import_utils, "is_flash_attn_2_available", lambda *a, **k: True, raising=False)
+    assert resolve_engine(OnCuda(), RegenConfig()) == "continuous"
+    monkeypatch.setattr(import_utils, "is_flash_attn_2_available", lambda *a, **k: False, raising=False)
+    OnCuda.config._attn_implementation = "flash_attention_2"  # loaded with flash attention already
+    assert resolve_engine(OnCuda(), RegenConfig()) == "continuous"
+    assert resolve_engine(OnCuda(), RegenConfig(engine="static")) == "static"
 
 
 # -- memory check, with a fake free-memory figure ---------------------------------------------------------
@@ -140,6 +172,10 @@ def test_generate_batch_is_reduced_or_refused_before_generation(tiny_llama_confi
     with pytest.raises(RegenMemoryError, match="one sequence.*regen.max_new_tokens"):
         fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=per_seq // 2)
     assert fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=None) == (cfg, None)  # unknown: not checked
+    # static: the cache holds the prompt bucket (500 → 512 tokens) + the cap for every sequence from the start
+    static = cfg.model_copy(update={"engine": "static"})
+    fitted, _ = fit_regen_memory(static, c, 4, "static", 500, free_bytes=10 * GIB)
+    assert fitted.batch_size == int(10 * GIB * 0.9) // per_seq
 
 
 def test_continuous_kv_budget_is_checked(tiny_llama_config):
