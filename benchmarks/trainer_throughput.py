@@ -15,7 +15,9 @@ and reports:
 * ``eval_s``: the time of each in-training evaluation (gap of its step minus the median step);
 * ``first_steps_s``: the time to the end of step ``--skip`` (target load excluded: the clock starts
   at ``fit()``);
-* the run's recipe keys that decide speed (micro-batch, features, compile, target dtype, K).
+* the run's recipe keys that decide speed (micro-batch, features, compile, target dtype, K);
+* ``finished``: false when the run stopped before its end (no ``train_metrics.json``): the steps are
+  then read from ``logs/steps.jsonl``, which the trainer appends to after every step.
 
 Usage::
 
@@ -58,10 +60,15 @@ def summarise(run_dir: Path, skip: int) -> dict:
         ValueError: fewer than ``skip + 2`` recorded steps.
     """
     metrics_file = run_dir / "train_metrics.json"
-    if not metrics_file.is_file():
-        raise FileNotFoundError(f"{metrics_file}: not found; run `peagle-train train` on this folder first")
-    m = json.loads(metrics_file.read_text())
-    hist = m["history"]
+    partial = not metrics_file.is_file()
+    if partial:  # a run stopped before its end (a time limit, a kill): the per-step log the trainer appends
+        metrics_file = run_dir / "logs" / "steps.jsonl"
+        if not metrics_file.is_file():
+            raise FileNotFoundError(f"{run_dir / 'train_metrics.json'}: not found (nor logs/steps.jsonl); run "
+                                    "`peagle-train train` on this folder first")
+        hist = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    else:
+        hist = json.loads(metrics_file.read_text())["history"]
     gaps = step_gaps(hist)
     if len(gaps) < skip + 2:
         raise ValueError(f"{metrics_file}: {len(gaps)} steps recorded, need more than --skip {skip} + 1")
@@ -72,7 +79,8 @@ def summarise(run_dir: Path, skip: int) -> dict:
     cfg = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
     tc, target = cfg.get("train", {}), cfg.get("target", {})
     out = {
-        "run_dir": str(run_dir), "steps": len(gaps), "skip": skip, "steady_steps": len(steady),
+        "run_dir": str(run_dir), "finished": not partial, "steps": len(gaps), "skip": skip,
+        "steady_steps": len(steady),
         "step_ms": round(1e3 * med, 2),
         "step_ms_p10_p90": [round(1e3 * q, 2) for q in _quantiles([g for _, g, _ in steady], (0.1, 0.9))],
         "tokens_per_step": round(statistics.mean(t for _, _, t in steady), 1),

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from peagle_train.core.atomic import write_json_atomic
+from peagle_train.core.atomic import finite_or_none, write_json_atomic, write_text_atomic
 from peagle_train.core.config import ConfigError
 from peagle_train.core.device import to_device
 from peagle_train.core.errors import SkippedStepsError
@@ -434,6 +434,20 @@ class Trainer(InTrainingEval, Checkpoints):
             "damaged feature cache is rebuilt by deleting it and re-running `peagle-train cache`), or raise "
             "train.max_skipped_steps to tolerate more skipped steps")
 
+    def _open_step_log(self):
+        """``<output_dir>/logs/steps.jsonl`` (main process; None on other ranks): one JSON line per optimizer
+        step, the record :meth:`train_step` returns with its ``elapsed_s`` and any in-training evaluation,
+        written as the step ends, so a run stopped by a job's time limit or a kill still leaves its curve
+        (``train_metrics.json`` is written only at the end). It is rewritten from the history restored at
+        a resume (steps after the last checkpoint are trained again and logged again), then appended to.
+        """
+        if not self.acc.is_main_process:
+            return None
+        path = self.out / "logs" / "steps.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, "".join(json.dumps(finite_or_none(h)) + "\n" for h in self.history))
+        return path.open("a")
+
     def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
         """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
         (a planned interruption: the schedule still targets ``total_steps``).
@@ -449,6 +463,7 @@ class Trainer(InTrainingEval, Checkpoints):
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
                    disable=not (progress and self.acc.is_local_main_process))
         t_start = time.perf_counter() - self.elapsed_before
+        step_log = self._open_step_log()
         profiler = StepProfiler(self.tc.profile_steps if self.acc.is_main_process else 0, self.tc.profile_start,
                                 self.out / "logs" / "profile.json")
         while self.step < self.total_steps:
@@ -476,15 +491,22 @@ class Trainer(InTrainingEval, Checkpoints):
                 rec.update(ev)
                 self._log(ev, "eval")
             profiler.after_step(self.step - 1)
+            if step_log is not None:
+                step_log.write(json.dumps(finite_or_none(rec)) + "\n")
+                step_log.flush()
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
             if stop_at is not None and self.step >= stop_at:
+                if step_log is not None:
+                    step_log.close()
                 self._stop_prefetch()
                 profiler.finish()
                 self.save_checkpoint()
                 bar.close()
                 return None
         bar.close()
+        if step_log is not None:
+            step_log.close()
         self._stop_prefetch()
         profiler.finish()  # a run that ended inside the profiled window still writes its summary
         final = self.evaluate()

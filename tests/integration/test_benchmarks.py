@@ -268,8 +268,15 @@ def test_trainer_throughput_reads_the_steady_step_from_the_history(tmp_path):
     assert s["steady_steps"] == 6 and s["tokens_per_s"] == pytest.approx(10000.0)
     assert s["eval_s"] == [pytest.approx(3.0)]
     assert s["first_steps_s"] == 5.0
+    assert s["finished"] is True
     rows = tt.main([str(tmp_path / "missing"), "--skip", "1"])
     assert "not found" in rows[0]["error"]
+    # a run stopped before its end (a job's time limit): no train_metrics.json, the per-step log instead
+    cut = tmp_path / "cut"
+    (cut / "logs").mkdir(parents=True)
+    (cut / "logs" / "steps.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    p = tt.summarise(cut, skip=1)
+    assert p["finished"] is False and p["step_ms"] == pytest.approx(100.0) and p["steady_steps"] == 6
 
 
 def test_train_step_data_from_refuses_ids_outside_the_shape(bench, tmp_path):

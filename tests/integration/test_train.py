@@ -199,9 +199,17 @@ def test_exact_resume(run_dir):
     shutil.copytree(run_dir / "run" / "features", out_b / "features")
     cfg_b = cfg_a.model_copy(update={"output_dir": str(out_b)})
     first = [h["loss"] for h in run_train(cfg_b, progress=False, stop_at=2)["history"]]
+    step_log = out_b / "logs" / "steps.jsonl"
+    assert [json.loads(x)["loss"] for x in step_log.read_text().splitlines()] == first  # written step by step
+    with step_log.open("a") as f:  # a step trained after the checkpoint, then the job was killed
+        f.write(json.dumps({"step": 3, "loss": 123.0}) + "\n")
     resumed = [h["loss"] for h in run_train(cfg_b, progress=False)["history"]]
     assert first == straight[:2]
     assert resumed == pytest.approx(straight, abs=1e-6)
+    # the log was rewritten from the restored history at the resume: the killed step's line is gone
+    logged = [json.loads(x) for x in step_log.read_text().splitlines()]
+    assert [h["step"] for h in logged] == list(range(1, len(straight) + 1))
+    assert [h["loss"] for h in logged] == pytest.approx(resumed, abs=0) and "elapsed_s" in logged[-1]
 
 
 def test_grad_accum_equals_bigger_micro_batch_layouts(run_dir):
