@@ -20,6 +20,9 @@ from data_prep.config import RegenConfig
 #: Tokens per KV-cache block of transformers' continuous batching (its default page/block size, 256 in
 #: transformers 5.17 ``block_size`` and 5.24 ``page_size``).
 PAGE_TOKENS = 256
+#: engine ``static``: prompts are left-padded to a multiple of this many tokens, so the static cache (prompt +
+#: ``max_new_tokens``) and the compiled decoding step see a few shapes per run, not one per batch.
+STATIC_PROMPT_BUCKET = 128
 #: Share of the free memory the check lets the KV cache (and logits) take: the rest is activations,
 #: the allocator's fragmentation and the sampler's temporaries.
 HEADROOM = 0.9
@@ -100,8 +103,6 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     free = f"{free_bytes / GIB:.2f} GiB free on {where}"
     if engine in ("generate", "static"):
         if engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
-            from data_prep.regenerate import STATIC_PROMPT_BUCKET
-
             seq = -(-max_prompt_tokens // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET + cfg.max_new_tokens
         per_seq = seq * per_token + vocab * 4  # its KV cache and one step of float32 logits
         need = cfg.batch_size * per_seq

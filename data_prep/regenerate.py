@@ -35,7 +35,7 @@ reasoning ends its conversation (``unfinished_reasoning``).
 from __future__ import annotations
 
 from data_prep.config import RegenConfig
-from data_prep.regen_memory import fit_regen_memory, free_memory_bytes
+from data_prep.regen_memory import STATIC_PROMPT_BUCKET, fit_regen_memory, free_memory_bytes
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
 from data_prep.rounds import Completion, Job, Message, reasoning_markers, regen_report, run_rounds
@@ -63,11 +63,6 @@ def _decoder(tokenizer):
     if not keep:
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()
     return lambda ids: tokenizer.decode([t for t in ids if t not in special or t in keep]).strip()
-
-
-#: engine ``static``: prompts are left-padded to a multiple of this many tokens, so the static cache (prompt +
-#: ``max_new_tokens``) and the compiled decoding step see a few shapes per run, not one per batch.
-STATIC_PROMPT_BUCKET = 128
 
 
 def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,

@@ -278,15 +278,9 @@ class Target:
     tokenizer: object
     aux_layer_ids: list[int]
     path: str
-    forward: object = None  # what features() calls: None = the model itself; compile_forward() sets a compiled one
-
-    def compile_forward(self) -> None:
-        """``train.compile_target``: run :meth:`features` through ``torch.compile`` of the model with
-        dynamic shapes (:class:`~peagle_train.kernels.compiling.SafeCompiled`: falls back to graph breaks,
-        then eager, with a warning)."""
-        from peagle_train.kernels.compiling import SafeCompiled
-
-        self.forward = SafeCompiled(self.model, "target forward", dynamic=True)
+    #: what :meth:`features` calls: None = the model itself; the trainer sets a compiled one
+    #: (``train.compile_target``: :class:`~peagle_train.kernels.compiling.SafeCompiled` of the model)
+    forward: object = None
 
     @property
     def config(self):

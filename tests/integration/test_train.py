@@ -499,3 +499,25 @@ def test_dynamic_shapes_set_the_compile_mode(run_dir):
         assert compiling.DYNAMIC is None  # automatic dynamic shapes: one recompile in all
     finally:
         compiling.set_dynamic_shapes(False)
+
+
+def test_compile_target_compiles_the_online_targets_forward(run_dir):
+    """train.compile_target: the trainer gives the online target a compiled forward (dynamic shapes);
+    off (the default) and with cached features the target's own forward runs."""
+    from transformers import AutoConfig
+
+    from peagle_train.features.online import OnlineFeatures
+    from peagle_train.features.target import load_target
+    from peagle_train.kernels.compiling import SafeCompiled
+    from peagle_train.trainer.trainer import Trainer
+
+    data = load_prepared(run_dir / "run")
+    tconf = AutoConfig.from_pretrained(str(run_dir / "target"))
+    for on in (False, True):
+        cfg = _cfg(run_dir, features="online", max_steps=1, compile_target=on)
+        target = load_target(cfg.target, with_tokenizer=False)
+        feats = {s: OnlineFeatures(target, data[s]["input_ids"]) for s in ("train", "eval")}
+        Trainer(cfg, data, feats, tconf, [1, 3, 4])
+        assert isinstance(target.forward, SafeCompiled) is on
+        if on:
+            assert target.forward.dynamic is True and target.forward.fn is target.model

@@ -529,8 +529,10 @@ def test_compiled_target_forward_gives_the_same_features(seqs):
     torch.manual_seed(0)
     model = LlamaForCausalLM(_tiny_llama_config()).eval().requires_grad_(False)
     eager = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
-    compiled = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
-    compiled.compile_forward()
+    from peagle_train.kernels.compiling import SafeCompiled
+
+    compiled = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny",
+                      forward=SafeCompiled(model, "target forward", dynamic=True))  # as the trainer sets it
     a, b = OnlineFeatures(eager, seqs, batch_tokens=64), OnlineFeatures(compiled, seqs, batch_tokens=64)
     for ix in ([0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10], [4]):  # [4]: one sequence, run eagerly (no recompile)
         for x, y in zip(a.get(ix), b.get(ix)):
