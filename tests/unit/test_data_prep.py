@@ -428,6 +428,7 @@ def test_prepare_writes_duplicates_removed_and_disjoint_splits(tok, tmp_path, to
     meta = stages.run_prepare(cfg, progress=False)
     assert meta == json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
     assert meta["source"]["duplicates_removed"] == 6 and meta["source"]["kept"] == 10
+    assert meta["source"]["decontaminated_against"] == ["mt_bench"]  # data.decontaminate: eval.datasets (default)
     train, ev = (load_tokenized(tmp_path / "run" / "data" / f"{name}.safetensors")["input_ids"]
                  for name in ("train", "eval"))
     assert len(train) + len(ev) == 10 and ev
