@@ -4,6 +4,7 @@ Usage::
 
     peagle-train run recipes/smollm2-135m.yaml [section.key=value ...] [--overwrite]
     peagle-train {prepare,cache,train,export,eval} RECIPE [overrides ...]
+    peagle-train train RECIPE train.state_in=S0.pst train.state_out=S1.pst --stop-at 800   # docs/resume.md
     peagle-train prepare RECIPE --regen-worker 0/2   # + 1/2 on another GPU, then a plain prepare
     peagle-train check EXPORT_DIR [--target TARGET_DIR_OR_CONFIG] [--num-speculative-tokens K]
     peagle-train push EXPORT_DIR REPO_ID [--public] [--dry-run]
@@ -32,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
         s.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
         s.add_argument("--quiet", action="store_true", help="no progress bars")
+        if name == "train":
+            s.add_argument("--stop-at", metavar="STEP", type=int, default=None,
+                           help="checkpoint (and write train.state_out) after optimizer step STEP and exit; the next "
+                                "launch continues the run (a job under a time limit; docs/resume.md)")
         if name == "prepare":
             s.add_argument("--regen-worker", metavar="RANK/WORLD", default=None,
                            help="data-parallel regeneration: write only shards i %% WORLD == RANK, then exit "
@@ -78,7 +83,7 @@ def _stage(args) -> object:
     if args.command == "cache":
         return str(stages.run_cache(cfg, progress))
     if args.command == "train":
-        m = stages.run_train(cfg, progress)  # the trainer with the stage's start/end lines
+        m = stages.run_train(cfg, progress, stop_at=args.stop_at)  # the trainer with the stage's start/end lines
         return {k: v for k, v in m.items() if k != "history"}
     if args.command == "export":
         return str(stages.run_export(cfg, progress))

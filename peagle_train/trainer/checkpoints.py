@@ -3,7 +3,9 @@
 :class:`Checkpoints` is mixed into :class:`~peagle_train.trainer.trainer.Trainer`: a checkpoint
 holds weights, optimizer, scheduler, every rank's RNG states (``accelerate.save_state``) and the
 data position (``trainer_state.json``), written to a temp folder and renamed, with a ``COMPLETE``
-marker, so a kill at any point leaves the previous checkpoints or a new complete one.
+marker, so a kill at any point leaves the previous checkpoints or a new complete one. With
+``train.state_out`` every checkpoint (and the end of a launch) also writes the compact portable
+state of :mod:`~peagle_train.trainer.portable_state`; ``train.state_in`` resumes from one.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from peagle_train.core.config import ConfigError
 from peagle_train.distributed.strategy import full_state_dict
 from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
+from peagle_train.trainer import portable_state
 
 
 class Checkpoints:
@@ -47,16 +50,49 @@ class Checkpoints:
             for old in complete_checkpoints(root)[: -self.tc.keep_last]:
                 shutil.rmtree(old)
         self.acc.wait_for_everyone()
+        self.save_state_out()
         return final
+
+    # -- portable state (train.state_out / train.state_in) ------------------------------------------
+    def state_fingerprint(self) -> dict:
+        """The run's fingerprint a portable state must match (:func:`~peagle_train.trainer.portable_state.run_fingerprint`),
+        computed once per trainer."""
+        if getattr(self, "_state_fp", None) is None:
+            self._state_fp = portable_state.run_fingerprint(self.cfg, self.target_config, self.train_ids,
+                                                            self.train_masks)
+        return self._state_fp
+
+    def save_state_out(self) -> dict | None:
+        """Write ``train.state_out`` for the current step (once per step; nothing without the key).
+
+        Returns:
+            what :func:`~peagle_train.trainer.portable_state.save_portable_state` returns (rank 0), or None.
+
+        Raises:
+            ConfigError: an FSDP2 / DeepSpeed launch (sharded optimizer state).
+        """
+        if not self.tc.state_out or getattr(self, "_state_out_step", None) == self.step:
+            return None
+        res = portable_state.save_portable_state(self, self.tc.state_out, self.tc.state_moments,
+                                                 self.tc.state_part_mib)
+        self._state_out_step = self.step
+        if res is not None:
+            self.state_out_info = res
+        return res
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint, if any; returns whether one was loaded.
+
+        With ``train.state_in``, that portable state is loaded instead when the run folder holds no
+        complete checkpoint of the same or a later step (a fresh run folder on a new machine).
 
         Temp folders of an interrupted save (``.tmp-step-*``) are removed first.
 
         Raises:
             ConfigError: the checkpoint was written by a different number of processes (exact
                 resume restores each rank's RNG state and data position).
+            StateError: ``train.state_in`` is damaged or was written by another run
+                (:func:`~peagle_train.trainer.portable_state.load_portable_state`).
         """
         root = self.out / "checkpoints"
         if self.acc.is_main_process and root.exists():
@@ -64,6 +100,12 @@ class Checkpoints:
                 shutil.rmtree(tmp, ignore_errors=True)
         self.acc.wait_for_everyone()
         ckpts = complete_checkpoints(root)
+        if self.tc.state_in:  # a portable state of a later step than the newest checkpoint wins
+            ckpt_step = int(ckpts[-1].name.split("-")[-1]) if ckpts else -1
+            state_step = portable_state.peek_step(self.tc.state_in)
+            if state_step is None or state_step > ckpt_step:  # None: unreadable, let the loader say why
+                portable_state.load_portable_state(self, self.tc.state_in)
+                return True
         if not ckpts:
             return False
         state = json.loads((ckpts[-1] / "trainer_state.json").read_text())

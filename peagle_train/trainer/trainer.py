@@ -91,6 +91,7 @@ class Trainer(InTrainingEval, Checkpoints):
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         self.cfg, self.tc = cfg, cfg.train
+        self.target_config = target_config  # part of a portable state's fingerprint (checkpoints.py)
         self.method = get_method(cfg.train.method)  # everything that differs between draft methods
         self.out = Path(cfg.output_dir)
         self.layout = layout or requested_layout()
@@ -509,6 +510,7 @@ class Trainer(InTrainingEval, Checkpoints):
             step_log.close()
         self._stop_prefetch()
         profiler.finish()  # a run that ended inside the profiled window still writes its summary
+        self.save_state_out()  # train.state_out: the launch's last step (once per step)
         final = self.evaluate()
         self._log(final, "eval")
         for tracker in self.acc.trackers:  # not end_training(): the process group is still needed to save
