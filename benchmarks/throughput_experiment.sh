@@ -3,7 +3,8 @@
 # on the SmolLM2 GPU recipe, variants side by side, and benchmarks/train_step.py on the same prepared
 # sequences, micro-batch and shape in the same call.
 #
-#   bash benchmarks/throughput_experiment.sh stage          # HERE (CPU): build .gpu/ (inputs the GPU machine lacks)
+#   bash benchmarks/throughput_experiment.sh stage          # HERE (CPU): build .gpu/ (inputs the GPU machine lacks;
+#                                                           # SPECULATORS=1: also speculators 0.9.0 and its imports)
 #   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
 #   bash benchmarks/throughput_experiment.sh trainer NAME [override ...]
 #                                                           # GPU: `peagle-train train` in $WORK/runs/NAME
@@ -12,6 +13,9 @@
 #                                                           # train.features=cache reads it)
 #   bash benchmarks/throughput_experiment.sh bench NAME [train_step.py flags ...]
 #                                                           # GPU: train_step.py --data-from the prepared data
+#   bash benchmarks/throughput_experiment.sh gptoss OUT.json | long OUT.json [flags]
+#                                                           # GPU: the GPT-OSS-20B-shaped step at N = 8,192 beside
+#                                                           # speculators; N = 131,072 with planned partitions
 #   bash benchmarks/throughput_experiment.sh summary OUT.json NAME [NAME ...]
 #                                                           # trainer_throughput.py over runs of this machine
 #
@@ -56,6 +60,17 @@ PY
     done
     ls .gpu/whl/deepspeed-*.whl >/dev/null 2>&1 || DS_BUILD_OPS=0 py -m pip wheel -q --no-deps --no-build-isolation \
       "deepspeed==$(v deepspeed)" -w .gpu/whl  # from the sdist: no CUDA ops needed for ZeRO-2 with a torch optimizer
+    if [ "${SPECULATORS:-0}" = 1 ]; then  # the reference of the GPT-OSS 8K comparison (benchmarks/speculators_ref.py):
+      # speculators and what its import chain loads that the GPU image lacks (checked with -X importtime here)
+      mkdir -p .gpu/whl_spec
+      for p in speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 \
+               loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.1.0 dill==0.4.1 \
+               multiprocess==0.70.19; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+          -d .gpu/whl_spec "$p"
+      done
+    fi
     py - <<'PY'  # .gpu/sharegpt_prompts.json for `regen`: the first 2,000 first user turns under 3,000 characters
 import json
 from data_prep.config import DataConfig
@@ -69,6 +84,10 @@ PY
     du -sh .gpu ;;
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+    if ls .gpu/whl_spec/*.whl >/dev/null 2>&1; then  # staged with SPECULATORS=1
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl_spec/*.whl
+      python3 -c "import speculators.models.peagle; print('speculators', speculators.__version__)"
+    fi
     (cd .gpu && sha256sum -c prepared.tar.xz.sha256)
     mkdir -p "$WORK/prep" && tar -C "$WORK/prep" -xJf .gpu/prepared.tar.xz
     python3 -c "import torch, transformers, accelerate, deepspeed; print('torch', torch.__version__, 'transformers',
@@ -108,5 +127,15 @@ PY
       --tokenizer .gpu/tok --prompts-file .gpu/sharegpt_prompts.json --engines static --prompts 512 \
       --engine-batch 512 --cap 2048 --subset 64 --batch 64 --generate-cap 256 --dtypes bfloat16 --max-seconds 60 \
       --out "$out" "$@" ;;
+  gptoss)  # OUT.json [flags]: the trainer's step at the GPT-OSS-20B drafter shape, N = 8,192, beside speculators 0.9.0
+    # in the same process (stage with SPECULATORS=1); issue 19's 1.8x row
+    out=${2:?out.json}; shift 2
+    py benchmarks/train_step.py --shape gpt-oss-20b --seq-len 8192 --compile on --attention flex --chain-kernel triton \
+      --chain-tiling docs/data/chain_kernel_s6.json --reference speculators --steps 10 --warmup 3 --out "$out" "$@" ;;
+  long)  # OUT.json [flags]: the long-context rows, N = 131,072 (and 262,144 with --seq-len), partitions planned
+    out=${2:?out.json}; shift 2
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True py benchmarks/train_step.py --shape gpt-oss-20b \
+      --seq-len 131072 --partitions auto --compile on --attention flex --chain-kernel triton \
+      --chain-tiling docs/data/chain_kernel_s6.json --steps 3 --warmup 1 --out "$out" "$@" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
