@@ -447,3 +447,39 @@ def state_size_bytes(n_trainable: int, moments: str = "bf16") -> int:
     """Approximate payload bytes of a state for ``n_trainable`` parameters: fp32 weights + two moments
     (2 or 4 bytes each); headers, RNG and history add a few KB to a few MB (the history's length)."""
     return n_trainable * (4 + 2 * (2 if moments == "bf16" else 4))
+
+
+def recipe_state_size(cfg) -> dict:
+    """Trainable parameters of a recipe's drafter and its portable state's size, without a GPU or weights.
+
+    Reads the target's config alone (:func:`~peagle_train.features.target.load_target_config`; a GGUF
+    target is de-quantised once, as the ``train`` stage does) and builds the drafter on the meta device. The draft vocabulary is ``drafter.draft_vocab_size`` (the
+    full target vocab when unset).
+
+    Returns:
+        ``{"trainable": int, "embed_tokens": int, "lm_head": int, "target_tied_embeddings": bool,
+        "bytes": {"fp32": int, "bf16": int}, "bytes_embed_frozen": {...}}``: every drafter parameter is
+        trained; ``bytes_embed_frozen`` is what the state would be if ``embed_tokens`` were frozen.
+
+    Raises:
+        TargetLoadError: the target's config cannot be read (as the ``train`` stage would).
+    """
+    from peagle_train.features.target import default_aux_layer_ids, load_target_config
+    from peagle_train.methods import get_method
+    from peagle_train.model.drafter import Drafter, make_drafter_config
+
+    _, tconf = load_target_config(cfg.target)
+    aux = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
+    shape = cfg.drafter.model_dump(exclude={"draft_vocab_size", "mask_token_id"})
+    dcfg = make_drafter_config(tconf, aux_layer_ids=aux, draft_vocab_size=cfg.drafter.draft_vocab_size or tconf.vocab_size,
+                               K=cfg.train.K, **shape, **get_method(cfg.train.method).drafter_fields(cfg))
+    with torch.device("meta"):
+        drafter = Drafter(dcfg)
+    sizes = {n: p.numel() for n, p in drafter.named_parameters() if p.requires_grad}
+    n = sum(sizes.values())
+    embed = sum(v for k, v in sizes.items() if k.startswith("embed_tokens"))
+    head = sum(v for k, v in sizes.items() if k.startswith("lm_head"))
+    return {"trainable": n, "embed_tokens": embed, "lm_head": head,
+            "target_tied_embeddings": bool(getattr(tconf, "tie_word_embeddings", False)),
+            "bytes": {m: state_size_bytes(n, m) for m in ("fp32", "bf16")},
+            "bytes_embed_frozen": {m: state_size_bytes(n - embed, m) for m in ("fp32", "bf16")}}

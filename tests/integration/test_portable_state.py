@@ -62,6 +62,8 @@ def test_resume_from_portable_state_in_a_fresh_folder(runs, moments):
     assert all(t.dtype == want for k, t in tensors.items() if k.startswith("exp_avg"))
     n = sum(t.numel() for k, t in tensors.items() if k.startswith("param/"))
     size = states[moments].stat().st_size
+    est = ps.recipe_state_size(_cfg_at(run_dir, run_dir / "run"))  # from the recipe and the target's config alone
+    assert est["trainable"] == n and est["bytes"][moments] == ps.state_size_bytes(n, moments)
     assert ps.state_size_bytes(n, moments) < size < ps.state_size_bytes(n, moments) + 200_000
     print(f"\n{moments}: {n} trainable params, state file {size} bytes")
 
