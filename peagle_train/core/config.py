@@ -49,6 +49,9 @@ class TargetConfig(Section):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    attn_implementation: str | None = Field(
+        None, description="Attention implementation of the target ('eager', 'sdpa', 'flex_attention', ...), passed "
+        "to transformers' from_pretrained/from_config; None = transformers' choice (docs/real_shapes.md).")
 
     @model_validator(mode="after")
     def _one_source(self) -> "TargetConfig":

@@ -191,10 +191,16 @@ def _finished(out: list[int], max_new_tokens: int, eos: set[int]) -> bool:
     return False
 
 
-def _new_cache(model):
+def _new_cache(model, rollback: bool = False):
+    """A ``DynamicCache`` for ``model``. ``rollback=True`` (speculative decoding, which crops rejected
+    drafts): the sliding-window layers of a model with sliding attention (GPT-OSS) record past states until
+    the next ``crop``, which transformers requires to crop a sliding layer once its window is full."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    if rollback and hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,7 +339,7 @@ def speculative_generate(
     stats = SpecStats(K=K)
     _sync(dev)
     start = time.perf_counter()
-    cache = _new_cache(target.model)
+    cache = _new_cache(target.model, rollback=True)
     logits, aux = _run_target(target, ids, cache, want_aux=True)  # [N, V], [N, A*T]
     out = [_next_token(logits[-1], sampling, temperature, generator)]  # x[N], the first bonus
     _sync(dev)

@@ -350,14 +350,57 @@ class Target:
 def tokenizer_source(cfg: TargetConfig, path) -> str:
     """Where the target's tokenizer is read from: ``target.tokenizer`` when set, else the target's own
     folder or Hub id ``path`` (:func:`materialise_target`). One rule for every stage that loads it
-    (prepare and eval through :func:`load_target`, export's copy of it)."""
+    (prepare and eval through :func:`load_target`, export's copy of it).
+
+    ``target.tokenizer: stand-in:<kind>`` (``stand-in:gpt-oss``, ``stand-in:llama-3.1``) names a stand-in
+    tokenizer of the real vocabulary size, special token ids and chat template
+    (:mod:`peagle_train.features.stand_in_tokenizer`), built once into ``cache_root()/tokenizers/``.
+
+    Raises:
+        TargetLoadError: an unknown stand-in kind (names the key and the choices).
+    """
+    if cfg.tokenizer and cfg.tokenizer.startswith(STAND_IN_PREFIX):
+        return str(stand_in_tokenizer_folder(cfg.tokenizer[len(STAND_IN_PREFIX):]))
     return cfg.tokenizer or str(path)
 
 
-def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch.device):
+#: ``target.tokenizer`` prefix of a stand-in tokenizer (:func:`tokenizer_source`).
+STAND_IN_PREFIX = "stand-in:"
+
+
+def stand_in_tokenizer_folder(kind: str) -> Path:
+    """The folder of the stand-in tokenizer ``kind``, built on first use into
+    ``cache_root()/tokenizers/stand-in-<kind>`` (written to a temporary folder, then renamed).
+
+    Raises:
+        TargetLoadError: unknown ``kind`` (names ``target.tokenizer`` and the choices).
+    """
+    from peagle_train.features.stand_in_tokenizer import SPECS, build_stand_in_tokenizer
+
+    if kind not in SPECS:
+        raise TargetLoadError(f"target.tokenizer '{STAND_IN_PREFIX}{kind}': unknown stand-in tokenizer; choose one "
+                              f"of {', '.join(STAND_IN_PREFIX + k for k in sorted(SPECS))}")
+    out = cache_root() / "tokenizers" / f"stand-in-{kind}"
+    if (out / "STAND_IN.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    build_stand_in_tokenizer(kind, tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process renamed its identical copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch.device,
+                        attn_implementation: str | None = None):
     """The target of a random-weight folder (:func:`_materialise_random`): built from its config with
     ``torch.manual_seed(seed)`` directly on ``device`` (transformers' own initialisation), so every
     stage and rank on the same kind of device draws the same weights (a CPU and a GPU draw differ).
+
+    ``attn_implementation`` (``target.attn_implementation``): passed to ``from_config``; None =
+    transformers' choice.
 
     Returns:
         a ``transformers`` causal LM in ``dtype`` on ``device``.
@@ -369,7 +412,12 @@ def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch
     if device.type == "cuda":
         torch.cuda.manual_seed_all(seed)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **_attn_kwargs(attn_implementation))
+
+
+def _attn_kwargs(attn_implementation: str | None) -> dict:
+    """``{"attn_implementation": ...}`` when set (``target.attn_implementation``), else nothing."""
+    return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
 
 
 def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
@@ -386,16 +434,22 @@ def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
     path = materialise_target(cfg)
     dtype = getattr(torch, cfg.dtype)
     device = pick_device(cfg.device)
-    tok_path = tokenizer_source(cfg, path)
+    tok_path = tokenizer_source(cfg, path) if with_tokenizer else None
     if with_tokenizer and cfg.tokenizer is None and is_random_target(path):
         raise TargetLoadError(f"target.random_init_from_config '{cfg.random_init_from_config}' gives no tokenizer: "
                               "set target.tokenizer to a tokenizer folder or Hub id (this stage tokenises or decodes)")
     model = None
     try:
-        if is_random_target(path):
-            model = random_target_model(path, cfg.random_init_seed, dtype, device)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        try:
+            if is_random_target(path):
+                model = random_target_model(path, cfg.random_init_seed, dtype, device, cfg.attn_implementation)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                             **_attn_kwargs(cfg.attn_implementation))
+        except (ValueError, ImportError) as e:  # transformers refuses the attention implementation
+            if cfg.attn_implementation is None:
+                raise
+            raise TargetLoadError(f"target.attn_implementation '{cfg.attn_implementation}': {e}") from e
         tok = AutoTokenizer.from_pretrained(tok_path) if with_tokenizer else None
     except OSError as e:
         key = f"target.tokenizer '{cfg.tokenizer}'" if cfg.tokenizer and model is not None else f"target.path '{path}'"
