@@ -12,12 +12,12 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from peagle_train.decoding.speculative import speculative_generate, target_generate
 from peagle_train.features.target import Target
 from peagle_train.model.drafter import Drafter, make_drafter_config
+from test_speculative import _biased as _bias  # the same biased-head helper
 
 AUX = [1, 2, 3]
 C = 5  # the token the target and one drafter favour
@@ -29,15 +29,6 @@ TINY_GPT_OSS = dict(  # the GPT-OSS architecture at toy size (as tests/unit/test
                   "rope_type": "yarn", "truncate": False},
     rope_theta=150000, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False, pad_token_id=63,
     eos_token_id=62)
-
-
-def _bias(lin: nn.Linear, index: int, value: float) -> nn.Linear:
-    new = nn.Linear(lin.in_features, lin.out_features, bias=True)
-    with torch.no_grad():
-        new.weight.copy_(lin.weight)
-        new.bias.zero_()
-        new.bias[index] = value
-    return new
 
 
 def test_greedy_speculative_equals_target_past_the_sliding_window():
