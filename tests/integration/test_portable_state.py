@@ -161,7 +161,8 @@ def test_split_state_reassembles(runs, tmp_path):
 
 def test_cli_chain_of_two_launches(runs, capsys):
     """`peagle-train train RECIPE train.state_out=S --stop-at N` in one folder, then in a fresh folder with
-    train.state_in: the second launch's history is the uninterrupted run's first steps (fp32 moments: equal)."""
+    train.state_in: the second launch's history is the uninterrupted run's first steps (fp32 moments: equal).
+    In a folder with a checkpoint of the same step the checkpoint is loaded; a state of a later step wins."""
     from peagle_train.cli import main
     from peagle_train.recipe import dump_config
 
@@ -178,3 +179,9 @@ def test_cli_chain_of_two_launches(runs, capsys):
                  "train.state_moments=fp32", "--stop-at", "4", "--quiet"]) == 0
     header, _ = ps.read_state_file(s2)
     assert header["step"] == 4 and [h["loss"] for h in header["history"]] == [h["loss"] for h in straight[:4]]
+    # a run folder with its own checkpoint: train.state_in wins only when it holds a later step
+    a = run_dir / "cli_a"
+    run_train(_cfg_at(run_dir, a, state_in=str(s1)), progress=False, stop_at=3)
+    assert f"resumed from {a / 'checkpoints' / 'step-00000002'} (step 2)" in capsys.readouterr().out
+    run_train(_cfg_at(run_dir, a, state_in=str(s2)), progress=False, stop_at=5)
+    assert f"resumed from portable state {s2} (step 4" in capsys.readouterr().out
