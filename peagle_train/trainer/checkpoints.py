@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+from peagle_train.core.atomic import write_json_atomic
 from peagle_train.core.config import ConfigError
 from peagle_train.distributed.strategy import full_state_dict
 from peagle_train.model.checkpoint import complete_checkpoints, write_drafter_dir
@@ -63,7 +64,8 @@ class Checkpoints:
         return self._state_fp
 
     def save_state_out(self) -> dict | None:
-        """Write ``train.state_out`` for the current step (once per step; nothing without the key).
+        """Write ``train.state_out`` for the current step (once per step; nothing without the key) and
+        record what was written in ``<output_dir>/logs/state_out.json``.
 
         Returns:
             what :func:`~peagle_train.trainer.portable_state.save_portable_state` returns (rank 0), or None.
@@ -76,8 +78,9 @@ class Checkpoints:
         res = portable_state.save_portable_state(self, self.tc.state_out, self.tc.state_moments,
                                                  self.tc.state_part_mib)
         self._state_out_step = self.step
-        if res is not None:
-            self.state_out_info = res
+        if res is not None:  # rank 0: what was written, for the job's log (path, bytes, sha256, parts, step)
+            (self.out / "logs").mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.out / "logs" / "state_out.json", res)
         return res
 
     def resume(self) -> bool:

@@ -47,6 +47,8 @@ def runs(tmp_path_factory):
         first = run_train(cfg, progress=False, stop_at=STOP)["history"]
         assert [h["loss"] for h in first] == [h["loss"] for h in straight[:STOP]]
         states[moments] = state
+        rec = json.loads((Path(cfg.output_dir) / "logs" / "state_out.json").read_text())  # recorded for the job's log
+        assert rec["step"] == STOP and rec["bytes"] == state.stat().st_size and rec["parts"] == []
     return run_dir, straight, states
 
 
