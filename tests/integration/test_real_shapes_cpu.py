@@ -27,23 +27,23 @@ from peagle_train.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: recipe, tiny target configuration, stand-in tokenizer, sliding window of the tiny target (None = dense)
+#: recipe, tiny target configuration, stand-in tokenizer
 ARCHES = {
     "gpt-oss-20b": ("recipes/gpt-oss-20b.yaml", "pkg:peagle_train/gpt-oss-20b-tiny.json", "stand-in:gpt-oss"),
     "llama-3.1-8b": ("recipes/llama-3.1-8b.yaml", "pkg:peagle_train/llama-3.1-8b-tiny.json", "stand-in:llama-3.1"),
 }
 
-#: CPU sizes: a few ShareGPT prompts, 12 regenerated tokens, 1 epoch, K = 3, one MT-Bench question
+#: CPU sizes: a few ShareGPT prompts, 8 regenerated tokens, 1 epoch, K = 3, one MT-Bench question
 TINY = [
     "target.path=null", "target.dtype=float32", "target.device=cpu", "target.attn_implementation=eager",
-    "data.source=sharegpt", "data.num_conversations=8", "data.max_prompt_tokens=512", "data.max_length=640",
+    "data.source=sharegpt", "data.num_conversations=7", "data.max_prompt_tokens=512", "data.max_length=640",
     "data.eval_fraction=0.25",
-    "regen.max_new_tokens=12", "regen.batch_size=8",
+    "regen.max_new_tokens=8", "regen.batch_size=8",
     "drafter.draft_vocab_size=1024",
     "train.K=3", "train.epochs=1", "train.max_steps=3", "train.partitions=1", "train.mixed_precision='no'",
     "train.activation_checkpointing=false", "train.global_batch_size=null", "train.report_to=[]",
     "train.eval_sequences=1", "train.eval_every=null", "train.save_every=null",
-    "eval.datasets=[mt_bench]", "eval.num_prompts=1", "eval.max_new_tokens=8", "eval.k_max=3", "eval.both_turns=false",
+    "eval.datasets=[mt_bench]", "eval.num_prompts=1", "eval.max_new_tokens=6", "eval.k_max=3", "eval.both_turns=false",
 ]
 
 
@@ -86,6 +86,11 @@ def test_every_stage_completes_and_the_export_passes_check(finished):
     assert main(["check", str(run / "export")]) == 0
     conf = json.loads((run / "export" / "config.json").read_text())
     assert conf["parallel_drafting"] is True and conf["draft_vocab_size"] == 1024
+    target = json.loads(next((run.parent / "cache" / "targets").glob("random-*/config.json")).read_text())
+    assert target["vocab_size"] == (201088 if arch == "gpt-oss-20b" else 128256)
+    if arch == "gpt-oss-20b":  # the architecture's features, at toy size: MoE, alternating sliding/full layers
+        assert target["num_local_experts"] > target["num_experts_per_tok"] > 1
+        assert target["layer_types"][:2] == ["sliding_attention", "full_attention"]
     ev = json.loads((run / "eval" / "eval.json").read_text())
     assert "acceptance_length" in json.dumps(ev)
     assert "PASSED" in (run / "eval" / "eval.md").read_text()  # lossless: greedy speculative == target alone
