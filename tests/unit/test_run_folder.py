@@ -40,3 +40,16 @@ def test_key_newer_than_the_stamp_at_its_default_reuses_the_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"differs in: train\.lr\)"):  # other keys still count
         claim_output_dir(cfg("train.lr=1e-3"))
     assert (out / "train_metrics.json").exists()
+
+
+def test_portable_state_and_profiling_keys_are_not_the_runs_identity(tmp_path):
+    """Each launch names its own portable-state files (docs/resume.md) and may profile: a folder with
+    training output, relaunched with other ``train.state_*`` or ``train.profile_*`` values, is reused."""
+    out = tmp_path / "run"
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *o])  # noqa: E731
+    claim_output_dir(cfg("train.state_out=a.pst"))
+    (out / "train_metrics.json").write_text("{}")
+    assert claim_output_dir(cfg("train.state_in=a.pst", "train.state_out=b.pst", "train.state_moments=fp32",
+                                "train.state_part_mib=16", "train.profile_steps=3", "train.profile_start=5")) == out
+    with pytest.raises(ConfigError, match=r"differs in: train\.lr\)"):
+        claim_output_dir(cfg("train.state_out=a.pst", "train.lr=1e-3"))
