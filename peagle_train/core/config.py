@@ -177,6 +177,12 @@ class TrainConfig(Section):
         "one graph for every padded batch), falling back to eager with a warning. The eager forward of a "
         "transformers model is host-bound (a SmolLM2 target's took 260 ms of a 335 ms step at micro-batch 64, "
         "docs/benchmarks.md). Same math up to kernel rounding; costs a compile at the first step.")
+    target_batch_tokens: int = Field(
+        16384, ge=1, description="train.features: online: padded tokens per target forward; a micro-batch's "
+        "sequences are sorted by length and grouped under this budget (peagle_train.features.online."
+        "length_batches). Larger: fewer forwards (the eager forward is host-bound) but more padding; at "
+        "micro-batch 64 of ShareGPT answers 16K gives 3 forwards and 1.38x padded tokens, 32K 2 and 1.64x, "
+        "64K 1 and 2.35x.")
     dynamic_shapes: bool = Field(
         True, description="Compile FlexAttention (and, with compile, the drafter layers and loss chunks) for any grid "
         "length: torch's automatic dynamic shapes, one recompile in all. false: one compiled graph per 1024-element "

@@ -560,8 +560,8 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
                            hidden_size=tconf.hidden_size, vocab_size=tconf.vocab_size, dtype=cfg.data.cache_dtype)
     else:
         target = load_target(cfg.target, with_tokenizer=False)
-        feats = {"train": OnlineFeatures(target, data["train"]["input_ids"]),
-                 "eval": OnlineFeatures(target, data["eval"]["input_ids"])}
+        feats = {s: OnlineFeatures(target, data[s]["input_ids"], batch_tokens=cfg.train.target_batch_tokens)
+                 for s in ("train", "eval")}
     trainer = Trainer(cfg, data, feats, tconf, aux_ids, accelerator=acc, layout=layout)
     if trainer.acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

@@ -521,3 +521,20 @@ def test_compile_target_compiles_the_online_targets_forward(run_dir):
         assert isinstance(target.forward, SafeCompiled) is on
         if on:
             assert target.forward.dynamic is True and target.forward.fn is target.model
+
+
+def test_target_batch_tokens_reaches_the_online_features(run_dir, monkeypatch):
+    """train.target_batch_tokens: the padded-token budget run_train gives the online features."""
+    import peagle_train.trainer.trainer as T
+
+    seen = []
+
+    class Spy(T.Trainer):
+        def __init__(self, cfg, data, features, *a, **k):
+            seen.extend(f.batch_tokens for f in features.values())
+            raise RuntimeError("stop")
+
+    monkeypatch.setattr(T, "Trainer", Spy)
+    with pytest.raises(RuntimeError, match="stop"):
+        T.run_train(_cfg(run_dir, features="online", max_steps=1, target_batch_tokens=4096), progress=False)
+    assert seen == [4096, 4096]
