@@ -38,7 +38,7 @@ from data_prep.config import RegenConfig
 from data_prep.regen_memory import STATIC_PROMPT_BUCKET, fit_regen_memory, free_memory_bytes
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
-from data_prep.rounds import Completion, Job, Message, reasoning_markers, regen_report, run_rounds
+from data_prep.rounds import Completion, Job, Message, harmony_splitter, reasoning_markers, regen_report, run_rounds
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -219,7 +219,12 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     decode = _decoder(tokenizer)
 
+    harmony = harmony_splitter(tokenizer)  # GPT-OSS: channels split on the special ids, not on decoded text
+
     def answer(i: int, new: list[int], finished: bool) -> tuple[int, Completion]:
+        if harmony is not None:  # run_rounds ends a turn cut in its reasoning, or with no answer, as for <think>
+            reasoning, text = harmony(new)
+            return i, Completion(text, reasoning, len(new), finished, new)
         return i, Completion(decode(new), None, len(new), finished, new)
 
     if engine == "continuous":

@@ -249,3 +249,58 @@ def regen_report(cfg: RegenConfig, head: dict, *, n_in: int, n_out: int, cut: in
             "seed": cfg.seed,
         },
     }
+
+
+#: Harmony (GPT-OSS) tokens a generated assistant turn is framed by (openai/harmony, "Message format").
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+
+
+def harmony_splitter(tokenizer):
+    """For a Harmony chat template (GPT-OSS): ``ids -> (reasoning, answer)`` for a generated turn; None
+    for any other template.
+
+    A Harmony turn is a sequence of messages, each ``<|channel|>NAME<|message|>TEXT`` closed by ``<|end|>``
+    (another message follows, after ``<|start|>assistant``) or by ``<|return|>`` / ``<|call|>`` (the turn
+    ends); the generation prompt already wrote the first ``<|start|>assistant``. The ``analysis``
+    channel's texts (joined by a blank line; None when there is none) are the reasoning, the last
+    ``final`` channel's text the answer ("" when there is none); a message cut by the cap counts with
+    the text it has. Decoding on the special ids keeps the channel structure that
+    ``skip_special_tokens`` loses (``"analysisUser asks 2+2.assistantfinal4"``). Source: the Harmony
+    format as the GPT-OSS chat template writes it (``peagle_train/data/chat_templates``, where
+    ``message.thinking`` renders as the analysis message). :func:`run_rounds` then ends a turn cut in its
+    reasoning (no answer, not finished) as ``unfinished_reasoning`` and one with no answer as
+    ``empty_responses``, as for ``<think>`` templates.
+
+    Example: ``<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant<|channel|>final
+    <|message|>4<|return|>`` → ``("User asks 2+2.", "4")``.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    vocab = tokenizer.get_vocab()
+    if not isinstance(template, str) or "<|channel|>" not in template or any(t not in vocab for t in HARMONY_TOKENS):
+        return None
+    ids = {t: vocab[t] for t in HARMONY_TOKENS}
+    closers = {ids["<|end|>"], ids["<|return|>"], ids["<|call|>"]}
+
+    def split(token_ids: list[int]) -> tuple[str | None, str]:
+        messages, channel, body, state = [], [], [], "header"
+        for t in list(token_ids) + [ids["<|end|>"]]:  # a trailing closer: a message cut by the cap counts too
+            if t == ids["<|channel|>"]:
+                channel, body, state = [], [], "channel"
+            elif t == ids["<|message|>"]:
+                state = "body" if state == "channel" else state
+            elif t in closers or t == ids["<|start|>"]:
+                if state == "body":
+                    name = tokenizer.decode(channel).split()
+                    messages.append((name[0] if name else "", tokenizer.decode(body).strip()))
+                state = "header"
+            elif state == "channel":
+                channel.append(t)
+            elif state == "body":
+                body.append(t)
+        analysis = [text for name, text in messages if name == "analysis"]
+        final = [text for name, text in messages if name == "final"]
+        return ("\n\n".join(analysis) if analysis else None), (final[-1] if final else "")
+
+    return split
