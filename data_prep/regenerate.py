@@ -165,7 +165,9 @@ def resolve_engine(model, cfg: RegenConfig) -> str:
     if cfg.engine == "continuous" and why is not None:
         raise ValueError(f"regen.engine: continuous: {why}; use regen.engine: static or generate (or auto)")
     if cfg.engine == "auto":
-        if model.device.type != "cuda":
+        import torch
+
+        if torch.device(model.device).type != "cuda":
             return "generate"
         return "continuous" if why is None and flash_attention_available(model) else "static"
     return cfg.engine
@@ -222,8 +224,9 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     harmony = harmony_splitter(tokenizer)  # GPT-OSS: channels split on the special ids, not on decoded text
 
     def answer(i: int, new: list[int], finished: bool) -> tuple[int, Completion]:
-        if harmony is not None:  # run_rounds ends a turn cut in its reasoning, or with no answer, as for <think>
-            reasoning, text = harmony(new)
+        split = harmony(new) if harmony is not None else None
+        if split is not None:  # run_rounds ends a turn cut in its reasoning, or with no answer, as for <think>
+            reasoning, text = split
             return i, Completion(text, reasoning, len(new), finished, new)
         return i, Completion(decode(new), None, len(new), finished, new)
 

@@ -256,8 +256,9 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|retur
 
 
 def harmony_splitter(tokenizer):
-    """For a Harmony chat template (GPT-OSS): ``ids -> (reasoning, answer)`` for a generated turn; None
-    for any other template.
+    """For a Harmony chat template (GPT-OSS): ``ids -> (reasoning, answer)`` for a generated turn (None for
+    ids without any ``<|channel|>``: not Harmony-formatted, decoded as plain text by the caller); None for
+    any other template.
 
     A Harmony turn is a sequence of messages, each ``<|channel|>NAME<|message|>TEXT`` closed by ``<|end|>``
     (another message follows, after ``<|start|>assistant``) or by ``<|return|>`` / ``<|call|>`` (the turn
@@ -283,7 +284,9 @@ def harmony_splitter(tokenizer):
     ids = {t: vocab[t] for t in HARMONY_TOKENS}
     closers = {ids["<|end|>"], ids["<|return|>"], ids["<|call|>"]}
 
-    def split(token_ids: list[int]) -> tuple[str | None, str]:
+    def split(token_ids: list[int]) -> tuple[str | None, str] | None:
+        if ids["<|channel|>"] not in token_ids:
+            return None  # no Harmony message at all (e.g. a random-weight target): the caller decodes plainly
         messages, channel, body, state = [], [], [], "header"
         for t in list(token_ids) + [ids["<|end|>"]]:  # a trailing closer: a message cut by the cap counts too
             if t == ids["<|channel|>"]:

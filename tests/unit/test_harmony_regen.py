@@ -34,6 +34,7 @@ def test_harmony_turns_split_into_reasoning_and_answer(tok, tmp_path):
     two = "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>" \
           "<|start|>assistant<|channel|>final<|message|>c<|return|>"
     assert split(_ids(tok, two)) == ("a\n\nb", "c")
+    assert split(_ids(tok, "no channels at all<|return|>")) is None  # not Harmony: the engine decodes it plainly
     llama = AutoTokenizer.from_pretrained(build_stand_in_tokenizer("llama-3.1", tmp_path / "llama"))
     assert harmony_splitter(llama) is None  # no Harmony template: plain decoding
 
