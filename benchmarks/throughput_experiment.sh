@@ -13,6 +13,8 @@
 #                                                           # train.features=cache reads it)
 #   bash benchmarks/throughput_experiment.sh bench NAME [train_step.py flags ...]
 #                                                           # GPU: train_step.py --data-from the prepared data
+#   bash benchmarks/throughput_experiment.sh strategies OUT.json [override ...]
+#                                                           # GPU: 50 steps plain, ZeRO-2, FSDP2; compared
 #   bash benchmarks/throughput_experiment.sh gptoss OUT.json | long OUT.json [flags]
 #                                                           # GPU: the GPT-OSS-20B-shaped step at N = 8,192 beside
 #                                                           # speculators; N = 131,072 with planned partitions
@@ -127,6 +129,17 @@ PY
       --tokenizer .gpu/tok --prompts-file .gpu/sharegpt_prompts.json --engines static --prompts 512 \
       --engine-batch 512 --cap 2048 --subset 64 --batch 64 --generate-cap 256 --dtypes bfloat16 --max-seconds 60 \
       --out "$out" "$@" ;;
+  strategies)  # OUT.json [override ...]: the same 50 steps plain, under ZeRO-2 and under FSDP2 (accelerate launch,
+    # one process), then trainer_throughput.py --reference plain: tokens/s ratio and how the losses follow (issue 19)
+    out=${2:?out.json}; shift 2
+    A="accelerate launch --num_processes 1 --config_file"
+    bash "$0" trainer plain train.max_steps=50 train.max_minutes=null train.schedule=steps "$@"
+    LAUNCH="$A launch/accelerate/deepspeed_zero2.yaml -m peagle_train.cli" bash "$0" trainer zero2 train.max_steps=50 \
+      train.max_minutes=null train.schedule=steps "$@"
+    LAUNCH="$A launch/accelerate/fsdp2.yaml -m peagle_train.cli" bash "$0" trainer fsdp2 train.max_steps=50 \
+      train.max_minutes=null train.schedule=steps "$@"
+    py benchmarks/trainer_throughput.py "$WORK/runs/plain" "$WORK/runs/zero2" "$WORK/runs/fsdp2" \
+      --names plain zero2 fsdp2 --skip 10 --reference plain --out "$out" ;;
   gptoss)  # OUT.json [flags]: the trainer's step at the GPT-OSS-20B drafter shape, N = 8,192, beside speculators 0.9.0
     # in the same process (stage with SPECULATORS=1); issue 19's 1.8x row
     out=${2:?out.json}; shift 2

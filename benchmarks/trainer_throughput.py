@@ -22,6 +22,8 @@ and reports:
 Usage::
 
     python benchmarks/trainer_throughput.py RUN_DIR [RUN_DIR ...] --names base bf16 --out summary.json
+    # ZeRO-2 / FSDP2 against the plain run (issue 19): tokens/s ratio and how the losses follow
+    python benchmarks/trainer_throughput.py plain zero2 fsdp2 --reference plain --skip 5
 """
 from __future__ import annotations
 
@@ -52,6 +54,46 @@ def step_gaps(history: list[dict]) -> list[tuple[int, float, int, bool]]:
     return out
 
 
+def read_history(run_dir: Path) -> tuple[list[dict], bool, Path]:
+    """``(history, partial, file)``: the step records of ``train_metrics.json``, or of ``logs/steps.jsonl``
+    for a run stopped before its end (``partial``).
+
+    Raises:
+        FileNotFoundError: neither file (names the folder).
+    """
+    metrics_file = run_dir / "train_metrics.json"
+    if metrics_file.is_file():
+        return json.loads(metrics_file.read_text())["history"], False, metrics_file
+    metrics_file = run_dir / "logs" / "steps.jsonl"  # appended by the trainer after every step
+    if not metrics_file.is_file():
+        raise FileNotFoundError(f"{run_dir / 'train_metrics.json'}: not found (nor logs/steps.jsonl); run "
+                                "`peagle-train train` on this folder first")
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()], True, metrics_file
+
+
+def against_reference(ref: list[dict], other: list[dict]) -> dict:
+    """How a run's losses follow a reference run's, step by step (a distributed strategy against the
+    plain run on the same recipe and data: issue 19's "losses equal within bf16 noise").
+
+    Args:
+        ref, other: step histories (:func:`read_history`), records with ``step`` and ``loss``.
+
+    Returns:
+        ``{"steps_compared", "loss_max_abs_diff", "loss_max_rel_diff", "loss_mean_rel_diff", "last_step_rel_diff"}``
+        over the steps both recorded (relative to the reference's loss).
+
+    Raises:
+        ValueError: no step in common.
+    """
+    a = {h["step"]: h["loss"] for h in ref}
+    pairs = [(a[h["step"]], h["loss"]) for h in other if h["step"] in a]
+    if not pairs:
+        raise ValueError("no optimizer step recorded by both runs")
+    rel = [abs(o - r) / max(abs(r), 1e-12) for r, o in pairs]
+    return {"steps_compared": len(pairs), "loss_max_abs_diff": max(abs(o - r) for r, o in pairs),
+            "loss_max_rel_diff": max(rel), "loss_mean_rel_diff": sum(rel) / len(rel), "last_step_rel_diff": rel[-1]}
+
+
 def summarise(run_dir: Path, skip: int) -> dict:
     """The summary of one run folder (module docstring).
 
@@ -59,16 +101,7 @@ def summarise(run_dir: Path, skip: int) -> dict:
         FileNotFoundError: no ``train_metrics.json`` (the run did not finish; names the file).
         ValueError: fewer than ``skip + 2`` recorded steps.
     """
-    metrics_file = run_dir / "train_metrics.json"
-    partial = not metrics_file.is_file()
-    if partial:  # a run stopped before its end (a time limit, a kill): the per-step log the trainer appends
-        metrics_file = run_dir / "logs" / "steps.jsonl"
-        if not metrics_file.is_file():
-            raise FileNotFoundError(f"{run_dir / 'train_metrics.json'}: not found (nor logs/steps.jsonl); run "
-                                    "`peagle-train train` on this folder first")
-        hist = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    else:
-        hist = json.loads(metrics_file.read_text())["history"]
+    hist, partial, metrics_file = read_history(run_dir)
     gaps = step_gaps(hist)
     if len(gaps) < skip + 2:
         raise ValueError(f"{metrics_file}: {len(gaps)} steps recorded, need more than --skip {skip} + 1")
@@ -111,6 +144,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--names", nargs="*", default=None, help="a name per run (default: the folder names)")
     ap.add_argument("--skip", type=int, default=20, help="warm-up steps left out of the steady state")
     ap.add_argument("--out", default=None, help="write the summaries here (JSON)")
+    ap.add_argument("--reference", default=None, metavar="NAME", help="a run's name: every other run gets "
+                    "vs_reference (its tokens/s over the reference's, and how its losses follow the reference's)")
     args = ap.parse_args(argv)
     names = args.names or [Path(r).name for r in args.runs]
     rows = []
@@ -119,6 +154,14 @@ def main(argv=None) -> list[dict]:
             rows.append({"name": name, **summarise(Path(run), args.skip)})
         except (OSError, ValueError) as e:
             rows.append({"name": name, "run_dir": run, "error": str(e)})
+    ref = next((r for r in rows if r["name"] == args.reference and "error" not in r), None)
+    if args.reference is not None and ref is None:
+        raise SystemExit(f"--reference {args.reference}: no summarised run of that name among {names}")
+    for r in rows:
+        if ref is not None and r is not ref and "error" not in r:
+            r["vs_reference"] = {"reference": ref["name"], "tokens_per_s_ratio": r["tokens_per_s"] / ref["tokens_per_s"],
+                                 **against_reference(read_history(Path(ref["run_dir"]))[0],
+                                                     read_history(Path(r["run_dir"]))[0])}
     for r in rows:
         if "error" in r:
             print(f"{r['name']:>16}: {r['error']}")
@@ -126,6 +169,10 @@ def main(argv=None) -> list[dict]:
             print(f"{r['name']:>16}: step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:10.0f} tok/s  "
                   f"({r['tokens_per_step']:.0f} tok/step, {r['steady_steps']} steps; overall {r['tokens_per_s_overall']:.0f} "
                   f"tok/s; evals {r['eval_s']} s)")
+            if "vs_reference" in r:
+                v = r["vs_reference"]
+                print(f"{'':>16}  vs {v['reference']}: {v['tokens_per_s_ratio']:.3f}x tokens/s, loss max rel. diff "
+                      f"{v['loss_max_rel_diff']:.2e} over {v['steps_compared']} steps")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows

@@ -278,6 +278,20 @@ def test_trainer_throughput_reads_the_steady_step_from_the_history(tmp_path):
     p = tt.summarise(cut, skip=1)
     assert p["finished"] is False and p["step_ms"] == pytest.approx(100.0) and p["steady_steps"] == 6
 
+    # --reference: a run against the plain one (a distributed strategy): tokens/s ratio and loss agreement
+    other = tmp_path / "zero2"
+    other.mkdir()
+    slower = [{**h, "elapsed_s": h["elapsed_s"] * 1.25, "loss": 2.0 + 0.01 * h["step"]} for h in hist]
+    (other / "train_metrics.json").write_text(json.dumps({"history": slower}))
+    (run / "train_metrics.json").write_text(json.dumps({"history": [{**h, "loss": 2.0} for h in hist]}))
+    rows = tt.main([str(run), str(other), "--names", "plain", "zero2", "--skip", "1", "--reference", "plain"])
+    v = rows[1]["vs_reference"]
+    assert "vs_reference" not in rows[0] and v["reference"] == "plain" and v["steps_compared"] == 8
+    assert v["tokens_per_s_ratio"] == pytest.approx(0.8) and v["loss_max_abs_diff"] == pytest.approx(0.08)
+    assert v["loss_max_rel_diff"] == pytest.approx(0.04) and v["last_step_rel_diff"] == pytest.approx(0.04)
+    with pytest.raises(SystemExit, match="--reference nope"):
+        tt.main([str(run), "--reference", "nope"])
+
 
 def test_train_step_data_from_refuses_ids_outside_the_shape(bench, tmp_path):
     """--data-from with token ids the --shape's vocabulary cannot hold stops before any work, naming the
