@@ -23,6 +23,11 @@ PAGE_TOKENS = 256
 #: engine ``static``: prompts are left-padded to a multiple of this many tokens, so the static cache (prompt +
 #: ``max_new_tokens``) and the compiled decoding step see a few shapes per run, not one per batch.
 STATIC_PROMPT_BUCKET = 128
+
+
+def bucketed(n: int, bucket: int) -> int:
+    """``n`` rounded up to a multiple of ``bucket`` (tokens; ``bucket`` >= 1)."""
+    return -(-n // bucket) * bucket
 #: Share of the free memory the check lets the KV cache (and logits) take: the rest is activations,
 #: the allocator's fragmentation and the sampler's temporaries.
 HEADROOM = 0.9
@@ -103,7 +108,7 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     free = f"{free_bytes / GIB:.2f} GiB free on {where}"
     if engine in ("generate", "static"):
         if engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
-            seq = -(-max_prompt_tokens // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET + cfg.max_new_tokens
+            seq = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET) + cfg.max_new_tokens
         per_seq = seq * per_token + vocab * 4  # its KV cache and one step of float32 logits
         need = cfg.batch_size * per_seq
         if need <= usable:

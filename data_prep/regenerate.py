@@ -35,7 +35,7 @@ reasoning ends its conversation (``unfinished_reasoning``).
 from __future__ import annotations
 
 from data_prep.config import RegenConfig
-from data_prep.regen_memory import STATIC_PROMPT_BUCKET, fit_regen_memory, free_memory_bytes
+from data_prep.regen_memory import STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
 from data_prep.rounds import Completion, Job, Message, harmony_splitter, reasoning_markers, regen_report, run_rounds
@@ -74,7 +74,7 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     """
     import torch
 
-    B, L = len(prompts), -(-max(len(p) for p in prompts) // bucket) * bucket
+    B, L = len(prompts), bucketed(max(len(p) for p in prompts), bucket)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((B, L), dtype=torch.long)  # (B, L), 0 on left padding
     for b, p in enumerate(prompts):

@@ -153,6 +153,14 @@ def run_rounds(
 _END_TAG = re.compile(r"</([\w:.-]*think[\w:.-]*)>")
 
 
+def _template_text(tokenizer) -> str | None:
+    """The tokenizer's chat template as one text (a dict of named templates joined), None when it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    return template if isinstance(template, str) else None
+
+
 def reasoning_markers(tokenizer) -> tuple[str, str] | None:
     """The ``(start, end)`` reasoning markers the tokenizer's chat template writes, or None.
 
@@ -161,10 +169,8 @@ def reasoning_markers(tokenizer) -> tuple[str, str] | None:
     tag (``<think>``) is in the template too. Qwen3 gives ``("<think>", "</think>")``; ChatML,
     Llama-3 and GPT-OSS Harmony (an ``analysis`` channel, not tags) give None.
     """
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
-    if not isinstance(template, str):
+    template = _template_text(tokenizer)
+    if template is None:
         return None
     for m in _END_TAG.finditer(template):
         if f"<{m.group(1)}>" in template:
@@ -275,11 +281,9 @@ def harmony_splitter(tokenizer):
     Example: ``<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant<|channel|>final
     <|message|>4<|return|>`` → ``("User asks 2+2.", "4")``.
     """
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    template = _template_text(tokenizer)
     vocab = tokenizer.get_vocab()
-    if not isinstance(template, str) or "<|channel|>" not in template or any(t not in vocab for t in HARMONY_TOKENS):
+    if template is None or "<|channel|>" not in template or any(t not in vocab for t in HARMONY_TOKENS):
         return None
     ids = {t: vocab[t] for t in HARMONY_TOKENS}
     closers = {ids["<|end|>"], ids["<|return|>"], ids["<|call|>"]}

@@ -24,6 +24,22 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``.<name>.tmp<pid>``, ``fsync`` and ``os.replace``: a reader sees the
+    old file or the whole new one, also after a crash (large files that must survive one: portable states).
+
+    Raises:
+        OSError: the folder is missing or not writable (``path`` is left as it was).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def finite_or_none(obj):
     """``obj`` with every NaN / ±inf float (at any depth of dicts, lists and tuples) replaced by
     None, so it serialises as strict JSON (``null``): Python writes bare ``NaN``, which strict

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import random
 import struct
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from peagle_train.core.atomic import write_bytes_atomic
 from peagle_train.core.config import ConfigError
 
 MAGIC = b"PEAGLEST"
@@ -108,15 +108,6 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_state_file(path: str | Path, header: dict, tensors: dict[str, torch.Tensor],
                      max_part_mib: float | None = None) -> dict:
     """Write one portable state atomically; returns ``{"path", "bytes", "sha256", "parts"}``.
@@ -146,14 +137,14 @@ def write_state_file(path: str | Path, header: dict, tensors: dict[str, torch.Te
     if limit is not None and len(blob) > limit:
         for i, start in enumerate(range(0, len(blob), limit)):
             part = path.with_name(f"{path.name}.{whole_sha[:8]}.part{i}")
-            _write_bytes_atomic(part, blob[start:start + limit])
+            write_bytes_atomic(part, blob[start:start + limit])
             parts.append(part)
         manifest = {"format": PARTS_FORMAT, "bytes": len(blob), "sha256": whole_sha,
                     "parts": [{"name": p.name, "bytes": p.stat().st_size, "sha256": _sha(blob[i * limit:(i + 1) * limit])}
                               for i, p in enumerate(parts)]}
-        _write_bytes_atomic(path, json.dumps(manifest, indent=1).encode())
+        write_bytes_atomic(path, json.dumps(manifest, indent=1).encode())
     else:
-        _write_bytes_atomic(path, blob)
+        write_bytes_atomic(path, blob)
     keep = {p.name for p in parts}
     for old in path.parent.glob(f"{path.name}.*.part*"):  # pieces of an earlier write
         if old.name not in keep:
@@ -204,7 +195,7 @@ def join_parts(path: str | Path, out: str | Path) -> Path:
         StateError: as :func:`read_state_bytes`.
     """
     out = Path(out)
-    _write_bytes_atomic(out, read_state_bytes(path))
+    write_bytes_atomic(out, read_state_bytes(path))
     return out
 
 
