@@ -278,9 +278,6 @@ class Target:
     tokenizer: object
     aux_layer_ids: list[int]
     path: str
-    #: what :meth:`features` calls: None = the model itself; the trainer sets a compiled one
-    #: (``train.compile_target``: :class:`~peagle_train.kernels.compiling.SafeCompiled` of the model)
-    forward: object = None
 
     @property
     def config(self):
@@ -307,21 +304,42 @@ class Target:
             ``last`` ``[B, N, T]`` final hidden state after the final norm, and
             ``argmax`` ``[B, N]`` int64 target greedy next token at each position.
         """
-        with _padded_sdpa_backends(input_ids.device):
-            # a compiled forward (train.compile_target) is not used for a batch of one: torch specialises
-            # size 1, so it would compile a second graph (over a minute for a 30-layer target) for the few
-            # single-sequence batches (the in-training evaluation's), which cost less eager
-            fwd = self.forward if self.forward is not None and input_ids.shape[0] > 1 else self.model
-            # an FSDP2-sharded head (train.target_sharding: shard) is gathered only inside the model's
-            # forward: there the model computes every position's logits; otherwise only the last position's
-            # (the [B, N, V] logits are never built) and greedy_tokens takes the argmax chunk by chunk
-            sharded = _is_sharded(self.model.get_output_embeddings().weight)
-            out = fwd(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
-                      logits_to_keep=0 if sharded else 1)
-        hs = out.hidden_states
-        aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
-        argmax = out.logits.argmax(-1) if sharded else self.greedy_tokens(hs[-1])
-        return {"aux": aux, "last": hs[-1], "argmax": argmax}
+        # the hidden states are taken by forward hooks on the tapped layers and the decoder, not through
+        # ``output_hidden_states``: transformers then keeps no list of every layer's output, and installs
+        # no output-recording hooks inside the layers, whose ContextVar lookup torch.compile cannot trace
+        # (train.compile_target compiles each layer: kernels.compiling.compile_decoder_layers).
+        # hidden_states[i] of transformers = the embeddings' output (i = 0), layer i-1's output, and for the
+        # last index the decoder's normed output, which "last" is too.
+        decoder = self.model.get_decoder()
+        layers, got = decoder.layers, {}
+
+        def keep(key):
+            def hook(module, args, output):
+                out = output.last_hidden_state if hasattr(output, "last_hidden_state") else output
+                got[key] = out[0] if isinstance(out, tuple) else out
+            return hook
+
+        taps = {i: (self.model.get_input_embeddings() if i == 0 else decoder if i == len(layers) else layers[i - 1])
+                for i in self.aux_layer_ids}
+        handles = [m.register_forward_hook(keep(i)) for i, m in taps.items()]
+        handles.append(decoder.register_forward_hook(keep("last")))
+        try:
+            with _padded_sdpa_backends(input_ids.device):
+                # an FSDP2-sharded head (train.target_sharding: shard) is gathered only inside the model's
+                # forward: there the model computes every position's logits; otherwise only the last position's
+                # (the [B, N, V] logits are never built) and greedy_tokens takes the argmax chunk by chunk
+                sharded = _is_sharded(self.model.get_output_embeddings().weight)
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                 logits_to_keep=0 if sharded else 1)
+        finally:
+            for h in handles:
+                h.remove()
+        for i in self.aux_layer_ids:
+            if i == len(layers):
+                got[i] = got["last"]
+        aux = torch.cat([got[i] for i in self.aux_layer_ids], dim=-1)
+        argmax = out.logits.argmax(-1) if sharded else self.greedy_tokens(got["last"])
+        return {"aux": aux, "last": got["last"], "argmax": argmax}
 
     @torch.no_grad()
     def greedy_tokens(self, last: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

@@ -145,3 +145,51 @@ def _passthrough(e: Exception) -> bool:
     """Exceptions that are not compile failures and must propagate untouched: out-of-memory, and the
     control-flow exception non-reentrant ``torch.utils.checkpoint`` raises to stop a recompute early."""
     return isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "_StopRecomputationError"
+
+
+class BatchedOnly:
+    """A decoder layer's forward that runs its compiled version for batches of two or more sequences
+    and the eager one for a batch of one: torch specialises size 1, so a single-sequence call (the
+    in-training evaluation's) would compile a second graph that costs more than it saves.
+
+    Args:
+        eager: the layer's own ``forward``. compiled: :class:`SafeCompiled` of it.
+    """
+
+    def __init__(self, eager, compiled: SafeCompiled):
+        self.eager, self.compiled = eager, compiled
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        fn = self.compiled if hidden_states.shape[0] > 1 else self.eager
+        return fn(hidden_states, *args, **kwargs)
+
+
+def compile_decoder_layers(model: torch.nn.Module, name: str = "target layer") -> list[SafeCompiled]:
+    """Regional compilation of a transformers model: every decoder layer's ``forward`` becomes a
+    :class:`SafeCompiled` (dynamic shapes), the rest of the model (embedding, masks, the loop over
+    layers, hidden-state recording, head) stays eager. The layers share one code object, so torch
+    compiles it once for all of them (PyTorch's regional-compilation recipe); a whole-model compile of
+    a transformers model breaks on its output recording (a lock context manager) and compiles for
+    minutes. Used for ``train.compile_target`` (the online target's eager forward is host-bound:
+    docs/benchmarks.md).
+
+    Args:
+        model: a transformers causal LM whose ``get_decoder().layers`` is the stack of decoder layers.
+
+    Returns:
+        the :class:`SafeCompiled` of each layer (their ``mode`` says whether it compiled).
+
+    Raises:
+        ValueError: the model has no ``get_decoder().layers``.
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"compile_decoder_layers: {type(model).__name__} has no get_decoder().layers; "
+                         "set train.compile_target: false")
+    out = []
+    for layer in layers:
+        compiled = SafeCompiled(layer.forward, name, dynamic=True)
+        layer.forward = BatchedOnly(layer.forward, compiled)
+        out.append(compiled)
+    return out

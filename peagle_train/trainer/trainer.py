@@ -58,7 +58,7 @@ from peagle_train.features.packing import concat_features, pack, pack_tokens
 from peagle_train.features.tokenized import load_prepared
 from peagle_train.features.vocab import select_draft_vocab, token_frequencies
 from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
-from peagle_train.kernels.compiling import SafeCompiled, set_dynamic_shapes
+from peagle_train.kernels.compiling import compile_decoder_layers, set_dynamic_shapes
 from peagle_train.kernels.loss import loss_path
 from peagle_train.methods import get_method
 from peagle_train.peagle.grid import supervised_count
@@ -162,8 +162,8 @@ class Trainer(InTrainingEval, Checkpoints):
                 shard_target(t.model)
             else:
                 t.model.to(self.device)
-            if self.tc.compile_target:  # dynamic shapes: every padded batch of the target has a new shape
-                t.forward = SafeCompiled(t.model, "target forward", dynamic=True)
+            if self.tc.compile_target:  # regional: each decoder layer, dynamic shapes (every padded batch is new)
+                compile_decoder_layers(t.model)
 
     # -- data ---------------------------------------------------------------------------------
     def micro_batches(self, step: int, rank: int | None = None) -> list[list[int]]:

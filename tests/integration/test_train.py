@@ -501,14 +501,14 @@ def test_dynamic_shapes_set_the_compile_mode(run_dir):
         compiling.set_dynamic_shapes(False)
 
 
-def test_compile_target_compiles_the_online_targets_forward(run_dir):
-    """train.compile_target: the trainer gives the online target a compiled forward (dynamic shapes);
-    off (the default) and with cached features the target's own forward runs."""
+def test_compile_target_compiles_the_online_targets_layers(run_dir):
+    """train.compile_target: the trainer compiles each decoder layer of the online target (regional
+    compilation, dynamic shapes); off (the default) the layers' own forwards run."""
     from transformers import AutoConfig
 
     from peagle_train.features.online import OnlineFeatures
     from peagle_train.features.target import load_target
-    from peagle_train.kernels.compiling import SafeCompiled
+    from peagle_train.kernels.compiling import BatchedOnly
     from peagle_train.trainer.trainer import Trainer
 
     data = load_prepared(run_dir / "run")
@@ -518,9 +518,10 @@ def test_compile_target_compiles_the_online_targets_forward(run_dir):
         target = load_target(cfg.target, with_tokenizer=False)
         feats = {s: OnlineFeatures(target, data[s]["input_ids"]) for s in ("train", "eval")}
         Trainer(cfg, data, feats, tconf, [1, 3, 4])
-        assert isinstance(target.forward, SafeCompiled) is on
+        layers = target.model.get_decoder().layers
+        assert all(isinstance(layer.forward, BatchedOnly) is on for layer in layers)
         if on:
-            assert target.forward.dynamic is True and target.forward.fn is target.model
+            assert all(layer.forward.compiled.dynamic is True for layer in layers)
 
 
 def test_target_batch_tokens_reaches_the_online_features(run_dir, monkeypatch):

@@ -519,29 +519,32 @@ def test_greedy_tokens_in_chunks_equal_the_full_head(target):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="needs a C++ compiler")
-def test_compiled_target_forward_gives_the_same_features(seqs):
-    """train.compile_target: the compiled forward (dynamic shapes) hands out the eager forward's features
-    for batches of several shapes, and compiles (no fallback to eager)."""
+def test_compiled_target_layers_give_the_same_features(seqs):
+    """train.compile_target: with every decoder layer compiled (dynamic shapes, as the trainer does) the
+    target hands out the eager forward's features for batches of several shapes; the layers compile
+    in one graph without breaks (no fallback to eager); a batch of one runs the eager layers."""
+    import copy
+
     from transformers import LlamaForCausalLM
 
+    from peagle_train.kernels.compiling import compile_decoder_layers
     from tests.conftest import _tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_tiny_llama_config()).eval().requires_grad_(False)
+    twin = copy.deepcopy(model)
+    compiled = compile_decoder_layers(twin)
     eager = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
-    from peagle_train.kernels.compiling import SafeCompiled
-
-    compiled = Target(model=model, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny",
-                      forward=SafeCompiled(model, "target forward", dynamic=True))  # as the trainer sets it
-    a, b = OnlineFeatures(eager, seqs, batch_tokens=64), OnlineFeatures(compiled, seqs, batch_tokens=64)
-    for ix in ([0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10], [4]):  # [4]: one sequence, run eagerly (no recompile)
+    comp = Target(model=twin, tokenizer=None, aux_layer_ids=[1, 2, 3], path="tiny")
+    a, b = OnlineFeatures(eager, seqs, batch_tokens=64), OnlineFeatures(comp, seqs, batch_tokens=64)
+    for ix in ([0, 1, 2], [3, 4, 5, 6, 7], [8, 9, 10]):
         for x, y in zip(a.get(ix), b.get(ix)):
             torch.testing.assert_close(y["aux"], x["aux"], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(y["last"], x["last"], rtol=1e-4, atol=1e-4)
             assert torch.equal(y["argmax"], x["argmax"])
-    assert compiled.forward.mode in ("fullgraph", "graph-breaks")
-    calls = []
-    model.register_forward_pre_hook(lambda *a: calls.append(1))
-    compiled.forward = type("Spy", (), {"__call__": lambda self, **kw: (_ for _ in ()).throw(AssertionError("compiled"))})()
-    b.get([4])  # a batch of one never reaches the compiled forward
-    assert calls
+    assert {c.mode for c in compiled} == {"fullgraph"}
+    for c in compiled:  # a batch of one never reaches the compiled layers
+        c.mode = "eager"
+        c.fn = lambda *a, **k: (_ for _ in ()).throw(AssertionError("compiled layer called"))
+    for x, y in zip(a.get([4]), b.get([4])):
+        torch.testing.assert_close(y["aux"], x["aux"], rtol=1e-4, atol=1e-4)
