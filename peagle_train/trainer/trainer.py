@@ -152,6 +152,7 @@ class Trainer(InTrainingEval, Checkpoints):
         self._plan_inputs = None  # (drafter shape, GPU bytes) for train.partitions: auto, set on first use
         self._pool = None  # worker thread building the next step's host inputs (train.prefetch), started on first use
         self._ahead: dict = {}  # {0-based step: Future of its host_inputs}
+        self._online_ahead = None  # (indices, features) of the next step's first micro-batch (online target)
         self.history: list[dict] = []
 
     def _place_target(self) -> None:
@@ -222,7 +223,7 @@ class Trainer(InTrainingEval, Checkpoints):
 
     def _stop_prefetch(self) -> None:
         """Drop the inputs built ahead and end the worker thread (end of ``fit``; a later step builds its own)."""
-        self._ahead = {}
+        self._ahead, self._online_ahead = {}, None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -241,12 +242,31 @@ class Trainer(InTrainingEval, Checkpoints):
             ValueError: features that do not match the token lists (:func:`~peagle_train.features.packing.pack`).
         """
         indices, tokens, host_grid, feats = host
+        if feats is None and source is self.features and self._online_ahead is not None:
+            ahead, self._online_ahead = self._online_ahead, None
+            if ahead[0] == list(indices):
+                feats = ahead[1]  # launched during the previous step (_launch_online_features)
         if feats is None:
             with record_function("peagle/features"):
                 feats = source.get(indices)
         with record_function("peagle/host_inputs"):
             packed = pack(feats, tokens, self.device)
             return packed, host_grid.to(self.device, non_blocking=True), host_grid
+
+    def _launch_online_features(self) -> None:
+        """Online features (``train.prefetch``): launch the target's forward for the next step's first
+        micro-batch now, after this step's backward is queued and before its optimizer's host syncs, so
+        the host queues the target's kernels while the device still runs the backward instead of after
+        it (the frozen target does not depend on this step's update; the next step's micro-batches are
+        fixed by :meth:`micro_batches`). Same features, same training; holds one micro-batch's features
+        (``aux``, ``last``, ``argmax``) for one step longer."""
+        src = self.features
+        if (not self.tc.prefetch or getattr(src, "reads_on_host", True) or self.grad_accum > 1
+                or self.step + 1 >= self.total_steps):
+            return
+        ix = self.micro_batches(self.step + 1)[0]
+        with record_function("peagle/features"):
+            self._online_ahead = (list(ix), src.get(ix))
 
     def _forward(self, packed, grid, normaliser):
         return self.model(grid, packed["aux"], packed["last"], packed["argmax"], normaliser,
@@ -302,6 +322,7 @@ class Trainer(InTrainingEval, Checkpoints):
                     own = g if seg is None else g.select(owned_at)
                     own_pred = pred if seg is None else pred[owned_at]
                     stats = stats.add(self._stats(packed, own, own_pred))
+        self._launch_online_features()
         with record_function("peagle/optimizer"):
             grad_norm = grad_norm_value(self.acc.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip))
             # DeepSpeed has already stepped inside the last backward (no skip there: see docs/distributed.md)

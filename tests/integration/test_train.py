@@ -475,6 +475,36 @@ def test_prefetched_host_inputs_give_the_same_steps(run_dir):
     assert all(name == threading.current_thread().name for p, _, name in built_on if not p)
 
 
+def test_online_features_launched_a_step_ahead_give_the_same_steps(run_dir):
+    """train.prefetch with online features: the next step's target forward is launched at the end of the
+    current step's backward; the losses equal a run that computes every step's features in its step,
+    and every step after the first used the features launched ahead (the target ran once per step)."""
+    from transformers import AutoConfig
+
+    from peagle_train.features.online import OnlineFeatures
+    from peagle_train.features.target import load_target
+
+    data = load_prepared(run_dir / "run")
+    tconf = AutoConfig.from_pretrained(str(run_dir / "target"))
+    losses, asked = {}, {}
+    for prefetch in (False, True):
+        cfg = _cfg(run_dir, features="online", max_steps=4, prefetch=prefetch)
+        target = load_target(cfg.target, with_tokenizer=False)
+        feats = {s: OnlineFeatures(target, data[s]["input_ids"]) for s in ("train", "eval")}
+        calls = asked[prefetch] = []
+        orig = feats["train"].get
+        feats["train"].get = lambda ix, orig=orig, calls=calls: calls.append(list(ix)) or orig(ix)
+        tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+        losses[prefetch] = [tr.train_step()["loss"]]
+        assert (tr._online_ahead is not None) is prefetch  # step 2's first micro-batch, launched in step 1
+        assert len(calls) == 1 + prefetch
+        losses[prefetch] += [tr.train_step()["loss"] for _ in range(3)]
+        tr._stop_prefetch()
+        assert tr._online_ahead is None
+    assert losses[True] == losses[False]
+    assert asked[True] == asked[False] and len(asked[True]) == 4  # the same batches, each once
+
+
 def test_profile_steps_write_the_phase_summary(run_dir):
     """train.profile_steps: logs/profile.json holds the profiled steps' wall times, the host time of
     each marked phase and the top ops (CPU here), and training is otherwise unchanged."""
