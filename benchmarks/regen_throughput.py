@@ -109,10 +109,34 @@ def load_prompts(tokenizer, cfg, n: int) -> list[list[int]]:
     return prompts
 
 
+def collect_answers(answers, max_seconds: float, t0: float, clock=time.perf_counter, gap: float = 0.5) -> tuple[dict, float]:
+    """Read ``(index, Completion)`` pairs from an engine until ``max_seconds`` after ``t0``.
+
+    The static and generate engines answer a whole batch in one call and then hand its answers out at
+    once: the answers that arrive within ``gap`` seconds of the previous one belong to a batch already
+    decoded and are all counted, even past the limit; the first answer after the limit that took longer
+    (a new batch decoded past the limit) is left out with its time. A hard stop at twice the limit ends a
+    stream of continuous-batching answers.
+
+    Returns:
+        ``({index: Completion}, seconds from t0 to the last answer counted)``.
+    """
+    out, last = {}, t0
+    for i, c in answers:
+        now = clock()
+        past = now - t0 > max_seconds
+        if out and past and (now - last > gap or now - t0 > 2 * max_seconds):
+            break
+        out[i], last = c, now
+        if past and now - t0 > 2 * max_seconds:
+            break
+    return out, last - t0
+
+
 def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]], max_seconds: float) -> dict:
-    """Regenerate ``prompts`` with the engine ``regen_cfg`` names, as prepare does; timed. Past
-    ``max_seconds`` the answers not yet finished are abandoned (``timed_out``; tokens/s then counts the
-    finished answers only, an underestimate)."""
+    """Regenerate ``prompts`` with the engine ``regen_cfg`` names, as prepare does; timed. Answers past
+    ``max_seconds`` are counted only where their batch was already decoded (:func:`collect_answers`);
+    the rest are abandoned (``timed_out``; tokens/s counts the answers read, over the time to the last)."""
     import torch
 
     from data_prep.regenerate import check_regen_memory, hf_engine
@@ -123,18 +147,14 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    out, answers = {}, complete(jobs)
-    for i, c in answers:
-        out[i] = c
-        if time.perf_counter() - t0 > max_seconds:
-            break
+    answers = complete(jobs)
+    out, secs = collect_answers(answers, max_seconds, t0)
     answers.close()  # stops the engine at once if answers are still in flight
     sync()
-    secs = time.perf_counter() - t0
     tokens = sum(c.tokens for c in out.values())
     return {"engine": engine, "batch_size": regen_cfg.batch_size, "memory_note": note, "prompts": len(prompts),
             "answered": len(out), "timed_out": len(out) < len(prompts),
-            "generated_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 1),
+            "generated_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / max(secs, 1e-9), 1),
             "unfinished": sum(not c.finished for c in out.values()),
             "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 

@@ -161,6 +161,20 @@ def test_timeline_summary_busy_idle_and_categories(bench):
         bench.timeline_summary([("x", 5.0, 1.0)], 1)
 
 
+def test_regen_throughput_counts_a_decoded_batch_past_the_limit():
+    """collect_answers: a batch answered in one call counts whole even when its answers are read past the
+    time limit (the 2026-12-02 GPU run counted 1 of 512); the next batch, decoded past the limit, does not."""
+    import regen_throughput
+
+    times = iter([100.0, 100.01, 100.02, 190.0, 190.01])  # batch 1 (3 answers) at 100 s, batch 2 at 190 s
+    answers = ((i, f"c{i}") for i in range(5))
+    out, secs = regen_throughput.collect_answers(answers, 60.0, 0.0, clock=lambda: next(times))
+    assert sorted(out) == [0, 1, 2] and secs == pytest.approx(100.02)
+    times = iter([10.0, 20.0, 30.0])  # within the limit: everything
+    out, secs = regen_throughput.collect_answers(((i, i) for i in range(3)), 60.0, 0.0, clock=lambda: next(times))
+    assert sorted(out) == [0, 1, 2] and secs == 30.0
+
+
 def test_regen_throughput_cpu_smoke(tmp_path, capsys):
     """``benchmarks/regen_throughput.py --smoke``: the static-cache and continuous engines and plain generate
     on the same real prompts through prepare's engine, token-identical, one JSON with the command and commit,
