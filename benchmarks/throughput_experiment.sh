@@ -18,6 +18,8 @@
 #   bash benchmarks/throughput_experiment.sh gptoss OUT.json | long OUT.json [flags]
 #                                                           # GPU: the GPT-OSS-20B-shaped step at N = 8,192 beside
 #                                                           # speculators; N = 131,072 with planned partitions
+#   bash benchmarks/throughput_experiment.sh regen OUT.json | regen-compare OUT_PREFIX
+#                                                           # GPU: regeneration engines (regen_throughput.py)
 #   bash benchmarks/throughput_experiment.sh summary OUT.json NAME [NAME ...]
 #                                                           # trainer_throughput.py over runs of this machine
 #
@@ -67,7 +69,7 @@ PY
       mkdir -p .gpu/whl_spec
       for p in speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 \
                loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.1.0 dill==0.4.1 \
-               multiprocess==0.70.19; do
+               multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore; do  # openai 3.x imports httpx2
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
           --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
           -d .gpu/whl_spec "$p"
@@ -88,7 +90,8 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
     if ls .gpu/whl_spec/*.whl >/dev/null 2>&1; then  # staged with SPECULATORS=1
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl_spec/*.whl
-      python3 -c "import speculators.models.peagle; print('speculators', speculators.__version__)"
+      python3 -c "import speculators.models.peagle; print('speculators', speculators.__version__)" \
+        || echo "speculators does not import: the gptoss step's reference will fail (the other steps run)"
     fi
     (cd .gpu && sha256sum -c prepared.tar.xz.sha256)
     mkdir -p "$WORK/prep" && tar -C "$WORK/prep" -xJf .gpu/prepared.tar.xz
@@ -129,6 +132,17 @@ PY
       --tokenizer .gpu/tok --prompts-file .gpu/sharegpt_prompts.json --engines static --prompts 512 \
       --engine-batch 512 --cap 2048 --subset 64 --batch 64 --generate-cap 256 --dtypes bfloat16 --max-seconds 60 \
       --out "$out" "$@" ;;
+  regen-compare)  # OUT_PREFIX: the engines side by side at a shorter cap (512 prompts x 512 tokens, batch 512):
+    # static and continuous batching with SDPA, then the static engine with FlexAttention (grouped KV heads
+    # without expansion); plain generate on 128 of the prompts for the identity count. Two JSON files.
+    out=${2:?out_prefix}; shift 2
+    A=(--random-init-from-config pkg:peagle_train/smollm2-135m-instruct.json --tokenizer .gpu/tok
+       --prompts-file .gpu/sharegpt_prompts.json --prompts 512 --engine-batch 512 --cap 512 --dtypes bfloat16
+       --max-seconds 45)
+    py benchmarks/regen_throughput.py "${A[@]}" --engines static continuous --subset 128 --batch 128 \
+      --generate-cap 128 --out "$out-sdpa.json" "$@" | tail -n 1
+    py benchmarks/regen_throughput.py "${A[@]}" --engines static --attn flex_attention --skip-generate \
+      --out "$out-flex.json" "$@" | tail -n 1 ;;
   strategies)  # OUT.json [override ...]: the same 50 steps plain, under ZeRO-2 and under FSDP2 (accelerate launch,
     # one process), then trainer_throughput.py --reference plain: tokens/s ratio and how the losses follow (issue 19)
     out=${2:?out.json}; shift 2

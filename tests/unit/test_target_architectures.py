@@ -104,15 +104,19 @@ def test_captured_features_equal_the_reference_forward(tiny, tmp_path):
         ids[b, :n] = torch.randint(4, 120, (n,), generator=g)
         mask[b, :n] = 1
     feats = target.features(ids, mask)
+    # right padding without a mask (what iter_target_features runs): the real positions' features are
+    # the same (causal and sliding-window attention look back only; the MoE routes token by token)
+    unmasked = target.features(ids, None)
     assert feats["aux"].shape == (2, 20, 3 * 64) and feats["last"].shape == (2, 20, 64)
     for b, n in enumerate(lengths):
         with torch.no_grad():
             ref = model(ids[b:b + 1, :n], output_hidden_states=True, use_cache=False)
         want_aux = torch.cat([ref.hidden_states[i][0] for i in aux_ids], dim=-1)
-        torch.testing.assert_close(feats["aux"][b, :n], want_aux, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(feats["last"][b, :n], ref.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ref.logits[0], ref.hidden_states[-1][0] @ head.T, rtol=1e-4, atol=1e-4)
-        assert torch.equal(feats["argmax"][b, :n], ref.logits[0].argmax(-1))
+        for got in (feats, unmasked):
+            torch.testing.assert_close(got["aux"][b, :n], want_aux, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["last"][b, :n], ref.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(got["argmax"][b, :n], ref.logits[0].argmax(-1))
     # the window is in force: the same weights with every layer full attention give the same residual
     # after layer 0 (sliding) within the first 8 positions, another one past them
     if tiny["model_type"] == "gpt_oss":
