@@ -69,7 +69,8 @@ class RegenConfig(Section):
         "requests join and leave the running batch; fast only with a flash attention implementation: without one "
         "transformers attends over the whole batch's keys with a dense mask); 'static' = model.generate with a "
         "static KV cache, whose decoding transformers compiles on CUDA (CUDA graphs), on left-padded batches of "
-        "bucketed prompt length; 'generate' = plain model.generate on left-padded batches (the reference); "
+        "bucketed prompt length, decoding steps attending over grouped KV heads without copying them "
+        "(data_prep.gqa_decode_attention); 'generate' = plain model.generate on left-padded batches (the reference); "
         "'auto' = continuous on CUDA with flash attention installed, static on CUDA without it, generate elsewhere "
         "(the report says which ran)."
     )

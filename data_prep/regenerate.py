@@ -34,7 +34,10 @@ reasoning ends its conversation (``unfinished_reasoning``).
 """
 from __future__ import annotations
 
+import contextlib
+
 from data_prep.config import RegenConfig
+from data_prep.gqa_decode_attention import decode_attention
 from data_prep.regen_memory import STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
@@ -245,12 +248,16 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
         gen_kwargs["cache_implementation"] = "static"
         bucket = STATIC_PROMPT_BUCKET
 
+    # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
+    attention = (lambda: decode_attention(model)) if engine == "static" else contextlib.nullcontext
+
     def complete(jobs: list[Job]):
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
-            for i, (new, finished) in zip(idx, _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids,
-                                                                 gen_kwargs, bucket)):
+            with attention():
+                batch = _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids, gen_kwargs, bucket)
+            for i, (new, finished) in zip(idx, batch):
                 yield answer(i, new, finished)
 
     return complete, engine

@@ -1,0 +1,83 @@
+"""Decoding attention for grouped-query targets without copying the KV cache (regeneration, engine
+``static``).
+
+transformers' SDPA attention (``integrations.sdpa_attention``) expands the grouped key/value heads to
+one per query head (``repeat_kv``) whenever an attention mask is given on CUDA, because PyTorch's
+masked kernels take no grouped heads. A left-padded batch over a static KV cache always has a mask, so
+every decoding step copies the whole cache ``H / Hkv`` times (3× for SmolLM2: 9 query heads, 3 KV
+heads) and then reads the copy: at a batch of 512 over a 2,560-position cache that is ~120 GB of memory
+traffic per step for a 135M-parameter model (docs/benchmarks.md, "Regeneration on one H200").
+
+A decoding step has one query per head, so the query heads that share a key/value head can stand in
+for query *positions* instead: ``[B, H, 1, d]`` is viewed as ``[B, Hkv, H/Hkv, d]`` and attends to
+``[B, Hkv, L, d]`` under the same per-key mask. Query head ``h`` uses key/value head ``h // (H/Hkv)``
+(transformers' ``repeat_kv`` order), so the result is the same attention, computed with no copy.
+Prefill (several queries), per-head masks, attention sinks or dropout go to transformers' own SDPA
+function unchanged.
+
+The function is registered with transformers' attention interface (``AttentionInterface``, with
+``sdpa``'s mask builder) under :data:`NAME`; :func:`decode_attention` switches a model to it for a
+block of code.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+#: the attention implementation name registered with transformers
+NAME = "peagle_sdpa_gqa_decode"
+
+
+def gqa_decode_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, **kwargs):
+    """transformers attention function (the signature of ``sdpa_attention_forward``).
+
+    Args:
+        query: ``[B, H, q, d]``. key, value: ``[B, Hkv, L, d]``. attention_mask: ``[B, 1, q, L']`` bool
+            (True = attend) or additive float, ``L' >= L``, or None.
+
+    Returns:
+        ``(attn_output [B, q, H, d], None)``, as transformers' SDPA function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = getattr(module, "num_key_value_groups", 1)
+    B, H, q, d = query.shape
+    if (g == 1 or q != 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+            or dropout or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    hkv, L = key.shape[1], key.shape[2]
+    mask = attention_mask[:, :, :, :L].expand(B, 1, g, L)  # the one query row's mask, for each head of a group
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, hkv, g, d), key, value,
+                                                           attn_mask=mask, scale=scaling)  # [B, Hkv, g, d]
+    return out.reshape(B, H, 1, d).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register :func:`gqa_decode_sdpa` (and SDPA's mask builder) with transformers under :data:`NAME`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, gqa_decode_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+@contextlib.contextmanager
+def decode_attention(model):
+    """Run the block with ``model`` on :func:`gqa_decode_sdpa` when it runs transformers' ``sdpa`` with
+    grouped key/value heads (otherwise unchanged); its attention implementation is restored after."""
+    before = getattr(model.config, "_attn_implementation", None)
+    grouped = getattr(model.config, "num_key_value_heads", None) not in (None, getattr(model.config,
+                                                                                        "num_attention_heads", None))
+    if before != "sdpa" or not grouped:
+        yield
+        return
+    model.set_attn_implementation(register())
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
