@@ -173,10 +173,12 @@ class TrainConfig(Section):
         "compile: a longer first step); GEMMs stay on cuBLAS.",
     )
     compile_target: bool = Field(
-        False, description="train.features: online: torch.compile the target's feature forward (dynamic shapes: "
-        "one graph for every padded batch), falling back to eager with a warning. The eager forward of a "
-        "transformers model is host-bound (a SmolLM2 target's took 260 ms of a 335 ms step at micro-batch 64, "
-        "docs/benchmarks.md). Same math up to kernel rounding; costs a compile at the first step.")
+        False, description="train.features: online: torch.compile each decoder layer of the target (regional "
+        "compilation, dynamic shapes: one graph for every padded batch; batches of one stay eager), falling back "
+        "to eager with a warning. The eager forward of a transformers model is host-bound: on one H200 at "
+        "micro-batch 64 a SmolLM2 target's step went 311 -> 270 ms with it, 230 ms with the forward also launched "
+        "a step ahead (train.prefetch; docs/benchmarks.md). Same math up to kernel rounding; costs two compiles "
+        "in the first steps (~75 s for SmolLM2).")
     target_batch_tokens: int = Field(
         16384, ge=1, description="train.features: online: padded tokens per target forward; a micro-batch's "
         "sequences are sorted by length and grouped under this budget (peagle_train.features.online."
@@ -189,8 +191,9 @@ class TrainConfig(Section):
         "grid bucket (each new bucket costs a compile of several seconds, minutes with max-autotune).")
     prefetch: bool = Field(
         True, description="Build the next optimizer step's host inputs (packed token lists, COD sample, grid) on a "
-        "worker thread while the current step runs on the device. Same inputs either way (they depend on the step "
-        "alone); off = built at the start of each step.")
+        "worker thread while the current step runs on the device, and with online features (grad_accum 1) launch "
+        "the next step's target forward right after this step's backward is queued. Same inputs and features "
+        "either way (they depend on the step alone); off = built at the start of each step.")
     log_every: int = Field(10, ge=1)
     profile_steps: int = Field(
         0, ge=0, description="Profile this many optimizer steps with torch.profiler (after profile_start steps) and "
