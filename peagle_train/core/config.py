@@ -84,6 +84,12 @@ class DrafterConfig(Section):
     allow_hidden_size_mismatch: bool = Field(
         False, description="Opt-in for H != T (spec §5 decision); recorded in the model card."
     )
+    embeddings: Literal["trainable", "frozen"] = Field(
+        "trainable", description="'trainable' (spec §2, the public recipes): the drafter's embedding table, "
+        "copied from the target, is trained. 'frozen': its rows stay the target's and only P-EAGLE's mask row "
+        "trains (a separate parameter, merged into the shipped embed_tokens at export; EAGLE-3: the whole table "
+        "frozen). Drops V x H parameters from AdamW, the gradients and the portable state (SmolLM2: 28.3M of "
+        "72.3M; GPT-OSS-20B: 579M); PERF_NOTES lead 4. Needs H == T (the table comes from the target).")
 
 
 class TrainConfig(Section):

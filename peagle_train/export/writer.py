@@ -212,6 +212,9 @@ def export_state_dict(drafter: Drafter, config: dict, dtype: torch.dtype = torch
             or ``Vd == V`` with a non-zero ``d2t``.
     """
     sd = drafter.state_dict()
+    if "mask_embedding" in sd:  # drafter.embeddings: frozen: the trained mask row joins the shipped table
+        sd["embed_tokens.weight"] = drafter.merged_embeddings()
+        del sd["mask_embedding"]
     required, optional = expected_weights(config)
     out: dict[str, torch.Tensor] = {}
     for key, (shape, kind) in required.items():

@@ -113,17 +113,20 @@ def make_drafter_config(
     parallel_drafting: bool = True,
     K: int = 8,
     allow_hidden_size_mismatch: bool = False,
+    embeddings: str = "trainable",
 ) -> LlamaConfig:
     """Drafter ``LlamaConfig`` from the target's, carrying the P-EAGLE extras.
 
     Only drafter-relevant fields are copied (spec §5: never ``layer_types``,
     ``sliding_window``, ``quantization_config``, biases). Extras:
     ``target_hidden_size``, ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``,
-    ``mask_token_id`` (None for EAGLE-3), ``parallel_drafting``, ``num_parallel_depths`` (K).
+    ``mask_token_id`` (None for EAGLE-3), ``parallel_drafting``, ``num_parallel_depths`` (K),
+    ``frozen_embeddings`` (``embeddings == "frozen"``: :class:`Drafter` keeps its table fixed and trains the
+    mask row alone; never exported: the export ships the merged table).
 
     Raises:
         ValueError: ``H != T`` without ``allow_hidden_size_mismatch`` (spec §5 decision),
-            or fewer than 1 layer.
+            ``embeddings`` not ``trainable``/``frozen`` or ``frozen`` with ``H != T``, or fewer than 1 layer.
     """
     T = target_config.hidden_size
     H = hidden_size or T
@@ -132,6 +135,11 @@ def make_drafter_config(
             f"drafter.hidden_size={H} differs from the target hidden size {T}; set "
             "drafter.allow_hidden_size_mismatch: true to opt in (needs vLLM >= 0.33)"
         )
+    if embeddings not in ("trainable", "frozen"):
+        raise ValueError(f"drafter.embeddings must be 'trainable' or 'frozen', got {embeddings!r}")
+    if embeddings == "frozen" and H != T:
+        raise ValueError(f"drafter.embeddings: frozen keeps the target's embedding rows, which need hidden_size {H} "
+                         f"== the target's {T}; use drafter.embeddings: trainable")
     nh = num_attention_heads or target_config.num_attention_heads
     hd = head_dim or getattr(target_config, "head_dim", None) or T // target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None)
@@ -163,6 +171,7 @@ def make_drafter_config(
     cfg.parallel_drafting = parallel_drafting
     cfg.num_parallel_depths = K
     cfg.allow_hidden_size_mismatch = allow_hidden_size_mismatch
+    cfg.frozen_embeddings = embeddings == "frozen"
     return cfg
 
 
@@ -173,6 +182,11 @@ class Drafter(nn.Module):
     ``layers``, ``norm [H]``, ``lm_head [Vd, H]``, ``mask_hidden [1, 1, A*T]`` (P-EAGLE
     only: h_shared in pre-fc space). Buffers ``d2t [Vd]`` int64 (draft id + d2t =
     target id) and ``t2d [V]`` bool.
+
+    With ``config.frozen_embeddings`` (``drafter.embeddings: frozen``) ``embed_tokens`` does not train
+    and a P-EAGLE drafter has ``mask_embedding [H]`` instead: the mask token's embedding, initialised to
+    the table's row and used wherever the input is the mask token; :meth:`merged_embeddings` is the
+    table with that row in place, what the export ships as ``embed_tokens`` (spec §5).
     """
 
     def __init__(self, config: LlamaConfig):
@@ -188,6 +202,10 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(H, Vd, bias=False)
         if config.parallel_drafting:
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, A * T))
+        if getattr(config, "frozen_embeddings", False):
+            self.embed_tokens.weight.requires_grad_(False)
+            if config.mask_token_id is not None:
+                self.mask_embedding = nn.Parameter(torch.zeros(H))
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if Vd == V else torch.zeros(V, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -243,6 +261,23 @@ class Drafter(nn.Module):
                 nn.init.ones_(m.weight)
         if hasattr(self, "mask_hidden"):
             nn.init.normal_(self.mask_hidden, std=std)
+        self._mask_embedding_from_table()
+
+    @torch.no_grad()
+    def _mask_embedding_from_table(self) -> None:
+        """``mask_embedding`` (frozen embeddings only) := the table's mask row."""
+        if hasattr(self, "mask_embedding"):
+            self.mask_embedding.copy_(self.embed_tokens.weight[self.config.mask_token_id])
+
+    def merged_embeddings(self) -> torch.Tensor:
+        """``[V, H]`` the embedding table the drafter uses: ``embed_tokens`` with, for frozen embeddings, the
+        trained ``mask_embedding`` as the mask token's row (what the export ships)."""
+        w = self.embed_tokens.weight
+        if not hasattr(self, "mask_embedding"):
+            return w
+        w = w.detach().clone()
+        w[self.config.mask_token_id] = self.mask_embedding.detach().to(w.dtype)
+        return w
 
     @torch.no_grad()
     def init_from_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor, draft_ids: torch.Tensor):
@@ -256,6 +291,7 @@ class Drafter(nn.Module):
             raise ValueError(f"target embeddings {tuple(embed_weight.shape)} != drafter {tuple(self.embed_tokens.weight.shape)}")
         self.set_draft_vocab(draft_ids)
         self.embed_tokens.weight.copy_(embed_weight)
+        self._mask_embedding_from_table()
         self.lm_head.weight.copy_(head_weight[draft_ids.to(head_weight.device)])
 
     @torch.no_grad()
@@ -343,6 +379,9 @@ class Drafter(nn.Module):
             Logits are ``lm_head(norm(h))`` (see :meth:`logits`), computed by the loss in chunks.
         """
         emb = self.embed_tokens(token_ids)
+        if hasattr(self, "mask_embedding"):  # frozen table: the mask token's row is the trained parameter
+            emb = torch.where((token_ids == self.config.mask_token_id).unsqueeze(-1), self.mask_embedding.to(emb.dtype),
+                              emb)
         cos, sin = self.rotary_emb(hidden, position_ids[None])
         h = hidden
         new_kv = []

@@ -129,8 +129,8 @@ class Trainer(InTrainingEval, Checkpoints):
         objective = self.method.build_objective(
             drafter, head[self.draft_ids].float(), cfg, attention=self.attention, chain_kernel=self.chain_kernel,
             max_micro_tokens=self.tc.micro_batch_size * max(self.lengths, default=1))
-        opt = torch.optim.AdamW(objective.parameters(), lr=self.tc.lr, betas=tuple(self.tc.betas),
-                                weight_decay=self.tc.weight_decay)
+        trainable = [p for p in objective.parameters() if p.requires_grad]  # drafter.embeddings: frozen leaves one out
+        opt = torch.optim.AdamW(trainable, lr=self.tc.lr, betas=tuple(self.tc.betas), weight_decay=self.tc.weight_decay)
         per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
         self.steps_per_epoch = len(self.train_ids) // per_step
         self.total_steps = self.tc.max_steps or self.steps_per_epoch * self.tc.epochs

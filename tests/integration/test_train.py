@@ -505,6 +505,26 @@ def test_online_features_launched_a_step_ahead_give_the_same_steps(run_dir):
     assert asked[True] == asked[False] and len(asked[True]) == 4  # the same batches, each once
 
 
+def test_frozen_embeddings_train_the_mask_row_alone(run_dir):
+    """drafter.embeddings: frozen: after three steps the embedding table is the target's, unchanged; the
+    mask row (``mask_embedding``) moved; AdamW holds exactly the trainable parameters."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    cfg = _cfg(run_dir, max_steps=3)
+    cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"embeddings": "frozen"})})
+    tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+    drafter = tr.acc.unwrap_model(tr.model).drafter
+    table, mask = drafter.embed_tokens.weight.detach().clone(), drafter.mask_embedding.detach().clone()
+    assert torch.equal(mask, table[63])
+    for _ in range(3):
+        tr.train_step()
+    tr._stop_prefetch()
+    assert torch.equal(drafter.embed_tokens.weight, table)
+    assert not torch.equal(drafter.mask_embedding.detach(), mask)
+    in_opt = {id(p) for g in tr.opt.param_groups for p in g["params"]}
+    assert in_opt == {id(p) for p in drafter.parameters() if p.requires_grad}
+    assert id(drafter.embed_tokens.weight) not in in_opt
+
+
 def test_profile_steps_write_the_phase_summary(run_dir):
     """train.profile_steps: logs/profile.json holds the profiled steps' wall times, the host time of
     each marked phase and the top ops (CPU here), and training is otherwise unchanged."""

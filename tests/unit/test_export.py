@@ -521,3 +521,67 @@ def test_hub_refuses_broken_export_and_missing_token(exported, monkeypatch, fake
     with pytest.raises(HubPushError, match="owner/name"):
         push_to_hub(out, "no-owner")
     assert fake_hub.calls == []
+
+
+# --------------------------------------------------------------------------- drafter.embeddings: frozen
+
+
+def _frozen_pair():
+    """A trainable-embeddings drafter and a frozen-embeddings twin with the same weights."""
+    d = make_drafter()
+    cfg = make_drafter_config(target_config(), aux_layer_ids=AUX, draft_vocab_size=64, mask_token_id=MASK,
+                              num_layers=2, K=K, embeddings="frozen")
+    f = Drafter(cfg)
+    f.load_state_dict(d.state_dict() | {"mask_embedding": d.embed_tokens.weight[MASK].detach().clone()})
+    return d, f.eval()
+
+
+def test_frozen_embeddings_train_only_the_mask_row():
+    """drafter.embeddings: frozen: the table has no gradient and is not a trainable parameter; the mask row
+    is the parameter ``mask_embedding`` (initialised to the table's row), used where the input is the mask
+    token, so a fresh frozen drafter computes what the trainable one does; its gradient is the table
+    gradient's mask row."""
+    d, f = _frozen_pair()
+    assert not f.embed_tokens.weight.requires_grad and f.mask_embedding.requires_grad
+    assert {n for n, p in f.named_parameters() if p.requires_grad} == \
+        {n for n, p in d.named_parameters() if p.requires_grad} - {"embed_tokens.weight"} | {"mask_embedding"}
+    assert torch.equal(grid_logits(f), grid_logits(d))
+    for m in (d, f):
+        m.train()
+        g = torch.Generator().manual_seed(0)
+        N = 24
+        input_ids = torch.randint(0, V - 2, (N,), generator=g)
+        doc_ids = torch.tensor([0] * 14 + [1] * 10)
+        loss_mask = torch.ones(N, dtype=torch.bool)
+        grid = build_grid(input_ids, loss_mask, doc_ids, cod_sample(loss_mask, doc_ids, K, 0.8, 0.3, generator=g), MASK)
+        aux = torch.randn(N, len(AUX) * T, generator=g)
+        h, _ = m(grid.token_ids, m.grid_hidden(aux, grid.hidden_index), grid.position_ids,
+                 make_attn_spec(GridMeta.of(grid), kind="sdpa"))
+        m.logits(h).square().mean().backward()
+    assert f.embed_tokens.weight.grad is None
+    torch.testing.assert_close(f.mask_embedding.grad, d.embed_tokens.weight.grad[MASK], rtol=1e-5, atol=1e-7)
+    assert f.mask_embedding.grad.abs().sum() > 0
+
+
+def test_frozen_embeddings_export_ships_the_trained_mask_row(tmp_path):
+    """The export of a frozen-embeddings drafter ships ``embed_tokens`` with the trained mask row in place
+    (no ``mask_embedding`` key: vLLM's layout) and loads back to the same logits."""
+    _, f = _frozen_pair()
+    with torch.no_grad():
+        f.mask_embedding.add_(0.5)  # "trained"
+    out = export_vllm(f, tmp_path / "x", target_name="tiny/target", target_config=target_config(),
+                      dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(out / "model.safetensors"))
+    assert "mask_embedding" not in sd and "frozen_embeddings" not in json.loads((out / "config.json").read_text())
+    assert torch.equal(sd["embed_tokens.weight"][MASK], f.mask_embedding.detach())
+    assert torch.equal(sd["embed_tokens.weight"][:MASK], f.embed_tokens.weight[:MASK].detach())
+    back = load_exported(out)
+    assert torch.equal(grid_logits(back), grid_logits(f))
+
+
+def test_frozen_embeddings_need_the_targets_width():
+    with pytest.raises(ValueError, match="embeddings: frozen"):
+        make_drafter_config(target_config(), aux_layer_ids=AUX, draft_vocab_size=64, mask_token_id=MASK,
+                            hidden_size=2 * T, allow_hidden_size_mismatch=True, embeddings="frozen")
