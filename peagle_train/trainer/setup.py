@@ -32,6 +32,20 @@ def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed
     return drafter
 
 
+def adamw_implementation(device_type: str, strategy: str) -> dict:
+    """``torch.optim.AdamW`` keyword for its implementation: ``{"fused": True}`` (one kernel over all
+    parameters) on CUDA for a single process or DDP, whose parameters are plain CUDA tensors; ``{}``
+    (torch's default, the multi-tensor ``foreach`` kernels) elsewhere: FSDP2's sharded parameters and
+    DeepSpeed's own partitions. The same update up to rounding. The drafter's AdamW covers every trainable
+    parameter, the V x H embedding table included (1.08B parameters at the GPT-OSS-20B shape), so the
+    implementation is part of the step's time; speculators' reference step uses the fused one
+    (``benchmarks/speculators_ref.py``).
+
+    Example: ``adamw_implementation("cuda", "ddp")`` → ``{"fused": True}``; ``("cpu", "single")`` → ``{}``.
+    """
+    return {"fused": True} if device_type == "cuda" and strategy in ("single", "ddp") else {}
+
+
 def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
     """Deterministic per-(step, rank, micro-batch) CPU generator for COD sampling."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + rank) * 101 + micro)

@@ -67,7 +67,7 @@ from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.trainer.checkpoints import Checkpoints
 from peagle_train.trainer.evaluation import InTrainingEval
 from peagle_train.trainer.profiling import StepProfiler
-from peagle_train.trainer.setup import build_drafter, epoch_order, resolve_attention, step_generator
+from peagle_train.trainer.setup import adamw_implementation, build_drafter, epoch_order, resolve_attention, step_generator
 
 
 class Trainer(InTrainingEval, Checkpoints):
@@ -130,7 +130,8 @@ class Trainer(InTrainingEval, Checkpoints):
             drafter, head[self.draft_ids].float(), cfg, attention=self.attention, chain_kernel=self.chain_kernel,
             max_micro_tokens=self.tc.micro_batch_size * max(self.lengths, default=1))
         trainable = [p for p in objective.parameters() if p.requires_grad]  # drafter.embeddings: frozen leaves one out
-        opt = torch.optim.AdamW(trainable, lr=self.tc.lr, betas=tuple(self.tc.betas), weight_decay=self.tc.weight_decay)
+        opt = torch.optim.AdamW(trainable, lr=self.tc.lr, betas=tuple(self.tc.betas), weight_decay=self.tc.weight_decay,
+                                **adamw_implementation(self.device.type, self.layout.strategy))
         per_step = self.tc.micro_batch_size * self.grad_accum * self.acc.num_processes
         self.steps_per_epoch = len(self.train_ids) // per_step
         self.total_steps = self.tc.max_steps or self.steps_per_epoch * self.tc.epochs

@@ -525,6 +525,19 @@ def test_frozen_embeddings_train_the_mask_row_alone(run_dir):
     assert id(drafter.embed_tokens.weight) not in in_opt
 
 
+def test_adamw_is_fused_on_cuda_for_plain_parameters_only(run_dir):
+    """One fused AdamW kernel on CUDA for a single process or DDP; torch's default elsewhere (FSDP2's
+    sharded and DeepSpeed's partitioned parameters; the CPU); the trainer builds what it says."""
+    from peagle_train.trainer.setup import adamw_implementation
+
+    assert adamw_implementation("cuda", "single") == adamw_implementation("cuda", "ddp") == {"fused": True}
+    assert adamw_implementation("cuda", "fsdp2") == adamw_implementation("cuda", "deepspeed") == {}
+    assert adamw_implementation("cpu", "single") == {}
+    data, feats, tconf = _cached_inputs(run_dir)
+    tr = Trainer(_cfg(run_dir, max_steps=1), data, feats, tconf, [1, 3, 4])
+    assert not tr.opt.param_groups[0].get("fused")
+
+
 def test_profile_steps_write_the_phase_summary(run_dir):
     """train.profile_steps: logs/profile.json holds the profiled steps' wall times, the host time of
     each marked phase and the top ops (CPU here), and training is otherwise unchanged."""
