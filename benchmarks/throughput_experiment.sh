@@ -155,9 +155,11 @@ PY
     py benchmarks/trainer_throughput.py "$WORK/runs/plain" "$WORK/runs/zero2" "$WORK/runs/fsdp2" \
       --names plain zero2 fsdp2 --skip 10 --reference plain --out "$out" ;;
   gptoss)  # OUT.json [flags]: the trainer's step at the GPT-OSS-20B drafter shape, N = 8,192, beside speculators 0.9.0
-    # in the same process (stage with SPECULATORS=1); issue 19's 1.8x row
+    # in the same process (stage with SPECULATORS=1); issue 19's 1.8x row. The same trainable set as speculators'
+    # reference step: embeddings trained, lm_head frozen (--lm-head frozen; drafter.lm_head in a recipe)
     out=${2:?out.json}; shift 2
-    py benchmarks/train_step.py --shape gpt-oss-20b --seq-len 8192 --compile on --attention flex --chain-kernel triton \
+    py benchmarks/train_step.py --shape gpt-oss-20b --seq-len 8192 --lm-head frozen --compile on --attention flex \
+      --chain-kernel triton \
       --chain-tiling docs/data/chain_kernel_s6.json --reference speculators --steps 10 --warmup 3 --out "$out" "$@" ;;
   long)  # OUT.json [flags]: the long-context rows, N = 131,072 (and 262,144 with --seq-len), partitions planned
     out=${2:?out.json}; shift 2

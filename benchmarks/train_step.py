@@ -214,7 +214,8 @@ def build_trainer(args, N: int, train: dict, device, out_dir: str) -> Trainer:
         "output_dir": out_dir,
         "target": {"name": f"synthetic {args.shape}", "path": "<synthetic: benchmarks/train_step.py>",
                    "aux_layer_ids": AUX_LAYER_IDS},
-        "drafter": {"num_layers": DRAFTER_LAYERS, "draft_vocab_size": draft_vocab(args), "mask_token_id": V - 1},
+        "drafter": {"num_layers": DRAFTER_LAYERS, "draft_vocab_size": draft_vocab(args), "mask_token_id": V - 1,
+                    "embeddings": args.embeddings, "lm_head": args.lm_head},
         "train": train, "eval": {"k_max": min(args.K, 7)}}, "benchmarks/train_step.py")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if args.data_from:  # real prepared sequences: the same micro-batches, lengths and COD samples as the trainer's
@@ -637,6 +638,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=None, help="drafter.draft_vocab_size Vd (default: the shape's)")
     ap.add_argument("--seq-len", "--N", dest="n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--K", type=int, default=8, help="train.K")
+    ap.add_argument("--embeddings", choices=["trainable", "frozen"], default="trainable", help="drafter.embeddings")
+    ap.add_argument("--lm-head", choices=["trainable", "frozen"], default="trainable",
+                    help="drafter.lm_head (frozen: the trainable set of speculators' P-EAGLE reference step)")
     ap.add_argument("--r", type=float, default=0.7, help="train.cod_r")
     ap.add_argument("--r-min", type=float, default=0.2, help="train.cod_r_min")
     ap.add_argument("--partitions", type=str, nargs="+", default=None,

@@ -90,6 +90,10 @@ class DrafterConfig(Section):
         "trains (a separate parameter, merged into the shipped embed_tokens at export; EAGLE-3: the whole table "
         "frozen). Drops V x H parameters from AdamW, the gradients and the portable state (SmolLM2: 28.3M of "
         "72.3M; GPT-OSS-20B: 579M); PERF_NOTES lead 4. Needs H == T (the table comes from the target).")
+    lm_head: Literal["trainable", "frozen"] = Field(
+        "trainable", description="'trainable': the drafter's lm_head (the target head's draft-vocab rows) is trained. "
+        "'frozen': it keeps the target's rows (speculators' P-EAGLE default; the loss then needs only the input "
+        "gradient of the head: 4 instead of 6 FLOP per weight and element). Needs H == T.")
 
 
 class TrainConfig(Section):

@@ -114,6 +114,7 @@ def make_drafter_config(
     K: int = 8,
     allow_hidden_size_mismatch: bool = False,
     embeddings: str = "trainable",
+    lm_head: str = "trainable",
 ) -> LlamaConfig:
     """Drafter ``LlamaConfig`` from the target's, carrying the P-EAGLE extras.
 
@@ -122,7 +123,8 @@ def make_drafter_config(
     ``target_hidden_size``, ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``,
     ``mask_token_id`` (None for EAGLE-3), ``parallel_drafting``, ``num_parallel_depths`` (K),
     ``frozen_embeddings`` (``embeddings == "frozen"``: :class:`Drafter` keeps its table fixed and trains the
-    mask row alone; never exported: the export ships the merged table).
+    mask row alone; never exported: the export ships the merged table), ``frozen_lm_head``
+    (``lm_head == "frozen"``; never exported).
 
     Raises:
         ValueError: ``H != T`` without ``allow_hidden_size_mismatch`` (spec §5 decision),
@@ -140,6 +142,11 @@ def make_drafter_config(
     if embeddings == "frozen" and H != T:
         raise ValueError(f"drafter.embeddings: frozen keeps the target's embedding rows, which need hidden_size {H} "
                          f"== the target's {T}; use drafter.embeddings: trainable")
+    if lm_head not in ("trainable", "frozen"):
+        raise ValueError(f"drafter.lm_head must be 'trainable' or 'frozen', got {lm_head!r}")
+    if lm_head == "frozen" and H != T:
+        raise ValueError(f"drafter.lm_head: frozen keeps the target head's rows, which need hidden_size {H} == the "
+                         f"target's {T}; use drafter.lm_head: trainable")
     nh = num_attention_heads or target_config.num_attention_heads
     hd = head_dim or getattr(target_config, "head_dim", None) or T // target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None)
@@ -172,6 +179,7 @@ def make_drafter_config(
     cfg.num_parallel_depths = K
     cfg.allow_hidden_size_mismatch = allow_hidden_size_mismatch
     cfg.frozen_embeddings = embeddings == "frozen"
+    cfg.frozen_lm_head = lm_head == "frozen"
     return cfg
 
 
@@ -202,6 +210,8 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(H, Vd, bias=False)
         if config.parallel_drafting:
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, A * T))
+        if getattr(config, "frozen_lm_head", False):
+            self.lm_head.weight.requires_grad_(False)
         if getattr(config, "frozen_embeddings", False):
             self.embed_tokens.weight.requires_grad_(False)
             if config.mask_token_id is not None:

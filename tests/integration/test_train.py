@@ -525,6 +525,22 @@ def test_frozen_embeddings_train_the_mask_row_alone(run_dir):
     assert id(drafter.embed_tokens.weight) not in in_opt
 
 
+def test_frozen_lm_head_keeps_the_targets_rows(run_dir):
+    """drafter.lm_head: frozen: three steps leave the lm_head (the target head's draft rows) unchanged and
+    out of AdamW; the rest trains."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    cfg = _cfg(run_dir, max_steps=3)
+    cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"lm_head": "frozen"})})
+    tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+    drafter = tr.acc.unwrap_model(tr.model).drafter
+    head, fc = drafter.lm_head.weight.detach().clone(), drafter.fc.weight.detach().clone()
+    for _ in range(3):
+        tr.train_step()
+    tr._stop_prefetch()
+    assert torch.equal(drafter.lm_head.weight, head) and not torch.equal(drafter.fc.weight.detach(), fc)
+    assert id(drafter.lm_head.weight) not in {id(p) for g in tr.opt.param_groups for p in g["params"]}
+
+
 def test_adamw_is_fused_on_cuda_for_plain_parameters_only(run_dir):
     """One fused AdamW kernel on CUDA for a single process or DDP; torch's default elsewhere (FSDP2's
     sharded and DeepSpeed's partitioned parameters; the CPU); the trainer builds what it says."""

@@ -581,7 +581,8 @@ def test_frozen_embeddings_export_ships_the_trained_mask_row(tmp_path):
     assert torch.equal(grid_logits(back), grid_logits(f))
 
 
-def test_frozen_embeddings_need_the_targets_width():
-    with pytest.raises(ValueError, match="embeddings: frozen"):
-        make_drafter_config(target_config(), aux_layer_ids=AUX, draft_vocab_size=64, mask_token_id=MASK,
-                            hidden_size=2 * T, allow_hidden_size_mismatch=True, embeddings="frozen")
+def test_frozen_embeddings_and_head_need_the_targets_width():
+    for key in ("embeddings", "lm_head"):
+        with pytest.raises(ValueError, match=f"{key}: frozen"):
+            make_drafter_config(target_config(), aux_layer_ids=AUX, draft_vocab_size=64, mask_token_id=MASK,
+                                hidden_size=2 * T, allow_hidden_size_mismatch=True, **{key: "frozen"})
