@@ -51,6 +51,11 @@ def stage_lines(name: str):
     raises prints no end line. Lines go to stdout, only when the call's ``progress`` argument is
     true (``--quiet`` silences them) and only on the main process of a distributed launch
     (``RANK`` unset or 0), so every stage of ``peagle-train run`` is announced once.
+
+    Every finished stage also appends one record to ``<output_dir>/logs/stages.jsonl`` (main process,
+    quiet or not): ``{"stage", "seconds", "reused", "peak_gpu_bytes", "at"}`` -- the wall time and, on
+    CUDA, the peak memory torch allocated on this process's GPU during the stage (reset at its start;
+    None without CUDA), so a run's per-stage time and memory table reads from one file.
     """
     def wrap(fn):
         sig = inspect.signature(fn)
@@ -64,16 +69,52 @@ def stage_lines(name: str):
                 print(f"{name}: started", flush=True)
             note: list[str] = []
             token = _OUTCOME.set(note)
+            cuda = _cuda_ready()
+            if cuda:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             try:
                 result = fn(*args, **kwargs)
             finally:
                 _OUTCOME.reset(token)
+            seconds = time.perf_counter() - t0
             if show:
-                print(f"{name}: {note[0] if note else f'done in {time.perf_counter() - t0:.1f} s'}", flush=True)
+                print(f"{name}: {note[0] if note else f'done in {seconds:.1f} s'}", flush=True)
+            _record_stage(bound.arguments.get("cfg"), name, seconds, bool(note), cuda)
             return result
         return run
     return wrap
+
+
+def _cuda_ready() -> bool:
+    """CUDA is there (peak memory is then recorded per stage)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 -- no torch, no CUDA driver: nothing to record
+        return False
+
+
+def _record_stage(cfg, name: str, seconds: float, reused: bool, cuda: bool) -> None:
+    """Append the stage's record to ``<cfg.output_dir>/logs/stages.jsonl`` (main process only; see
+    :func:`stage_lines`). Without an ``output_dir`` nothing is written."""
+    out = getattr(cfg, "output_dir", None)
+    if out is None or int(os.environ.get("RANK", "0")) != 0:
+        return
+    peak = None
+    if cuda:
+        import torch
+
+        peak = int(torch.cuda.max_memory_allocated())
+    logs = Path(out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rec = {"stage": name, "seconds": round(seconds, 3), "reused": reused, "peak_gpu_bytes": peak,
+           "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(logs / "stages.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def stamp_differences(cfg: RunConfig, stamp: dict) -> list[str]:

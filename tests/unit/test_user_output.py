@@ -78,6 +78,10 @@ def test_prepare_prints_start_and_end_lines_then_reused(prepared, capsys):
     assert capsys.readouterr().out.splitlines() == ["prepare: started", "prepare: reused (data/meta.json exists)"]
     stages.run_prepare(prepared, progress=False)
     assert "prepare:" not in capsys.readouterr().out
+    # every finished stage, quiet or not, appends its record: wall time, reused, peak GPU memory (no CUDA: None)
+    recs = [json.loads(x) for x in (Path(prepared.output_dir) / "logs" / "stages.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["reused"]) for r in recs] == [("prepare", False), ("prepare", True), ("prepare", True)]
+    assert recs[0]["seconds"] > 0 and all(r["peak_gpu_bytes"] is None for r in recs)
 
 
 def test_every_meta_json_field_is_documented(prepared):
