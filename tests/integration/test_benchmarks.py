@@ -6,8 +6,11 @@ block-mask counts of ``mask_density.py``. ``--compile`` is exercised numerically
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.usefixtures("torch_single_thread")
@@ -318,3 +321,28 @@ def test_train_step_data_from_refuses_ids_outside_the_shape(bench, tmp_path):
     with pytest.raises(SystemExit, match=r"token id 600 .* vocabulary of 512"):
         bench.main(["--shape", "tiny", "--data-from", str(tmp_path / "run"), "--out", str(tmp_path / "b.json")])
     assert not (tmp_path / "b.json").exists()
+
+
+def test_real_shape_experiment_cpu_smoke(tmp_path):
+    """``TINY=1 bash benchmarks/real_shape_experiment.sh run ARCH`` then ``summary``: every stage of the recipe
+    runs through peagle-train (tiny Llama-3.1 configuration on CPU), check passes, and the summary holds the
+    per-stage records, both trainers' tokens/s and the cache's bytes per token."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TINY": "1", "WORK": str(tmp_path / "work"), "PEAGLE_CACHE": str(tmp_path / "cache")}
+    script = str(ROOT / "benchmarks" / "real_shape_experiment.sh")
+    run = subprocess.run(["bash", script, "run", "llama-3.1-8b", "--quiet"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0 and "check: passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    out = tmp_path / "summary.json"
+    subprocess.run(["bash", script, "summary", str(out), "llama-3.1-8b"], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=300)
+    runs = json.loads(out.read_text())["runs"]["llama-3.1-8b"]
+    assert [s["stage"] for s in runs["llama-3.1-8b"]["stages"]] == ["prepare", "cache", "train", "export", "eval"]
+    assert [s["stage"] for s in runs["llama-3.1-8b-online"]["stages"]] == ["train"]
+    for name in ("llama-3.1-8b", "llama-3.1-8b-online"):
+        assert runs[name]["trainer"]["tokens_per_s"] > 0, runs[name]["trainer"]
+    assert {c["split"] for c in runs["llama-3.1-8b"]["cache"]} == {"train", "eval"}
+    assert all(c["bytes_per_token"] > 0 for c in runs["llama-3.1-8b"]["cache"])
+    assert "OK" in runs["llama-3.1-8b"]["check"]

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The production recipes end to end at their REAL shapes with RANDOM weights on one GPU (docs/real_shapes.md;
+# issue 22): recipes/gpt-oss-20b.yaml against a target built from the real GPT-OSS-20B configuration (mixture of
+# experts, alternating sliding-window / full attention, 201,088-token vocabulary) and recipes/llama-3.1-8b.yaml
+# against Llama-3.1-8B's (dense, 128,256), each with its stand-in tokenizer (real vocabulary size, special ids and
+# chat template). Every stage runs through `peagle-train`; nothing is copied.
+#
+#   bash benchmarks/throughput_experiment.sh stage          # HERE (CPU): .gpu/ (wheels, ShareGPT prompts)
+#   bash benchmarks/real_shape_experiment.sh setup          # GPU: wheels into /tmp/site
+#   bash benchmarks/real_shape_experiment.sh run ARCH [override ...]
+#        # ARCH = gpt-oss-20b | llama-3.1-8b. In $WORK/ARCH: prepare (regeneration of the prompts by the target,
+#        # capped), cache (bf16), train on the cache, export, check, eval; then train with online features on
+#        # the same prepared data in $WORK/ARCH-online. Stages already done are reused (a call may stop at its
+#        # time limit and the next call continues). Overrides apply to every stage.
+#   bash benchmarks/real_shape_experiment.sh summary OUT.json ARCH [ARCH ...]
+#        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s
+#        # (trainer_throughput.py), the cache's bytes per token, check's verdict
+#
+# TINY=1 runs the same on a CPU with the tiny configurations of the same architectures (a smoke of this script;
+# tests/integration/test_real_shapes_cpu.py pins the pipeline itself).
+set -euo pipefail
+WORK=${WORK:-/tmp/peagle_real_shapes}
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+cli() { if [ -x .venv/bin/peagle-train ]; then .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
+py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
+
+arch_overrides() {  # ARCH -> the recipe and the overrides that make it run here (printed one per line)
+  local tiny=""; [ "${TINY:-0}" = 1 ] && tiny="-tiny"
+  case "$1" in
+    gpt-oss-20b) echo recipes/gpt-oss-20b.yaml; echo "target.random_init_from_config=pkg:peagle_train/gpt-oss-20b$tiny.json"
+                 echo "target.tokenizer=stand-in:gpt-oss" ;;
+    llama-3.1-8b) echo recipes/llama-3.1-8b.yaml
+                  echo "target.random_init_from_config=pkg:peagle_train/llama-3.1-8b${tiny:+-tiny}.json"
+                  echo "target.tokenizer=stand-in:llama-3.1" ;;
+    *) echo "unknown ARCH $1 (gpt-oss-20b | llama-3.1-8b)" >&2; return 2 ;;
+  esac
+  echo target.path=null
+  if [ "${TINY:-0}" = 1 ]; then
+    printf '%s\n' target.dtype=float32 target.device=cpu target.attn_implementation=eager data.source=sharegpt \
+      data.num_conversations=6 data.max_length=640 data.eval_fraction=0.34 regen.max_new_tokens=8 \
+      drafter.draft_vocab_size=1024 train.K=3 train.partitions=1 "train.mixed_precision='no'" \
+      train.activation_checkpointing=false train.max_steps=8 eval.max_new_tokens=6
+  else  # one GPU, a few hundred prompts, answers capped; the recipe's drafter, K and partitions otherwise
+    printf '%s\n' target.dtype=bfloat16 data.source=sharegpt data.path=.gpu/sharegpt_prompts.json \
+      data.num_conversations=256 data.max_length=8192 data.eval_fraction=0.05 regen.max_new_tokens=256 \
+      train.max_steps=40 eval.max_new_tokens=32
+  fi
+  printf '%s\n' data.max_prompt_tokens=2048 regen.batch_size=64 train.epochs=1 train.global_batch_size=null \
+    "train.report_to=[]" train.eval_sequences=2 train.eval_every=null train.save_every=null \
+    "eval.datasets=[mt_bench]" eval.num_prompts=2 eval.k_max=3 eval.both_turns=false
+}
+
+case "${1:?step}" in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+      torch.cuda.get_device_name())" ;;
+  run)  # ARCH [override ...]
+    arch=${2:?arch}; shift 2
+    mapfile -t A < <(arch_overrides "$arch")
+    d="$WORK/$arch"
+    cli run "${A[@]}" "output_dir=$d" train.features=cache "$@"
+    cli check "$d/export" --target "$(py -c "import sys; from peagle_train.recipe import load_config
+from peagle_train.features.target import materialise_target
+print(materialise_target(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--')]).target)
+      / 'config.json')" "${A[@]}" "$@")" \
+      > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
+    o="$WORK/$arch-online"
+    mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
+    cli train "${A[@]}" "output_dir=$o" train.features=online "$@" ;;
+  summary)  # OUT.json ARCH [ARCH ...]
+    out=${2:?out.json}; shift 2
+    py - "$out" "$WORK" "$@" <<'PY'
+import json, subprocess, sys
+from pathlib import Path
+out, work, arches = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+rows = {}
+for arch in arches:
+    row = {}
+    for name, d in ((arch, work / arch), (f"{arch}-online", work / f"{arch}-online")):
+        f = d / "logs" / "stages.jsonl"
+        row[name] = {"stages": [json.loads(x) for x in f.read_text().splitlines()] if f.is_file() else []}
+        if (d / "train_metrics.json").is_file() or (d / "logs" / "steps.jsonl").is_file():
+            s = subprocess.run([sys.executable, "benchmarks/trainer_throughput.py", str(d), "--names", name,
+                                "--skip", "5", "--out", str(d / "logs" / "throughput.json")], capture_output=True, text=True)
+            t = d / "logs" / "throughput.json"
+            row[name]["trainer"] = json.loads(t.read_text())[0] if t.is_file() else {"error": s.stderr[-500:]}
+        manifest = sorted((d / "features").glob("*/manifest.json"))
+        row[name]["cache"] = [{"split": m.parent.name, **{k: json.loads(m.read_text()).get(k) for k in
+                               ("dtype", "total_tokens", "total_bytes", "bytes_per_token")}} for m in manifest]
+        check = d / "logs" / "check.txt"
+        row[name]["check"] = check.read_text()[-2000:] if check.is_file() else None
+    rows[arch] = row
+Path(out).write_text(json.dumps({"random_weights": True, "work": str(work), "runs": rows}, indent=1))
+print(json.dumps({a: {n: [(s["stage"], s["seconds"], s["peak_gpu_bytes"]) for s in r["stages"]]
+                      for n, r in row.items()} for a, row in rows.items()}))
+PY
+    ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac
