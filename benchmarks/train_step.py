@@ -116,6 +116,7 @@ from transformers import LlamaConfig  # noqa: E402
 
 import peagle_train.kernels.attention as attention_mod  # noqa: E402
 import peagle_train.kernels.loss as loss_mod  # noqa: E402
+from peagle_train.core.gc_control import manual_collection  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import dense_attention_with_lse  # noqa: E402
 from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING  # noqa: E402
@@ -335,6 +336,8 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     objective = trainer.acc.unwrap_model(trainer.model)
     probe = GridProbe(objective)
     gc.callbacks.append(gc_clock)
+    collector = manual_collection(tc.gc_every)  # the collector as fit() runs it (train.gc_every)
+    collector.__enter__()
     try:
         if cuda:
             torch.cuda.empty_cache()
@@ -366,6 +369,7 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
         E, keys = grid_counts(probe.grids, tc.K)  # the last step's grid
         S = len(probe.grids)
     finally:
+        collector.__exit__(None, None, None)
         probe.close()
         gc.callbacks.remove(gc_clock)
     drafter = objective.drafter

@@ -30,6 +30,7 @@ _TRAINED = ("drafter", "checkpoints", "export", "eval", "train_metrics.json")  #
 _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", "train.save_every",
                       "train.keep_last", "train.eval_sequences", "train.max_minutes",
                       "train.profile_steps", "train.profile_start",  # what is recorded, not what is trained
+                      "train.gc_every",  # when Python's garbage collector runs
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
 #: the running stage's end line when it did no work (set by :func:`_reused`), None outside a stage

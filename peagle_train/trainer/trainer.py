@@ -39,6 +39,7 @@ from peagle_train.core.atomic import finite_or_none, write_json_atomic, write_te
 from peagle_train.core.config import ConfigError
 from peagle_train.core.device import to_device
 from peagle_train.core.errors import SkippedStepsError
+from peagle_train.core.gc_control import full_collection, manual_collection, young_collection
 from peagle_train.core.tracking import flat_metrics, peak_memory
 from peagle_train.distributed.accelerator import make_accelerator
 from peagle_train.distributed.batches import rank_batches
@@ -351,6 +352,7 @@ class Trainer(InTrainingEval, Checkpoints):
         rec.update(peak_memory())
         if not (math.isfinite(rec["loss"]) and math.isfinite(grad_norm)):
             self._warn_nonfinite(rec)
+        young_collection(self.step, self.tc.gc_every)  # generations 0-1 only (train.gc_every): no full pause
         return rec
 
     def _warn_nonfinite(self, rec: dict) -> None:
@@ -473,12 +475,18 @@ class Trainer(InTrainingEval, Checkpoints):
 
     def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
         """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
-        (a planned interruption: the schedule still targets ``total_steps``).
+        (a planned interruption: the schedule still targets ``total_steps``). Python's garbage collector
+        runs as ``train.gc_every`` says (:mod:`peagle_train.core.gc_control`): its full collections only
+        between steps.
 
         Raises:
             SkippedStepsError: more than ``train.max_skipped_steps`` skipped steps in the run
                 (:meth:`_check_skipped`); the last checkpoint is left as it was.
         """
+        with manual_collection(self.tc.gc_every):
+            return self._fit(progress, stop_at)
+
+    def _fit(self, progress: bool, stop_at: int | None) -> dict | None:
         from tqdm import tqdm
 
         self.acc.init_trackers("peagle_train", init_kwargs={"wandb": {
@@ -511,8 +519,11 @@ class Trainer(InTrainingEval, Checkpoints):
             if self.tc.eval_every and self.step % self.tc.eval_every == 0 and self.step < self.total_steps:
                 with record_function("peagle/eval"):
                     ev = self.evaluate()
+                    full_collection(None, self.tc.gc_every)  # between steps, with the evaluation's time
                 rec.update(ev)
                 self._log(ev, "eval")
+            else:
+                full_collection(self.step, self.tc.gc_every)  # every 20 x gc_every steps, between steps
             profiler.after_step(self.step - 1)
             if step_log is not None:
                 step_log.write(json.dumps(finite_or_none(rec)) + "\n")

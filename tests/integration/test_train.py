@@ -554,6 +554,38 @@ def test_adamw_is_fused_on_cuda_for_plain_parameters_only(run_dir):
     assert not tr.opt.param_groups[0].get("fused")
 
 
+def test_no_full_garbage_collection_inside_a_training_step(run_dir):
+    """train.gc_every: during fit Python's collector is off; young collections run inside steps every
+    gc_every steps, full ones never inside a step; the collector is back on after fit."""
+    import gc
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    tr = Trainer(_cfg(run_dir, max_steps=6, gc_every=2), data, feats, tconf, [1, 3, 4])
+    inside, seen = [False], []
+    step = tr.train_step
+
+    def marked():
+        inside[0] = True
+        try:
+            return step()
+        finally:
+            inside[0] = False
+
+    def cb(phase, info):
+        if phase == "stop":
+            seen.append((info["generation"], inside[0]))
+
+    tr.train_step = marked
+    gc.callbacks.append(cb)
+    try:
+        tr.fit(progress=False)
+    finally:
+        gc.callbacks.remove(cb)
+    assert (2, True) not in seen, seen
+    assert seen.count((1, True)) >= 3  # after steps 2, 4, 6
+    assert gc.isenabled()
+
+
 def test_profile_steps_write_the_phase_summary(run_dir):
     """train.profile_steps: logs/profile.json holds the profiled steps' wall times, the host time of
     each marked phase and the top ops (CPU here), and training is otherwise unchanged."""
