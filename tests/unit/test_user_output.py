@@ -149,9 +149,10 @@ def test_training_bar_labels_its_al_as_the_train_batch_simulation(capsys):
     fake = SimpleNamespace(acc=acc, out=Path("unused"), cfg=SimpleNamespace(model_dump=lambda **k: {}),
                            total_steps=2, step=0, elapsed_before=0.0, history=[], train_step=train_step,
                            tc=SimpleNamespace(method="peagle", max_minutes=None, log_every=100, eval_every=0,
-                                              save_every=0, profile_steps=0, profile_start=0),
+                                              save_every=0, profile_steps=0, profile_start=0, gc_every=None),
                            _log=lambda *a: None, evaluate=lambda: {"eval_sim_al": 1.5}, _stop_prefetch=lambda: None,
                            _open_step_log=lambda: None, save_state_out=lambda: None)
+    fake._fit = lambda progress, stop_at: Trainer._fit(fake, progress, stop_at)
     assert Trainer.fit(fake, progress=True) == {"eval_sim_al": 1.5}
     err = capsys.readouterr().err
     assert "sim_al(train)=1.64" in err and " al=" not in err and "loss=0.500" in err
