@@ -70,10 +70,10 @@ def stage_lines(name: str):
                 print(f"{name}: started", flush=True)
             note: list[str] = []
             token = _OUTCOME.set(note)
-            cuda = _cuda_ready()
-            if cuda:
-                import torch
+            import torch
 
+            cuda = torch.cuda.is_available()
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             try:
@@ -83,33 +83,20 @@ def stage_lines(name: str):
             seconds = time.perf_counter() - t0
             if show:
                 print(f"{name}: {note[0] if note else f'done in {seconds:.1f} s'}", flush=True)
-            _record_stage(bound.arguments.get("cfg"), name, seconds, bool(note), cuda)
+            _record_stage(bound.arguments.get("cfg"), name, seconds, bool(note),
+                          int(torch.cuda.max_memory_allocated()) if cuda else None)
             return result
         return run
     return wrap
 
 
-def _cuda_ready() -> bool:
-    """CUDA is there (peak memory is then recorded per stage)."""
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 -- no torch, no CUDA driver: nothing to record
-        return False
-
-
-def _record_stage(cfg, name: str, seconds: float, reused: bool, cuda: bool) -> None:
+def _record_stage(cfg, name: str, seconds: float, reused: bool, peak: int | None) -> None:
     """Append the stage's record to ``<cfg.output_dir>/logs/stages.jsonl`` (main process only; see
-    :func:`stage_lines`). Without an ``output_dir`` nothing is written."""
+    :func:`stage_lines`); ``peak``: bytes torch allocated on the GPU at most during the stage, None
+    without CUDA. Without an ``output_dir`` nothing is written."""
     out = getattr(cfg, "output_dir", None)
     if out is None or int(os.environ.get("RANK", "0")) != 0:
         return
-    peak = None
-    if cuda:
-        import torch
-
-        peak = int(torch.cuda.max_memory_allocated())
     logs = Path(out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rec = {"stage": name, "seconds": round(seconds, 3), "reused": reused, "peak_gpu_bytes": peak,

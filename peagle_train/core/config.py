@@ -206,8 +206,8 @@ class TrainConfig(Section):
         "either way (they depend on the step alone); off = built at the start of each step.")
     gc_every: int | None = Field(
         50, ge=1, description="Python's automatic garbage collector off during training: the young generations "
-        "are collected every gc_every optimizer steps and the whole heap only between steps (checkpoints, "
-        "evaluations, every 20 x gc_every steps), so no full-collection pause (1.5 s seen at N = 131,072) "
+        "are collected every gc_every optimizer steps and the whole heap only between steps (after "
+        "in-training evaluations, every 20 x gc_every steps), so no full-collection pause (1.5 s seen at N = 131,072) "
         "falls inside a step (peagle_train.core.gc_control). null: Python's automatic collector.")
     log_every: int = Field(10, ge=1)
     profile_steps: int = Field(

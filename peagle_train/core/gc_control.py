@@ -5,7 +5,7 @@ survived younger ones; in a training process holding millions of objects (tokeni
 history, compiled graphs) one such pause took 1.5 s inside a 38-s step at N = 131,072 on an H200
 (docs/benchmarks.md). As torchtitan does, training turns the automatic collector off and collects
 itself: the young generations (0 and 1) every ``every`` optimizer steps, which is cheap, and the whole
-heap only between steps where time is not measured (at checkpoints, in-training evaluations, and every
+heap only between steps where time is not measured (after in-training evaluations, and every
 :data:`FULL_EVERY` × ``every`` steps in the loop). Objects alive when training starts are frozen
 (``gc.freeze``): no collection scans them again.
 """
@@ -48,7 +48,7 @@ def young_collection(step: int, every: int | None) -> bool:
 
 def full_collection(step: int | None, every: int | None) -> bool:
     """A full collection between steps: at ``step`` a multiple of ``FULL_EVERY * every``, or always with
-    ``step`` None (checkpoints, evaluations); only inside :func:`manual_collection`. Returns whether it ran."""
+    ``step`` None (after an in-training evaluation); only inside :func:`manual_collection`. Returns whether it ran."""
     if not every or gc.isenabled() or (step is not None and step % (FULL_EVERY * every)):
         return False
     gc.collect()

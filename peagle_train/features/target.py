@@ -334,9 +334,6 @@ class Target:
         finally:
             for h in handles:
                 h.remove()
-        for i in self.aux_layer_ids:
-            if i == len(layers):
-                got[i] = got["last"]
         aux = torch.cat([got[i] for i in self.aux_layer_ids], dim=-1)
         argmax = out.logits.argmax(-1) if sharded else self.greedy_tokens(got["last"])
         return {"aux": aux, "last": got["last"], "argmax": argmax}

@@ -128,7 +128,8 @@ def make_drafter_config(
 
     Raises:
         ValueError: ``H != T`` without ``allow_hidden_size_mismatch`` (spec §5 decision),
-            ``embeddings`` not ``trainable``/``frozen`` or ``frozen`` with ``H != T``, or fewer than 1 layer.
+            ``embeddings`` or ``lm_head`` not ``trainable``/``frozen``, or ``frozen`` with ``H != T``, or fewer
+            than 1 layer.
     """
     T = target_config.hidden_size
     H = hidden_size or T
@@ -137,16 +138,12 @@ def make_drafter_config(
             f"drafter.hidden_size={H} differs from the target hidden size {T}; set "
             "drafter.allow_hidden_size_mismatch: true to opt in (needs vLLM >= 0.33)"
         )
-    if embeddings not in ("trainable", "frozen"):
-        raise ValueError(f"drafter.embeddings must be 'trainable' or 'frozen', got {embeddings!r}")
-    if embeddings == "frozen" and H != T:
-        raise ValueError(f"drafter.embeddings: frozen keeps the target's embedding rows, which need hidden_size {H} "
-                         f"== the target's {T}; use drafter.embeddings: trainable")
-    if lm_head not in ("trainable", "frozen"):
-        raise ValueError(f"drafter.lm_head must be 'trainable' or 'frozen', got {lm_head!r}")
-    if lm_head == "frozen" and H != T:
-        raise ValueError(f"drafter.lm_head: frozen keeps the target head's rows, which need hidden_size {H} == the "
-                         f"target's {T}; use drafter.lm_head: trainable")
+    for key, value in (("embeddings", embeddings), ("lm_head", lm_head)):
+        if value not in ("trainable", "frozen"):
+            raise ValueError(f"drafter.{key} must be 'trainable' or 'frozen', got {value!r}")
+        if value == "frozen" and H != T:
+            raise ValueError(f"drafter.{key}: frozen keeps the target's rows, which need hidden_size {H} == the "
+                             f"target's {T}; use drafter.{key}: trainable")
     nh = num_attention_heads or target_config.num_attention_heads
     hd = head_dim or getattr(target_config, "head_dim", None) or T // target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None)

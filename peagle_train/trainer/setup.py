@@ -2,6 +2,8 @@
 device, and the deterministic data order and COD generators (same on every launch of a run)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from peagle_train.methods import get_method
@@ -51,6 +53,8 @@ def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generat
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + rank) * 101 + micro)
 
 
+@functools.lru_cache(maxsize=4)
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """Deterministic shuffle of ``range(n)`` for an epoch."""
+    """Deterministic shuffle of ``range(n)`` for an epoch. Cached (every step asks for it, the trainer
+    twice with online features: its own micro-batches and the next step's): callers only read it."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
