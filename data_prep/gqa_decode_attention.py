@@ -5,8 +5,8 @@ transformers' SDPA attention (``integrations.sdpa_attention``) expands the group
 one per query head (``repeat_kv``) whenever an attention mask is given on CUDA, because PyTorch's
 masked kernels take no grouped heads. A left-padded batch over a static KV cache always has a mask, so
 every decoding step copies the whole cache ``H / Hkv`` times (3× for SmolLM2: 9 query heads, 3 KV
-heads) and then reads the copy: at a batch of 512 over a 2,560-position cache that is ~120 GB of memory
-traffic per step for a 135M-parameter model (docs/benchmarks.md, "Regeneration on one H200").
+heads) and then reads the copy: at a batch of 512 over a 2,560-position cache that is, by count (not
+measured), ~120 GB of memory traffic per step for a 135M-parameter model (docs/benchmarks.md, "Regeneration on one H200").
 
 A decoding step has one query per head, so the query heads that share a key/value head can stand in
 for query *positions* instead: ``[B, H, 1, d]`` is viewed as ``[B, Hkv, H/Hkv, d]`` and attends to

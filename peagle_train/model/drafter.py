@@ -277,8 +277,9 @@ class Drafter(nn.Module):
             self.mask_embedding.copy_(self.embed_tokens.weight[self.config.mask_token_id])
 
     def merged_embeddings(self) -> torch.Tensor:
-        """``[V, H]`` the embedding table the drafter uses: ``embed_tokens`` with, for frozen embeddings, the
-        trained ``mask_embedding`` as the mask token's row (what the export ships)."""
+        """``[V, H]`` in the table's dtype: the embedding table the drafter uses, i.e. ``embed_tokens`` with, for
+        frozen embeddings, the trained ``mask_embedding`` as the mask token's row (a detached copy; what the
+        export ships). Without ``mask_embedding``: ``embed_tokens.weight`` itself."""
         w = self.embed_tokens.weight
         if not hasattr(self, "mask_embedding"):
             return w
