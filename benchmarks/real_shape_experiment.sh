@@ -13,8 +13,9 @@
 #        # the same prepared data in $WORK/ARCH-online. Stages already done are reused (a call may stop at its
 #        # time limit and the next call continues). Overrides apply to every stage.
 #   bash benchmarks/real_shape_experiment.sh summary OUT.json ARCH [ARCH ...]
-#        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s
-#        # (trainer_throughput.py), the cache's bytes per token, check's verdict
+#        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s and the
+#        # planner's predicted peak against the measured one (trainer_throughput.py: "peak"), the cache's
+#        # bytes per token, check's verdict
 #
 # TINY=1 runs the same on a CPU with the tiny configurations of the same architectures (a smoke of this script;
 # tests/integration/test_real_shapes_cpu.py pins the pipeline itself).
@@ -93,6 +94,7 @@ for arch in arches:
     rows[arch] = row
 Path(out).write_text(json.dumps({"random_weights": True, "work": str(work), "runs": rows}, indent=1))
 print(json.dumps({a: {n: [(s["stage"], s["seconds"], s["peak_gpu_bytes"]) for s in r["stages"]]
+                      + [("train peak: predicted vs measured", r.get("trainer", {}).get("peak"))]
                       for n, r in row.items()} for a, row in rows.items()}))
 PY
     ;;

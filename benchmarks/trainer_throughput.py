@@ -17,7 +17,9 @@ and reports:
   at ``fit()``);
 * the run's recipe keys that decide speed (micro-batch, features, compile, target dtype, K);
 * ``finished``: false when the run stopped before its end (no ``train_metrics.json``): the steps are
-  then read from ``logs/steps.jsonl``, which the trainer appends to after every step.
+  then read from ``logs/steps.jsonl``, which the trainer appends to after every step;
+* ``peak``: the memory planner's predicted peak against the measured one, from the last trained
+  train-stage record of ``logs/stages.jsonl`` (:func:`peak_vs_predicted`; absent without one).
 
 Usage::
 
@@ -94,6 +96,27 @@ def against_reference(ref: list[dict], other: list[dict]) -> dict:
             "loss_max_rel_diff": max(rel), "loss_mean_rel_diff": sum(rel) / len(rel), "last_step_rel_diff": rel[-1]}
 
 
+def peak_vs_predicted(run_dir: Path) -> dict | None:
+    """The planner's predicted peak of the last launch that trained against the peak it measured, from the
+    last ``train`` record of ``<run_dir>/logs/stages.jsonl`` that is not ``reused`` and holds
+    ``predicted_peak_bytes`` (the trainer's prediction for the largest micro-batch it trained,
+    ``peagle_train.stages.run_train``).
+
+    Returns:
+        ``{"predicted_bytes", "measured_bytes", "rel_error", "predicted_for"}``: ``rel_error`` =
+        (predicted - measured) / measured (positive: the planner predicted more), None without a
+        measurement (no CUDA); None when no such record exists.
+    """
+    f = run_dir / "logs" / "stages.jsonl"
+    recs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+    recs = [r for r in recs if r["stage"] == "train" and not r["reused"] and r.get("predicted_peak_bytes")]
+    if not recs:
+        return None
+    pred, meas = recs[-1]["predicted_peak_bytes"], recs[-1]["peak_gpu_bytes"]
+    return {"predicted_bytes": pred, "measured_bytes": meas, "rel_error": (pred - meas) / meas if meas else None,
+            "predicted_for": recs[-1].get("predicted_peak_for")}
+
+
 def summarise(run_dir: Path, skip: int) -> dict:
     """The summary of one run folder (module docstring).
 
@@ -127,6 +150,9 @@ def summarise(run_dir: Path, skip: int) -> dict:
                    "random_weights": target.get("random_init_from_config") is not None},
         "peak_mem_gb": hist[-1].get("peak_mem_gb"),
     }
+    peak = peak_vs_predicted(run_dir)
+    if peak is not None:
+        out["peak"] = peak
     prof = run_dir / "logs" / "profile.json"
     if prof.is_file():
         out["profile"] = json.loads(prof.read_text())
@@ -169,6 +195,10 @@ def main(argv=None) -> list[dict]:
             print(f"{r['name']:>16}: step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:10.0f} tok/s  "
                   f"({r['tokens_per_step']:.0f} tok/step, {r['steady_steps']} steps; overall {r['tokens_per_s_overall']:.0f} "
                   f"tok/s; evals {r['eval_s']} s)")
+            if r.get("peak", {}).get("rel_error") is not None:
+                p = r["peak"]
+                print(f"{'':>16}  peak {p['measured_bytes'] / 2**30:.2f} GiB measured, "
+                      f"{p['predicted_bytes'] / 2**30:.2f} GiB predicted ({100 * p['rel_error']:+.1f} %)")
             if "vs_reference" in r:
                 v = r["vs_reference"]
                 print(f"{'':>16}  vs {v['reference']}: {v['tokens_per_s_ratio']:.3f}x tokens/s, loss max rel. diff "

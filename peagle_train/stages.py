@@ -35,6 +35,8 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
 #: the running stage's end line when it did no work (set by :func:`_reused`), None outside a stage
 _OUTCOME: ContextVar[list[str] | None] = ContextVar("stage_outcome", default=None)
+#: fields the running stage adds to its ``logs/stages.jsonl`` record (:func:`_stage_fields`), None outside a stage
+_FIELDS: ContextVar[dict | None] = ContextVar("stage_fields", default=None)
 
 
 def _reused(why: str, verb: str = "reused") -> None:
@@ -42,6 +44,13 @@ def _reused(why: str, verb: str = "reused") -> None:
     note = _OUTCOME.get()
     if note is not None:
         note[:] = [f"{verb} ({why})"]
+
+
+def _stage_fields(**fields) -> None:
+    """Called inside a stage: ``fields`` join its record in ``logs/stages.jsonl`` (:func:`stage_lines`)."""
+    extra = _FIELDS.get()
+    if extra is not None:
+        extra.update(fields)
 
 
 def stage_lines(name: str):
@@ -56,7 +65,9 @@ def stage_lines(name: str):
     Every finished stage also appends one record to ``<output_dir>/logs/stages.jsonl`` (main process,
     quiet or not): ``{"stage", "seconds", "reused", "peak_gpu_bytes", "at"}`` -- the wall time and, on
     CUDA, the peak memory torch allocated on this process's GPU during the stage (reset at its start;
-    None without CUDA), so a run's per-stage time and memory table reads from one file.
+    None without CUDA), so a run's per-stage time and memory table reads from one file -- plus what the
+    stage adds (:func:`_stage_fields`; the train stage: the memory planner's ``predicted_peak_bytes``
+    and ``predicted_peak_for``, see :func:`run_train`).
     """
     def wrap(fn):
         sig = inspect.signature(fn)
@@ -69,7 +80,8 @@ def stage_lines(name: str):
             if show:
                 print(f"{name}: started", flush=True)
             note: list[str] = []
-            token = _OUTCOME.set(note)
+            fields: dict = {}
+            token, fields_token = _OUTCOME.set(note), _FIELDS.set(fields)
             import torch
 
             cuda = torch.cuda.is_available()
@@ -80,27 +92,29 @@ def stage_lines(name: str):
                 result = fn(*args, **kwargs)
             finally:
                 _OUTCOME.reset(token)
+                _FIELDS.reset(fields_token)
             seconds = time.perf_counter() - t0
             if show:
                 print(f"{name}: {note[0] if note else f'done in {seconds:.1f} s'}", flush=True)
             _record_stage(bound.arguments.get("cfg"), name, seconds, bool(note),
-                          int(torch.cuda.max_memory_allocated()) if cuda else None)
+                          int(torch.cuda.max_memory_allocated()) if cuda else None, fields)
             return result
         return run
     return wrap
 
 
-def _record_stage(cfg, name: str, seconds: float, reused: bool, peak: int | None) -> None:
+def _record_stage(cfg, name: str, seconds: float, reused: bool, peak: int | None, fields: dict | None = None) -> None:
     """Append the stage's record to ``<cfg.output_dir>/logs/stages.jsonl`` (main process only; see
     :func:`stage_lines`); ``peak``: bytes torch allocated on the GPU at most during the stage, None
-    without CUDA. Without an ``output_dir`` nothing is written."""
+    without CUDA; ``fields``: what the stage added (:func:`_stage_fields`). Without an ``output_dir``
+    nothing is written."""
     out = getattr(cfg, "output_dir", None)
     if out is None or int(os.environ.get("RANK", "0")) != 0:
         return
     logs = Path(out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rec = {"stage": name, "seconds": round(seconds, 3), "reused": reused, "peak_gpu_bytes": peak,
-           "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+           **(fields or {}), "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with open(logs / "stages.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -534,6 +548,12 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     A run that already finished (``train_metrics.json`` and ``drafter/config.json``, no
     ``stop_at``) is not trained again; it is reported by the stage's end line, ``train: reused
     (...)``, in place of the trainer's own message.
+
+    A run that trained adds to its ``logs/stages.jsonl`` record the memory planner's prediction for the
+    launch (P-EAGLE; :meth:`~peagle_train.trainer.trainer.Trainer._note_predicted_peak`): ``predicted_peak_bytes``,
+    the largest predicted peak over the micro-batches the launch trained (their packed tokens and S, the
+    online target's forwards included), and ``predicted_peak_for`` ``{"tokens", "partitions",
+    "target_forwards"}``, the micro-batch it was predicted for; compare with the record's ``peak_gpu_bytes``.
     """
     from peagle_train.trainer.trainer import run_train as train
 
@@ -543,7 +563,12 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
         steps = json.loads((out / "train_metrics.json").read_text()).get("steps")
         _reused(f"{out} already holds a finished run of {steps} steps: train_metrics.json and drafter/; "
                 "delete train_metrics.json or pass --overwrite to train again")
-    return train(cfg, progress and not finished, stop_at)
+    result = train(cfg, progress and not finished, stop_at)
+    if not finished:
+        predicted = result.get("predicted_peak") or {}
+        _stage_fields(predicted_peak_bytes=predicted.get("bytes"),
+                      predicted_peak_for={k: v for k, v in predicted.items() if k != "bytes"} or None)
+    return result
 
 
 def run_all(cfg: RunConfig, overwrite: bool = False, progress: bool = True) -> dict:

@@ -263,6 +263,11 @@ def _padded_sdpa_backends(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+#: Positions per output-head matmul in :meth:`Target.greedy_tokens` (its logits are the target forward's
+#: last transient: ``peagle_train.peagle.planner.target_forward_peak_bytes``).
+GREEDY_CHUNK = 4096
+
+
 @dataclass
 class Target:
     """A loaded frozen target.
@@ -339,7 +344,7 @@ class Target:
         return {"aux": aux, "last": got["last"], "argmax": argmax}
 
     @torch.no_grad()
-    def greedy_tokens(self, last: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    def greedy_tokens(self, last: torch.Tensor, chunk: int = GREEDY_CHUNK) -> torch.Tensor:
         """The target's greedy next token from its final (normed) hidden state, ``chunk`` positions at a
         time: ``argmax`` of the output head's logits without holding the ``[..., V]`` logits of the whole
         batch (at GPT-OSS's 201,088-token vocabulary, 16K positions would hold 6.6 GB in bf16).

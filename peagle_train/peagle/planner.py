@@ -51,6 +51,26 @@ Predictions on a 139.8 GiB H200 with the default ``headroom = 0.9`` (125.8 GiB):
 fits at S = 1 (113.2 GiB); N = 131,072 needs S = 3 (124.6 GiB; not measured). The model is
 calibrated on one shape; the per-element terms scale with the shape's widths, so other shapes
 are an extrapolation (the ``headroom`` factor absorbs part of that).
+
+Online features (``train.features: online``, :func:`predict_online_peak_bytes`): the frozen target runs in
+the step, so its weights, its forward's transient and the features it returns join the drafter's step::
+
+    peak_online = W_target + max(target phase, drafter phase)
+    target phase  = static + grads + inputs + target_step    # train.prefetch: the next step's forward runs
+                                                             # after this step's backward, before AdamW
+    drafter phase = peak(N, S)                               # the model above (its inputs = this step's features)
+    target_step   = largest forward transient (+ features of the micro-batch's earlier forwards):
+                    attention M b ((A+3) T + (3 nh + 2 nkv) hd) + 3 scores + masks, scores = B nh n (n+1) b (eager)
+                    mlp       M b ((A+4) T + k (T + 9 I)) + scores + masks   (mixture of experts; dense: 3 I)
+                    head      M b (2A+1) T + (min(4096, M) + B) V b         (argmax chunk by chunk, target dtype)
+
+(:func:`target_forward_peak_bytes`: M = B n padded tokens of one forward, b bytes per element of the target's
+dtype.) Worked example: the GPT-OSS-20B recipe (``recipes/gpt-oss-20b.yaml``: drafter 4 layers, Vd = V =
+201,088, lm_head and embeddings trainable, K = 10, S = 2, checkpointing, chunk 2,048) on a random-weight bf16
+target (``gpt-oss-20b.json``: 20.91B parameters, eager attention, 2 mask kinds, k = 4) for one sequence of
+N = n = 8,192 tokens: W = 38.96 GiB; static 17.84 + grads 5.23 + inputs 0.18 + target_step 24.72 (of which
+3 x 8.0 GiB of eager scores) = 47.97 GiB; drafter phase 32.14 GiB; peak 86.93 GiB (93.3 GB). At the
+recipe's ``max_length`` of 12,288: 117.6 GiB, the eager scores alone 54 GiB. Not measured on a GPU yet.
 """
 from __future__ import annotations
 
@@ -141,6 +161,20 @@ def segment_elements(N: int, S: int, E: float, pad_multiple: int = 1024) -> int:
     return int(-(-e // pad_multiple) * pad_multiple)
 
 
+def static_bytes(shape: ShapeParams, lm_head_trainable: bool = False, target_head_bytes: int = 2) -> int:
+    """The drafter's step-long bytes (module docstring ``static``): ``12 * P_trainable`` (fp32 weights, AdamW
+    m and v) + a frozen fp32 lm_head ``4 * Vd * H`` + the frozen target head rows ``target_head_bytes * Vd * T``."""
+    H, T, Vd = shape.hidden_size, shape.target_hidden_size, shape.draft_vocab_size
+    frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 12-byte params
+    return 12 * shape.trainable_params(lm_head_trainable) + frozen_head + target_head_bytes * Vd * T
+
+
+def input_bytes(N: int, shape: ShapeParams) -> int:
+    """One packed micro-batch's features on the device (module docstring ``inputs``): bf16 ``aux [N, A*T]``
+    and ``last [N, T]``, ``N * (A + 1) * T * 2`` bytes."""
+    return N * (shape.aux_layers + 1) * shape.target_hidden_size * 2
+
+
 def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float = 0.7, r_min: float = 0.2, *,
                        checkpointing: bool = False, chunk: int = 8192, lm_head_trainable: bool = False,
                        target_head_bytes: int = 2, max_anchors: int | None = None, fused_loss: bool = True,
@@ -161,13 +195,12 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
         bytes (int).
     """
     E = expected_elements(N, K, r, r_min, max_anchors)
-    H, T, Vd = shape.hidden_size, shape.target_hidden_size, shape.draft_vocab_size
-    frozen_head = 0 if lm_head_trainable else 4 * Vd * H  # a trainable head is among the 12-byte params
-    P = shape.trainable_params(lm_head_trainable)
-    static = 12 * P + frozen_head + target_head_bytes * Vd * T
-    grads = 4 * P if (S > 1 if grads_resident is None else grads_resident) else 0
+    H, Vd = shape.hidden_size, shape.draft_vocab_size
+    static = static_bytes(shape, lm_head_trainable, target_head_bytes)
+    resident = S > 1 if grads_resident is None else grads_resident
+    grads = 4 * shape.trainable_params(lm_head_trainable) if resident else 0
     workspace = OMEGA * 4 * min(chunk, E) * Vd
-    inputs = N * (shape.aux_layers + 1) * T * 2
+    inputs = input_bytes(N, shape)
     E_seg = segment_elements(N, S, E)
     act = ALPHA * shape.act_bytes_per_element(checkpointing) * E_seg
     kept_logits = 0 if fused_loss else 2 * Vd * E_seg
@@ -175,14 +208,212 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     return int(static + grads + workspace + inputs + act + kept_logits + head_grad)
 
 
+#: Score-sized ``[B, nh, n, n + 1]`` tensors alive at once in GPT-OSS's eager attention (transformers'
+#: ``eager_attention_forward``): the scaled and masked scores, their concatenation with the sink column, that
+#: minus its row maximum, then the softmax (the scores freed only when the softmax exists).
+EAGER_SCORE_COPIES = 3
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The online target (``train.features: online``) as the planner sees it.
+
+    Attributes:
+        hidden_size: T. intermediate_size: I (per expert for a mixture of experts). num_heads, num_kv_heads,
+        head_dim: attention. vocab_size: V. experts_per_token: k, 0 for a dense MLP. dtype_bytes: b, bytes
+        per element of the target's dtype (2 for bf16). weight_bytes: its parameters on this device (bytes).
+        eager_attention: transformers' ``eager`` attention, which materialises the scores (flash, SDPA and
+        flex attention do not). mask_kinds: distinct ``layer_types`` (GPT-OSS: full and sliding, 2); eager
+        attention builds one ``[B, 1, n, n]`` mask per kind. aux_layers: A, the tapped layers.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    experts_per_token: int = 0
+    dtype_bytes: int = 2
+    weight_bytes: int = 0
+    eager_attention: bool = False
+    mask_kinds: int = 1
+    aux_layers: int = 3
+
+    @classmethod
+    def from_config(cls, cfg, *, dtype_bytes: int, weight_bytes: int, attn_implementation: str | None,
+                    aux_layers: int = 3) -> "TargetShape":
+        """From the target's transformers config (``experts_per_token`` from ``num_experts_per_tok``; 0 if absent)."""
+        T, nh = cfg.hidden_size, cfg.num_attention_heads
+        return cls(T, cfg.intermediate_size, nh, getattr(cfg, "num_key_value_heads", None) or nh,
+                   getattr(cfg, "head_dim", None) or T // nh, cfg.vocab_size,
+                   getattr(cfg, "num_experts_per_tok", None) or 0, dtype_bytes, weight_bytes,
+                   attn_implementation == "eager", len(set(getattr(cfg, "layer_types", None) or ["full"])), aux_layers)
+
+    def mlp_elements(self) -> int:
+        """Elements per token alive at the MLP's peak: GPT-OSS's experts (transformers' default ``grouped_mm``
+        path), per routed (token, expert) pair the gathered input (T), the gathered ``gate_up`` bias and the
+        ``gate_up`` output (2I each) and the clamped SwiGLU's five I-wide intermediates: ``k (T + 9 I)``;
+        a dense SwiGLU MLP (Llama): ``act(gate)``, ``up`` and their product, ``3 I``."""
+        if self.experts_per_token:
+            return self.experts_per_token * (self.hidden_size + 9 * self.intermediate_size)
+        return 3 * self.intermediate_size
+
+
+def target_forward_peak_bytes(B: int, n: int, t: TargetShape, head_chunk: int | None = 4096) -> int:
+    """Peak bytes one :meth:`~peagle_train.features.target.Target.features` call allocates for ``B`` right-padded
+    rows of ``n`` tokens (``M = B n``; weights not included), the largest of its three phases, ``b = dtype_bytes``::
+
+        attention = M b ((A + 3) T + (3 nh + 2 nkv) hd) + 3 scores + masks
+        mlp       = M b ((A + 4) T + mlp_elements)     + 1 scores + masks
+        head      = M b (2 A + 1) T + rows V b,   rows = min(head_chunk, M) + B  (M when head_chunk is None)
+        scores    = B nh n (n + 1) b,  masks = mask_kinds B n^2 b   (eager attention; 0 otherwise)
+
+    Per token: the embedding output (kept by the model's forward), the A taps (hooks), the decoder layer's
+    input and the normed input (the MLP phase also the residual after attention), q after RoPE and the k, v
+    heads repeated to nh (eager path, an upper bound for the fused kernels). The eager path holds
+    ``EAGER_SCORE_COPIES`` score tensors at its peak and still one (the probabilities the layer returns)
+    during the MLP. The head phase: taps + ``last`` + their concatenation ``aux`` (``2A + 1`` rows of T),
+    one chunk of the head's logits in the target's dtype (``Target.greedy_tokens``: argmax per chunk of
+    ``head_chunk`` positions, no float32 upcast, no softmax) and the model's own last-position logits
+    ``[B, 1, V]`` (``logits_to_keep=1``); a sharded head (``train.target_sharding: shard``) builds every
+    position's logits instead (``head_chunk=None``). Left out (under 0.1 % at the GPT-OSS-20B shape): RoPE
+    tables, router logits and indices, row maxima. Counted from transformers 5's GPT-OSS and Llama forwards,
+    checked against the live tensors of GPT-OSS-20B's forward on the meta device (within 0.1 % in each
+    phase, ``tests/unit/test_planner_online.py``); another transformers version or architecture may differ.
+
+    Example (GPT-OSS-20B, bf16, eager, B = 1, n = 8,192): attention 0.50 GB + 3 x 8.59 GB + 0.27 GB =
+    26.54 GB (the live tensors of a meta-device forward: 26.54 GB); mlp 2.22 + 8.59 + 0.27 = 11.08 GB;
+    head 0.33 + 1.65 = 1.98 GB.
+    """
+    M, b, T, A = B * n, t.dtype_bytes, t.hidden_size, t.aux_layers
+    scores = B * t.num_heads * n * (n + 1) * b if t.eager_attention else 0
+    masks = t.mask_kinds * B * n * n * b if t.eager_attention else 0
+    qkv = (3 * t.num_heads + 2 * t.num_kv_heads) * t.head_dim
+    attention = M * b * ((A + 3) * T + qkv) + EAGER_SCORE_COPIES * scores + masks
+    mlp = M * b * ((A + 4) * T + t.mlp_elements()) + scores + masks
+    head = M * b * (2 * A + 1) * T + (M if head_chunk is None else min(head_chunk, M) + B) * t.vocab_size * b
+    return max(attention, mlp, head)
+
+
+def online_feature_bytes(M: int, t: TargetShape) -> int:
+    """Bytes of the features a target forward of ``M`` padded tokens returns and the trainer holds: ``aux
+    [M, A*T]`` and ``last [M, T]`` in the target's dtype, ``argmax [M]`` int64: ``M ((A + 1) T b + 8)``
+    (a sequence's features are views of its padded forward's outputs, so the padding is held too)."""
+    return M * ((t.aux_layers + 1) * t.hidden_size * t.dtype_bytes + 8)
+
+
+def target_forwards(lengths: list[int], batch_tokens: int) -> tuple[tuple[int, int], ...]:
+    """``(rows B, padded length n)`` of each target forward :class:`~peagle_train.features.online.OnlineFeatures`
+    runs for a micro-batch of sequences of ``lengths`` (:func:`~peagle_train.features.online.length_batches`
+    with ``batch_tokens``), in the order it runs them.
+
+    Example: ``target_forwards([5, 100, 7, 90], 200)`` → ``((2, 100), (2, 7))``.
+    """
+    from peagle_train.features.online import length_batches
+
+    return tuple((len(b), lengths[b[0]]) for b in length_batches(lengths, batch_tokens))
+
+
+def target_step_peak_bytes(forwards, t: TargetShape, head_chunk: int | None = 4096) -> int:
+    """Peak bytes of one micro-batch's online features (weights not included): the forwards run one after
+    the other, each while the features of the earlier ones are held (``OnlineFeatures.get``)::
+
+        max_j  target_forward_peak_bytes(B_j, n_j) + online_feature_bytes(sum_{i<j} B_i n_i)
+
+    Args:
+        forwards: ``(B, n)`` per forward (:func:`target_forwards`). t: the target. head_chunk: as
+            :func:`target_forward_peak_bytes`.
+    """
+    peak, held = 0, 0
+    for B, n in forwards:
+        peak = max(peak, target_forward_peak_bytes(B, n, t, head_chunk) + held)
+        held += online_feature_bytes(B * n, t)
+    return peak
+
+
+@dataclass(frozen=True)
+class OnlineStep:
+    """How the online target runs in an optimizer step, for :func:`predict_online_peak_bytes`.
+
+    Attributes:
+        target: the :class:`TargetShape`. forwards: ``(B, n)`` of each target forward of the micro-batch
+            (:func:`target_forwards`). prefetch: the next step's forward runs right after this step's backward
+            (``train.prefetch`` with one micro-batch per step: ``Trainer._launch_online_features``); False: each
+            step's forwards run at its start. micro_batches: per optimizer step (``grad_accum``; prefetch needs
+            1). head_chunk: positions per head matmul (``Target.greedy_tokens``; None: a sharded head).
+    """
+
+    target: TargetShape
+    forwards: tuple[tuple[int, int], ...]
+    prefetch: bool = True
+    micro_batches: int = 1
+    head_chunk: int | None = 4096
+
+
+def predict_online_peak_bytes(N: int, S: int, shape: ShapeParams, online: OnlineStep, K: int = 8, r: float = 0.7,
+                              r_min: float = 0.2, *, checkpointing: bool = False, chunk: int = 8192,
+                              lm_head_trainable: bool = False, target_head_bytes: int = 2,
+                              max_anchors: int | None = None, fused_loss: bool = True,
+                              grads_resident: bool | None = None) -> int:
+    """Predicted peak allocated bytes of one optimizer step with online features: the target's weights plus
+    the larger of the step's two phases (bytes)::
+
+        peak     = weight_bytes + max(target, drafter)
+        target   = static + grads + inputs + target_step       with prefetch (after the backward, before AdamW)
+                 = static + grads? + (G - 1) inputs + target_step   without (the step's start; grads only where
+                                                                     grads_resident is True, e.g. DDP)
+        drafter  = predict_peak_bytes(N, S, ...) + (G - 1) inputs
+        target_step = target_step_peak_bytes(online.forwards)   (forward transients + earlier forwards' features)
+
+    ``static`` = :func:`static_bytes`, ``grads`` = ``4 P_trainable``, ``inputs`` = :func:`input_bytes` (one
+    micro-batch's packed features), ``G`` = ``online.micro_batches`` (the trainer computes every micro-batch's
+    features before the first forward and holds them through the step). With prefetch the features of the next
+    step are computed while this step's packed features, gradients and AdamW state are alive; the drafter
+    phase holds only this step's features (the prefetched ones are taken before its forward and packed).
+
+    Approximations: the drafter phase is :func:`predict_peak_bytes` (fitted, module docstring); the target
+    phase pairs a micro-batch's own forwards with its inputs (the prefetched forward is the next step's:
+    the max over a run's steps differs by at most one step's ``inputs``); the fused AdamW step and the
+    gradient clipping allocate no full-size buffers and are left out.
+
+    Args:
+        N, S, shape, K, r, r_min, checkpointing, chunk, lm_head_trainable, target_head_bytes, max_anchors,
+            fused_loss, grads_resident: as :func:`predict_peak_bytes` (the drafter step).
+        online: :class:`OnlineStep`.
+
+    Returns:
+        bytes (int).
+
+    Raises:
+        ValueError: ``online.prefetch`` with several micro-batches (the trainer prefetches only with one).
+    """
+    if online.prefetch and online.micro_batches > 1:
+        raise ValueError(f"prefetch needs one micro-batch per step (got {online.micro_batches})")
+    drafter = predict_peak_bytes(N, S, shape, K, r, r_min, checkpointing=checkpointing, chunk=chunk,
+                                 lm_head_trainable=lm_head_trainable, target_head_bytes=target_head_bytes,
+                                 max_anchors=max_anchors, fused_loss=fused_loss, grads_resident=grads_resident)
+    others = (online.micro_batches - 1) * input_bytes(N, shape)  # the step's other micro-batches' features
+    grads = 4 * shape.trainable_params(lm_head_trainable)
+    if online.prefetch:  # after this step's backward: its gradients and packed features are alive
+        held = grads + input_bytes(N, shape)
+    else:  # at the step's start: the gradients were freed by zero_grad unless kept (DDP's buckets)
+        held = grads if grads_resident else 0
+    held += static_bytes(shape, lm_head_trainable, target_head_bytes) + others
+    target = held + target_step_peak_bytes(online.forwards, online.target, online.head_chunk)
+    return online.target.weight_bytes + max(target, drafter + others)
+
+
 def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int, *, chunk: int = 8192,
               max_partitions: int = 8, allow_checkpointing: bool = True, headroom: float = 0.9,
               lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None,
-              fused_loss: bool = True, grads_resident: bool | None = None) -> Plan:
+              fused_loss: bool = True, grads_resident: bool | None = None, online: OnlineStep | None = None) -> Plan:
     """The fewest partitions ``S`` whose predicted peak fits ``headroom * gpu_bytes``.
 
     Tries ``S = 1..max_partitions`` without checkpointing first; only if none fits, the same
-    with activation checkpointing (if allowed).
+    with activation checkpointing (if allowed). With ``online`` (features computed by the target in the
+    step) the peak is :func:`predict_online_peak_bytes`, the target's weights included; otherwise
+    :func:`predict_peak_bytes`.
 
     Args:
         N: tokens per sequence. K, r, r_min, max_anchors: COD settings. shape: :class:`ShapeParams`.
@@ -190,7 +421,7 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         chunk: loss chunk. max_partitions: largest S tried (capped at N). allow_checkpointing: may
             fall back to checkpointing. headroom: usable fraction of ``gpu_bytes`` (allocator
             fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes,
-            fused_loss, grads_resident: as :func:`predict_peak_bytes`.
+            fused_loss, grads_resident: as :func:`predict_peak_bytes`. online: :class:`OnlineStep` or None.
 
     Returns:
         :class:`Plan` (unpacks as ``S, checkpointing``).
@@ -206,9 +437,11 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
     best = None
     for ckpt in ([False, True] if allow_checkpointing else [False]):
         for S in range(1, s_max + 1):
-            peak = predict_peak_bytes(N, S, shape, K, r, r_min, checkpointing=ckpt, chunk=chunk,
-                                      lm_head_trainable=lm_head_trainable, target_head_bytes=target_head_bytes,
-                                      max_anchors=max_anchors, fused_loss=fused_loss, grads_resident=grads_resident)
+            kw = dict(checkpointing=ckpt, chunk=chunk, lm_head_trainable=lm_head_trainable,
+                      target_head_bytes=target_head_bytes, max_anchors=max_anchors, fused_loss=fused_loss,
+                      grads_resident=grads_resident)
+            peak = (predict_peak_bytes(N, S, shape, K, r, r_min, **kw) if online is None
+                    else predict_online_peak_bytes(N, S, shape, online, K, r, r_min, **kw))
             if peak <= budget:
                 return Plan(S, ckpt, peak, budget)
             best = peak if best is None else min(best, peak)
@@ -221,13 +454,16 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
 
 def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
                    chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9,
-                   fused_loss: bool = True, grads_resident: bool | None = None) -> int:
+                   fused_loss: bool = True, grads_resident: bool | None = None, lm_head_trainable: bool = False,
+                   target_head_bytes: int = 2, online: OnlineStep | None = None) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
     :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing off (it never
     turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
     is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
-    ``fused_loss``, ``grads_resident``: as :func:`predict_peak_bytes` (the trainer passes
-    ``grads_resident=True`` when a step has several micro-batches or several processes).
+    ``fused_loss``, ``grads_resident``, ``lm_head_trainable``, ``target_head_bytes``: as
+    :func:`predict_peak_bytes` (the trainer passes ``grads_resident=True`` when a step has several
+    micro-batches or several processes); ``online``: the online target (:class:`OnlineStep`; its
+    weights, forward and features are then inside the prediction, so ``gpu_bytes`` is the whole GPU).
 
     Raises:
         ValueError: from :func:`plan_step` when even 8 segments do not fit (the message gives the
@@ -237,4 +473,5 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
         return 1
     return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, allow_checkpointing=False,
                      max_anchors=max_anchors, headroom=headroom, fused_loss=fused_loss,
-                     grads_resident=grads_resident).partitions
+                     grads_resident=grads_resident, lm_head_trainable=lm_head_trainable,
+                     target_head_bytes=target_head_bytes, online=online).partitions

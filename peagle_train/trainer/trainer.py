@@ -151,7 +151,9 @@ class Trainer(InTrainingEval, Checkpoints):
         self._eval_items: list[int] | None = None
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
-        self._plan_inputs = None  # (drafter shape, GPU bytes) for train.partitions: auto, set on first use
+        self._plan_inputs = None  # (drafter shape, GPU bytes) for the memory planner, set on first use
+        self._target_shape = None  # the online target as the planner sees it (_online_step), set on first use
+        self.predicted_peak: dict | None = None  # the largest planner prediction of this launch (_note_predicted_peak)
         self._pool = None  # worker thread building the next step's host inputs (train.prefetch), started on first use
         self._ahead: dict = {}  # {0-based step: Future of its host_inputs}
         self._online_ahead = None  # (indices, features) of the next step's first micro-batch (online target)
@@ -262,13 +264,16 @@ class Trainer(InTrainingEval, Checkpoints):
         it (the frozen target does not depend on this step's update; the next step's micro-batches are
         fixed by :meth:`micro_batches`). Same features, same training; holds one micro-batch's features
         (``aux``, ``last``, ``argmax``) for one step longer."""
-        src = self.features
-        if (not self.tc.prefetch or getattr(src, "reads_on_host", True) or self.grad_accum > 1
-                or self.step + 1 >= self.total_steps):
+        if not self._prefetches_online() or self.step + 1 >= self.total_steps:
             return
         ix = self.micro_batches(self.step + 1)[0]
         with record_function("peagle/features"):
-            self._online_ahead = (list(ix), src.get(ix))
+            self._online_ahead = (list(ix), self.features.get(ix))
+
+    def _prefetches_online(self) -> bool:
+        """Whether :meth:`_launch_online_features` runs the next step's target forward (``train.prefetch``,
+        features computed on the device, one micro-batch per step)."""
+        return self.tc.prefetch and not getattr(self.features, "reads_on_host", True) and self.grad_accum == 1
 
     def _forward(self, packed, grid, normaliser):
         return self.model(grid, packed["aux"], packed["last"], packed["argmax"], normaliser,
@@ -295,7 +300,9 @@ class Trainer(InTrainingEval, Checkpoints):
             stats = DepthStats.zeros(self.tc.K, self.device)
             loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
             plans = []
-            parts = self.partitions([packed["input_ids"].numel() for packed, _, _ in micros])
+            lengths, indices = [packed["input_ids"].numel() for packed, _, _ in micros], [h[0] for h in host]
+            parts = self.partitions(lengths, indices)
+            self._note_predicted_peak(lengths, parts, indices)
             for (packed, grid, host_grid), S in zip(micros, parts):
                 n = packed["input_ids"].numel()
                 # each segment with the indices of the elements it owns, found on the host (no nonzero sync);
@@ -392,13 +399,15 @@ class Trainer(InTrainingEval, Checkpoints):
             msg += " (features computed online by the target)"
         self.acc.print(msg)
 
-    def partitions(self, lengths: list[int]) -> list[int]:
-        """Segments S per micro-batch (``lengths``: packed tokens of each). ``train.partitions: auto``
-        asks :func:`~peagle_train.peagle.planner.partitions_for` with this GPU's memory minus what the
-        online target holds, and takes the maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks
-        run the same number of forwards. The planner is told ``train.fused_loss`` (the recompute
-        path keeps more) and that gradients are resident during the forward when the step has
-        several micro-batches (after the first) or several processes (DDP allocates its gradient
+    def partitions(self, lengths: list[int], indices: list[list[int]] | None = None) -> list[int]:
+        """Segments S per micro-batch (``lengths``: packed tokens of each; ``indices``: its train-split
+        sequences, for the online target's forwards). ``train.partitions: auto`` asks
+        :func:`~peagle_train.peagle.planner.partitions_for` with this GPU's memory, the online target's
+        weights, forward and features being inside the prediction (:meth:`_online_step`), and takes the
+        maximum over ranks per micro-batch, so FSDP2 / ZeRO ranks run the same number of forwards. The
+        planner is told ``train.fused_loss`` (the recompute path keeps more), ``drafter.lm_head``, the
+        objective's float32 target head rows, and that gradients are resident during the forward when the
+        step has several micro-batches (after the first) or several processes (DDP allocates its gradient
         buckets up front); otherwise it assumes they are only where a micro-batch has S > 1.
 
         Raises:
@@ -406,32 +415,85 @@ class Trainer(InTrainingEval, Checkpoints):
         """
         if self.tc.partitions != "auto":
             return [self.tc.partitions] * len(lengths)
-        from peagle_train.peagle.planner import ShapeParams, partitions_for
+        from peagle_train.peagle.planner import partitions_for
 
-        if self._plan_inputs is None:  # fixed for the run: the drafter's shape and this GPU's memory budget
-            gpu = None
-            if self.device.type == "cuda":
-                gpu = torch.cuda.get_device_properties(self.device).total_memory - self._target_bytes()
-            self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
-        shape, gpu = self._plan_inputs
-        resident = len(lengths) > 1 or self.acc.num_processes > 1
+        shape, gpu = self._planner_inputs()
+        indices = indices or [None] * len(lengths)
         try:
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
-                                    chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors,
-                                    fused_loss=self.tc.fused_loss, grads_resident=True if resident else None)
-                     for n in lengths]
+                                    online=self._online_step(ix, n), **self._plan_kwargs(len(lengths)))
+                     for n, ix in zip(lengths, indices)]
         except ValueError as e:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
                               f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
                               "train.partitions and train.activation_checkpointing yourself") from None
         return [int(x) for x in reduce_values(self.acc, parts, "max", dtype=torch.int64)]
 
-    def _target_bytes(self) -> int:
-        """Bytes of the online target's weights on this device (0 with cached features)."""
+    def _planner_inputs(self) -> tuple:
+        """``(drafter ShapeParams, this GPU's total memory in bytes or None off CUDA)``, fixed for the run."""
+        if self._plan_inputs is None:
+            from peagle_train.peagle.planner import ShapeParams
+
+            gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+            self._plan_inputs = (ShapeParams.from_config(self.acc.unwrap_model(self.model).drafter.config), gpu)
+        return self._plan_inputs
+
+    def _plan_kwargs(self, n_micro: int) -> dict:
+        """The drafter-side settings of the memory planner for a step of ``n_micro`` micro-batches (this rank)."""
+        resident = n_micro > 1 or self.acc.num_processes > 1
+        return dict(chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors, fused_loss=self.tc.fused_loss,
+                    grads_resident=True if resident else None,
+                    lm_head_trainable=self.cfg.drafter.lm_head == "trainable",
+                    target_head_bytes=4)  # the objective's target head rows are float32 (build_objective)
+
+    def _online_step(self, indices: list[int] | None, n: int):
+        """The online target's part of the memory model for a micro-batch of train-split ``indices`` (``n``
+        packed tokens): a :class:`~peagle_train.peagle.planner.OnlineStep` with the target forwards
+        :class:`~peagle_train.features.online.OnlineFeatures` runs for it (``indices`` None: one sequence of
+        ``n`` tokens); None with cached features."""
+        from peagle_train.features.target import GREEDY_CHUNK
+        from peagle_train.peagle.planner import OnlineStep, TargetShape, target_forwards
+
         target = getattr(self.features, "target", None)
         if target is None or self.tc.features != "online":
-            return 0
-        return sum(p.numel() * p.element_size() for p in target.model.parameters() if p.device == self.device)
+            return None
+        if self._target_shape is None:
+            self._target_shape = TargetShape.from_config(
+                target.config, dtype_bytes=getattr(torch, self.cfg.target.dtype).itemsize,
+                weight_bytes=self._target_bytes(), attn_implementation=target.config._attn_implementation)
+        forwards = ((1, n),) if indices is None else target_forwards([self.lengths[i] for i in indices],
+                                                                      self.features.batch_tokens)
+        return OnlineStep(self._target_shape, forwards, prefetch=self._prefetches_online(),
+                          micro_batches=self.grad_accum,
+                          head_chunk=None if self.tc.target_sharding == "shard" else GREEDY_CHUNK)
+
+    def _note_predicted_peak(self, lengths: list[int], parts: list[int], indices: list[list[int]]) -> None:
+        """Keep in ``self.predicted_peak`` the largest peak the memory planner predicts for this launch's
+        micro-batches so far (P-EAGLE only): each micro-batch's packed tokens, the S it runs with and the
+        recipe's ``train.activation_checkpointing``, with the online target's weights, forwards and features
+        (:func:`~peagle_train.peagle.planner.predict_online_peak_bytes`) or without
+        (:func:`~peagle_train.peagle.planner.predict_peak_bytes`). ``run_train`` returns it and the train
+        stage writes it to ``logs/stages.jsonl`` beside the measured peak.
+        """
+        if self.method.name != "peagle":
+            return
+        from peagle_train.peagle.planner import predict_online_peak_bytes, predict_peak_bytes
+
+        shape, _ = self._planner_inputs()
+        cod = (self.tc.K, self.tc.cod_r, self.tc.cod_r_min)
+        kw = dict(self._plan_kwargs(len(lengths)), checkpointing=self.tc.activation_checkpointing)
+        for n, S, ix in zip(lengths, parts, indices):
+            online = self._online_step(ix, n)
+            peak = (predict_peak_bytes(n, S, shape, *cod, **kw) if online is None
+                    else predict_online_peak_bytes(n, S, shape, online, *cod, **kw))
+            if self.predicted_peak is None or peak > self.predicted_peak["bytes"]:
+                forwards = None if online is None else [list(f) for f in online.forwards]
+                self.predicted_peak = {"bytes": peak, "tokens": n, "partitions": S, "target_forwards": forwards}
+
+    def _target_bytes(self) -> int:
+        """Bytes of the online target's weights on this device (an FSDP2-sharded target: this rank's shards)."""
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.features.target.model.parameters()]
+        return sum(p.numel() * p.element_size() for p in params if p.device == self.device)
 
     # -- loop --------------------------------------------------------------------------------------
     def _log(self, rec: dict, prefix: str) -> None:
@@ -603,11 +665,11 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
     t0 = time.perf_counter()
     final = trainer.fit(progress=progress, stop_at=stop_at)
     if final is None:
-        return {"stopped_at": trainer.step, "history": trainer.history}
+        return {"stopped_at": trainer.step, "history": trainer.history, "predicted_peak": trainer.predicted_peak}
     trainer.save_drafter()
     metrics = {"method": cfg.train.method, "K": cfg.train.K, "steps": trainer.step,
                "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),
-               "final": final, "history": trainer.history}
+               "predicted_peak": trainer.predicted_peak, "final": final, "history": trainer.history}
     if trainer.acc.is_main_process:  # written last and atomically: its presence marks a finished run
         write_json_atomic(done, metrics)
     trainer.acc.wait_for_everyone()

@@ -310,6 +310,31 @@ def test_trainer_throughput_reads_the_steady_step_from_the_history(tmp_path):
         tt.main([str(run), "--reference", "nope"])
 
 
+def test_trainer_throughput_reports_predicted_against_measured_peak(tmp_path):
+    """benchmarks/trainer_throughput.py: ``peak`` = the planner's predicted peak against the measured one from
+    the last train-stage record of logs/stages.jsonl that trained (a reused record, or one without a
+    prediction, is skipped), with the relative error; without a measurement (CPU) no error; absent when
+    no record holds a prediction."""
+    import trainer_throughput as tt
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    hist = [{"step": i + 1, "elapsed_s": 1.0 + i, "tokens": 100} for i in range(4)]
+    (run / "train_metrics.json").write_text(json.dumps({"history": hist}))
+    assert "peak" not in tt.summarise(run, skip=1) and tt.peak_vs_predicted(run) is None
+    recs = [{"stage": "prepare", "reused": False, "peak_gpu_bytes": 5},
+            {"stage": "train", "reused": False, "peak_gpu_bytes": 100, "predicted_peak_bytes": 90,
+             "predicted_peak_for": {"tokens": 8192, "partitions": 2, "target_forwards": [[1, 8192]]}},
+            {"stage": "train", "reused": True, "peak_gpu_bytes": 1, "predicted_peak_bytes": None}]
+    (run / "logs" / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    peak = tt.summarise(run, skip=1)["peak"]
+    assert peak == {"predicted_bytes": 90, "measured_bytes": 100, "rel_error": pytest.approx(-0.1),
+                    "predicted_for": {"tokens": 8192, "partitions": 2, "target_forwards": [[1, 8192]]}}
+    recs[1]["peak_gpu_bytes"] = None
+    (run / "logs" / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tt.peak_vs_predicted(run)["rel_error"] is None
+
+
 def test_train_step_data_from_refuses_ids_outside_the_shape(bench, tmp_path):
     """--data-from with token ids the --shape's vocabulary cannot hold stops before any work, naming the
     folder, the largest id and the vocabulary."""

@@ -280,6 +280,92 @@ def test_auto_partitions_follow_the_planner(run_dir, monkeypatch):
     assert torch.allclose(wa, wf, atol=1e-6)
 
 
+def _online_trainer(run_dir, **train):
+    """A Trainer on the tiny run with online features (the tiny float32 target runs in the step)."""
+    from transformers import AutoConfig
+
+    from peagle_train.features.online import OnlineFeatures
+    from peagle_train.features.target import load_target
+
+    cfg = _cfg(run_dir, features="online", **train)
+    data = load_prepared(run_dir / "run")
+    target = load_target(cfg.target, with_tokenizer=False)
+    feats = {s: OnlineFeatures(target, data[s]["input_ids"]) for s in ("train", "eval")}
+    return Trainer(cfg, data, feats, AutoConfig.from_pretrained(str(run_dir / "target")), [1, 3, 4])
+
+
+def test_auto_partitions_count_the_online_target(run_dir, monkeypatch):
+    """train.partitions: auto with online features: the planner gets the whole GPU and the online target
+    (its weights on this device, float32; the forwards OnlineFeatures runs for the micro-batch; the prefetch
+    of the next step's forward), with cached features none. With a GPU (its memory query stubbed) that
+    fits the cached run's micro-batch at S = 1 with 5 % to spare, the online run's prediction (the target's
+    weights, forward and features besides) does not fit: the budget left to the drafter is smaller."""
+    import peagle_train.peagle.planner as planner
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    cached = Trainer(_cfg(run_dir, max_steps=1, partitions="auto"), data, feats, tconf, [1, 3, 4])
+    online = _online_trainer(run_dir, max_steps=1, partitions="auto")
+    ix = online.micro_batches(0)[0]
+    n = sum(online.lengths[i] for i in ix)
+    seen = {}
+
+    def fake(N, K, r, r_min, shape, gpu_bytes, **kw):
+        seen[kw["online"] is not None] = (gpu_bytes, kw)
+        return 1
+
+    for tr in (cached, online):
+        tr._plan_inputs = (planner.ShapeParams.from_config(tr.acc.unwrap_model(tr.model).drafter.config), 10**12)
+    monkeypatch.setattr(planner, "partitions_for", fake)
+    assert cached.partitions([n], [ix]) == online.partitions([n], [ix]) == [1]
+    (gpu_c, kw_c), (gpu_o, kw_o) = seen[False], seen[True]
+    assert gpu_c == gpu_o == 10**12  # the whole GPU: the online target is inside the prediction
+    step = kw_o["online"]
+    weights = sum(p.numel() * 4 for p in online.features.target.model.parameters())
+    assert step.target.weight_bytes == weights and step.target.dtype_bytes == 4 and step.prefetch
+    assert step.forwards == planner.target_forwards([online.lengths[i] for i in ix], online.features.batch_tokens)
+    assert kw_o["lm_head_trainable"] and kw_o["target_head_bytes"] == 4 and kw_c["target_head_bytes"] == 4
+    monkeypatch.undo()
+
+    shape = cached._plan_inputs[0]
+    fits_cached = int(1.05 * planner.predict_peak_bytes(n, 1, shape, 4, 0.7, 0.2, **{
+        k: v for k, v in kw_c.items() if k != "online"}) / 0.9)
+    for tr in (cached, online):
+        tr._plan_inputs = (shape, fits_cached)
+    assert cached.partitions([n], [ix]) == [1]
+    with pytest.raises(ConfigError, match="train.partitions=auto found no plan"):
+        online.partitions([n], [ix])
+
+
+def test_trainer_records_the_predicted_peak(run_dir):
+    """Each step keeps the largest predicted peak of the launch (Trainer.predicted_peak): the planner's online
+    prediction for the micro-batch it trained, with the recipe's fixed S and activation checkpointing; the
+    train stage writes it to logs/stages.jsonl beside the measured peak (None without CUDA)."""
+    from peagle_train import stages
+    from peagle_train.peagle.planner import predict_online_peak_bytes
+
+    tr = _online_trainer(run_dir, max_steps=2, partitions=2, activation_checkpointing=True)
+    tr.train_step()
+    ix = tr.micro_batches(0)[0]
+    n = sum(tr.lengths[i] for i in ix)
+    online, shape = tr._online_step(ix, n), tr._planner_inputs()[0]
+    want = predict_online_peak_bytes(n, 2, shape, online, 4, 0.7, 0.2, checkpointing=True,
+                                     **tr._plan_kwargs(1))
+    assert tr.predicted_peak == {"bytes": want, "tokens": n, "partitions": 2,
+                                 "target_forwards": [list(f) for f in online.forwards]}
+    assert want < predict_online_peak_bytes(n, 2, shape, online, 4, 0.7, 0.2, **tr._plan_kwargs(1))  # no ckpt: more
+    tr._stop_prefetch()
+
+    cfg = _cfg(run_dir, features="online", max_steps=2, partitions=2)
+    metrics = stages.run_train(cfg, progress=False)
+    rec = [json.loads(x) for x in (run_dir / "run" / "logs" / "stages.jsonl").read_text().splitlines()][-1]
+    assert rec["stage"] == "train" and not rec["reused"] and rec["peak_gpu_bytes"] is None
+    assert rec["predicted_peak_bytes"] == metrics["predicted_peak"]["bytes"] > 0
+    assert rec["predicted_peak_for"]["partitions"] == 2 and rec["predicted_peak_for"]["target_forwards"]
+    stages.run_train(cfg, progress=False)  # a finished run, reused: nothing predicted
+    rec = [json.loads(x) for x in (run_dir / "run" / "logs" / "stages.jsonl").read_text().splitlines()][-1]
+    assert rec["reused"] and "predicted_peak_bytes" not in rec
+
+
 def test_time_schedule_continues_after_resume(run_dir, monkeypatch):
     """A resumed schedule: time run keeps its elapsed time: elapsed_s and the LR continue where the
     checkpoint left them (the LR does not jump back to its step-schedule value)."""
