@@ -57,11 +57,14 @@ class DraftMethod:
         title: a human-readable name for reports and model cards.
         serves_above_trained_K: whether a drafter trained with ``train.K`` may serve more drafts per
             round (a chain drafter may; P-EAGLE's mask depths beyond trained K were never trained).
+        memory_planned: whether :mod:`peagle_train.peagle.planner` models this method's training step (the
+            N x K grid with sequence partitioning); the trainer records a predicted peak only then.
     """
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""
     serves_above_trained_K: ClassVar[bool] = True
+    memory_planned: ClassVar[bool] = False
 
     # -- recipe and drafter ------------------------------------------------------------------
     def validate_recipe(self, cfg) -> None:

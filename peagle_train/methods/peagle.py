@@ -85,6 +85,7 @@ class PEagle(DraftMethod):
 
     name = "peagle"
     title = "P-EAGLE (parallel drafting)"
+    memory_planned = True
     serves_above_trained_K = False
 
     def validate_recipe(self, cfg) -> None:

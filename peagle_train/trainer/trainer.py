@@ -469,13 +469,13 @@ class Trainer(InTrainingEval, Checkpoints):
 
     def _note_predicted_peak(self, lengths: list[int], parts: list[int], indices: list[list[int]]) -> None:
         """Keep in ``self.predicted_peak`` the largest peak the memory planner predicts for this launch's
-        micro-batches so far (P-EAGLE only): each micro-batch's packed tokens, the S it runs with and the
+        micro-batches so far (methods the planner models: ``DraftMethod.memory_planned``): each micro-batch's packed tokens, the S it runs with and the
         recipe's ``train.activation_checkpointing``, with the online target's weights, forwards and features
         (:func:`~peagle_train.peagle.planner.predict_online_peak_bytes`) or without
         (:func:`~peagle_train.peagle.planner.predict_peak_bytes`). ``run_train`` returns it and the train
         stage writes it to ``logs/stages.jsonl`` beside the measured peak.
         """
-        if self.method.name != "peagle":
+        if not self.method.memory_planned:
             return
         from peagle_train.peagle.planner import predict_online_peak_bytes, predict_peak_bytes
 
