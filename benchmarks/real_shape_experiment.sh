@@ -9,13 +9,14 @@
 #   bash benchmarks/real_shape_experiment.sh setup          # GPU: wheels into /tmp/site
 #   bash benchmarks/real_shape_experiment.sh run ARCH [override ...]
 #        # ARCH = gpt-oss-20b | llama-3.1-8b. In $WORK/ARCH: prepare (regeneration of the prompts by the target,
-#        # capped), cache (bf16), train on the cache, export, check, eval; then train with online features on
-#        # the same prepared data in $WORK/ARCH-online. Stages already done are reused (a call may stop at its
+#        # capped), cache (bf16), train on the cache, export, check, eval; the cache again in fp8 in
+#        # $WORK/ARCH-fp8 (bytes per token); then train with online features on the same prepared data in
+#        # $WORK/ARCH-online. Stages already done are reused (a call may stop at its
 #        # time limit and the next call continues). Overrides apply to every stage.
 #   bash benchmarks/real_shape_experiment.sh summary OUT.json ARCH [ARCH ...]
 #        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s and the
 #        # planner's predicted peak against the measured one (trainer_throughput.py: "peak"), the cache's
-#        # bytes per token, check's verdict
+#        # bytes per token (bf16 and fp8), check's verdict
 #
 # TINY=1 runs the same on a CPU with the tiny configurations of the same architectures (a smoke of this script;
 # tests/integration/test_real_shapes_cpu.py pins the pipeline itself).
@@ -66,6 +67,9 @@ from peagle_train.features.target import materialise_target
 print(materialise_target(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--')]).target)
       / 'config.json')" "${A[@]}" "$@")" \
       > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
+    f="$WORK/$arch-fp8"  # the same features stored in fp8 (data.cache_dtype): its bytes per token
+    mkdir -p "$f" && { [ -d "$f/data" ] || cp -r "$d/data" "$f/"; }
+    cli cache "${A[@]}" "output_dir=$f" train.features=cache data.cache_dtype=fp8 "$@"
     o="$WORK/$arch-online"
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
     cli train "${A[@]}" "output_dir=$o" train.features=online "$@" ;;
@@ -78,7 +82,8 @@ out, work, arches = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 rows = {}
 for arch in arches:
     row = {}
-    for name, d in ((arch, work / arch), (f"{arch}-online", work / f"{arch}-online")):
+    for name in (arch, f"{arch}-fp8", f"{arch}-online"):
+        d = work / name
         f = d / "logs" / "stages.jsonl"
         row[name] = {"stages": [json.loads(x) for x in f.read_text().splitlines()] if f.is_file() else []}
         if (d / "train_metrics.json").is_file() or (d / "logs" / "steps.jsonl").is_file():

@@ -370,4 +370,6 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
         assert runs[name]["trainer"]["tokens_per_s"] > 0, runs[name]["trainer"]
     assert {c["split"] for c in runs["llama-3.1-8b"]["cache"]} == {"train", "eval"}
     assert all(c["bytes_per_token"] > 0 for c in runs["llama-3.1-8b"]["cache"])
+    bf16, fp8 = ({c["split"]: c for c in runs[n]["cache"]}["train"] for n in ("llama-3.1-8b", "llama-3.1-8b-fp8"))
+    assert (bf16["dtype"], fp8["dtype"]) == ("bfloat16", "fp8") and fp8["bytes_per_token"] < bf16["bytes_per_token"]
     assert "OK" in runs["llama-3.1-8b"]["check"]
