@@ -301,8 +301,9 @@ class Trainer(InTrainingEval, Checkpoints):
             loss_total, positions, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
             plans = []
             lengths, indices = [packed["input_ids"].numel() for packed, _, _ in micros], [h[0] for h in host]
-            parts = self.partitions(lengths, indices)
-            self._note_predicted_peak(lengths, parts, indices)
+            online = self._online_steps(lengths, indices)  # the target's forwards, worked out once per step
+            parts = self._partitions(lengths, online)
+            self._note_predicted_peak(lengths, parts, online)
             for (packed, grid, host_grid), S in zip(micros, parts):
                 n = packed["input_ids"].numel()
                 # each segment with the indices of the elements it owns, found on the host (no nonzero sync);
@@ -413,16 +414,27 @@ class Trainer(InTrainingEval, Checkpoints):
         Raises:
             ConfigError: ``auto`` and no partition count fits (names the micro-batch size and what to change).
         """
+        return self._partitions(lengths, self._online_steps(lengths, indices))
+
+    def _online_steps(self, lengths: list[int], indices: list[list[int]] | None) -> list:
+        """:meth:`_online_step` of each micro-batch (None entries with cached features or ``train.partitions``
+        fixed for a method the planner does not model: nothing asks for them)."""
+        if self.tc.partitions != "auto" and not self.method.memory_planned:
+            return [None] * len(lengths)
+        return [self._online_step(ix, n) for n, ix in zip(lengths, indices or [None] * len(lengths))]
+
+    def _partitions(self, lengths: list[int], online: list) -> list[int]:
+        """:meth:`partitions` with each micro-batch's :class:`~peagle_train.peagle.planner.OnlineStep` (or None)
+        already worked out."""
         if self.tc.partitions != "auto":
             return [self.tc.partitions] * len(lengths)
         from peagle_train.peagle.planner import partitions_for
 
         shape, gpu = self._planner_inputs()
-        indices = indices or [None] * len(lengths)
         try:
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
-                                    online=self._online_step(ix, n), **self._plan_kwargs(len(lengths)))
-                     for n, ix in zip(lengths, indices)]
+                                    online=on, **self._plan_kwargs(len(lengths)))
+                     for n, on in zip(lengths, online)]
         except ValueError as e:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
                               f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
@@ -467,10 +479,11 @@ class Trainer(InTrainingEval, Checkpoints):
                           micro_batches=self.grad_accum,
                           head_chunk=None if self.tc.target_sharding == "shard" else GREEDY_CHUNK)
 
-    def _note_predicted_peak(self, lengths: list[int], parts: list[int], indices: list[list[int]]) -> None:
+    def _note_predicted_peak(self, lengths: list[int], parts: list[int], online: list) -> None:
         """Keep in ``self.predicted_peak`` the largest peak the memory planner predicts for this launch's
-        micro-batches so far (methods the planner models: ``DraftMethod.memory_planned``): each micro-batch's packed tokens, the S it runs with and the
-        recipe's ``train.activation_checkpointing``, with the online target's weights, forwards and features
+        micro-batches so far (methods the planner models: ``DraftMethod.memory_planned``): each micro-batch's
+        packed tokens, the S it runs with and the recipe's ``train.activation_checkpointing``, with the online
+        target's weights, forwards and features (``online``: :meth:`_online_steps`)
         (:func:`~peagle_train.peagle.planner.predict_online_peak_bytes`) or without
         (:func:`~peagle_train.peagle.planner.predict_peak_bytes`). ``run_train`` returns it and the train
         stage writes it to ``logs/stages.jsonl`` beside the measured peak.
@@ -482,12 +495,11 @@ class Trainer(InTrainingEval, Checkpoints):
         shape, _ = self._planner_inputs()
         cod = (self.tc.K, self.tc.cod_r, self.tc.cod_r_min)
         kw = dict(self._plan_kwargs(len(lengths)), checkpointing=self.tc.activation_checkpointing)
-        for n, S, ix in zip(lengths, parts, indices):
-            online = self._online_step(ix, n)
-            peak = (predict_peak_bytes(n, S, shape, *cod, **kw) if online is None
-                    else predict_online_peak_bytes(n, S, shape, online, *cod, **kw))
+        for n, S, on in zip(lengths, parts, online):
+            peak = (predict_peak_bytes(n, S, shape, *cod, **kw) if on is None
+                    else predict_online_peak_bytes(n, S, shape, on, *cod, **kw))
             if self.predicted_peak is None or peak > self.predicted_peak["bytes"]:
-                forwards = None if online is None else [list(f) for f in online.forwards]
+                forwards = None if on is None else [list(f) for f in on.forwards]
                 self.predicted_peak = {"bytes": peak, "tokens": n, "partitions": S, "target_forwards": forwards}
 
     def _target_bytes(self) -> int:
