@@ -76,6 +76,10 @@ def parse_args(argv):
     p.add_argument("--attn", default=None, help="model attention implementation to set before the runs (e.g. "
                    "flash_attention_2 where flash-attn is installed; continuous batching pages it); default: as loaded")
     p.add_argument("--skip-generate", action="store_true", help="only the fast engines (no identity count)")
+    p.add_argument("--profile-cap", type=int, default=0, metavar="T",
+                   help="after the timed runs, run the first engine again on the same prompts with a T-token cap "
+                        "under torch.profiler: per decoding step the GPU's busy/idle ms, the top kernels and the "
+                        "top host ops (key 'profile'); 0 = off")
     p.add_argument("--override", nargs="*", default=[], help="further recipe overrides key=value")
     p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
     p.add_argument("--out", required=True, help="JSON output path")
@@ -159,6 +163,37 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
             "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 
 
+def profile_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> dict:
+    """One more run of ``regen_cfg``'s engine on ``prompts`` (one batch, ``regen_cfg.max_new_tokens`` tokens
+    each) under ``torch.profiler``, after an unprofiled warm-up run of the same shape (compilation, CUDA
+    graph capture). Figures are per decoding step, taken as the longest answer's token count.
+
+    Returns:
+        ``{"decode_steps", "wall_ms_per_step", "timeline": {window_ms, busy_ms, idle_ms, by_category},
+        "top_kernels": [...], "top_host_ops": [...]}`` (host ops by self CPU time per step: where the host
+        spends a step, e.g. graph launches, mask building, recompilation).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from peagle_train.trainer.profiling import device_kernels, kernel_table, timeline_summary
+
+    run_engine(target, regen_cfg, max_prompt_tokens, prompts, max_seconds=1e9)  # warm-up: compile, capture
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        res = run_engine(target, regen_cfg, max_prompt_tokens, prompts, max_seconds=1e9)
+    wall = time.perf_counter() - t0
+    steps = max((len(i) for i in res["ids"] if i is not None), default=1) or 1
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+    return {"engine": res["engine"], "batch": len(prompts), "decode_steps": steps,
+            "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "timeline": timeline_summary(device_kernels(prof), steps) if torch.cuda.is_available() else None,
+            "top_kernels": kernel_table(prof, 1e3 * wall / steps, steps),
+            "top_host_ops": [{"name": e.key[:120], "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3),
+                              "calls_per_step": round(e.count / steps, 2)} for e in host]}
+
+
 def main(argv=None) -> dict:
     import torch
     import transformers
@@ -222,6 +257,14 @@ def main(argv=None) -> dict:
                 run["identical"][name] = {"compared": len(same), "identical": sum(same), "all": all(same),
                                           "first_differing_prompt": first_diff}
                 line += f", {name} identical to generate {sum(same)}/{len(same)}"
+            _write(args.out, result)
+        if args.profile_cap:
+            run["profile"] = profile_engine(target, cfg.regen.model_copy(update={
+                "engine": args.engines[0], "batch_size": args.cb_batch, "max_new_tokens": args.profile_cap, **knobs}),
+                cfg.data.max_prompt_tokens, prompts[: args.cb_batch])
+            tl = run["profile"]["timeline"]
+            if tl:
+                line += f", profile: {tl['window_ms']:.1f} ms per decoding step ({tl['idle_ms']:.1f} ms GPU idle)"
             _write(args.out, result)
         summary.append(line)
         del target

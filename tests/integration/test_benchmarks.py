@@ -227,7 +227,7 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
         "--recipe", "recipes/smollm2-135m.yaml", "--random-init-from-config", str(tmp_path / "config.json"),
         "--tokenizer", str(tmp_path / "tok"), "--prompts-file", str(tmp_path / "prompts.json"), "--prompts", "4",
         "--subset", "3", "--cap", "12", "--generate-cap", "5", "--batch", "3", "--cb-batch", "4",
-        "--dtypes", "float32", "--engines", "continuous", "--out", str(out)])
+        "--dtypes", "float32", "--engines", "continuous", "--profile-cap", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["random_weights"] is True and result["meta"]["generate_cap"] == 5
     assert f"target.random_init_from_config={tmp_path / 'config.json'}" in result["meta"]["overrides"]
@@ -235,9 +235,14 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
     assert run["continuous"]["prompts"] == 4 and run["generate"]["prompts"] == 3
     assert run["continuous"]["generated_tokens"] > run["generate"]["generated_tokens"] > 0
     assert "static" not in run  # --engines continuous: only that one
+    prof = run["profile"]  # --profile-cap 3: the first engine again, one batch of the 4 prompts, 3 tokens each
+    assert prof["engine"] == "continuous" and prof["batch"] == 4 and prof["decode_steps"] == 3
+    assert prof["wall_ms_per_step"] > 0 and prof["timeline"] is None  # no GPU: no kernel timeline
+    assert prof["top_kernels"] and prof["top_host_ops"][0]["self_cpu_ms_per_step"] > 0
     assert run["identical"] == {"continuous": {"compared": 3, "identical": 3, "all": True, "first_differing_prompt": None}}
     assert capsys.readouterr().out.strip().splitlines()[-1] == result["summary"]
     assert result["summary"].startswith("regen_throughput (cap 12, generate cap 5, random_weights: true")
+    assert "profile:" not in result["summary"]  # the profile's timeline is GPU-only
     with pytest.raises(SystemExit):
         regen_throughput.parse_args(["--random-init-from-config", "x.json", "--out", "o.json"])  # no --tokenizer
 
