@@ -5,7 +5,10 @@ The KV cache dominates: ``layers × 2 (K and V) × kv_heads × head_dim × dtype
 (:func:`kv_bytes_per_token`), read from the target's config. The worst case of one sequence is
 ``data.max_prompt_tokens + regen.max_new_tokens`` tokens. Plain ``generate`` holds ``batch_size`` such
 sequences (its cache grows to the longest one in the batch) plus one step of float32 logits per
-sequence (engine ``static``: the same, its prompt length rounded up to the bucket it is padded to);
+sequence (engine ``static``: the same, its prompt length rounded up to the bucket it is padded to), and
+while a batch's prompts are prefilled, that forward's own transient tensors (:func:`prefill_bytes_per_row`:
+above all the ``[B, heads, P, P]`` scores of eager attention, which GPT-OSS runs for its attention sinks,
+and a mixture of experts' routed activations);
 continuous batching holds what its block pool holds (``regen.kv_blocks`` blocks of
 :data:`PAGE_TOKENS` tokens, or a fraction of the free memory) and schedules within it, so only a pool
 smaller than one sequence, or larger than the free memory, is wrong. Free memory: the accelerator's
@@ -71,8 +74,32 @@ def free_memory_bytes(device) -> int | None:
     return None
 
 
+def prefill_bytes_per_row(model_config, dtype_bytes: int, prompt_tokens: int, attn_implementation: str | None) -> int:
+    """Transient bytes one prompt row of ``prompt_tokens`` adds to the prefill forward of ``generate``: the
+    peak of the planner's target forward (:func:`peagle_train.peagle.planner.target_forward_peak_bytes`, the
+    same counting of transformers' Llama and GPT-OSS forwards) with no tapped layers and only the last
+    position's logits (``logits_to_keep=1``). Linear in the batch, so a batch of B rows adds B times this.
+
+    Args:
+        model_config: the target's transformers config (text config of a multimodal one).
+        dtype_bytes: bytes per element of the model's dtype. prompt_tokens: P, the padded prompt length.
+        attn_implementation: the model's (``eager`` materialises ``[heads, P, P + 1]`` scores per row,
+            ``EAGER_SCORE_COPIES`` at once; ``sdpa``/flash/flex do not).
+
+    Example (GPT-OSS-20B in bf16, eager, P = 2,048): ~1.6 GB per row, 3 score copies of 0.54 GB each;
+    a batch of 64 needs ~103 GB for the prefill alone, more than an H200 has beside the 42 GB of weights.
+    """
+    from peagle_train.peagle.planner import TargetShape, target_forward_peak_bytes
+
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    shape = TargetShape.from_config(text, dtype_bytes=dtype_bytes, weight_bytes=0,
+                                    attn_implementation=attn_implementation, aux_layers=0)
+    return target_forward_peak_bytes(1, prompt_tokens, shape, head_chunk=0)
+
+
 def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: str, max_prompt_tokens: int,
-                     free_bytes: int | None, where: str = "the device") -> tuple[RegenConfig, str | None]:
+                     free_bytes: int | None, where: str = "the device",
+                     attn_implementation: str | None = None) -> tuple[RegenConfig, str | None]:
     """The regeneration settings that fit ``free_bytes``, and a message when they had to change.
 
     Args:
@@ -82,6 +109,8 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
         max_prompt_tokens: the longest prompt a turn may have (``data.max_prompt_tokens``).
         free_bytes: free memory where the cache lives (:func:`free_memory_bytes`); None skips the check.
         where: the device, for the message (``"cuda:0"``).
+        attn_implementation: the model's attention (``model.config._attn_implementation``): engines
+            ``generate`` and ``static`` also count the prefill's transient bytes (:func:`prefill_bytes_per_row`).
 
     Returns:
         ``(cfg, message)``: ``cfg`` itself and None when it fits; otherwise a copy with ``batch_size``
@@ -107,19 +136,24 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     usable = int(free_bytes * HEADROOM)
     free = f"{free_bytes / GIB:.2f} GiB free on {where}"
     if engine in ("generate", "static"):
+        prompt = max_prompt_tokens
         if engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
-            seq = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET) + cfg.max_new_tokens
-        per_seq = seq * per_token + vocab * 4  # its KV cache and one step of float32 logits
+            prompt = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET)
+            seq = prompt + cfg.max_new_tokens
+        prefill = prefill_bytes_per_row(model_config, dtype_bytes, prompt, attn_implementation)
+        per_seq = seq * per_token + vocab * 4 + prefill  # its KV cache, one step of float32 logits, its prefill
         need = cfg.batch_size * per_seq
         if need <= usable:
             return cfg, None
         fits = usable // per_seq
+        what = (f"{shape} and its prefill ({prefill / GIB:.2f} GiB per row"
+                + (", eager attention scores" if attn_implementation == "eager" else "") + ")")
         if fits < 1:
             raise RegenMemoryError(
-                f"one sequence {shape} needs {per_seq / GIB:.2f} GiB, more than {HEADROOM:.0%} of the {free}: lower "
+                f"one sequence {what} needs {per_seq / GIB:.2f} GiB, more than {HEADROOM:.0%} of the {free}: lower "
                 "regen.max_new_tokens or data.max_prompt_tokens, or use a larger device")
         return cfg.model_copy(update={"batch_size": int(fits)}), (
-            f"regen.batch_size {cfg.batch_size} × {shape} needs {need / GIB:.2f} GiB of KV cache, more than "
+            f"regen.batch_size {cfg.batch_size} × {what} needs {need / GIB:.2f} GiB, more than "
             f"{HEADROOM:.0%} of the {free}: regenerating with batch_size {fits} instead")
     pool = int(free_bytes * (cfg.kv_memory_fraction or HEADROOM))  # what continuous batching's cache may take
     if cfg.kv_blocks is None and seq * per_token > pool:

@@ -192,7 +192,8 @@ def flash_attention_available(model) -> bool:
 def check_regen_memory(model, cfg: RegenConfig, max_prompt_tokens: int,
                        free_bytes: int | None = None) -> tuple[RegenConfig, str | None]:
     """:func:`data_prep.regen_memory.fit_regen_memory` for ``model`` with the engine ``cfg`` resolves to
-    (:func:`resolve_engine`): the KV bytes per token from its config and dtype, the free memory of its
+    (:func:`resolve_engine`): the KV bytes per token from its config and dtype, its attention implementation
+    (the prefill's transient bytes), the free memory of its
     device unless ``free_bytes`` is given (tests). Run once before the first shard is generated.
 
     Returns / Raises: as :func:`~data_prep.regen_memory.fit_regen_memory` (``RegenMemoryError``, a ValueError).
@@ -201,7 +202,7 @@ def check_regen_memory(model, cfg: RegenConfig, max_prompt_tokens: int,
     if free_bytes is None:
         free_bytes = free_memory_bytes(model.device)
     return fit_regen_memory(cfg, model.config, model.dtype.itemsize, engine, max_prompt_tokens, free_bytes,
-                            where=str(model.device))
+                            where=str(model.device), attn_implementation=getattr(model.config, "_attn_implementation", None))
 
 
 def hf_engine(model, tokenizer, cfg: RegenConfig):

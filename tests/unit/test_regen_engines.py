@@ -13,7 +13,8 @@ import pytest
 from conftest import need_smollm2
 
 from data_prep.config import RegenConfig
-from data_prep.regen_memory import PAGE_TOKENS, RegenMemoryError, fit_regen_memory, kv_bytes_per_token
+from data_prep.regen_memory import (PAGE_TOKENS, RegenMemoryError, fit_regen_memory, kv_bytes_per_token,
+                                   prefill_bytes_per_row)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny CPU matmuls: one thread is faster under load
 
@@ -162,7 +163,7 @@ def test_kv_bytes_per_token_from_the_config(tiny_llama_config):
 def test_generate_batch_is_reduced_or_refused_before_generation(tiny_llama_config):
     c = tiny_llama_config(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9,
                           vocab_size=49152)
-    per_seq = (512 + 2048) * kv_bytes_per_token(c, 4) + 49152 * 4  # 118 MB
+    per_seq = (512 + 2048) * kv_bytes_per_token(c, 4) + 49152 * 4 + prefill_bytes_per_row(c, 4, 512, None)  # 127 MB
     cfg = RegenConfig(engine="generate", max_new_tokens=2048, batch_size=512)
     same, note = fit_regen_memory(cfg, c, 4, "generate", 512, free_bytes=200 * GIB)
     assert same is cfg and note is None
@@ -176,6 +177,34 @@ def test_generate_batch_is_reduced_or_refused_before_generation(tiny_llama_confi
     static = cfg.model_copy(update={"engine": "static"})
     fitted, _ = fit_regen_memory(static, c, 4, "static", 500, free_bytes=10 * GIB)
     assert fitted.batch_size == int(10 * GIB * 0.9) // per_seq
+
+
+def test_eager_attention_prefill_is_counted(tmp_path):
+    """GPT-OSS-20B runs eager attention (its sinks): a prefill of B prompts of P tokens holds 3 score tensors
+    of ``B × 64 × P × (P + 1)`` bf16 values. The run that met this on an H200 (regen.batch_size 64,
+    data.max_prompt_tokens 2,048, ~97 GB free beside the weights) died asking for 32.02 GiB; the check now
+    reduces the batch first and says why. An SDPA target of the same shape keeps a much larger batch."""
+    import json
+
+    from transformers import AutoConfig
+
+    from peagle_train.features.target import random_config_file
+
+    tree = json.loads(random_config_file("pkg:peagle_train/gpt-oss-20b.json").read_text())
+    tree = {k: v for k, v in tree.items() if not k.startswith("_") and k != "quantization_config"}
+    c = AutoConfig.for_model(tree.pop("model_type"), **tree)
+    scores = 64 * 2048 * 2049 * 2  # one row's [64 heads, P, P + 1] bf16 scores
+    assert abs(64 * scores / GIB - 32.02) < 0.01  # the allocation the OOM named at batch 64
+    eager = prefill_bytes_per_row(c, 2, 2048, "eager")
+    assert eager >= 3 * scores and eager > 3 * prefill_bytes_per_row(c, 2, 2048, "sdpa")
+    cfg = RegenConfig(engine="generate", max_new_tokens=256, batch_size=64)
+    fitted, note = fit_regen_memory(cfg, c, 2, "generate", 2048, free_bytes=97 * 10 ** 9, attn_implementation="eager")
+    per_seq = (2048 + 256) * kv_bytes_per_token(c, 2) + c.vocab_size * 4 + eager
+    assert fitted.batch_size == int(97 * 10 ** 9 * 0.9) // per_seq < 64
+    assert "eager attention scores" in note and "batch_size 64" in note
+    assert fitted.batch_size * (3 * scores) + 42 * 10 ** 9 < 139 * 10 ** 9  # the scores of the reduced batch fit
+    sdpa, _ = fit_regen_memory(cfg, c, 2, "generate", 2048, free_bytes=97 * 10 ** 9, attn_implementation="sdpa")
+    assert sdpa.batch_size == 64  # no score tensor: the same batch fits
 
 
 def test_continuous_kv_budget_is_checked(tiny_llama_config):
