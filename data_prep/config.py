@@ -74,11 +74,6 @@ class RegenConfig(Section):
         "'auto' = continuous on CUDA with flash attention installed, static on CUDA without it, generate elsewhere "
         "(the report says which ran)."
     )
-    decode_kernel: Literal["sdpa", "bmm"] = Field(
-        "sdpa", description="engine static: how a decoding step attends over the static KV cache with the query "
-        "heads of a group folded onto their shared KV head (data_prep.gqa_decode_attention): 'sdpa' = PyTorch's "
-        "masked SDPA kernel; 'bmm' = two batched matmuls with float32 scores and softmax (reads the cache once "
-        "at matmul bandwidth; docs/benchmarks.md 'Regeneration on one H200' compares them).")
     max_new_tokens: int = Field(2048, ge=1, description="Cap on generated tokens per turn (a response stopped by "
                                 "it is counted as unfinished).")
     do_sample: bool = False

@@ -250,7 +250,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
         bucket = STATIC_PROMPT_BUCKET
 
     # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
-    attention = (lambda: decode_attention(model, cfg.decode_kernel)) if engine == "static" else contextlib.nullcontext
+    attention = (lambda: decode_attention(model)) if engine == "static" else contextlib.nullcontext
 
     def complete(jobs: list[Job]):
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))

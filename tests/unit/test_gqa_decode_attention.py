@@ -7,9 +7,7 @@ import types
 import pytest
 import torch
 
-from data_prep.gqa_decode_attention import NAME, NAME_BMM, decode_attention, gqa_decode_bmm, gqa_decode_sdpa, register
-
-KERNELS = {"sdpa": gqa_decode_sdpa, "bmm": gqa_decode_bmm}
+from data_prep.gqa_decode_attention import NAME, decode_attention, gqa_decode_sdpa
 
 
 def _sdpa(*a, **k):
@@ -18,10 +16,8 @@ def _sdpa(*a, **k):
     return sdpa_attention_forward(*a, **k)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "bmm"])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_folded_decode_step_equals_transformers_sdpa(mask_kind, kernel):
-    fold = KERNELS[kernel]
+def test_folded_decode_step_equals_transformers_sdpa(mask_kind):
     torch.manual_seed(0)
     B, H, Hkv, L, d = 3, 9, 3, 11, 8
     module = types.SimpleNamespace(num_key_value_groups=H // Hkv, is_causal=True)
@@ -31,48 +27,28 @@ def test_folded_decode_step_equals_transformers_sdpa(mask_kind, kernel):
     keep[0, ..., :4] = False  # left padding of row 0
     keep[2, ..., :7] = False
     mask = keep if mask_kind == "bool" else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -1e30)
-    got, _ = fold(module, q, k, v, mask, scaling=0.3)
+    got, _ = gqa_decode_sdpa(module, q, k, v, mask, scaling=0.3)
     want, _ = _sdpa(module, q, k, v, mask[..., :L], scaling=0.3)
     assert got.shape == (B, 1, H, d)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     # query head h uses KV head h // 3: moving KV head 1 changes only query heads 3..5
     k2 = k.clone()
     k2[:, 1] += 1
-    moved, _ = fold(module, q, k2, v, mask, scaling=0.3)
+    moved, _ = gqa_decode_sdpa(module, q, k2, v, mask, scaling=0.3)
     changed = (moved - got).abs().amax(dim=(0, 1, 3)) > 0
     assert changed.tolist() == [False] * 3 + [True] * 3 + [False] * 3
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "bmm"])
-def test_prefill_and_ungrouped_heads_fall_back_to_transformers_sdpa(kernel):
+def test_prefill_and_ungrouped_heads_fall_back_to_transformers_sdpa():
     torch.manual_seed(1)
     module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
-    got, _ = KERNELS[kernel](module, q, k, v, None)  # prefill: causal, no mask
+    got, _ = gqa_decode_sdpa(module, q, k, v, None)  # prefill: causal, no mask
     want, _ = _sdpa(module, q, k, v, None)
     assert torch.equal(got, want)
 
 
-def test_bmm_kernel_in_bfloat16_keeps_float32_scores():
-    """bf16 inputs: the bmm kernel's result is the float64 attention of the same bf16 values to within bf16
-    output rounding (scores and softmax are not rounded to bf16 on the way), and an unknown kernel is refused."""
-    torch.manual_seed(2)
-    B, H, Hkv, L, d = 2, 6, 2, 300, 64
-    module = types.SimpleNamespace(num_key_value_groups=H // Hkv, is_causal=True)
-    q = torch.randn(B, H, 1, d).bfloat16()
-    k, v = torch.randn(B, Hkv, L, d).bfloat16(), torch.randn(B, Hkv, L, d).bfloat16()
-    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
-    keep[1, ..., :100] = False
-    got, _ = gqa_decode_bmm(module, q, k, v, keep, scaling=d ** -0.5)
-    want, _ = _sdpa(module, q.double(), k.double(), v.double(), keep, scaling=d ** -0.5)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=2 ** -9)
-    with pytest.raises(ValueError, match="regen.decode_kernel"):
-        register("flash")
-
-
-@pytest.mark.parametrize("kernel", ["sdpa", "bmm"])
-def test_static_generation_with_the_folded_attention_is_token_identical(kernel):
+def test_static_generation_with_the_folded_attention_is_token_identical():
     """A tiny GQA Llama: static-cache generate under decode_attention gives plain generate's tokens on a
     left-padded batch, and the model's attention implementation is restored after."""
     from transformers import LlamaForCausalLM
@@ -95,14 +71,13 @@ def test_static_generation_with_the_folded_attention_is_token_identical(kernel):
 
     def spy(module, query, key, value, mask, *a, **k):
         folded_steps.append(query.shape[2] == 1 and mask is not None)
-        return KERNELS[kernel](module, query, key, value, mask, *a, **k)
+        return gqa_decode_sdpa(module, query, key, value, mask, *a, **k)
 
     with torch.no_grad():
         plain = model.generate(**kw)
-        with decode_attention(model, kernel):
-            name = {"sdpa": NAME, "bmm": NAME_BMM}[kernel]
-            assert model.config._attn_implementation == name
-            AttentionInterface.register(name, spy)
+        with decode_attention(model):
+            assert model.config._attn_implementation == NAME
+            AttentionInterface.register(NAME, spy)
             folded = model.generate(**kw, cache_implementation="static")
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(folded, plain)
