@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from peagle_train.core.device import to_device
+
 
 @torch.no_grad()
 def iter_target_features(target, sequences: list[list[int]], batch_size: int):
@@ -15,7 +17,13 @@ def iter_target_features(target, sequences: list[list[int]], batch_size: int):
     padded positions' outputs are dropped). Without a mask, SDPA takes its flash kernel and grouped
     key/value heads as they are; transformers' masked SDPA path expands them and takes the
     memory-efficient kernel with a mask (25 ms of a 335-ms SmolLM2 step at micro-batch 64,
-    docs/benchmarks.md). Position ids are 0, 1, ... per row either way. Holds for attention whose
+    docs/benchmarks.md). Position ids are 0, 1, ... per row either way.
+
+    The ids go to the device through pinned memory without blocking: a copy from pageable memory makes
+    PyTorch synchronise the stream first, so the host would wait for all queued work (the trainer's
+    prefetched forward launches right after the backward is queued, and its three forwards of a SmolLM2
+    micro-batch would each wait for the one before: the H200 profile of b04ed9d showed the GPU idle
+    121 of 290 ms per step, docs/benchmarks.md "Where the online step's time goes"). Holds for attention whose
     output at a position depends only on earlier positions (causal, sliding-window) and per-token
     layers (MLP, mixture of experts without capacity limits), i.e. every decoder-only target here.
 
@@ -30,7 +38,7 @@ def iter_target_features(target, sequences: list[list[int]], batch_size: int):
         ids = torch.zeros(len(batch), n, dtype=torch.long)
         for i, x in enumerate(batch):
             ids[i, : len(x)] = torch.tensor(x)
-        f = target.features(ids.to(dev), None)  # right padding: no mask needed (docstring)
+        f = target.features(to_device(ids, dev, non_blocking=True), None)  # right padding: no mask (docstring)
         for i, x in enumerate(batch):
             yield {"aux": f["aux"][i, : len(x)], "last": f["last"][i, : len(x)], "argmax": f["argmax"][i, : len(x)]}
 

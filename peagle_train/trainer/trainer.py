@@ -270,6 +270,16 @@ class Trainer(InTrainingEval, Checkpoints):
         with record_function("peagle/features"):
             self._online_ahead = (list(ix), self.features.get(ix))
 
+    def _time_fraction(self, t_start: float) -> float:
+        """Elapsed wall time over ``train.max_minutes``, the same on every rank (the time schedule's LR and the
+        stop): the ranks' maximum through one collective; one process reads its clock alone, so the step
+        starts without a device sync (a device tensor read back would wait for the queued work, the
+        prefetched target forward included)."""
+        frac = (time.perf_counter() - t_start) / (60 * self.tc.max_minutes)
+        if self.acc.num_processes == 1:
+            return frac
+        return float(self.acc.reduce(torch.tensor([frac], device=self.device), reduction="max"))
+
     def _prefetches_online(self) -> bool:
         """Whether :meth:`_launch_online_features` runs the next step's target forward (``train.prefetch``,
         features computed on the device, one micro-batch per step)."""
@@ -573,8 +583,7 @@ class Trainer(InTrainingEval, Checkpoints):
                                 self.out / "logs" / "profile.json")
         while self.step < self.total_steps:
             if self.tc.max_minutes is not None:
-                frac = torch.tensor([(time.perf_counter() - t_start) / (60 * self.tc.max_minutes)], device=self.device)
-                self.time_fraction = float(self.acc.reduce(frac, reduction="max"))  # all ranks agree (LR, stop)
+                self.time_fraction = self._time_fraction(t_start)
                 if self.time_fraction > 1.0:
                     break
             profiler.before_step(self.step)
