@@ -13,6 +13,9 @@
 #        # same prepared data in $WORK/ARCH-online; the cache again in fp8 in $WORK/ARCH-fp8 (bytes per
 #        # token); last eval (target in float32 on a GPU: see below). Stages already done are reused (a call
 #        # may stop at its time limit and the next call continues). Overrides apply to every stage.
+#   bash benchmarks/real_shape_experiment.sh online-n ARCH N [override ...]
+#        # after `run ARCH`: the online trainer at micro-batches of ~N prepared tokens ($WORK/ARCH-online-N)
+#        # beside benchmarks/train_step.py's drafter-only step of the same drafter, micro-batch and sequences
 #   bash benchmarks/real_shape_experiment.sh summary OUT.json ARCH [ARCH ...]
 #        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s and the
 #        # planner's predicted peak against the measured one (trainer_throughput.py: "peak"), the cache's
@@ -79,6 +82,32 @@ print(materialise_target(load_config(sys.argv[1], [a for a in sys.argv[2:] if no
     cli cache "${A[@]}" "output_dir=$f" train.features=cache data.cache_dtype=fp8 "$@"
     ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
     cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}" ;;
+  online-n)  # ARCH N [override ...]: the online trainer (the target's forward inside the step) with micro-batches of
+    # ~N tokens of the prepared data of `run ARCH`, in $WORK/ARCH-online-N, and benchmarks/train_step.py's
+    # drafter-only step (the trainer's own step on random features) for the same drafter (shape ARCH-recipe),
+    # micro-batch, sequences, K and partitions, in $WORK/bench-ARCH-N.json (issue 22's N = 4,096 / 8,192 rows)
+    arch=${2:?arch}; n=${3:?tokens}; shift 3
+    mapfile -t A < <(arch_overrides "$arch")
+    d="$WORK/$arch"; o="$WORK/$arch-online-$n"
+    m=$(py - "$d" "$n" <<'PY'
+import sys
+from pathlib import Path
+from peagle_train.features.tokenized import load_tokenized
+lengths = [len(x) for x in load_tokenized(Path(sys.argv[1]) / "data" / "train.safetensors")["input_ids"]]
+print(max(1, round(int(sys.argv[2]) / (sum(lengths) / len(lengths)))))  # sequences per micro-batch for ~N tokens
+PY
+)
+    echo "online-n $arch N=$n: micro-batch $m sequences"
+    mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
+    cli train "${A[@]}" "output_dir=$o" train.features=online "train.micro_batch_size=$m" train.max_steps=30 "$@"
+    K=$(py -c "import sys; from peagle_train.recipe import load_config
+c = load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--')]).train
+print(c.K, c.partitions, int(c.activation_checkpointing))" "${A[@]}" "$@")
+    read -r k s ckpt <<< "$K"
+    fl=(); [ "$ckpt" = 1 ] && fl=(--checkpointing)
+    shape="$arch-recipe"; [ "${TINY:-0}" = 1 ] && shape="$arch-tiny-recipe"  # CPU smoke: the tiny drafter
+    py benchmarks/train_step.py --shape "$shape" --K "$k" --partitions "$s" "${fl[@]}" \
+      --micro-batch "$m" --data-from "$d" --steps 6 --warmup 2 --out "$WORK/bench-$arch-$n.json" 2>&1 | tail -n 3 ;;
   summary)  # OUT.json ARCH [ARCH ...]
     out=${2:?out.json}; shift 2
     py - "$out" "$WORK" "$@" <<'PY'
@@ -88,7 +117,8 @@ out, work, arches = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 rows = {}
 for arch in arches:
     row = {}
-    for name in (arch, f"{arch}-fp8", f"{arch}-online"):
+    online_n = sorted(p.name for p in work.glob(f"{arch}-online-*") if p.is_dir())  # online-n runs
+    for name in (arch, f"{arch}-fp8", f"{arch}-online", *online_n):
         d = work / name
         f = d / "logs" / "stages.jsonl"
         row[name] = {"stages": [json.loads(x) for x in f.read_text().splitlines()] if f.is_file() else []}
@@ -102,11 +132,12 @@ for arch in arches:
                                ("dtype", "total_tokens", "total_bytes", "bytes_per_token")}} for m in manifest]
         check = d / "logs" / "check.txt"
         row[name]["check"] = check.read_text()[-2000:] if check.is_file() else None
+    row["drafter_only"] = {b.stem: json.loads(b.read_text()) for b in sorted(work.glob(f"bench-{arch}-*.json"))}
     rows[arch] = row
 Path(out).write_text(json.dumps({"random_weights": True, "work": str(work), "runs": rows}, indent=1))
 print(json.dumps({a: {n: [(s["stage"], s["seconds"], s["peak_gpu_bytes"]) for s in r["stages"]]
                       + [("train peak: predicted vs measured", r.get("trainer", {}).get("peak"))]
-                      for n, r in row.items()} for a, row in rows.items()}))
+                      for n, r in row.items() if n != "drafter_only"} for a, row in rows.items()}))
 PY
     ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

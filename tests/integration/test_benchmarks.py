@@ -365,10 +365,19 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     run = subprocess.run(["bash", script, "run", "llama-3.1-8b", "--quiet"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0 and "check: passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    online = subprocess.run(["bash", script, "online-n", "llama-3.1-8b", "800", "train.max_steps=8", "--quiet"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert online.returncode == 0, online.stdout[-2000:] + online.stderr[-2000:]
+    assert "micro-batch" in online.stdout
     out = tmp_path / "summary.json"
     subprocess.run(["bash", script, "summary", str(out), "llama-3.1-8b"], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=300)
     runs = json.loads(out.read_text())["runs"]["llama-3.1-8b"]
+    assert runs["llama-3.1-8b-online-800"]["trainer"]["tokens_per_s"] > 0  # online-n: the trainer ...
+    (bench,) = runs["drafter_only"].values()  # ... beside the drafter-only step of the same micro-batch
+    assert bench["meta"]["micro_batch"] == runs["llama-3.1-8b-online-800"]["trainer"]["recipe"]["micro_batch_size"]
+    assert bench["meta"]["shape"] == "llama-3.1-8b-tiny-recipe" and "error" not in bench["rows"][0], bench["rows"]
+    assert bench["rows"][0]["tokens_per_s"] > 0
     assert [s["stage"] for s in runs["llama-3.1-8b"]["stages"]] == ["prepare", "cache", "train", "export", "eval"]
     assert [s["stage"] for s in runs["llama-3.1-8b-online"]["stages"]] == ["train"]
     for name in ("llama-3.1-8b", "llama-3.1-8b-online"):
@@ -378,3 +387,31 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     bf16, fp8 = ({c["split"]: c for c in runs[n]["cache"]}["train"] for n in ("llama-3.1-8b", "llama-3.1-8b-fp8"))
     assert (bf16["dtype"], fp8["dtype"]) == ("bfloat16", "fp8") and fp8["bytes_per_token"] < bf16["bytes_per_token"]
     assert "OK" in runs["llama-3.1-8b"]["check"]
+
+
+@pytest.mark.parametrize("shape, spec, recipe, extra", [
+    ("gpt-oss-20b-recipe", "pkg:peagle_train/gpt-oss-20b.json", "recipes/gpt-oss-20b.yaml", []),
+    ("llama-3.1-8b-recipe", "pkg:peagle_train/llama-3.1-8b-instruct.json", "recipes/llama-3.1-8b.yaml", []),
+    ("llama-3.1-8b-tiny-recipe", "pkg:peagle_train/llama-3.1-8b-tiny.json", "recipes/llama-3.1-8b.yaml",
+     ["drafter.draft_vocab_size=1024"])])  # the CPU smoke of real_shape_experiment.sh (TINY=1)
+def test_recipe_shapes_are_the_drafters_the_recipes_build(bench, shape, spec, recipe, extra):
+    """The benchmark's ``*-recipe`` shapes (the drafter-only step beside the real-shape online trainer) are the
+    drafter ``make_drafter_config`` builds for the recipe from the shipped real configuration: same widths, heads,
+    intermediate size, vocabulary and draft vocabulary (the recipe's ``drafter.draft_vocab_size``, None = V)."""
+    from transformers import AutoConfig
+
+    from peagle_train.features.target import random_config_file
+    from peagle_train.model.drafter import make_drafter_config
+    from peagle_train.recipe import load_config
+
+    tree = json.loads(random_config_file(spec).read_text())
+    tree = {k: v for k, v in tree.items() if not k.startswith("_") and k != "quantization_config"}
+    tconf = AutoConfig.for_model(tree.pop("model_type"), **tree)
+    cfg = load_config(recipe, ["target.path=null", f"target.random_init_from_config={spec}", *extra])
+    vd = cfg.drafter.draft_vocab_size or tconf.vocab_size
+    d = make_drafter_config(tconf, aux_layer_ids=[2, 3, 4], draft_vocab_size=vd, mask_token_id=cfg.drafter.mask_token_id,
+                            num_layers=cfg.drafter.num_layers)
+    want = {k: getattr(d, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                       "intermediate_size", "vocab_size")}
+    got = {k: v for k, v in bench.SHAPES[shape].items() if k in want}
+    assert got == want and bench.SHAPES[shape]["draft_vocab"] == vd
