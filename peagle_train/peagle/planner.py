@@ -15,7 +15,12 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
                                              # gradient buckets exist from the start). With S = 1 and one micro-batch
                                              # the peak comes before any gradient exists (the
                                              # optimizer's zero_grad sets them to None).
-    workspace  = OMEGA * 4 * chunk * Vd      # one loss chunk's fp32 [chunk, Vd] buffers
+    workspace  = OMEGA * 4 * chunk * Vd      # one loss chunk's fp32 [chunk, Vd] buffers (train.compile: the
+                                             # chunk body compiled); OMEGA_EAGER instead without compile
+               + 2 * Vd * H                  # the head in bf16 for the chunk loop (fused: its copy; else
+                                             # autocast's cached cast)
+               + 4 * Vd * H                  # train.fused_loss with a trainable head: one chunk's head
+                                             # gradient [Vd, H] float32 before it is added to the accumulator
     inputs     = N * (A + 1) * T * 2         # bf16 aux [N, A*T] + final hidden [N, T]
     E          = e_ratio * N,  e_ratio = sum_{d<K} max(r**d, r_min)   (3.373 for K=8, r=0.7, r_min=0.2)
     E_seg      = E / S + N * (S - 1) / S     # the largest (last) segment: its owned elements
@@ -46,7 +51,19 @@ least-squares fit (relative error) to the peaks measured on one H200 in the eigh
     8,192   1  27.6          28.3       +2.7 %   (fused_loss off; not in the fit)
 
 (E_seg padded to a multiple of 1024.) giving ``ALPHA = 0.828`` (below 1: the chain kernels and
-the fused loss keep less than the per-layer count; allocator rounding) and ``OMEGA = 2.812``.
+the fused loss keep less than the per-layer count; allocator rounding) and ``OMEGA = 2.618`` (2.812
+before the ``2 Vd H`` head copy had its own term; refitted on the same points, the errors above unchanged
+within 0.1 %).
+
+Without ``train.compile`` the loss chunk body runs eagerly and keeps more at once: ``OMEGA_EAGER = 7.44``
+fp32 ``[chunk, Vd]`` buffers, counted, not fitted. The eager body (``kernels.loss._fused_chunk``) holds at
+its peak 6.44 of them: the log-probabilities, their exponent, the target's log-probabilities and
+probabilities, the KL terms, the logit gradient and the bf16 logits. Its ``[Vd, H]`` head gradient is the
+term above. The target's logits chunk beside it adds 1 (``tests/unit/test_planner.py`` counts the body's
+live tensors on the CPU). First GPU point: the Llama-3.1-8B recipe's step on the cache (uncompiled, Vd = V =
+128,256, head and embeddings trained, K = 10, S = 2, checkpointing, chunk 2,048, N = 3,788) measured
+49.92 GB. The model without these terms predicted 41.48 GB (−16.9 %); with them it predicts 49.49 GB
+(−0.9 %; docs/real_shapes.md).
 Predictions on a 139.8 GiB H200 with the default ``headroom = 0.9`` (125.8 GiB): N = 65,536
 fits at S = 1 (113.2 GiB); N = 131,072 needs S = 3 (124.6 GiB; not measured). The model is
 calibrated on one shape; the per-element terms scale with the shape's widths, so other shapes
@@ -69,7 +86,8 @@ dtype.) Worked example: the GPT-OSS-20B recipe (``recipes/gpt-oss-20b.yaml``: dr
 201,088, lm_head and embeddings trainable, K = 10, S = 2, checkpointing, chunk 2,048) on a random-weight bf16
 target (``gpt-oss-20b.json``: 20.91B parameters, eager attention, 2 mask kinds, k = 4) for one sequence of
 N = n = 8,192 tokens: W = 38.96 GiB; static 17.84 + grads 5.23 + inputs 0.18 + target_step 24.72 (of which
-3 x 8.0 GiB of eager scores) = 47.97 GiB; drafter phase 32.14 GiB; peak 86.93 GiB (93.3 GB). At the
+3 x 8.0 GiB of eager scores) = 47.97 GiB; drafter phase 42.48 GiB (the recipe leaves ``train.compile`` off:
+the loss chunk is eager; 35.08 compiled); peak 86.93 GiB (93.3 GB). At the
 recipe's ``max_length`` of 12,288: 117.6 GiB, the eager scores alone 54 GiB. Not measured on a GPU yet.
 """
 from __future__ import annotations
@@ -77,7 +95,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALPHA = 0.828
-OMEGA = 2.812
+OMEGA = 2.618
+#: fp32 [chunk, Vd] buffers of one loss chunk without train.compile: the eager chunk body's 6.44 at its peak
+#: (counted from its live tensors, tests/unit/test_planner.py) + the target's logits chunk (module docstring)
+OMEGA_EAGER = 7.44
 GIB = 2**30
 
 
@@ -178,7 +199,7 @@ def input_bytes(N: int, shape: ShapeParams) -> int:
 def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float = 0.7, r_min: float = 0.2, *,
                        checkpointing: bool = False, chunk: int = 8192, lm_head_trainable: bool = False,
                        target_head_bytes: int = 2, max_anchors: int | None = None, fused_loss: bool = True,
-                       grads_resident: bool | None = None) -> int:
+                       grads_resident: bool | None = None, compiled_loss: bool = True) -> int:
     """Predicted peak allocated bytes of one step (module docstring model).
 
     Args:
@@ -190,6 +211,8 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
         fused_loss: ``train.fused_loss`` (False adds the recompute path's kept target logits).
         grads_resident: whether gradients already exist while the peak segment runs (None:
             exactly when ``S > 1``; pass True when one step has several micro-batches).
+        compiled_loss: the loss chunk body is compiled (``train.compile``): ``OMEGA`` buffers per chunk,
+            else ``OMEGA_EAGER``.
 
     Returns:
         bytes (int).
@@ -199,7 +222,10 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     static = static_bytes(shape, lm_head_trainable, target_head_bytes)
     resident = S > 1 if grads_resident is None else grads_resident
     grads = 4 * shape.trainable_params(lm_head_trainable) if resident else 0
-    workspace = OMEGA * 4 * min(chunk, E) * Vd
+    workspace = (OMEGA if compiled_loss else OMEGA_EAGER) * 4 * min(chunk, E) * Vd
+    # the head in bf16 for the chunk loop (the fused loop's copy, or autocast's cached cast on the recompute path),
+    # and on the fused path a trainable head's per-chunk gradient before it is summed
+    workspace += 2 * Vd * H + (4 * Vd * H if fused_loss and lm_head_trainable else 0)
     inputs = input_bytes(N, shape)
     E_seg = segment_elements(N, S, E)
     act = ALPHA * shape.act_bytes_per_element(checkpointing) * E_seg
@@ -355,7 +381,7 @@ def predict_online_peak_bytes(N: int, S: int, shape: ShapeParams, online: Online
                               r_min: float = 0.2, *, checkpointing: bool = False, chunk: int = 8192,
                               lm_head_trainable: bool = False, target_head_bytes: int = 2,
                               max_anchors: int | None = None, fused_loss: bool = True,
-                              grads_resident: bool | None = None) -> int:
+                              grads_resident: bool | None = None, compiled_loss: bool = True) -> int:
     """Predicted peak allocated bytes of one optimizer step with online features: the target's weights plus
     the larger of the step's two phases (bytes)::
 
@@ -379,7 +405,7 @@ def predict_online_peak_bytes(N: int, S: int, shape: ShapeParams, online: Online
 
     Args:
         N, S, shape, K, r, r_min, checkpointing, chunk, lm_head_trainable, target_head_bytes, max_anchors,
-            fused_loss, grads_resident: as :func:`predict_peak_bytes` (the drafter step).
+            fused_loss, grads_resident, compiled_loss: as :func:`predict_peak_bytes` (the drafter step).
         online: :class:`OnlineStep`.
 
     Returns:
@@ -392,7 +418,8 @@ def predict_online_peak_bytes(N: int, S: int, shape: ShapeParams, online: Online
         raise ValueError(f"prefetch needs one micro-batch per step (got {online.micro_batches})")
     drafter = predict_peak_bytes(N, S, shape, K, r, r_min, checkpointing=checkpointing, chunk=chunk,
                                  lm_head_trainable=lm_head_trainable, target_head_bytes=target_head_bytes,
-                                 max_anchors=max_anchors, fused_loss=fused_loss, grads_resident=grads_resident)
+                                 max_anchors=max_anchors, fused_loss=fused_loss, grads_resident=grads_resident,
+                                 compiled_loss=compiled_loss)
     others = (online.micro_batches - 1) * input_bytes(N, shape)  # the step's other micro-batches' features
     grads = 4 * shape.trainable_params(lm_head_trainable)
     if online.prefetch:  # after this step's backward: its gradients and packed features are alive
@@ -407,7 +434,8 @@ def predict_online_peak_bytes(N: int, S: int, shape: ShapeParams, online: Online
 def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int, *, chunk: int = 8192,
               max_partitions: int = 8, allow_checkpointing: bool = True, headroom: float = 0.9,
               lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None,
-              fused_loss: bool = True, grads_resident: bool | None = None, online: OnlineStep | None = None) -> Plan:
+              fused_loss: bool = True, grads_resident: bool | None = None, online: OnlineStep | None = None,
+              compiled_loss: bool = True) -> Plan:
     """The fewest partitions ``S`` whose predicted peak fits ``headroom * gpu_bytes``.
 
     Tries ``S = 1..max_partitions`` without checkpointing first; only if none fits, the same
@@ -421,7 +449,8 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         chunk: loss chunk. max_partitions: largest S tried (capped at N). allow_checkpointing: may
             fall back to checkpointing. headroom: usable fraction of ``gpu_bytes`` (allocator
             fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes,
-            fused_loss, grads_resident: as :func:`predict_peak_bytes`. online: :class:`OnlineStep` or None.
+            fused_loss, grads_resident, compiled_loss: as :func:`predict_peak_bytes`. online: :class:`OnlineStep`
+            or None.
 
     Returns:
         :class:`Plan` (unpacks as ``S, checkpointing``).
@@ -439,7 +468,7 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         for S in range(1, s_max + 1):
             kw = dict(checkpointing=ckpt, chunk=chunk, lm_head_trainable=lm_head_trainable,
                       target_head_bytes=target_head_bytes, max_anchors=max_anchors, fused_loss=fused_loss,
-                      grads_resident=grads_resident)
+                      grads_resident=grads_resident, compiled_loss=compiled_loss)
             peak = (predict_peak_bytes(N, S, shape, K, r, r_min, **kw) if online is None
                     else predict_online_peak_bytes(N, S, shape, online, K, r, r_min, **kw))
             if peak <= budget:
@@ -455,12 +484,12 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
 def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
                    chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9,
                    fused_loss: bool = True, grads_resident: bool | None = None, lm_head_trainable: bool = False,
-                   target_head_bytes: int = 2, online: OnlineStep | None = None) -> int:
+                   target_head_bytes: int = 2, online: OnlineStep | None = None, compiled_loss: bool = True) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
     :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing off (it never
     turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
     is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
-    ``fused_loss``, ``grads_resident``, ``lm_head_trainable``, ``target_head_bytes``: as
+    ``fused_loss``, ``grads_resident``, ``lm_head_trainable``, ``target_head_bytes``, ``compiled_loss``: as
     :func:`predict_peak_bytes` (the trainer passes ``grads_resident=True`` when a step has several
     micro-batches or several processes); ``online``: the online target (:class:`OnlineStep`; its
     weights, forward and features are then inside the prediction, so ``gpu_bytes`` is the whole GPU).
@@ -474,4 +503,4 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
     return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, allow_checkpointing=False,
                      max_anchors=max_anchors, headroom=headroom, fused_loss=fused_loss,
                      grads_resident=grads_resident, lm_head_trainable=lm_head_trainable,
-                     target_head_bytes=target_head_bytes, online=online).partitions
+                     target_head_bytes=target_head_bytes, online=online, compiled_loss=compiled_loss).partitions

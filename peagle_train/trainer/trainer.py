@@ -466,7 +466,8 @@ class Trainer(InTrainingEval, Checkpoints):
         return dict(chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors, fused_loss=self.tc.fused_loss,
                     grads_resident=True if resident else None,
                     lm_head_trainable=self.cfg.drafter.lm_head == "trainable",
-                    target_head_bytes=4)  # the objective's target head rows are float32 (build_objective)
+                    target_head_bytes=4,  # the objective's target head rows are float32 (build_objective)
+                    compiled_loss=bool(self.tc.compile))  # train.compile compiles the loss chunk body
 
     def _online_step(self, indices: list[int] | None, n: int):
         """The online target's part of the memory model for a micro-batch of train-split ``indices`` (``n``
