@@ -76,7 +76,7 @@ def free_memory_bytes(device) -> int | None:
 
 def prefill_bytes_per_row(model_config, dtype_bytes: int, prompt_tokens: int, attn_implementation: str | None) -> int:
     """Transient bytes one prompt row of ``prompt_tokens`` adds to the prefill forward of ``generate``: the
-    peak of the planner's target forward (:func:`peagle_train.peagle.planner.target_forward_peak_bytes`, the
+    peak of a target forward (:func:`data_prep.target_memory.target_forward_peak_bytes`, the
     same counting of transformers' Llama and GPT-OSS forwards) with no tapped layers and only the last
     position's logits (``logits_to_keep=1``). Linear in the batch, so a batch of B rows adds B times this.
 
@@ -89,7 +89,7 @@ def prefill_bytes_per_row(model_config, dtype_bytes: int, prompt_tokens: int, at
     Example (GPT-OSS-20B in bf16, eager, P = 2,048): ~1.6 GB per row, 3 score copies of 0.54 GB each;
     a batch of 64 needs ~103 GB for the prefill alone, more than an H200 has beside the 42 GB of weights.
     """
-    from peagle_train.peagle.planner import TargetShape, target_forward_peak_bytes
+    from data_prep.target_memory import TargetShape, target_forward_peak_bytes
 
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     shape = TargetShape.from_config(text, dtype_bytes=dtype_bytes, weight_bytes=0,

@@ -94,6 +94,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the target forward's own memory model lives with regeneration's, which uses it too (data_prep does not import
+# peagle_train); re-exported here, where the online step's prediction is assembled
+from data_prep.target_memory import EAGER_SCORE_COPIES, TargetShape, target_forward_peak_bytes  # noqa: F401
+
 ALPHA = 0.828
 OMEGA = 2.618
 #: fp32 [chunk, Vd] buffers of one loss chunk without train.compile: the eager chunk body's 6.44 at its peak
@@ -232,94 +236,6 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     kept_logits = 0 if fused_loss else 2 * Vd * E_seg
     head_grad = 4 * Vd * H if (fused_loss and lm_head_trainable) else 0  # the fused path's head-gradient buffer
     return int(static + grads + workspace + inputs + act + kept_logits + head_grad)
-
-
-#: Score-sized ``[B, nh, n, n + 1]`` tensors alive at once in GPT-OSS's eager attention (transformers'
-#: ``eager_attention_forward``): the scaled and masked scores, their concatenation with the sink column, that
-#: minus its row maximum, then the softmax (the scores freed only when the softmax exists).
-EAGER_SCORE_COPIES = 3
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """The online target (``train.features: online``) as the planner sees it.
-
-    Attributes:
-        hidden_size: T. intermediate_size: I (per expert for a mixture of experts). num_heads, num_kv_heads,
-        head_dim: attention. vocab_size: V. experts_per_token: k, 0 for a dense MLP. dtype_bytes: b, bytes
-        per element of the target's dtype (2 for bf16). weight_bytes: its parameters on this device (bytes).
-        eager_attention: transformers' ``eager`` attention, which materialises the scores (flash, SDPA and
-        flex attention do not). mask_kinds: distinct ``layer_types`` (GPT-OSS: full and sliding, 2); eager
-        attention builds one ``[B, 1, n, n]`` mask per kind. aux_layers: A, the tapped layers.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    experts_per_token: int = 0
-    dtype_bytes: int = 2
-    weight_bytes: int = 0
-    eager_attention: bool = False
-    mask_kinds: int = 1
-    aux_layers: int = 3
-
-    @classmethod
-    def from_config(cls, cfg, *, dtype_bytes: int, weight_bytes: int, attn_implementation: str | None,
-                    aux_layers: int = 3) -> "TargetShape":
-        """From the target's transformers config (``experts_per_token`` from ``num_experts_per_tok``; 0 if absent)."""
-        T, nh = cfg.hidden_size, cfg.num_attention_heads
-        return cls(T, cfg.intermediate_size, nh, getattr(cfg, "num_key_value_heads", None) or nh,
-                   getattr(cfg, "head_dim", None) or T // nh, cfg.vocab_size,
-                   getattr(cfg, "num_experts_per_tok", None) or 0, dtype_bytes, weight_bytes,
-                   attn_implementation == "eager", len(set(getattr(cfg, "layer_types", None) or ["full"])), aux_layers)
-
-    def mlp_elements(self) -> int:
-        """Elements per token alive at the MLP's peak: GPT-OSS's experts (transformers' default ``grouped_mm``
-        path), per routed (token, expert) pair the gathered input (T), the gathered ``gate_up`` bias and the
-        ``gate_up`` output (2I each) and the clamped SwiGLU's five I-wide intermediates: ``k (T + 9 I)``;
-        a dense SwiGLU MLP (Llama): ``act(gate)``, ``up`` and their product, ``3 I``."""
-        if self.experts_per_token:
-            return self.experts_per_token * (self.hidden_size + 9 * self.intermediate_size)
-        return 3 * self.intermediate_size
-
-
-def target_forward_peak_bytes(B: int, n: int, t: TargetShape, head_chunk: int | None = 4096) -> int:
-    """Peak bytes one :meth:`~peagle_train.features.target.Target.features` call allocates for ``B`` right-padded
-    rows of ``n`` tokens (``M = B n``; weights not included), the largest of its three phases, ``b = dtype_bytes``::
-
-        attention = M b ((A + 3) T + (3 nh + 2 nkv) hd) + 3 scores + masks
-        mlp       = M b ((A + 4) T + mlp_elements)     + 1 scores + masks
-        head      = M b (2 A + 1) T + rows V b,   rows = min(head_chunk, M) + B  (M when head_chunk is None)
-        scores    = B nh n (n + 1) b,  masks = mask_kinds B n^2 b   (eager attention; 0 otherwise)
-
-    Per token: the embedding output (kept by the model's forward), the A taps (hooks), the decoder layer's
-    input and the normed input (the MLP phase also the residual after attention), q after RoPE and the k, v
-    heads repeated to nh (eager path, an upper bound for the fused kernels). The eager path holds
-    ``EAGER_SCORE_COPIES`` score tensors at its peak and still one (the probabilities the layer returns)
-    during the MLP. The head phase: taps + ``last`` + their concatenation ``aux`` (``2A + 1`` rows of T),
-    one chunk of the head's logits in the target's dtype (``Target.greedy_tokens``: argmax per chunk of
-    ``head_chunk`` positions, no float32 upcast, no softmax) and the model's own last-position logits
-    ``[B, 1, V]`` (``logits_to_keep=1``); a sharded head (``train.target_sharding: shard``) builds every
-    position's logits instead (``head_chunk=None``). Left out (under 0.1 % at the GPT-OSS-20B shape): RoPE
-    tables, router logits and indices, row maxima. Counted from transformers 5's GPT-OSS and Llama forwards,
-    checked against the live tensors of GPT-OSS-20B's forward on the meta device (within 0.1 % in each
-    phase, ``tests/unit/test_planner_online.py``); another transformers version or architecture may differ.
-
-    Example (GPT-OSS-20B, bf16, eager, B = 1, n = 8,192): attention 0.50 GB + 3 x 8.59 GB + 0.27 GB =
-    26.54 GB (the live tensors of a meta-device forward: 26.54 GB); mlp 2.22 + 8.59 + 0.27 = 11.08 GB;
-    head 0.33 + 1.65 = 1.98 GB.
-    """
-    M, b, T, A = B * n, t.dtype_bytes, t.hidden_size, t.aux_layers
-    scores = B * t.num_heads * n * (n + 1) * b if t.eager_attention else 0
-    masks = t.mask_kinds * B * n * n * b if t.eager_attention else 0
-    qkv = (3 * t.num_heads + 2 * t.num_kv_heads) * t.head_dim
-    attention = M * b * ((A + 3) * T + qkv) + EAGER_SCORE_COPIES * scores + masks
-    mlp = M * b * ((A + 4) * T + t.mlp_elements()) + scores + masks
-    head = M * b * (2 * A + 1) * T + (M if head_chunk is None else min(head_chunk, M) + B) * t.vocab_size * b
-    return max(attention, mlp, head)
 
 
 def online_feature_bytes(M: int, t: TargetShape) -> int:
