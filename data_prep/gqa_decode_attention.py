@@ -18,8 +18,8 @@ function unchanged.
 Measured alternative, not kept: the same folded step as two batched matmuls with float32 scores (``bmm``
 with ``out_dtype=float32``, mask, softmax, ``bmm``) took 45.3 ms per decoding step against this SDPA
 kernel's 33.4 ms (H200, SmolLM2 shape, batch 512, cap 1,024; docs/benchmarks.md "Regeneration on one
-H200", raw ``docs/data/regen_decode_kernels_5331c5c.json``): cuBLAS runs a 3-row matmul far below the
-cache's read bandwidth.
+H200", raw ``docs/data/regen_decode_kernels_5331c5c.json``): the float32-output batched matmul
+runs on a MAGMA kernel far below the cache's read bandwidth.
 
 The function is registered with transformers' attention interface (``AttentionInterface``, with
 ``sdpa``'s mask builder) under :data:`NAME`; :func:`decode_attention` switches a model to it for a
