@@ -28,6 +28,14 @@ WORK=${WORK:-/tmp/peagle_real_shapes}
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cli() { if [ -x .venv/bin/peagle-train ]; then .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
 py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
+recipe() {  # EXPR RECIPE [override ...]: print the Python EXPR of `cfg`, the recipe loaded with the overrides (flags dropped)
+  local expr=$1; shift
+  py -c "import sys
+from peagle_train.recipe import load_config
+from peagle_train.features.target import materialise_target
+cfg = load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--')])
+print($expr)" "$@"
+}
 
 arch_overrides() {  # ARCH -> the recipe and the overrides that make it run here (printed one per line)
   local tiny=""; [ "${TINY:-0}" = 1 ] && tiny="-tiny"
@@ -69,10 +77,7 @@ case "${1:?step}" in
     # a random-weight target's logits are near ties that bf16 rounding flips between the speculative and the
     # target-alone paths (docs/real_shapes.md), which would fail the lossless check for no fault of the drafter
     for stage in prepare cache train export; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
-    cli check "$d/export" --target "$(py -c "import sys; from peagle_train.recipe import load_config
-from peagle_train.features.target import materialise_target
-print(materialise_target(load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--')]).target)
-      / 'config.json')" "${A[@]}" "$@")" \
+    cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
       > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
     o="$WORK/$arch-online"  # the same prepared data, features computed by the target inside the training loop
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
@@ -100,10 +105,8 @@ PY
     echo "online-n $arch N=$n: micro-batch $m sequences"
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
     cli train "${A[@]}" "output_dir=$o" train.features=online "train.micro_batch_size=$m" train.max_steps=30 "$@"
-    K=$(py -c "import sys; from peagle_train.recipe import load_config
-c = load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--')]).train
-print(c.K, c.partitions, int(c.activation_checkpointing))" "${A[@]}" "$@")
-    read -r k s ckpt <<< "$K"
+    read -r k s ckpt <<< "$(recipe "cfg.train.K, cfg.train.partitions, int(cfg.train.activation_checkpointing)" \
+      "${A[@]}" "$@" | tr -d "(),'")"
     fl=(); [ "$ckpt" = 1 ] && fl=(--checkpointing)
     shape="$arch-recipe"; [ "${TINY:-0}" = 1 ] && shape="$arch-tiny-recipe"  # CPU smoke: the tiny drafter
     py benchmarks/train_step.py --shape "$shape" --K "$k" --partitions "$s" "${fl[@]}" \

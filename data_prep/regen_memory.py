@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from data_prep.config import RegenConfig
+from data_prep.target_memory import TargetShape, target_forward_peak_bytes
 
 #: Tokens per KV-cache block of transformers' continuous batching (its default page/block size, 256 in
 #: transformers 5.17 ``block_size`` and 5.24 ``page_size``).
@@ -41,6 +42,11 @@ class RegenMemoryError(ValueError):
     """The regeneration settings cannot fit the memory (names the keys, the figures and the fix)."""
 
 
+def _text_config(config):
+    """The text model's config of a (possibly multimodal) transformers config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     """KV-cache bytes one token takes in every layer: ``layers × 2 × kv_heads × head_dim × dtype_bytes``.
 
@@ -48,7 +54,7 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
         config: the target's transformers config (its text config is used for a multimodal one).
         dtype_bytes: bytes per cached element (the model's dtype: 4 for float32, 2 for bfloat16).
     """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -89,10 +95,7 @@ def prefill_bytes_per_row(model_config, dtype_bytes: int, prompt_tokens: int, at
     Example (GPT-OSS-20B in bf16, eager, P = 2,048): ~1.6 GB per row, 3 score copies of 0.54 GB each;
     a batch of 64 needs ~103 GB for the prefill alone, more than an H200 has beside the 42 GB of weights.
     """
-    from data_prep.target_memory import TargetShape, target_forward_peak_bytes
-
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    shape = TargetShape.from_config(text, dtype_bytes=dtype_bytes, weight_bytes=0,
+    shape = TargetShape.from_config(_text_config(model_config), dtype_bytes=dtype_bytes, weight_bytes=0,
                                     attn_implementation=attn_implementation, aux_layers=0)
     return target_forward_peak_bytes(1, prompt_tokens, shape, head_chunk=0)
 
@@ -122,8 +125,7 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     """
     per_token = kv_bytes_per_token(model_config, dtype_bytes)
     seq = max_prompt_tokens + cfg.max_new_tokens
-    vocab = int(getattr(model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config,
-                        "vocab_size", 0) or 0)
+    vocab = int(getattr(_text_config(model_config), "vocab_size", 0) or 0)
     shape = (f"(data.max_prompt_tokens {max_prompt_tokens} + regen.max_new_tokens {cfg.max_new_tokens} tokens × "
              f"{per_token:,} KV bytes/token)")
     if engine == "continuous" and cfg.kv_blocks is not None and cfg.kv_blocks * PAGE_TOKENS < seq:

@@ -103,6 +103,38 @@ def random_config_file(spec: str) -> Path:
     return path
 
 
+def random_target_config(spec: str):
+    """The transformers configuration of a ``target.random_init_from_config`` spec (a shipped
+    ``pkg:peagle_train/<name>.json`` or a ``config.json`` path; :func:`random_config_file`), as the
+    random-weight target is built from it: ``quantization_config`` and ``_``-prefixed notes dropped.
+
+    Returns:
+        a ``transformers.PretrainedConfig`` of the file's ``model_type``.
+
+    Raises:
+        TargetLoadError: the file does not exist, or transformers does not know the configuration
+            (names the file).
+    """
+    src = random_config_file(spec)
+    return _config_from_json(src.read_bytes(), src)
+
+
+def _config_from_json(raw: bytes, src: Path):
+    """:func:`random_target_config` of the JSON bytes ``raw`` read from ``src`` (named in errors)."""
+    import json
+
+    from transformers import AutoConfig
+
+    tree = json.loads(raw)
+    tree.pop("quantization_config", None)  # random weights are plain: no quantised checkpoint to describe
+    tree = {k: v for k, v in tree.items() if not k.startswith("_")}  # "_source" notes of the shipped files
+    try:
+        return AutoConfig.for_model(tree.pop("model_type"), **tree)
+    except (KeyError, ValueError) as e:
+        raise TargetLoadError(f"target.random_init_from_config '{src}': not a model configuration transformers "
+                              f"knows ({e})") from None
+
+
 def _materialise_random(cfg: TargetConfig) -> Path:
     """A folder for a random-weight target: its ``config.json`` (the given configuration, made
     loadable by ``AutoConfig``) and :data:`RANDOM_WEIGHTS_MARKER` (source, sha256, seed) -- no weights:
@@ -117,16 +149,7 @@ def _materialise_random(cfg: TargetConfig) -> Path:
     out = cache_root() / "targets" / f"random-{digest[:16]}"
     if (out / RANDOM_WEIGHTS_MARKER).is_file():
         return out
-    from transformers import AutoConfig
-
-    tree = json.loads(raw)
-    tree.pop("quantization_config", None)  # random weights are plain: no quantised checkpoint to describe
-    tree = {k: v for k, v in tree.items() if not k.startswith("_")}  # "_source" notes of the shipped files
-    try:
-        config = AutoConfig.for_model(tree.pop("model_type"), **tree)
-    except (KeyError, ValueError) as e:
-        raise TargetLoadError(f"target.random_init_from_config '{src}': not a model configuration transformers "
-                              f"knows ({e})") from None
+    config = _config_from_json(raw, src)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     config.save_pretrained(tmp)

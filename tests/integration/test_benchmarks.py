@@ -398,15 +398,11 @@ def test_recipe_shapes_are_the_drafters_the_recipes_build(bench, shape, spec, re
     """The benchmark's ``*-recipe`` shapes (the drafter-only step beside the real-shape online trainer) are the
     drafter ``make_drafter_config`` builds for the recipe from the shipped real configuration: same widths, heads,
     intermediate size, vocabulary and draft vocabulary (the recipe's ``drafter.draft_vocab_size``, None = V)."""
-    from transformers import AutoConfig
-
-    from peagle_train.features.target import random_config_file
+    from peagle_train.features.target import random_target_config
     from peagle_train.model.drafter import make_drafter_config
     from peagle_train.recipe import load_config
 
-    tree = json.loads(random_config_file(spec).read_text())
-    tree = {k: v for k, v in tree.items() if not k.startswith("_") and k != "quantization_config"}
-    tconf = AutoConfig.for_model(tree.pop("model_type"), **tree)
+    tconf = random_target_config(spec)
     cfg = load_config(recipe, ["target.path=null", f"target.random_init_from_config={spec}", *extra])
     vd = cfg.drafter.draft_vocab_size or tconf.vocab_size
     d = make_drafter_config(tconf, aux_layer_ids=[2, 3, 4], draft_vocab_size=vd, mask_token_id=cfg.drafter.mask_token_id,

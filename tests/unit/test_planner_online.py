@@ -4,7 +4,6 @@ alive (GPT-OSS-20B's configuration on the meta device: shapes without memory), t
 step's peak (each term moves the prediction by exactly its size), and plan_step with an online target."""
 from __future__ import annotations
 
-import json
 import weakref
 
 import pytest
@@ -150,14 +149,10 @@ def test_plan_step_counts_the_online_target():
 
 
 def test_from_config_reads_the_gpt_oss_and_llama_configs():
-    from transformers import AutoConfig
-
-    from peagle_train.features.target import random_config_file
+    from peagle_train.features.target import random_target_config
 
     def config(name):
-        tree = json.loads(random_config_file(f"pkg:peagle_train/{name}").read_text())
-        tree = {k: v for k, v in tree.items() if not k.startswith("_") and k != "quantization_config"}
-        return AutoConfig.for_model(tree.pop("model_type"), **tree)
+        return random_target_config(f"pkg:peagle_train/{name}")
 
     t = TargetShape.from_config(config("gpt-oss-20b.json"), dtype_bytes=2, weight_bytes=7, attn_implementation="eager")
     assert t == TargetShape(2880, 2880, 64, 8, 64, 201088, 4, 2, 7, True, 2, 3)
@@ -193,14 +188,12 @@ class LiveBytes(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def gpt_oss_20b_meta():
     """GPT-OSS-20B (the shipped configuration) on the meta device, bf16: real shapes, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from peagle_train.features.target import Target, random_config_file
+    from peagle_train.features.target import Target, random_target_config
 
-    tree = json.loads(random_config_file("pkg:peagle_train/gpt-oss-20b.json").read_text())
-    tree = {k: v for k, v in tree.items() if not k.startswith("_") and k != "quantization_config"}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(tree.pop("model_type"), **tree),
+        model = AutoModelForCausalLM.from_config(random_target_config("pkg:peagle_train/gpt-oss-20b.json"),
                                                  dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     return Target(model, None, [2, 12, 21], "meta")

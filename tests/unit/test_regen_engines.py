@@ -184,15 +184,9 @@ def test_eager_attention_prefill_is_counted(tmp_path):
     of ``B × 64 × P × (P + 1)`` bf16 values. The run that met this on an H200 (regen.batch_size 64,
     data.max_prompt_tokens 2,048, ~97 GB free beside the weights) died asking for 32.02 GiB; the check now
     reduces the batch first and says why. An SDPA target of the same shape keeps a much larger batch."""
-    import json
+    from peagle_train.features.target import random_target_config
 
-    from transformers import AutoConfig
-
-    from peagle_train.features.target import random_config_file
-
-    tree = json.loads(random_config_file("pkg:peagle_train/gpt-oss-20b.json").read_text())
-    tree = {k: v for k, v in tree.items() if not k.startswith("_") and k != "quantization_config"}
-    c = AutoConfig.for_model(tree.pop("model_type"), **tree)
+    c = random_target_config("pkg:peagle_train/gpt-oss-20b.json")
     scores = 64 * 2048 * 2049 * 2  # one row's [64 heads, P, P + 1] bf16 scores
     assert abs(64 * scores / GIB - 32.02) < 0.01  # the allocation the OOM named at batch 64
     eager = prefill_bytes_per_row(c, 2, 2048, "eager")
