@@ -92,8 +92,11 @@ def prefill_bytes_per_row(model_config, dtype_bytes: int, prompt_tokens: int, at
         attn_implementation: the model's (``eager`` materialises ``[heads, P, P + 1]`` scores per row,
             ``EAGER_SCORE_COPIES`` at once; ``sdpa``/flash/flex do not).
 
-    Example (GPT-OSS-20B in bf16, eager, P = 2,048): ~1.6 GB per row, 3 score copies of 0.54 GB each;
-    a batch of 64 needs ~103 GB for the prefill alone, more than an H200 has beside the 42 GB of weights.
+    Returns:
+        bytes per row (int); raises nothing (an unknown attention implementation counts as not eager).
+
+    Example (GPT-OSS-20B in bf16, eager, P = 2,048): 1.72 GB per row, of which 3 score copies of 0.54 GB;
+    a batch of 64 needs 110 GB for the prefill alone, more than an H200 has beside the 42 GB of weights.
     """
     shape = TargetShape.from_config(_text_config(model_config), dtype_bytes=dtype_bytes, weight_bytes=0,
                                     attn_implementation=attn_implementation, aux_layers=0)
