@@ -150,13 +150,16 @@ SHAPES = {
     # the drafters recipes/gpt-oss-20b.yaml and recipes/llama-3.1-8b.yaml build from the shipped real configurations
     # (make_drafter_config: the target's widths, its per-expert intermediate 2,880 for GPT-OSS, Vd = V): the
     # drafter-only step beside the online trainer of benchmarks/real_shape_experiment.sh (issue 22); the tiny one
-    # is its CPU smoke's (pkg:peagle_train/llama-3.1-8b-tiny.json, drafter.draft_vocab_size=1024)
+    # ones are its CPU smoke's (pkg:peagle_train/*-tiny.json, drafter.draft_vocab_size=1024)
     "gpt-oss-20b-recipe": dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                                intermediate_size=2880, vocab_size=201088, rms_norm_eps=1e-5,
                                max_position_embeddings=131072, rope_theta=150000.0, draft_vocab=201088),
     "llama-3.1-8b-recipe": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                 intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,
                                 max_position_embeddings=131072, rope_theta=500000.0, draft_vocab=128256),
+    "gpt-oss-20b-tiny-recipe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    intermediate_size=64, vocab_size=201088, rms_norm_eps=1e-5,
+                                    max_position_embeddings=131072, rope_theta=150000.0, draft_vocab=1024),
     "llama-3.1-8b-tiny-recipe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                      intermediate_size=224, vocab_size=128256, rms_norm_eps=1e-5,
                                      max_position_embeddings=131072, rope_theta=500000.0, draft_vocab=1024),

@@ -393,6 +393,8 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     ("gpt-oss-20b-recipe", "pkg:peagle_train/gpt-oss-20b.json", "recipes/gpt-oss-20b.yaml", []),
     ("llama-3.1-8b-recipe", "pkg:peagle_train/llama-3.1-8b-instruct.json", "recipes/llama-3.1-8b.yaml", []),
     ("llama-3.1-8b-tiny-recipe", "pkg:peagle_train/llama-3.1-8b-tiny.json", "recipes/llama-3.1-8b.yaml",
+     ["drafter.draft_vocab_size=1024"]),
+    ("gpt-oss-20b-tiny-recipe", "pkg:peagle_train/gpt-oss-20b-tiny.json", "recipes/gpt-oss-20b.yaml",
      ["drafter.draft_vocab_size=1024"])])  # the CPU smoke of real_shape_experiment.sh (TINY=1)
 def test_recipe_shapes_are_the_drafters_the_recipes_build(bench, shape, spec, recipe, extra):
     """The benchmark's ``*-recipe`` shapes (the drafter-only step beside the real-shape online trainer) are the
