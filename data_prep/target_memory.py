@@ -96,3 +96,27 @@ def target_forward_peak_bytes(B: int, n: int, t: TargetShape, head_chunk: int | 
     mlp = M * b * ((A + 4) * T + t.mlp_elements()) + scores + masks
     head = M * b * (2 * A + 1) * T + (M if head_chunk is None else min(head_chunk, M) + B) * t.vocab_size * b
     return max(attention, mlp, head)
+
+
+def largest_fitting_batch(n: int, t: TargetShape, budget_bytes: int, cap: int, head_chunk: int | None = 4096) -> int:
+    """The most right-padded rows of ``n`` tokens (at most ``cap``) whose forward fits ``budget_bytes`` beside
+    the weights: the largest ``B <= cap`` with ``target_forward_peak_bytes(B, n, t) <= budget_bytes``, 0 if not
+    even one row fits. The transient grows with ``B``, so this is a binary search. Pure.
+
+    Example (GPT-OSS-20B, bf16, eager; the H200's OOM of the feature cache at ``regen.batch_size`` 64): at
+    n = 3,880 one row's forward holds 6.08 GB (three ``[64, n, n + 1]`` score tensors of 1.93 GB), so a budget
+    of 0.9 x 150.75 GB - 41.83 GB of weights = 93.85 GB takes 15 rows, not 64 (389 GB).
+
+    Raises:
+        ValueError: ``n`` or ``cap`` below 1.
+    """
+    if n < 1 or cap < 1:
+        raise ValueError(f"largest_fitting_batch: n={n} and cap={cap} must be >= 1")
+    lo, hi = 0, cap  # invariant: lo rows fit (0 trivially), more than hi rows are not asked for
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if target_forward_peak_bytes(mid, n, t, head_chunk) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -70,7 +70,8 @@ def _stage(args) -> object:
     report = str(Path(cfg.output_dir) / "eval" / "eval.md")
     if args.command == "run":
         return {**stages.run_all(cfg, overwrite=args.overwrite, progress=progress), "report": report}
-    stages.claim_output_dir(cfg, args.overwrite)
+    stages.claim_output_dir(cfg, args.overwrite,
+                            runtime_keys=stages.EVAL_RUNTIME_KEYS if args.command == "eval" else frozenset())
     if args.command == "prepare":
         worker = None
         if args.regen_worker is not None:

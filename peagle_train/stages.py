@@ -33,6 +33,10 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       "train.gc_every",  # when Python's garbage collector runs
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
+#: how eval runs the target, not what was prepared or trained: eval may change them in a finished run's folder
+#: (a random-weight target's near-tie logits need float32 for the lossless check, docs/real_shapes.md; a user
+#: evaluates a drafter trained on bf16 features against the target as served), and leaves the folder's stamp
+EVAL_RUNTIME_KEYS = frozenset({"target.dtype", "target.device", "target.attn_implementation"})
 #: the running stage's end line when it did no work (set by :func:`_reused`), None outside a stage
 _OUTCOME: ContextVar[list[str] | None] = ContextVar("stage_outcome", default=None)
 #: fields the running stage adds to its ``logs/stages.jsonl`` record (:func:`_stage_fields`), None outside a stage
@@ -150,8 +154,11 @@ def stamp_differences(cfg: RunConfig, stamp: dict) -> list[str]:
     return sorted(diffs)
 
 
-def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
+def claim_output_dir(cfg: RunConfig, overwrite: bool = False, runtime_keys: frozenset[str] = frozenset()) -> Path:
     """Create ``output_dir`` or check it holds a run of the same recipe.
+
+    ``runtime_keys`` (eval: :data:`EVAL_RUNTIME_KEYS`) may differ from the stamp without counting as a
+    change, and the stamp is then left as it is.
 
     The folder is stamped with ``run_config.yaml``. The stamp is replaced by a recipe that
     differs only where nothing made yet depends on it, so a command corrected after failing on
@@ -170,7 +177,7 @@ def claim_output_dir(cfg: RunConfig, overwrite: bool = False) -> Path:
     out = Path(cfg.output_dir)
     stamp = out / "run_config.yaml"
     if stamp.exists() and not overwrite:
-        diffs = stamp_differences(cfg, yaml.safe_load(stamp.read_text()) or {})
+        diffs = [d for d in stamp_differences(cfg, yaml.safe_load(stamp.read_text()) or {}) if d not in runtime_keys]
         if not diffs:
             return out
         trained = any((out / w).exists() for w in _TRAINED)
@@ -392,6 +399,9 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     every listed shard's existence, size and sha256, i.e. one read of the cache) and skipped when
     intact, without loading the target; otherwise only its missing or damaged shards are rebuilt,
     byte-identical to an uninterrupted run, and their names printed. An incomplete split resumes.
+    Sequences per target forward: ``regen.batch_size``, reduced with a printed reason where the target's
+    forward over the longest sequence would not fit the GPU
+    (:func:`~peagle_train.features.cache.cache_batch_size`).
 
     Returns:
         ``<output_dir>/features``, or None for ``features: online``.
@@ -401,7 +411,9 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
             (:func:`~peagle_train.features.cache.write_cache`).
         FileNotFoundError: no prepared data.
     """
-    from peagle_train.features.cache import damaged_shards, remove_temp_files, write_cache
+    import torch
+
+    from peagle_train.features.cache import cache_batch_size, damaged_shards, remove_temp_files, write_cache
     from peagle_train.features.target import load_target
     from peagle_train.features.tokenized import load_prepared
 
@@ -424,8 +436,12 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
             print(f"cache: {d}: rebuilding {len(damaged)} damaged file(s): "
                   + "; ".join(f"{name} ({why})" for name, why in damaged))
         target = target or load_target(cfg.target, with_tokenizer=False)
-        write_cache(target, data[split]["input_ids"], d, dtype=cfg.data.cache_dtype,
-                    batch_size=cfg.regen.batch_size, progress=progress)
+        gpu = torch.cuda.get_device_properties(target.device).total_memory if target.device.type == "cuda" else None
+        batch, why = cache_batch_size(target, [len(x) for x in data[split]["input_ids"]], cfg.regen.batch_size, gpu)
+        if why:
+            print(why, flush=True)
+        write_cache(target, data[split]["input_ids"], d, dtype=cfg.data.cache_dtype, batch_size=batch,
+                    progress=progress)
         if damaged:
             print(f"cache: {d}: rebuilt {', '.join(name for name, _ in damaged)}")
     if target is None:  # no split needed the target: both were complete and intact

@@ -184,6 +184,53 @@ def _save_or_explain(tensors: dict[str, torch.Tensor], tmp: Path, metadata: dict
                          "cache resumes at this one") from None
 
 
+def cache_batch_size(target, lengths: list[int], requested: int, gpu_bytes: int | None,
+                     headroom: float = 0.9) -> tuple[int, str | None]:
+    """Sequences per target forward of the feature cache: ``requested`` (``regen.batch_size``) reduced to what
+    fits ``headroom`` of the GPU beside the target's weights, for right-padded rows of the longest sequence.
+
+    The forward's transient is :func:`data_prep.target_memory.target_forward_peak_bytes` (the model the online
+    planner uses): an eager-attention target holds three ``[B, heads, n, n + 1]`` score tensors per layer, so
+    GPT-OSS-20B at ``regen.batch_size`` 64 and n = 3,880 asked for 114.86 GiB in one of them and died on an
+    H200; the model gives 15 rows there, and for the 2 rows that then ran it predicts 53.99 GB against the
+    54.15 GB measured (``tests/unit/test_planner_online.py``). The choice depends on the data, the target and
+    the GPU's total memory, not on what is free, so a resumed cache gets the same batch (the fingerprint holds
+    it).
+
+    Args:
+        target: :class:`~peagle_train.features.target.Target`. lengths: token counts of the split's sequences.
+        requested: ``regen.batch_size``. gpu_bytes: the GPU's total memory; None (CPU) keeps ``requested``.
+        headroom: fraction of ``gpu_bytes`` the weights and the forward may take.
+
+    Returns:
+        ``(batch_size, message)``; ``message`` says why the batch was reduced, None when it was not.
+
+    Raises:
+        CacheError: not even one row of the longest sequence fits (names the sequence length, the bytes and
+            what to change).
+    """
+    from data_prep.target_memory import TargetShape, largest_fitting_batch, target_forward_peak_bytes
+    from peagle_train.features.target import GREEDY_CHUNK
+
+    if gpu_bytes is None or not lengths:
+        return requested, None
+    params = list(target.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    shape = TargetShape.from_config(target.config, dtype_bytes=params[0].element_size(), weight_bytes=weights,
+                                    attn_implementation=getattr(target.config, "_attn_implementation", None),
+                                    aux_layers=len(target.aux_layer_ids))
+    n, budget = max(lengths), int(headroom * gpu_bytes) - weights
+    b = largest_fitting_batch(n, shape, budget, requested, GREEDY_CHUNK)
+    need = target_forward_peak_bytes(requested, n, shape, GREEDY_CHUNK)
+    where = (f"regen.batch_size {requested} x the longest sequence ({n} tokens) needs {need / 2**30:.2f} GiB for "
+             f"the target's forward{' (eager attention scores)' if shape.eager_attention else ''} beside "
+             f"{weights / 2**30:.2f} GiB of weights, more than {headroom:.0%} of the GPU's {gpu_bytes / 2**30:.2f} GiB")
+    if b == 0:
+        raise CacheError(f"cache: {where}, even with one sequence per forward: lower data.max_length, or set "
+                         "target.attn_implementation to one that does not materialise the scores")
+    return b, (None if b == requested else f"cache: {where}: caching with batch_size {b} instead")
+
+
 def write_cache(target, sequences: list[list[int]], out_dir: str | Path, *, dtype: str = "bfloat16",
                 batch_size: int = 8, shard_size: int = 64, progress: bool = True) -> Path:
     """Run the target over ``sequences`` and write the sharded cache (resumable, byte-identical on resume).

@@ -37,7 +37,7 @@ from torch.profiler import record_function
 
 from peagle_train.core.atomic import finite_or_none, write_json_atomic, write_text_atomic
 from peagle_train.core.config import ConfigError
-from peagle_train.core.device import to_device
+from peagle_train.core.device import on_device, to_device
 from peagle_train.core.errors import SkippedStepsError
 from peagle_train.core.gc_control import full_collection, manual_collection, young_collection
 from peagle_train.core.tracking import flat_metrics, peak_memory
@@ -516,7 +516,7 @@ class Trainer(InTrainingEval, Checkpoints):
     def _target_bytes(self) -> int:
         """Bytes of the online target's weights on this device (an FSDP2-sharded target: this rank's shards)."""
         params = [p.to_local() if hasattr(p, "to_local") else p for p in self.features.target.model.parameters()]
-        return sum(p.numel() * p.element_size() for p in params if p.device == self.device)
+        return sum(p.numel() * p.element_size() for p in params if on_device(p.device, self.device))
 
     # -- loop --------------------------------------------------------------------------------------
     def _log(self, rec: dict, prefix: str) -> None:

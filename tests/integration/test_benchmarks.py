@@ -353,6 +353,24 @@ def test_train_step_data_from_refuses_ids_outside_the_shape(bench, tmp_path):
     assert not (tmp_path / "b.json").exists()
 
 
+def test_target_forward_cpu_smoke(tmp_path, capsys):
+    """``benchmarks/target_forward.py --smoke``: the tiny GPT-OSS target's feature forward under each experts
+    implementation on the same weights, timed, with the agreement of each with the first variant; a variant
+    transformers refuses (flex attention with sinks on a CPU) is an error row, not a lost run."""
+    import target_forward
+
+    out = tmp_path / "tf.json"
+    result = target_forward.main(["--smoke", "--variants", "eager/eager", "eager/grouped_mm", "flex_attention/keep",
+                                  "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["meta"]["random_weights"] and result["meta"]["tokens"] == 2 * 64 and "commit" in result["meta"]
+    ref, grouped, flex = result["rows"]
+    assert ref["runs_with"] == {"attn": "eager", "experts": "eager"} and ref["step_ms"] > 0
+    assert grouped["runs_with"]["experts"] == "grouped_mm" and grouped["tokens_per_s"] > 0
+    assert grouped["argmax_equal"] == 1.0 and grouped["aux_rel_max_diff"] < 1e-5  # float32: the same features
+    assert "sinks" in flex["error"] and "step_ms" not in flex
+
+
 def test_real_shape_experiment_cpu_smoke(tmp_path):
     """``TINY=1 bash benchmarks/real_shape_experiment.sh run ARCH`` then ``summary``: every stage of the recipe
     runs through peagle-train (tiny Llama-3.1 configuration on CPU), check passes, and the summary holds the

@@ -53,3 +53,23 @@ def test_portable_state_and_profiling_keys_are_not_the_runs_identity(tmp_path):
                                 "train.state_part_mib=16", "train.profile_steps=3", "train.profile_start=5")) == out
     with pytest.raises(ConfigError, match=r"differs in: train\.lr\)"):
         claim_output_dir(cfg("train.state_out=a.pst", "train.lr=1e-3"))
+
+
+def test_eval_may_run_the_target_otherwise_in_a_finished_run(tmp_path):
+    """Eval of a trained run with the target in another dtype, device or attention (the real-shape script evals a
+    random-weight target in float32, docs/real_shapes.md) is no recipe change for eval, leaves the stamp as it
+    was, and is still refused for training; a change to anything else is refused for eval too."""
+    from peagle_train.stages import EVAL_RUNTIME_KEYS
+
+    out = tmp_path / "run"
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *o])  # noqa: E731
+    claim_output_dir(cfg())
+    (out / "drafter").mkdir()  # trained
+    before = (out / "run_config.yaml").read_text()
+    runtime = ("target.dtype=bfloat16", "target.device=cpu", "target.attn_implementation=eager")
+    assert claim_output_dir(cfg(*runtime), runtime_keys=EVAL_RUNTIME_KEYS) == out
+    assert (out / "run_config.yaml").read_text() == before
+    with pytest.raises(ConfigError, match=r"differs in: target\.dtype\)"):
+        claim_output_dir(cfg("target.dtype=bfloat16"))  # not for training
+    with pytest.raises(ConfigError, match=r"differs in: train\.lr\)"):
+        claim_output_dir(cfg("target.dtype=bfloat16", "train.lr=1e-3"), runtime_keys=EVAL_RUNTIME_KEYS)
