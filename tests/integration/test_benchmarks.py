@@ -364,6 +364,8 @@ def test_target_forward_cpu_smoke(tmp_path, capsys):
                                   "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["meta"]["random_weights"] and result["meta"]["tokens"] == 2 * 64 and "commit" in result["meta"]
+    assert result["meta"]["command"] == ("python benchmarks/target_forward.py --smoke --variants eager/eager "
+                                         f"eager/grouped_mm flex_attention/keep --out {out}")
     ref, grouped, flex = result["rows"]
     assert ref["runs_with"] == {"attn": "eager", "experts": "eager"} and ref["step_ms"] > 0
     assert grouped["runs_with"]["experts"] == "grouped_mm" and grouped["tokens_per_s"] > 0
