@@ -16,6 +16,10 @@
 #   bash benchmarks/real_shape_experiment.sh online-n ARCH N [override ...]
 #        # after `run ARCH`: the online trainer at micro-batches of ~N prepared tokens ($WORK/ARCH-online-N)
 #        # beside benchmarks/train_step.py's drafter-only step of the same drafter, micro-batch and sequences
+#   bash benchmarks/real_shape_experiment.sh pack ARCH OUT.tar.xz
+#        # after prepare: the run's prepared data (run_config.yaml, data/: a few MB) packed with its sha256 beside
+#        # it, to come back from the GPU machine; `PREPARED=OUT.tar.xz bash ... run ARCH` on a fresh machine unpacks
+#        # it first (checksum verified) and prepare reuses it (the regeneration of the 20B target takes ~7 minutes)
 #   bash benchmarks/real_shape_experiment.sh summary OUT.json ARCH [ARCH ...]
 #        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s and the
 #        # planner's predicted peak against the measured one (trainer_throughput.py: "peak"), the cache's
@@ -72,6 +76,10 @@ case "${1:?step}" in
     arch=${2:?arch}; shift 2
     mapfile -t A < <(arch_overrides "$arch")
     d="$WORK/$arch"
+    if [ -n "${PREPARED:-}" ] && [ ! -f "$d/data/meta.json" ]; then  # packed by `pack` on an earlier machine
+      (cd "$(dirname "$PREPARED")" && sha256sum -c "$(basename "$PREPARED").sha256")
+      mkdir -p "$d" && tar -C "$d" -xJf "$PREPARED" && echo "prepared data unpacked from $PREPARED"
+    fi
     # stage by stage (each reuses what an earlier call finished), the check and the online and fp8 runs before
     # eval, so a failing eval (or a call's time limit) costs the least; eval runs the target in float32 on a GPU:
     # a random-weight target's logits are near ties that bf16 rounding flips between the speculative and the
@@ -111,6 +119,11 @@ PY
     shape="$arch-recipe"; [ "${TINY:-0}" = 1 ] && shape="$arch-tiny-recipe"  # CPU smoke: the tiny drafter
     py benchmarks/train_step.py --shape "$shape" --K "$k" --partitions "$s" "${fl[@]}" \
       --micro-batch "$m" --data-from "$d" --steps 6 --warmup 2 --out "$WORK/bench-$arch-$n.json" 2>&1 | tail -n 3 ;;
+  pack)  # ARCH OUT.tar.xz: the prepared data of `run ARCH`, and OUT.tar.xz.sha256
+    arch=${2:?arch}; out=${3:?out.tar.xz}
+    tar -C "$WORK/$arch" -cJf "$out" run_config.yaml data
+    (cd "$(dirname "$out")" && sha256sum "$(basename "$out")" > "$(basename "$out").sha256")
+    echo "packed $(du -b "$out" | cut -f1) bytes: $out" ;;
   summary)  # OUT.json ARCH [ARCH ...]
     out=${2:?out.json}; shift 2
     py - "$out" "$WORK" "$@" <<'PY'

@@ -398,6 +398,22 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     assert bench["meta"]["micro_batch"] == runs["llama-3.1-8b-online-800"]["trainer"]["recipe"]["micro_batch_size"]
     assert bench["meta"]["shape"] == "llama-3.1-8b-tiny-recipe" and "error" not in bench["rows"][0], bench["rows"]
     assert bench["rows"][0]["tokens_per_s"] > 0
+    # pack: the prepared data comes back from one machine and the next run starts from it (prepare reused);
+    # a tarball that does not match its sha256 is refused before anything is unpacked
+    packed = tmp_path / "prepared.tar.xz"
+    subprocess.run(["bash", script, "pack", "llama-3.1-8b", str(packed)], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=300)
+    env2 = {**env, "WORK": str(tmp_path / "work2"), "PREPARED": str(packed)}
+    again = subprocess.run(["bash", script, "run", "llama-3.1-8b"], cwd=ROOT, env=env2, capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0 and "prepared data unpacked" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "prepare: reused (data/meta.json exists)" in again.stdout and "check: passed" in again.stdout
+    with packed.open("ab") as f:
+        f.write(b"x")
+    env3 = {**env2, "WORK": str(tmp_path / "work3")}
+    bad = subprocess.run(["bash", script, "run", "llama-3.1-8b", "--quiet"], cwd=ROOT, env=env3, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "FAILED" in bad.stdout + bad.stderr and not (tmp_path / "work3").exists()
     assert [s["stage"] for s in runs["llama-3.1-8b"]["stages"]] == ["prepare", "cache", "train", "export", "eval"]
     assert [s["stage"] for s in runs["llama-3.1-8b-online"]["stages"]] == ["train"]
     for name in ("llama-3.1-8b", "llama-3.1-8b-online"):
