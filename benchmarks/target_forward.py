@@ -104,11 +104,18 @@ def time_variant(target, ids, steps: int, warmup: int) -> tuple[dict, dict]:
     return {"step_ms": statistics.median(ms), "step_ms_all": ms, "transient_peak_bytes": peak}, f
 
 
-def agreement(f: dict, ref: dict) -> dict:
-    """``aux`` / ``last`` largest |difference| over the reference's largest |value|, equal greedy tokens."""
-    rel = {k: float((f[k].float() - ref[k].float()).abs().max() / ref[k].float().abs().max().clamp_min(1e-30))
-           for k in ("aux", "last")}
-    return {"aux_rel_max_diff": rel["aux"], "last_rel_max_diff": rel["last"],
+def _rel(a, b) -> float:
+    """Largest |a - b| over the largest |b| (float32)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def agreement(f: dict, ref: dict, num_aux: int) -> dict:
+    """``aux`` / ``last`` largest |difference| over the reference's largest |value|, the same per tapped layer
+    (``aux_rel_max_diff_by_layer``, low to high: a wrong attention kernel shows at the first tapped layer
+    already, rounding grows with depth), and the fraction of equal greedy tokens."""
+    by_layer = [_rel(a, b) for a, b in zip(f["aux"].chunk(num_aux, -1), ref["aux"].chunk(num_aux, -1))]
+    return {"aux_rel_max_diff": _rel(f["aux"], ref["aux"]), "aux_rel_max_diff_by_layer": by_layer,
+            "last_rel_max_diff": _rel(f["last"], ref["last"]),
             "argmax_equal": float((f["argmax"] == ref["argmax"]).float().mean())}
 
 
@@ -147,7 +154,7 @@ def main(argv=None) -> dict:
             if ref is None:
                 ref = f
             else:
-                row.update(agreement(f, ref))
+                row.update(agreement(f, ref, len(target.aux_layer_ids)))
         except Exception as e:  # noqa: BLE001 -- one refused variant must not lose the others' rows
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
         out["rows"].append(row)

@@ -370,7 +370,29 @@ def test_target_forward_cpu_smoke(tmp_path, capsys):
     assert ref["runs_with"] == {"attn": "eager", "experts": "eager"} and ref["step_ms"] > 0
     assert grouped["runs_with"]["experts"] == "grouped_mm" and grouped["tokens_per_s"] > 0
     assert grouped["argmax_equal"] == 1.0 and grouped["aux_rel_max_diff"] < 1e-5  # float32: the same features
+    assert len(grouped["aux_rel_max_diff_by_layer"]) == 3 and max(grouped["aux_rel_max_diff_by_layer"]) < 1e-5
     assert "sinks" in flex["error"] and "step_ms" not in flex
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_real_shape_attn_check(tmp_path):
+    """``real_shape_experiment.sh attn-check``: float32 eager against flex_attention on the same weights, exit 0
+    only when they agree (tiny Llama-3.1 on CPU: they do); a variant that cannot run (flex attention with GPT-OSS's
+    sinks on a CPU) exits non-zero with the reason, so no online run is switched to it."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TINY": "1", "LENGTH": "64", "WORK": str(tmp_path / "work"),
+           "PEAGLE_CACHE": str(tmp_path / "cache")}
+    script = str(ROOT / "benchmarks" / "real_shape_experiment.sh")
+    ok = subprocess.run(["bash", script, "attn-check", "llama-3.1-8b"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0 and "flex_attention AGREES" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
+    rows = json.loads((tmp_path / "work" / "attn-check-llama-3.1-8b.json").read_text())["rows"]
+    assert [r["runs_with"]["attn"] for r in rows] == ["eager", "flex_attention"]
+    sinks = subprocess.run(["bash", script, "attn-check", "gpt-oss-20b"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert sinks.returncode != 0 and "did not run" in sinks.stderr and "sinks" in sinks.stderr
 
 
 def test_real_shape_experiment_cpu_smoke(tmp_path):
