@@ -243,3 +243,50 @@ def test_missing_norm_loads_silently_in_vllm_but_fails_our_check(vllm_cpu, tmp_p
     assert v.model.model.norm.weight.shape == (T,)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["parallel_drafting"] is True
+
+
+@pytest.mark.parametrize("Vd", [1024, None], ids=["pruned-vocab", "full-vocab"])
+def test_vllm_loads_a_gpt_oss_shaped_export(vllm_cpu, tmp_path, Vd):
+    """The drafter ``recipes/gpt-oss-20b.yaml`` builds, at the tiny GPT-OSS configuration (mixture-of-experts
+    target with sliding-window layers and attention sinks, the real 201,088-token vocabulary, mask token 201,020),
+    exported and loaded by vLLM against a GPT-OSS target folder (issue 22: the export passes vLLM's loader). The
+    drafter has 8 query heads to mirror the real shape (below). The target folder has no MXFP4
+    ``quantization_config`` (``random_target_config`` drops it: random weights are not quantised), which would
+    concern how vLLM runs the target's experts, not the drafter."""
+    from peagle_train.features.target import random_target_config
+    from peagle_train.model.drafter import Drafter, make_drafter_config
+
+    tconf = random_target_config("pkg:peagle_train/gpt-oss-20b-tiny.json")  # (its reader drops the MXFP4 entry)
+    target_dir = tmp_path / "gpt-oss-tiny"
+    tconf.save_pretrained(str(target_dir))
+    assert "quantization_config" not in json.loads((target_dir / "config.json").read_text())
+    aux, mask = [2, 4, 5], 201020
+    V, H = tconf.vocab_size, tconf.hidden_size
+    torch.manual_seed(0)
+    # 8 heads x 16 over a hidden of 64: the query width (128) exceeds the hidden size, as the real drafter's
+    # 64 heads x 64 (4,096) exceed its 2,880 (the tiny target's own 4 x 16 would equal it)
+    cfg = make_drafter_config(tconf, aux_layer_ids=aux, draft_vocab_size=Vd or V, mask_token_id=mask, num_layers=2,
+                              num_attention_heads=8, parallel_drafting=True, K=K)
+    assert (cfg.head_dim, cfg.num_attention_heads, cfg.hidden_size) == (16, 8, 64)
+    drafter = Drafter(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
+    if Vd is not None:
+        drafter.set_draft_vocab(torch.arange(0, 2 * Vd, 2))
+    out = export_vllm(drafter, tmp_path / "draft", target_name=str(target_dir), target_config=tconf,
+                      dtype=torch.float32)
+    assert check_export(out, target=str(target_dir)) == []
+    v = vllm_load(target_dir, out, num_speculative_tokens=K, parallel=True)
+    assert v.config.model_config.hf_config.model_type == "gpt_oss"
+    assert type(v.model).__name__ == "Eagle3LlamaForCausalLM" and v.aux_layers == tuple(aux)
+    assert v.proposer.parallel_drafting_token_id == mask
+    assert v.model.model.fc_input_size == len(aux) * H
+    assert_vllm_holds_our_weights(v.model, drafter)
+    x, feats = torch.randn(5, H), torch.randn(5, len(aux) * H)
+    with torch.no_grad():
+        torch.testing.assert_close(v.model.combine_hidden_states(feats), drafter.project_aux(feats))
+        logits = v.model.compute_logits(x)  # [5, V] in the target's vocabulary
+        tgt = drafter.draft_to_target(torch.arange(Vd or V))
+        torch.testing.assert_close(logits[:, tgt], drafter.lm_head(x))
+        assert torch.equal(logits.argmax(-1), drafter.draft_to_target(drafter.lm_head(x).argmax(-1)))
