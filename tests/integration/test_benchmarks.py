@@ -374,6 +374,24 @@ def test_target_forward_cpu_smoke(tmp_path, capsys):
     assert "sinks" in flex["error"] and "step_ms" not in flex
 
 
+def test_regen_compiles_cpu_smoke(tmp_path):
+    """``benchmarks/regen_compiles.py --smoke``: the static engine's batch call on the tiny GPT-OSS target, compiled
+    with TorchDynamo on a CPU: the first batch compiles, a new prompt bucket does not, a new batch size compiles
+    once more, and a third size no more (the batch dimension is dynamic then) -- what docs/real_shapes.md says
+    of the 20B target's prepare."""
+    import regen_compiles
+
+    out = tmp_path / "rc.json"
+    result = regen_compiles.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["meta"]["backend"] == "eager"
+    rows = result["batches"]
+    assert [(r["batch"], r["bucket"]) for r in rows] == [(4, 384), (4, 256), (3, 128), (2, 128)]
+    assert rows[0]["frames_compiled"] > 0 and rows[1]["frames_compiled"] == 0
+    assert rows[2]["frames_compiled"] > 0 and rows[3]["frames_compiled"] == 0
+    with pytest.raises(ValueError, match="expected BxL"):
+        regen_compiles.parse_batch("48")
+
+
 @pytest.mark.usefixtures("torch_single_thread")
 def test_real_shape_attn_check(tmp_path):
     """``real_shape_experiment.sh attn-check``: float32 eager against flex_attention on the same weights, exit 0
