@@ -126,14 +126,14 @@ def main(argv=None) -> dict:
     from peagle_train.features.target import load_target
     from peagle_train.recipe import load_config
 
-    a = parse_args(argv if argv is not None else sys.argv[1:])
+    args = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(args)
     cfg = load_config(a.recipe, a.overrides)
     t0 = time.perf_counter()
     target = load_target(cfg.target, with_tokenizer=False)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (a.batch, a.length), generator=g).to(target.device)
-    args = sys.argv[1:] if argv is None else list(argv)
     out = {"meta": {**provenance(args), "command": " ".join(["python", "benchmarks/target_forward.py", *args]),
                     "recipe": a.recipe, "overrides": a.overrides, "batch": a.batch, "length": a.length,
                     "tokens": a.batch * a.length, "dtype": cfg.target.dtype, "device": str(target.device),

@@ -209,16 +209,13 @@ def cache_batch_size(target, lengths: list[int], requested: int, gpu_bytes: int 
         CacheError: not even one row of the longest sequence fits (names the sequence length, the bytes and
             what to change).
     """
-    from data_prep.target_memory import TargetShape, largest_fitting_batch, target_forward_peak_bytes
+    from data_prep.target_memory import largest_fitting_batch, target_forward_peak_bytes
     from peagle_train.features.target import GREEDY_CHUNK
 
     if gpu_bytes is None or not lengths:
         return requested, None
-    params = list(target.model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
-    shape = TargetShape.from_config(target.config, dtype_bytes=params[0].element_size(), weight_bytes=weights,
-                                    attn_implementation=getattr(target.config, "_attn_implementation", None),
-                                    aux_layers=len(target.aux_layer_ids))
+    weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    shape = target.memory_shape(weights)
     n, budget = max(lengths), int(headroom * gpu_bytes) - weights
     b = largest_fitting_batch(n, shape, budget, requested, GREEDY_CHUNK)
     need = target_forward_peak_bytes(requested, n, shape, GREEDY_CHUNK)

@@ -315,6 +315,18 @@ class Target:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def memory_shape(self, weight_bytes: int):
+        """This target as the memory models see it (:class:`data_prep.target_memory.TargetShape`): its
+        config's widths, its dtype's bytes per element, its attention implementation (``eager`` holds the
+        scores) and its tapped layers, with ``weight_bytes`` as given (the caller counts what lives on its
+        device: all parameters, or one rank's shards)."""
+        from data_prep.target_memory import TargetShape
+
+        return TargetShape.from_config(self.config, dtype_bytes=next(self.model.parameters()).element_size(),
+                                       weight_bytes=weight_bytes,
+                                       attn_implementation=getattr(self.config, "_attn_implementation", None),
+                                       aux_layers=len(self.aux_layer_ids))
+
     def lm_head_weight(self) -> torch.Tensor:
         """Output head ``[V, T]`` (tied to the embeddings for SmolLM2)."""
         return self.model.get_output_embeddings().weight

@@ -475,15 +475,13 @@ class Trainer(InTrainingEval, Checkpoints):
         :class:`~peagle_train.features.online.OnlineFeatures` runs for it (``indices`` None: one sequence of
         ``n`` tokens); None with cached features."""
         from peagle_train.features.target import GREEDY_CHUNK
-        from peagle_train.peagle.planner import OnlineStep, TargetShape, target_forwards
+        from peagle_train.peagle.planner import OnlineStep, target_forwards
 
         target = getattr(self.features, "target", None)
         if target is None or self.tc.features != "online":
             return None
         if self._target_shape is None:
-            self._target_shape = TargetShape.from_config(
-                target.config, dtype_bytes=getattr(torch, self.cfg.target.dtype).itemsize,
-                weight_bytes=self._target_bytes(), attn_implementation=target.config._attn_implementation)
+            self._target_shape = target.memory_shape(self._target_bytes())
         forwards = ((1, n),) if indices is None else target_forwards([self.lengths[i] for i in indices],
                                                                       self.features.batch_tokens)
         return OnlineStep(self._target_shape, forwards, prefetch=self._prefetches_online(),
