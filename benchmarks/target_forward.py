@@ -59,6 +59,9 @@ def parse_args(argv):
         a.batch, a.length, a.steps, a.warmup = 2, 64, 2, 1
     if a.recipe is None:
         p.error("give a recipe (or --smoke)")
+    bad = [v for v in a.variants if v.count("/") != 1 or "" in v.split("/")]
+    if bad:
+        p.error(f"--variants {' '.join(bad)}: each is ATTN/EXPERTS, e.g. eager/grouped_mm or flex_attention/keep")
     return a
 
 

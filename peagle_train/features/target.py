@@ -319,7 +319,10 @@ class Target:
         """This target as the memory models see it (:class:`data_prep.target_memory.TargetShape`): its
         config's widths, its dtype's bytes per element, its attention implementation (``eager`` holds the
         scores) and its tapped layers, with ``weight_bytes`` as given (the caller counts what lives on its
-        device: all parameters, or one rank's shards)."""
+        device: all parameters, or one rank's shards).
+
+        Returns:
+            a ``TargetShape`` (pure data; raises nothing for any transformers causal LM config)."""
         from data_prep.target_memory import TargetShape
 
         return TargetShape.from_config(self.config, dtype_bytes=next(self.model.parameters()).element_size(),

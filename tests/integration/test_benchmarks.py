@@ -372,6 +372,9 @@ def test_target_forward_cpu_smoke(tmp_path, capsys):
     assert grouped["argmax_equal"] == 1.0 and grouped["aux_rel_max_diff"] < 1e-5  # float32: the same features
     assert len(grouped["aux_rel_max_diff_by_layer"]) == 3 and max(grouped["aux_rel_max_diff_by_layer"]) < 1e-5
     assert "sinks" in flex["error"] and "step_ms" not in flex
+    with pytest.raises(SystemExit):  # a variant without its experts half: refused before the target is built
+        target_forward.parse_args(["--smoke", "--variants", "eager", "--out", str(out)])
+    assert "each is ATTN/EXPERTS" in capsys.readouterr().err
 
 
 def test_regen_compiles_cpu_smoke(tmp_path):
