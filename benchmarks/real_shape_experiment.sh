@@ -28,6 +28,10 @@
 #        # after prepare: the run's prepared data (run_config.yaml, data/: a few MB) packed with its sha256 beside
 #        # it, to come back from the GPU machine; `PREPARED=OUT.tar.xz bash ... run ARCH` on a fresh machine unpacks
 #        # it first (checksum verified) and prepare reuses it (the regeneration of the 20B target takes ~7 minutes)
+#   bash benchmarks/real_shape_experiment.sh lease ARCH [ARCH ...]; bash ... wait SECONDS OUT_DIR
+#        # everything above for each ARCH (`plan`: attn-check, run, pack, online-n 8192 and 4096, summary after each
+#        # step) in the background, so a GPU machine works through calls of a limited length back to back: each
+#        # call after the first is `wait SECONDS OUT_DIR`, which brings the log, summary and packs back
 #   bash benchmarks/real_shape_experiment.sh summary OUT.json ARCH [ARCH ...]
 #        # per stage: wall time and peak GPU memory (logs/stages.jsonl), the trainers' tokens/s and the
 #        # planner's predicted peak against the measured one (trainer_throughput.py: "peak"), the cache's
@@ -92,7 +96,10 @@ case "${1:?step}" in
     # eval, so a failing eval (or a call's time limit) costs the least; eval runs the target in float32 on a GPU:
     # a random-weight target's logits are near ties that bf16 rounding flips between the speculative and the
     # target-alone paths (docs/real_shapes.md), which would fail the lossless check for no fault of the drafter
-    for stage in prepare cache train export; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
+    read -r -a P <<< "${PREPARE_OVERRIDES:-}"  # prepare's own (after the others, so they win), e.g. the default
+    # attention kernel for the regeneration while the feature forwards run on flex_attention (`plan`)
+    cli prepare "${A[@]}" "output_dir=$d" train.features=cache "$@" "${P[@]}"
+    for stage in cache train export; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
     cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
       > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
     o="$WORK/$arch-online"  # the same prepared data, features computed by the target inside the training loop
@@ -184,5 +191,53 @@ print(json.dumps({a: {n: [(s["stage"], s["seconds"], s["peak_gpu_bytes"]) for s 
                       for n, r in row.items() if n != "drafter_only"} for a, row in rows.items()}))
 PY
     ;;
+  plan)  # ARCH [ARCH ...]: the whole measurement of each ARCH, one step after the other (foreground; `lease` runs it
+    # in the background). Per ARCH: attn-check (for the ARCHs in ATTN_CHECK, default gpt-oss-20b: the feature
+    # forwards then run on flex_attention when it agrees with eager, the regeneration on the default kernel), run,
+    # pack ($WORK/ARCH-prepared.tar.xz), online-n at N = 8,192 and 4,096 (PLAN_N), PLAN_OVERRIDES added to the
+    # steps but pack; after every step the summary of all ARCHs
+    # so far ($WORK/summary.json); at the end of an ARCH its feature shards are deleted (the disk holds one 20B
+    # cache, not two; the manifests stay for the summary). A failed step is logged and the plan goes on.
+    shift; done_arches=()
+    for arch in "$@"; do
+      X=()
+      if [[ " ${ATTN_CHECK-gpt-oss-20b} " == *" $arch "* ]]; then
+        if bash "$0" attn-check "$arch"; then X=(target.attn_implementation=flex_attention); fi
+      fi
+      done_arches+=("$arch")
+      steps=("run $arch" "pack $arch $WORK/$arch-prepared.tar.xz")
+      for n in ${PLAN_N:-8192 4096}; do steps+=("online-n $arch $n"); done
+      read -r -a PO <<< "${PLAN_OVERRIDES:-}"
+      for step in "${steps[@]}"; do
+        read -r -a S <<< "$step"; ov=(); [ "${S[0]}" = pack ] || ov=("${X[@]}" "${PO[@]}")
+        echo "plan: ${S[*]} ${ov[*]} ($(date -u +%T))"
+        PREPARE_OVERRIDES=target.attn_implementation=null bash "$0" "${S[@]}" "${ov[@]}" \
+          || echo "plan: FAILED: ${S[*]}"
+        bash "$0" summary "$WORK/summary.json" "${done_arches[@]}" > /dev/null || echo "plan: summary FAILED"
+      done
+      find "$WORK" -path "$WORK/$arch*/features/*" -type f ! -name manifest.json -delete
+    done
+    echo "plan: finished ($(date -u +%T))" ;;
+  lease)  # ARCH [ARCH ...]: `plan` in the background, from a copy of the repository (the device machine's copy of the
+    # working tree is refreshed by every call), in its own process session so that it outlives the call that started
+    # it; its log is $WORK/plan.log; `wait` follows it
+    shift; mkdir -p "$WORK"; rm -rf "$WORK/repo" "$WORK/plan.done"
+    mkdir -p "$WORK/repo" && tar -C "$PWD" --exclude=./.venv --exclude=./.git -cf - . | tar -C "$WORK/repo" -xf -
+    [ -d .venv ] && ln -s "$PWD/.venv" "$WORK/repo/.venv"  # a CPU checkout's environment (the GPU machine has none)
+    setsid bash -c 'cd "$1" && shift && bash benchmarks/real_shape_experiment.sh plan "$@"; touch "$WORK/plan.done"' \
+      plan "$WORK/repo" "$@" > "$WORK/plan.log" 2>&1 < /dev/null &  # (no subshell around it: that would hold our stdout)
+    echo "lease: plan $* started in the background, log $WORK/plan.log" ;;
+  wait)  # SECONDS OUT_DIR: follow `lease` until its plan finishes or SECONDS pass; then the plan's log, summary, the
+    # step logs and the packed prepared data go to OUT_DIR (what comes back from the device machine)
+    secs=${2:?seconds}; out=${3:?out dir}; end=$((SECONDS + secs)); seen=0
+    while [ ! -f "$WORK/plan.done" ] && [ $SECONDS -lt $end ]; do
+      n=$(wc -l < "$WORK/plan.log"); [ "$n" -gt "$seen" ] && grep -E '^(plan|attn-check|check|online-n)|: (started|done|reused)' \
+        <(tail -n +$((seen + 1)) "$WORK/plan.log") || true; seen=$n; sleep 10
+    done
+    mkdir -p "$out"; cp "$WORK/plan.log" "$out/" 2>/dev/null || true
+    [ -f "$WORK/summary.json" ] && cp "$WORK/summary.json" "$out/"
+    cp "$WORK"/*-prepared.tar.xz* "$out/" 2>/dev/null || true
+    (cd "$WORK" && tar -cJf "$out/logs.tar.xz" --exclude=repo $(ls -d */logs *.json 2>/dev/null)) || true
+    [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -31,12 +31,16 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       "train.keep_last", "train.eval_sequences", "train.max_minutes",
                       "train.profile_steps", "train.profile_start",  # what is recorded, not what is trained
                       "train.gc_every",  # when Python's garbage collector runs
+                      # which kernel computes the target's attention, not what it computes: kernels that agree
+                      # (benchmarks/real_shape_experiment.sh attn-check) may change between stages, e.g. the
+                      # regeneration on the default one and the feature forwards on flex_attention (docs/real_shapes.md)
+                      "target.attn_implementation",
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
 #: how eval runs the target, not what was prepared or trained: eval may change them in a finished run's folder
 #: (a random-weight target's near-tie logits need float32 for the lossless check, docs/real_shapes.md; a user
 #: evaluates a drafter trained on bf16 features against the target as served), and leaves the folder's stamp
-EVAL_RUNTIME_KEYS = frozenset({"target.dtype", "target.device", "target.attn_implementation"})
+EVAL_RUNTIME_KEYS = frozenset({"target.dtype", "target.device"})
 #: the running stage's end line when it did no work (set by :func:`_reused`), None outside a stage
 _OUTCOME: ContextVar[list[str] | None] = ContextVar("stage_outcome", default=None)
 #: fields the running stage adds to its ``logs/stages.jsonl`` record (:func:`_stage_fields`), None outside a stage

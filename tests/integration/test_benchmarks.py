@@ -417,25 +417,35 @@ def test_real_shape_attn_check(tmp_path):
 
 
 def test_real_shape_experiment_cpu_smoke(tmp_path):
-    """``TINY=1 bash benchmarks/real_shape_experiment.sh run ARCH`` then ``summary``: every stage of the recipe
+    """``TINY=1 bash benchmarks/real_shape_experiment.sh lease ARCH`` then ``wait``: every stage of the recipe
     runs through peagle-train (tiny Llama-3.1 configuration on CPU), check passes, and the summary holds the
     per-stage records, both trainers' tokens/s and the cache's bytes per token."""
     import os
     import subprocess
 
-    env = {**os.environ, "TINY": "1", "WORK": str(tmp_path / "work"), "PEAGLE_CACHE": str(tmp_path / "cache")}
+    work = tmp_path / "work"
+    env = {**os.environ, "TINY": "1", "WORK": str(work), "PEAGLE_CACHE": str(tmp_path / "cache"),
+           "ATTN_CHECK": "llama-3.1-8b", "LENGTH": "64", "PLAN_N": "800", "PLAN_OVERRIDES": "train.max_steps=8"}
     script = str(ROOT / "benchmarks" / "real_shape_experiment.sh")
-    run = subprocess.run(["bash", script, "run", "llama-3.1-8b", "--quiet"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0 and "check: passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
-    online = subprocess.run(["bash", script, "online-n", "llama-3.1-8b", "800", "train.max_steps=8", "--quiet"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=900)
-    assert online.returncode == 0, online.stdout[-2000:] + online.stderr[-2000:]
-    assert "micro-batch" in online.stdout
-    out = tmp_path / "summary.json"
-    subprocess.run(["bash", script, "summary", str(out), "llama-3.1-8b"], cwd=ROOT, env=env, check=True,
-                   capture_output=True, timeout=300)
-    runs = json.loads(out.read_text())["runs"]["llama-3.1-8b"]
+    # the GPU machine's way: `lease` runs the plan (attn-check, run, pack, online-n, summary) in the background and
+    # `wait` follows it and brings back the log, summary, step logs and packed prepared data
+    lease = subprocess.run(["bash", script, "lease", "llama-3.1-8b"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert lease.returncode == 0 and "started in the background" in lease.stdout, lease.stdout + lease.stderr
+    back = tmp_path / "back"
+    waited = subprocess.run(["bash", script, "wait", "900", str(back)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=960)
+    log = (work / "plan.log").read_text()
+    assert "wait: the plan finished" in waited.stdout and "FAILED" not in log, waited.stdout[-2000:] + log[-3000:]
+    assert "check: passed" in log and "flex_attention AGREES" in log and "micro-batch" in log
+    assert "plan: run llama-3.1-8b target.attn_implementation=flex_attention" in log  # the features on flex ...
+    stamp = (work / "llama-3.1-8b" / "run_config.yaml").read_text()
+    assert "attn_implementation: null" in stamp  # ... the regeneration on the default kernel
+    assert {p.name for p in back.iterdir()} == {"plan.log", "summary.json", "logs.tar.xz", "llama-3.1-8b-prepared.tar.xz",
+                                                "llama-3.1-8b-prepared.tar.xz.sha256"}
+    assert not [p for p in work.glob("llama-3.1-8b*/features/*/*") if p.name != "manifest.json"]  # shards deleted
+    packed = back / "llama-3.1-8b-prepared.tar.xz"
+    runs = json.loads((back / "summary.json").read_text())["runs"]["llama-3.1-8b"]
     assert runs["llama-3.1-8b-online-800"]["trainer"]["tokens_per_s"] > 0  # online-n: the trainer ...
     (bench,) = runs["drafter_only"].values()  # ... beside the drafter-only step of the same micro-batch
     assert bench["meta"]["micro_batch"] == runs["llama-3.1-8b-online-800"]["trainer"]["recipe"]["micro_batch_size"]
@@ -443,9 +453,6 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     assert bench["rows"][0]["tokens_per_s"] > 0
     # pack: the prepared data comes back from one machine and the next run starts from it (prepare reused);
     # a tarball that does not match its sha256 is refused before anything is unpacked
-    packed = tmp_path / "prepared.tar.xz"
-    subprocess.run(["bash", script, "pack", "llama-3.1-8b", str(packed)], cwd=ROOT, env=env, check=True,
-                   capture_output=True, timeout=300)
     env2 = {**env, "WORK": str(tmp_path / "work2"), "PREPARED": str(packed)}
     again = subprocess.run(["bash", script, "run", "llama-3.1-8b"], cwd=ROOT, env=env2, capture_output=True,
                            text=True, timeout=900)

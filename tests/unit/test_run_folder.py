@@ -55,8 +55,27 @@ def test_portable_state_and_profiling_keys_are_not_the_runs_identity(tmp_path):
         claim_output_dir(cfg("train.state_out=a.pst", "train.lr=1e-3"))
 
 
+def test_the_targets_attention_kernel_may_change_between_stages(tmp_path):
+    """``target.attn_implementation`` says which kernel computes the target's attention, not what is computed: a
+    folder with prepared data (regenerated on the default kernel) or a trained drafter takes a recipe that only
+    switches it (the real-shape script's feature forwards on flex_attention), for every stage, and the stamp keeps
+    what made the folder; the same folder still refuses a change of what is computed."""
+    out = tmp_path / "run"
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *o])  # noqa: E731
+    claim_output_dir(cfg())
+    (out / "data").mkdir()
+    (out / "data" / "meta.json").write_text("{}")  # prepared
+    before = (out / "run_config.yaml").read_text()
+    assert claim_output_dir(cfg("target.attn_implementation=flex_attention")) == out
+    (out / "drafter").mkdir()  # trained
+    assert claim_output_dir(cfg("target.attn_implementation=eager")) == out
+    assert (out / "run_config.yaml").read_text() == before
+    with pytest.raises(ConfigError, match=r"differs in: target\.dtype\)"):
+        claim_output_dir(cfg("target.attn_implementation=eager", "target.dtype=bfloat16"))
+
+
 def test_eval_may_run_the_target_otherwise_in_a_finished_run(tmp_path):
-    """Eval of a trained run with the target in another dtype, device or attention (the real-shape script evals a
+    """Eval of a trained run with the target in another dtype or device (the real-shape script evals a
     random-weight target in float32, docs/real_shapes.md) is no recipe change for eval, leaves the stamp as it
     was, and is still refused for training; a change to anything else is refused for eval too."""
     from peagle_train.stages import EVAL_RUNTIME_KEYS
@@ -66,7 +85,7 @@ def test_eval_may_run_the_target_otherwise_in_a_finished_run(tmp_path):
     claim_output_dir(cfg())
     (out / "drafter").mkdir()  # trained
     before = (out / "run_config.yaml").read_text()
-    runtime = ("target.dtype=bfloat16", "target.device=cpu", "target.attn_implementation=eager")
+    runtime = ("target.dtype=bfloat16", "target.device=cpu")
     assert claim_output_dir(cfg(*runtime), runtime_keys=EVAL_RUNTIME_KEYS) == out
     assert (out / "run_config.yaml").read_text() == before
     with pytest.raises(ConfigError, match=r"differs in: target\.dtype\)"):
