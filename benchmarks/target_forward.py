@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +53,14 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny GPT-OSS configuration, 2 x 64 tokens")
-    p.add_argument("--out", required=True, help="JSON file")
+    p.add_argument("--out", help="JSON file")
+    p.add_argument("--verdict", metavar="JSON", help="instead of a run: attn-check's verdict on an earlier --out "
+                   "(eager first, flex_attention after it); exit 0 when flex_attention agrees, 1 when not")
     a = p.parse_args(argv)
+    if a.verdict:
+        return a
+    if not a.out:
+        p.error("--out is required")
     if a.smoke:
         a.recipe, a.overrides = SMOKE[0], SMOKE[1:] + a.overrides
         a.batch, a.length, a.steps, a.warmup = 2, 64, 2, 1
@@ -112,14 +119,143 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def agreement(f: dict, ref: dict, num_aux: int) -> dict:
-    """``aux`` / ``last`` largest |difference| over the reference's largest |value|, the same per tapped layer
-    (``aux_rel_max_diff_by_layer``, low to high: a wrong attention kernel shows at the first tapped layer
-    already, rounding grows with depth), and the fraction of equal greedy tokens."""
-    by_layer = [_rel(a, b) for a, b in zip(f["aux"].chunk(num_aux, -1), ref["aux"].chunk(num_aux, -1))]
-    return {"aux_rel_max_diff": _rel(f["aux"], ref["aux"]), "aux_rel_max_diff_by_layer": by_layer,
-            "last_rel_max_diff": _rel(f["last"], ref["last"]),
-            "argmax_equal": float((f["argmax"] == ref["argmax"]).float().mean())}
+# attn-check's verdict (``verdict``): what separates a wrong attention kernel from a mixture-of-experts target's
+# rounding. A kernel that drops the sinks, the sliding window or the causal mask is wrong for most tokens from the
+# first layer on, so the first tapped layer (layer 2 of 24: a sliding-window and a full-attention layer behind it)
+# must agree to float32 rounding and most tokens must agree at every tapped layer. A router's top-k is a
+# discontinuous choice: a near tie that rounding flips gives that token other experts, a difference of the
+# order of its hidden state that attention then spreads, thinly, to later tokens. So a tapped layer may differ by
+# more than ``MAX_REL`` only where the routing of some token changed before it, and only on a few tokens.
+FIRST_TAP_REL = 1e-4   # largest |difference| at the first tapped layer, over the reference's largest |value|
+MEDIAN_TOKEN_REL = 1e-4  # the median token's largest |difference| at every tapped layer, same scale
+MAX_REL = 1e-2         # largest |difference| at a tapped layer with no routing change before it
+TOKENS_OFF_REL = 1e-2  # a token is "off" when its largest |difference| exceeds this, same scale ...
+TOKENS_OFF_MAX = 0.01  # ... and at most this fraction of the tokens may be off at any tapped layer
+GREEDY_EQUAL_MIN = 0.99  # fraction of equal greedy next tokens
+
+
+def router_layers(model) -> dict:
+    """``{decoder layer index: router module}`` of a mixture-of-experts target: modules whose class name ends in
+    ``Router`` (transformers' ``GptOssTopKRouter``, …) under ``….layers.<i>.…``; ``{}`` for a dense target."""
+    import re
+
+    found = {}
+    for name, module in model.named_modules():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m and type(module).__name__.endswith("Router"):
+            found[int(m.group(1))] = module
+    return found
+
+
+@contextmanager
+def recorded_routing(model):
+    """Record the experts each router picks during the forwards inside the ``with``.
+
+    Yields:
+        dict ``{layer index: int64 [tokens, top_k]}``, each row sorted (the set of experts, not their order), on
+        the CPU; a router called again overwrites its entry. The indices are the last integer tensor of the
+        router's output (``GptOssTopKRouter`` returns ``(logits, scores, indices)``). Empty for a dense target.
+    """
+    import torch
+
+    got, handles = {}, []
+
+    def keep(i):
+        def hook(module, args, output):
+            outs = output if isinstance(output, tuple) else (output,)
+            ints = [o for o in outs if torch.is_tensor(o) and not o.is_floating_point()]
+            if ints:
+                got[i] = ints[-1].reshape(-1, ints[-1].shape[-1]).sort(-1).values.cpu()
+        return hook
+
+    handles = [m.register_forward_hook(keep(i)) for i, m in router_layers(model).items()]
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def agreement(f: dict, ref: dict, aux_layer_ids, routes: dict | None = None, ref_routes: dict | None = None) -> dict:
+    """How far the features ``f`` are from the reference's ``ref`` (both ``Target.features`` dicts: ``aux``
+    ``[B, N, A*T]``, ``last`` ``[B, N, T]``, ``argmax`` ``[B, N]``), all relative to the reference's largest
+    magnitude (per tapped layer for ``aux``):
+
+    - ``aux_rel_max_diff`` / ``last_rel_max_diff``: largest |difference|;
+    - ``aux_rel_max_diff_by_layer``: the same per tapped layer, low to high (``aux_layer_ids``): a wrong attention
+      kernel shows at the first tapped layer already, rounding grows with depth;
+    - ``aux_token_rel_diff_median_by_layer`` / ``aux_tokens_off_by_layer``: per token (its largest |difference|
+      over the layer's largest reference magnitude), the median and the fraction above ``TOKENS_OFF_REL``;
+    - ``argmax_equal``: the fraction of equal greedy tokens;
+    - with ``routes`` / ``ref_routes`` (``recorded_routing`` of the two forwards, a mixture-of-experts target):
+      ``routing_changed_tokens_by_layer`` ``{layer: tokens whose set of experts differs}`` and
+      ``routing_changed_before_tap``, per tapped layer the tokens whose routing differs in a layer before it
+      (aux layer id ``i`` is the output of decoder layer ``i - 1``).
+    """
+    import torch
+
+    n = len(aux_layer_ids)
+    by_layer, median, off = [], [], []
+    for a, b in zip(f["aux"].chunk(n, -1), ref["aux"].chunk(n, -1)):
+        scale = b.float().abs().max().clamp_min(1e-30)
+        tok = ((a.float() - b.float()).abs().amax(-1) / scale).flatten()
+        by_layer.append(float(tok.max()))
+        median.append(float(tok.median()))
+        off.append(float((tok > TOKENS_OFF_REL).float().mean()))
+    out = {"aux_rel_max_diff": _rel(f["aux"], ref["aux"]), "aux_rel_max_diff_by_layer": by_layer,
+           "aux_token_rel_diff_median_by_layer": median, "aux_tokens_off_by_layer": off,
+           "last_rel_max_diff": _rel(f["last"], ref["last"]),
+           "argmax_equal": float((f["argmax"] == ref["argmax"]).float().mean())}
+    if routes and ref_routes:
+        changed = {i: (routes[i] != ref_routes[i]).any(-1) for i in sorted(ref_routes) if i in routes}
+        out["routing_changed_tokens_by_layer"] = {str(i): int(c.sum()) for i, c in changed.items()}
+        before = []
+        for t in aux_layer_ids:
+            rows = [c for i, c in changed.items() if i < t]
+            before.append(int(torch.stack(rows).any(0).sum()) if rows else 0)
+        out["routing_changed_before_tap"] = before
+    return out
+
+
+def verdict(result: dict) -> tuple[bool, str]:
+    """attn-check's rule on a ``target_forward.py`` result (``meta`` and ``rows``: the first row the eager
+    reference, then a ``flex_attention`` row, any others as context): does flex_attention give the eager target's
+    features?
+
+    True when the first tapped layer agrees within ``FIRST_TAP_REL``, the median token within
+    ``MEDIAN_TOKEN_REL`` at every tapped layer, at most ``TOKENS_OFF_MAX`` of the tokens are off by more than
+    ``TOKENS_OFF_REL``, a tapped layer differs by more than ``MAX_REL`` only where some token's routing changed
+    before it, and ``GREEDY_EQUAL_MIN`` of the greedy tokens are equal (the reasons: the comment above
+    ``FIRST_TAP_REL``). Returns the verdict and a one-line account.
+
+    Raises:
+        ValueError: there is no flex_attention row, or it did not run (its error, e.g. sinks on a CPU).
+    """
+    rows = result["rows"]
+    flex = next((r for r in rows[1:] if r.get("variant", "").startswith("flex_attention")), None)
+    if flex is None:
+        raise ValueError("attn-check: no flex_attention row")
+    if flex.get("error"):
+        raise ValueError(f"attn-check: flex_attention did not run: {flex['error'][:300]}")
+    layers, med, off = (flex["aux_rel_max_diff_by_layer"], flex["aux_token_rel_diff_median_by_layer"],
+                        flex["aux_tokens_off_by_layer"])
+    rerouted = flex.get("routing_changed_before_tap") or [0] * len(layers)
+    ok = (layers[0] < FIRST_TAP_REL and max(med) < MEDIAN_TOKEN_REL and max(off) <= TOKENS_OFF_MAX
+          and all(x < MAX_REL or r > 0 for x, r in zip(layers, rerouted))
+          and flex["argmax_equal"] >= GREEDY_EQUAL_MIN)
+    fmt = lambda xs: ", ".join(f"{x:.2e}" for x in xs)  # noqa: E731
+    msg = (f"attn-check: flex_attention {'AGREES' if ok else 'DIFFERS'} with eager in {result['meta']['dtype']}"
+           f": by tapped layer the relative max difference {fmt(layers)}, the median token's {fmt(med)}, tokens off "
+           f"by > {TOKENS_OFF_REL:g} {', '.join(f'{x:.2%}' for x in off)}")
+    if "routing_changed_before_tap" in flex:
+        msg += f", tokens rerouted before the tap {', '.join(map(str, rerouted))}"
+    msg += f"; greedy tokens equal {flex['argmax_equal']:.4f}; {rows[0]['step_ms']:.0f} ms eager, {flex['step_ms']:.0f} ms flex"
+    for r in rows[1:]:
+        if r is not flex and not r.get("error") and "aux_rel_max_diff_by_layer" in r:
+            msg += (f"; {r['variant']} against the reference: {fmt(r['aux_rel_max_diff_by_layer'])}"
+                    + (f", rerouted {', '.join(map(str, r['routing_changed_before_tap']))}"
+                       if "routing_changed_before_tap" in r else ""))
+    return ok, msg
 
 
 def main(argv=None) -> dict:
@@ -131,6 +267,13 @@ def main(argv=None) -> dict:
 
     args = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(args)
+    if a.verdict:
+        try:
+            ok, msg = verdict(json.loads(Path(a.verdict).read_text()))
+        except ValueError as e:
+            sys.exit(str(e))
+        print(msg, flush=True)
+        sys.exit(0 if ok else 1)
     cfg = load_config(a.recipe, a.overrides)
     t0 = time.perf_counter()
     target = load_target(cfg.target, with_tokenizer=False)
@@ -154,10 +297,15 @@ def main(argv=None) -> dict:
             timing, f = time_variant(target, ids, a.steps, a.warmup)
             row.update(timing)
             row["tokens_per_s"] = a.batch * a.length / (timing["step_ms"] / 1e3)
-            if ref is None:
-                ref = f
+            if router_layers(target.model):  # one more (untimed) forward: which experts each token got
+                with recorded_routing(target.model) as routes:
+                    f = target.features(ids)
             else:
-                row.update(agreement(f, ref, len(target.aux_layer_ids)))
+                routes = None
+            if ref is None:
+                ref, ref_routes = f, routes
+            else:
+                row.update(agreement(f, ref, target.aux_layer_ids, routes, ref_routes))
         except Exception as e:  # noqa: BLE001 -- one refused variant must not lose the others' rows
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
         out["rows"].append(row)

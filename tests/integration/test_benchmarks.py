@@ -371,10 +371,68 @@ def test_target_forward_cpu_smoke(tmp_path, capsys):
     assert grouped["runs_with"]["experts"] == "grouped_mm" and grouped["tokens_per_s"] > 0
     assert grouped["argmax_equal"] == 1.0 and grouped["aux_rel_max_diff"] < 1e-5  # float32: the same features
     assert len(grouped["aux_rel_max_diff_by_layer"]) == 3 and max(grouped["aux_rel_max_diff_by_layer"]) < 1e-5
+    # every token's experts were recorded in each of the 8 layers, and none changed with the implementation
+    assert grouped["routing_changed_tokens_by_layer"] == {str(i): 0 for i in range(8)}
+    assert grouped["routing_changed_before_tap"] == [0, 0, 0] and grouped["aux_tokens_off_by_layer"] == [0.0] * 3
     assert "sinks" in flex["error"] and "step_ms" not in flex
     with pytest.raises(SystemExit):  # a variant without its experts half: refused before the target is built
         target_forward.parse_args(["--smoke", "--variants", "eager", "--out", str(out)])
     assert "each is ATTN/EXPERTS" in capsys.readouterr().err
+
+
+def _forward_result(by_layer, median=(1e-6,) * 3, off=(0.0,) * 3, rerouted=None, greedy=1.0, flex_error=None):
+    flex = {"variant": "flex_attention/keep", "step_ms": 300.0, "aux_rel_max_diff_by_layer": list(by_layer),
+            "aux_token_rel_diff_median_by_layer": list(median), "aux_tokens_off_by_layer": list(off),
+            "argmax_equal": greedy}
+    if rerouted is not None:
+        flex["routing_changed_before_tap"] = list(rerouted)
+    if flex_error:
+        flex = {"variant": "flex_attention/keep", "error": flex_error}
+    return {"meta": {"dtype": "float32"}, "rows": [{"variant": "eager/keep", "step_ms": 1200.0}, flex]}
+
+
+def test_attn_check_verdict():
+    """attn-check's rule (``target_forward.verdict``): a difference grown at a deep tapped layer after a router's
+    near tie flipped is rounding; a wrong kernel (off at the first tapped layer, or on most tokens) and a large
+    difference with no routing change are not. Figures of the GPT-OSS-20B shape's float32 check on an H200."""
+    import target_forward as tf
+
+    rounding = [2.74e-06, 7.51e-06, 2.52e-02]
+    ok, msg = tf.verdict(_forward_result(rounding, off=(0.0, 0.0, 0.0006), rerouted=[0, 0, 3], greedy=0.9994))
+    assert ok and "AGREES" in msg and "rerouted before the tap 0, 0, 3" in msg
+    assert not tf.verdict(_forward_result(rounding, off=(0.0, 0.0, 0.0006), rerouted=[0, 0, 0]))[0]  # unexplained
+    assert not tf.verdict(_forward_result(rounding, greedy=0.9994))[0]  # a dense target: no routing to flip
+    assert not tf.verdict(_forward_result([3e-4, 1e-3, 5e-3]))[0]  # off at the first tapped layer: the kernel
+    assert not tf.verdict(_forward_result(rounding, off=(0.0, 0.0, 0.2), rerouted=[0, 0, 40]))[0]  # most tokens
+    assert not tf.verdict(_forward_result(rounding, median=(1e-6, 1e-6, 3e-4), rerouted=[0, 0, 3]))[0]
+    assert not tf.verdict(_forward_result([1e-6, 1e-6, 1e-6], greedy=0.9))[0]
+    assert tf.verdict(_forward_result([1e-6, 2e-6, 5e-3]))[0]  # a dense target within rounding
+    with pytest.raises(ValueError, match="did not run: .*sinks"):
+        tf.verdict(_forward_result(rounding, flex_error="RuntimeError: Attention sinks cannot be run on CPU"))
+
+
+def test_agreement_counts_rerouted_tokens_and_tokens_off():
+    """``target_forward.agreement``: per tapped layer the largest and the median token's difference, the tokens
+    off, and the tokens whose experts changed in a layer BEFORE the tap (aux id i = the output of layer i - 1)."""
+    import torch
+
+    import target_forward as tf
+
+    g = torch.Generator().manual_seed(0)
+    ref = {"aux": torch.randn(1, 200, 3 * 8, generator=g, dtype=torch.float64), "last": torch.ones(1, 200, 8),
+           "argmax": torch.zeros(1, 200, dtype=torch.long)}
+    f = {k: v.clone() for k, v in ref.items()}
+    f["aux"][0, 7, 16:] += 1.0  # token 7 differs at the third tapped layer only
+    f["argmax"][0, 0] = 1
+    routes = {i: torch.tensor([[0, 1]] * 200) for i in range(6)}
+    moved = {**routes, 4: routes[4].clone()}
+    moved[4][7] = torch.tensor([0, 2])  # token 7 got another expert in layer 4
+    out = tf.agreement(f, ref, [2, 4, 6], moved, routes)
+    assert out["aux_rel_max_diff_by_layer"][:2] == [0.0, 0.0] and out["aux_rel_max_diff_by_layer"][2] > 0.1
+    assert out["aux_tokens_off_by_layer"] == pytest.approx([0.0, 0.0, 1 / 200]) and out["aux_token_rel_diff_median_by_layer"][2] == 0
+    assert out["routing_changed_tokens_by_layer"] == {"0": 0, "1": 0, "2": 0, "3": 0, "4": 1, "5": 0}
+    assert out["routing_changed_before_tap"] == [0, 0, 1]  # layer 4 is before aux id 6, not before aux id 4
+    assert out["argmax_equal"] == pytest.approx(199 / 200)
 
 
 def test_regen_compiles_cpu_smoke(tmp_path):
@@ -410,7 +468,9 @@ def test_real_shape_attn_check(tmp_path):
                         text=True, timeout=300)
     assert ok.returncode == 0 and "flex_attention AGREES" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
     rows = json.loads((tmp_path / "work" / "attn-check-llama-3.1-8b.json").read_text())["rows"]
-    assert [r["runs_with"]["attn"] for r in rows] == ["eager", "flex_attention"]
+    assert [r["variant"] for r in rows] == ["eager/keep", "flex_attention/keep", "eager/eager"]
+    assert [r["runs_with"]["attn"] for r in rows[:2]] == ["eager", "flex_attention"]
+    assert "routing_changed_before_tap" not in rows[1]  # a dense target: no routers to record
     sinks = subprocess.run(["bash", script, "attn-check", "gpt-oss-20b"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=300)
     assert sinks.returncode != 0 and "did not run" in sinks.stderr and "sinks" in sinks.stderr
