@@ -112,6 +112,11 @@ case "${1:?step}" in
     cli cache "${A[@]}" "output_dir=$f" train.features=cache data.cache_dtype=fp8 "$@"
     ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
     cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}" ;;
+  prepare)  # ARCH [override ...]: the prepare stage of `run` alone, e.g. with regen.enabled=false
+    # data.path=.gpu/sharegpt_answers.json (ShareGPT's own answers, no regeneration) before `online-n`
+    arch=${2:?arch}; shift 2
+    mapfile -t A < <(arch_overrides "$arch")
+    cli prepare "${A[@]}" "output_dir=$WORK/$arch" train.features=cache "$@" ;;
   online-n)  # ARCH N [override ...]: the online trainer (the target's forward inside the step) with micro-batches of
     # ~N tokens of the prepared data of `run ARCH`, in $WORK/ARCH-online-N, and benchmarks/train_step.py's
     # drafter-only step (the trainer's own step on random features) for the same drafter (shape ARCH-recipe),

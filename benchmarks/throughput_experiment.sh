@@ -84,6 +84,12 @@ rows = [[{"from": m["role"].replace("user", "human"), "value": m["content"]} for
 rows = [r for r in rows if len(r[-1]["value"]) < 3000][:2000]  # answer: a placeholder (regen uses prompts only)
 json.dump([{"conversations": [*r, {"from": "gpt", "value": "(answer omitted)"}]} for r in rows],
           open(".gpu/sharegpt_prompts.json", "w"))
+# .gpu/sharegpt_answers.json: the first 600 first turns WITH their ShareGPT answers, for runs whose data is prepared
+# without regeneration (regen.enabled=false: real_shape_experiment.sh's `online-n` when the 20B regeneration does
+# not fit a call)
+rows = [[{"from": m["role"].replace("user", "human").replace("assistant", "gpt"), "value": m["content"]} for m in c]
+        for c in convs[:600]]
+json.dump([{"conversations": r} for r in rows], open(".gpu/sharegpt_answers.json", "w"))
 PY
     du -sh .gpu ;;
   setup)
