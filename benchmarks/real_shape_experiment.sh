@@ -100,7 +100,7 @@ case "${1:?step}" in
     # target-alone paths (docs/real_shapes.md), which would fail the lossless check for no fault of the drafter
     read -r -a P <<< "${PREPARE_OVERRIDES:-}"  # prepare's own (after the others, so they win), e.g. the default
     # attention kernel for the regeneration while the feature forwards run on flex_attention (`plan`)
-    cli prepare "${A[@]}" "output_dir=$d" train.features=cache "$@" "${P[@]}"
+    bash "$0" prepare "$arch" "$@" "${P[@]}"
     for stage in cache train export; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
     cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
       > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
@@ -188,8 +188,11 @@ PY
   plan)  # ARCH [ARCH ...]: the whole measurement of each ARCH, one step after the other (foreground; `lease` runs it
     # in the background). Per ARCH: attn-check (for the ARCHs in ATTN_CHECK, default gpt-oss-20b: the feature
     # forwards then run on flex_attention when it agrees with eager, the regeneration on the default kernel), run,
-    # pack ($WORK/ARCH-prepared.tar.xz), online-n at N = 8,192 and 4,096 (PLAN_N), PLAN_OVERRIDES added to the
-    # steps but pack; after every step the summary of all ARCHs
+    # pack ($WORK/ARCH-prepared.tar.xz), online-n at N = 8,192 and 4,096 (PLAN_N; per ARCH PLAN_N_<ARCH>, the
+    # ARCH with "-" and "." as "_", e.g. PLAN_N_gpt_oss_20b="" for none), PLAN_OVERRIDES and then
+    # PLAN_OVERRIDES_<ARCH> added to the steps but pack (e.g. PLAN_OVERRIDES_gpt_oss_20b="regen.enabled=false
+    # data.path=.gpu/sharegpt_answers.json": that ARCH's data without regeneration); after every step the summary
+    # of all ARCHs
     # so far ($WORK/summary.json); at the end of an ARCH its feature shards are deleted (the disk holds one 20B
     # cache, not two; the manifests stay for the summary). A failed step is logged and the plan goes on.
     shift; done_arches=()
@@ -200,8 +203,8 @@ PY
       fi
       done_arches+=("$arch")
       steps=("run $arch" "pack $arch $WORK/$arch-prepared.tar.xz")
-      for n in ${PLAN_N:-8192 4096}; do steps+=("online-n $arch $n"); done
-      read -r -a PO <<< "${PLAN_OVERRIDES:-}"
+      v=PLAN_N_${arch//[-.]/_}; for n in ${!v-${PLAN_N:-8192 4096}}; do steps+=("online-n $arch $n"); done
+      v=PLAN_OVERRIDES_${arch//[-.]/_}; read -r -a PO <<< "${PLAN_OVERRIDES:-} ${!v:-}"
       for step in "${steps[@]}"; do
         read -r -a S <<< "$step"; ov=(); [ "${S[0]}" = pack ] || ov=("${X[@]}" "${PO[@]}")
         echo "plan: ${S[*]} ${ov[*]} ($(date -u +%T))"

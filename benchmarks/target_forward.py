@@ -269,9 +269,14 @@ def main(argv=None) -> dict:
     a = parse_args(args)
     if a.verdict:
         try:
-            ok, msg = verdict(json.loads(Path(a.verdict).read_text()))
+            result = json.loads(Path(a.verdict).read_text())
+        except (OSError, ValueError) as e:  # missing, unreadable or not JSON: say which file and what to do
+            sys.exit(f"--verdict {a.verdict}: cannot read attn-check's result ({e}); give the JSON an earlier "
+                     "`target_forward.py ... --out FILE` wrote")
+        try:
+            ok, msg = verdict(result)
         except ValueError as e:
-            sys.exit(str(e))
+            sys.exit(f"--verdict {a.verdict}: {e}")
         print(msg, flush=True)
         sys.exit(0 if ok else 1)
     cfg = load_config(a.recipe, a.overrides)

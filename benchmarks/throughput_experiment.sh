@@ -80,15 +80,16 @@ import json
 from data_prep.config import DataConfig
 from data_prep.sources import load_conversations
 convs, _ = load_conversations(DataConfig(source="sharegpt", num_conversations=2400, max_turns=1))
-rows = [[{"from": m["role"].replace("user", "human"), "value": m["content"]} for m in c[:-1]] for c in convs]
+def sharegpt(turns):  # chat messages -> ShareGPT's turns
+    return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]} for m in turns]
+rows = [sharegpt(c[:-1]) for c in convs]
 rows = [r for r in rows if len(r[-1]["value"]) < 3000][:2000]  # answer: a placeholder (regen uses prompts only)
 json.dump([{"conversations": [*r, {"from": "gpt", "value": "(answer omitted)"}]} for r in rows],
           open(".gpu/sharegpt_prompts.json", "w"))
 # .gpu/sharegpt_answers.json: the first 600 first turns WITH their ShareGPT answers, for runs whose data is prepared
 # without regeneration (regen.enabled=false: real_shape_experiment.sh's `online-n` when the 20B regeneration does
 # not fit a call)
-rows = [[{"from": m["role"].replace("user", "human").replace("assistant", "gpt"), "value": m["content"]} for m in c]
-        for c in convs[:600]]
+rows = [sharegpt(c) for c in convs[:600]]
 json.dump([{"conversations": r} for r in rows], open(".gpu/sharegpt_answers.json", "w"))
 PY
     du -sh .gpu ;;

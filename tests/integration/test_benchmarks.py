@@ -411,6 +411,19 @@ def test_attn_check_verdict():
         tf.verdict(_forward_result(rounding, flex_error="RuntimeError: Attention sinks cannot be run on CPU"))
 
 
+def test_attn_check_verdict_names_an_unreadable_file(tmp_path):
+    """``target_forward.py --verdict FILE`` on a missing or non-JSON file exits with a message naming the file,
+    not a traceback."""
+    import target_forward as tf
+
+    bad = tmp_path / "half.json"
+    bad.write_text('{"rows": [')
+    for path in (tmp_path / "missing.json", bad):
+        with pytest.raises(SystemExit) as e:
+            tf.main(["--verdict", str(path)])
+        assert str(path) in str(e.value.code) and "cannot read" in str(e.value.code)
+
+
 def test_agreement_counts_rerouted_tokens_and_tokens_off():
     """``target_forward.agreement``: per tapped layer the largest and the median token's difference, the tokens
     off, and the tokens whose experts changed in a layer BEFORE the tap (aux id i = the output of layer i - 1)."""
@@ -485,7 +498,8 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
 
     work = tmp_path / "work"
     env = {**os.environ, "TINY": "1", "WORK": str(work), "PEAGLE_CACHE": str(tmp_path / "cache"),
-           "ATTN_CHECK": "llama-3.1-8b", "LENGTH": "64", "PLAN_N": "800", "PLAN_OVERRIDES": "train.max_steps=8"}
+           "ATTN_CHECK": "llama-3.1-8b", "LENGTH": "64", "PLAN_N": "", "PLAN_N_llama_3_1_8b": "800",  # per ARCH
+           "PLAN_OVERRIDES": "train.max_steps=8"}
     script = str(ROOT / "benchmarks" / "real_shape_experiment.sh")
     # the GPU machine's way: `lease` runs the plan (attn-check, run, pack, online-n, summary) in the background and
     # `wait` follows it and brings back the log, summary, step logs and packed prepared data
