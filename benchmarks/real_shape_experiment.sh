@@ -9,13 +9,15 @@
 #   bash benchmarks/real_shape_experiment.sh setup          # GPU: wheels into /tmp/site
 #   bash benchmarks/real_shape_experiment.sh run ARCH [override ...]
 #        # ARCH = gpt-oss-20b | llama-3.1-8b. In $WORK/ARCH: prepare (regeneration of the prompts by the target,
-#        # capped), cache (bf16), train on the cache, export, check; then train with online features on the
-#        # same prepared data in $WORK/ARCH-online; the cache again in fp8 in $WORK/ARCH-fp8 (bytes per
-#        # token); last eval (target in float32 on a GPU: see below). Stages already done are reused (a call
-#        # may stop at its time limit and the next call continues). Overrides apply to every stage.
+#        # capped), cache (bf16), train on the cache, export, check, eval (target in float32 on a GPU: see
+#        # below); then train with online features on the same prepared data in $WORK/ARCH-online; the cache
+#        # again in fp8 in $WORK/ARCH-fp8 (bytes per token). Stages already done are reused (a call may stop
+#        # at its time limit and the next call continues). Overrides apply to every stage. Feature shards and
+#        # the throughput-only drafters are deleted once used (the disk: see `run`; KEEP_FEATURES=1 keeps them)
 #   bash benchmarks/real_shape_experiment.sh online-n ARCH N [override ...]
 #        # after `run ARCH`: the online trainer at micro-batches of ~N prepared tokens ($WORK/ARCH-online-N)
 #        # beside benchmarks/train_step.py's drafter-only step of the same drafter, micro-batch and sequences
+#        # (or with PREPARED=OUT.tar.xz of `pack`, on a fresh machine without `run`)
 #   bash benchmarks/real_shape_experiment.sh attn-check ARCH [OUT.json]
 #        # does transformers' flex_attention give the target's eager features? benchmarks/target_forward.py in
 #        # float32 on one row of 3,439 random tokens, eager against flex_attention on the same weights (and eager
@@ -55,6 +57,21 @@ cfg = load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith('--'
 print($expr)" "$@"
 }
 
+drop() {  # DIR: a feature cache's shards (its manifests stay) or a drafter folder, unless KEEP_FEATURES=1
+  [ "${KEEP_FEATURES:-0}" = 1 ] && return 0
+  if [ "$(basename "$1")" = features ]; then find "$1" -type f ! -name manifest.json -delete 2>/dev/null || true
+  else rm -rf "$1"; fi
+  echo "dropped $1 ($(df -h --output=avail "$WORK" | tail -n 1 | tr -d ' ') free)"
+}
+
+unpack() {  # RUN_DIR: with PREPARED=OUT.tar.xz (packed by `pack` on an earlier machine), its prepared data, checksum
+  # verified first, unless RUN_DIR holds prepared data already
+  if [ -n "${PREPARED:-}" ] && [ ! -f "$1/data/meta.json" ]; then
+    (cd "$(dirname "$PREPARED")" && sha256sum -c "$(basename "$PREPARED").sha256")
+    mkdir -p "$1" && tar -C "$1" -xJf "$PREPARED" && echo "prepared data unpacked from $PREPARED"
+  fi
+}
+
 arch_overrides() {  # ARCH -> the recipe and the overrides that make it run here (printed one per line)
   local tiny=""; [ "${TINY:-0}" = 1 ] && tiny="-tiny"
   case "$1" in
@@ -90,28 +107,31 @@ case "${1:?step}" in
     arch=${2:?arch}; shift 2
     mapfile -t A < <(arch_overrides "$arch")
     d="$WORK/$arch"
-    if [ -n "${PREPARED:-}" ] && [ ! -f "$d/data/meta.json" ]; then  # packed by `pack` on an earlier machine
-      (cd "$(dirname "$PREPARED")" && sha256sum -c "$(basename "$PREPARED").sha256")
-      mkdir -p "$d" && tar -C "$d" -xJf "$PREPARED" && echo "prepared data unpacked from $PREPARED"
-    fi
-    # stage by stage (each reuses what an earlier call finished), the check and the online and fp8 runs before
-    # eval, so a failing eval (or a call's time limit) costs the least; eval runs the target in float32 on a GPU:
-    # a random-weight target's logits are near ties that bf16 rounding flips between the speculative and the
-    # target-alone paths (docs/real_shapes.md), which would fail the lossless check for no fault of the drafter
+    unpack "$d"
+    # stage by stage (each reuses what an earlier call finished); eval runs the target in float32 on a GPU: a
+    # random-weight target's logits are near ties that bf16 rounding flips between the speculative and the
+    # target-alone paths (docs/real_shapes.md), which would fail the lossless check for no fault of the drafter.
+    # The GPU machine's disk (64 GiB) holds one 20B-shaped cache, not a cache, its fp8 copy and five fp32
+    # drafters of 4-8 GB: each cache's shards are deleted once its consumer is done (the manifests stay: bytes
+    # per token), and so is the online run's drafter (its step times are the result); KEEP_FEATURES=1 keeps all
     read -r -a P <<< "${PREPARE_OVERRIDES:-}"  # prepare's own (after the others, so they win), e.g. the default
     # attention kernel for the regeneration while the feature forwards run on flex_attention (`plan`)
     bash "$0" prepare "$arch" "$@" "${P[@]}"
-    for stage in cache train export; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
+    for stage in cache train; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
+    drop "$d/features"
+    cli export "${A[@]}" "output_dir=$d" train.features=cache "$@"
     cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
       > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
+    ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
+    cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}"
     o="$WORK/$arch-online"  # the same prepared data, features computed by the target inside the training loop
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
     cli train "${A[@]}" "output_dir=$o" train.features=online "$@"
+    drop "$o/drafter"
     f="$WORK/$arch-fp8"  # the same features stored in fp8 (data.cache_dtype): its bytes per token
     mkdir -p "$f" && { [ -d "$f/data" ] || cp -r "$d/data" "$f/"; }
     cli cache "${A[@]}" "output_dir=$f" train.features=cache data.cache_dtype=fp8 "$@"
-    ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
-    cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}" ;;
+    drop "$f/features" ;;
   prepare)  # ARCH [override ...]: the prepare stage of `run` alone, e.g. with regen.enabled=false
     # data.path=.gpu/sharegpt_answers.json (ShareGPT's own answers, no regeneration) before `online-n`
     arch=${2:?arch}; shift 2
@@ -124,6 +144,7 @@ case "${1:?step}" in
     arch=${2:?arch}; n=${3:?tokens}; shift 3
     mapfile -t A < <(arch_overrides "$arch")
     d="$WORK/$arch"; o="$WORK/$arch-online-$n"
+    unpack "$d"  # PREPARED: online-n alone on a fresh machine
     m=$(py - "$d" "$n" <<'PY'
 import sys
 from pathlib import Path
@@ -135,6 +156,7 @@ PY
     echo "online-n $arch N=$n: micro-batch $m sequences"
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
     cli train "${A[@]}" "output_dir=$o" train.features=online "train.micro_batch_size=$m" train.max_steps=30 "$@"
+    drop "$o/drafter"  # the step times are the result
     read -r k s ckpt <<< "$(recipe "cfg.train.K, cfg.train.partitions, int(cfg.train.activation_checkpointing)" \
       "${A[@]}" "$@" | tr -d "(),'")"
     fl=(); [ "$ckpt" = 1 ] && fl=(--checkpointing)
@@ -212,7 +234,8 @@ PY
           || echo "plan: FAILED: ${S[*]}"
         bash "$0" summary "$WORK/summary.json" "${done_arches[@]}" > /dev/null || echo "plan: summary FAILED"
       done
-      find "$WORK" -path "$WORK/$arch*/features/*" -type f ! -name manifest.json -delete
+      find "$WORK" -path "$WORK/$arch*/features/*" -type f ! -name manifest.json -delete  # (a failed step's too)
+      rm -rf "$WORK/$arch"*/drafter  # the export stays
     done
     echo "plan: finished ($(date -u +%T))" ;;
   lease)  # ARCH [ARCH ...]: `plan` in the background, from a copy of the repository (the device machine's copy of the

@@ -518,6 +518,9 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     assert {p.name for p in back.iterdir()} == {"plan.log", "summary.json", "logs.tar.xz", "llama-3.1-8b-prepared.tar.xz",
                                                 "llama-3.1-8b-prepared.tar.xz.sha256"}
     assert not [p for p in work.glob("llama-3.1-8b*/features/*/*") if p.name != "manifest.json"]  # shards deleted
+    # the disk of a GPU machine: the fp32 drafters are deleted too, the export stays
+    assert (work / "llama-3.1-8b" / "export").is_dir() and not list(work.glob("llama-3.1-8b*/drafter"))
+    assert "dropped " in log
     packed = back / "llama-3.1-8b-prepared.tar.xz"
     runs = json.loads((back / "summary.json").read_text())["runs"]["llama-3.1-8b"]
     assert runs["llama-3.1-8b-online-800"]["trainer"]["tokens_per_s"] > 0  # online-n: the trainer ...
@@ -532,6 +535,12 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
                            text=True, timeout=900)
     assert again.returncode == 0 and "prepared data unpacked" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     assert "prepare: reused (data/meta.json exists)" in again.stdout and "check: passed" in again.stdout
+    # online-n alone on a fresh machine: from the pack too
+    env4 = {**env, "WORK": str(tmp_path / "work4"), "PREPARED": str(packed)}
+    alone = subprocess.run(["bash", script, "online-n", "llama-3.1-8b", "800"], cwd=ROOT, env=env4, capture_output=True,
+                           text=True, timeout=900)
+    assert alone.returncode == 0 and "prepared data unpacked" in alone.stdout, alone.stdout[-2000:] + alone.stderr[-2000:]
+    assert (tmp_path / "work4" / "bench-llama-3.1-8b-800.json").is_file()
     with packed.open("ab") as f:
         f.write(b"x")
     env3 = {**env2, "WORK": str(tmp_path / "work3")}
