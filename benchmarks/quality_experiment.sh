@@ -11,6 +11,11 @@
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
 #   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
+#   bash benchmarks/quality_experiment.sh leg MIN    # instead of train: both drafters MIN more minutes of one long run
+#                                                    # (portable state in $WORK/state, docs/resume.md), curve JSONs
+#   bash benchmarks/quality_experiment.sh state-out I   # batch I of that state to $OUT (one call's 64 MiB)
+#   bash benchmarks/quality_experiment.sh ferry-groups SRC DEST   # CPU side: batches gathered in SRC -> carry groups
+#   bash benchmarks/quality_experiment.sh state-in   # a fresh machine: the carried .ferry/b*/ into $WORK/state
 #
 # Inputs expected in the working tree (ignored folders carried to the device):
 #   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216)
@@ -49,6 +54,25 @@ PY
 }
 share_prepared() {  # $1/data: a copy of the prepared data another output_dir trains on (not the regen shards)
   mkdir -p "$1/data" && for f in "${PREPARED[@]:1}"; do cp "$WORK/$f" "$1/data/"; done
+}
+outdir() {  # RECIPE -> its output_dir
+  python3 -c "import yaml, sys; print(yaml.safe_load(open(sys.argv[1]))['output_dir'])" "$1"
+}
+batches() {  # DIR I OUT: batch I of DIR's files (benchmarks/ferry.py: <= 8 files, <= 62 MiB) copied to OUT
+  python3 - "$@" <<'PY'
+import shutil, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from ferry import plan
+src, i, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+groups = plan(sorted(p for p in src.iterdir() if p.is_file()))
+if not 0 <= i < len(groups):
+    sys.exit(f"state-out: batch {i} does not exist: {src} makes {len(groups)} batches (0..{len(groups) - 1})")
+out.mkdir(parents=True, exist_ok=True)
+for f in groups[i]:
+    shutil.copy2(f, out / f.name)
+print(f"state-out: batch {i} of {len(groups)} (0..{len(groups) - 1}): {', '.join(f.name for f in groups[i])}")
+PY
 }
 train_sequences() {  # training sequences of the prepared data on this disk
   python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['splits']['train']['sequences'])" \
@@ -198,6 +222,60 @@ PY
     wait
     python3 benchmarks/ablation_report.py "$WORK/ablate" "$RESULTS/ablation.json" --minutes "$minutes" --per-gpu "$per_gpu"
     ship ablation.json ablation.md ;;
+  leg)  # MINUTES: each drafter trains MINUTES more of one long run, resumed from its portable state when there
+    # is one ($WORK/state/NAME.pst, from an earlier leg on this machine or carried in by `state-in`), writing it
+    # again at the end in pieces of 15 MiB (train.state_part_mib: what `state-out` can ship). The run's whole
+    # time is train.max_minutes over all legs (the recipe's, or EXTRA_OVERRIDES="train.max_minutes=60"); its
+    # time schedule anneals over all of them; the leg that spends it ends the run, and the drafter is exported.
+    # Per drafter $RESULTS/NAME-curve.json (benchmarks/run_curve.py: eval AL(K=7), GPU-minutes, tokens seen).
+    m=${2:?minutes of this leg per drafter}
+    mkdir -p "$WORK/state"
+    ngpu=$(ngpus)
+    i=0
+    for R in "$P" "$E"; do
+      name=$(basename "$R" .yaml); st="$WORK/state/$name.pst"
+      d="$WORK/$(basename "$(outdir "$R")")"; [ -d "$d/data" ] || share_prepared "$d"
+      in=(); [ -f "$st" ] && in=("train.state_in=$st")
+      gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
+      ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" "output_dir=$d" "train.state_out=$st" \
+          train.state_part_mib=15 "${in[@]}" --stop-after "$m" --quiet > "$RESULTS/$name-leg.json" 2> "$WORK/$name-leg.err" \
+        && { [ ! -f "$d/train_metrics.json" ] || CUDA_VISIBLE_DEVICES=$gpu cli export "$R" "${OVR[@]}" "output_dir=$d" \
+             --quiet > /dev/null 2>> "$WORK/$name-leg.err"; } \
+        || echo "leg of $name failed: $(tail -n 3 "$WORK/$name-leg.err" | cut -c1-300)" ) &
+      [ "$ngpu" -gt 1 ] || wait
+    done
+    wait
+    for R in "$P" "$E"; do
+      name=$(basename "$R" .yaml); d="$WORK/$(basename "$(outdir "$R")")"
+      python3 benchmarks/run_curve.py "$d" "$RESULTS/$name-curve.json" || true
+      [ -f "$d/train_metrics.json" ] && echo "$name: the run is finished and exported ($d/export)"
+    done
+    ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json ;;
+  state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 15 MiB pieces) to $OUT, at most
+    # 8 files and 62 MiB a batch (what one device call brings back); prints how many batches there are. On the
+    # CPU side, gather the batches in one folder, then `ferry-groups` it for the next machine
+    batches "$WORK/state" "${2:?batch index}" "${OUT:?set OUT}" ;;
+  ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ... of the same size limits, each
+    # one carry of a device call (carry DEST/bI, then `state-in`)
+    python3 - "${2:?src}" "${3:?dest}" <<'PY'
+import shutil, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from ferry import plan
+src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+groups = plan(sorted(p for p in src.iterdir() if p.is_file()))
+for i, g in enumerate(groups):
+    (dest / f"b{i}").mkdir(parents=True, exist_ok=True)
+    for f in g:
+        shutil.copy2(f, dest / f"b{i}" / f.name)
+print(f"ferry-groups: {len(groups)} groups in {dest}")
+PY
+    ;;
+  state-in)  # the carried groups (FERRY/b*/, default .ferry, from `ferry-groups`) into $WORK/state; the state is checked (sha256 of
+    # every piece) when a leg loads it, so a missing or damaged piece is named there
+    mkdir -p "$WORK/state"
+    n=0; for f in "${FERRY:-.ferry}"/b*/*; do [ -f "$f" ] || continue; cp "$f" "$WORK/state/"; n=$((n + 1)); done
+    echo "state-in: $n files in $WORK/state ($(du -sh "$WORK/state" | cut -f1))" ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -5,6 +5,7 @@ Usage::
     peagle-train run recipes/smollm2-135m.yaml [section.key=value ...] [--overwrite]
     peagle-train {prepare,cache,train,export,eval} RECIPE [overrides ...]
     peagle-train train RECIPE train.state_in=S0.pst train.state_out=S1.pst --stop-at 800   # docs/resume.md
+    peagle-train train RECIPE train.state_in=S1.pst train.state_out=S2.pst --stop-after 25  # minutes
     peagle-train prepare RECIPE --regen-worker 0/2   # + 1/2 on another GPU, then a plain prepare
     peagle-train check EXPORT_DIR [--target TARGET_DIR_OR_CONFIG] [--num-speculative-tokens K]
     peagle-train push EXPORT_DIR REPO_ID [--public] [--dry-run]
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--stop-at", metavar="STEP", type=int, default=None,
                            help="checkpoint (and write train.state_out) after optimizer step STEP and exit; the next "
                                 "launch continues the run (a job under a time limit; docs/resume.md)")
+            s.add_argument("--stop-after", metavar="MINUTES", type=float, default=None,
+                           help="the same after the first optimizer step that ends MINUTES wall minutes after this "
+                                "launch's first step began (loading before and saving after are not counted)")
         if name == "prepare":
             s.add_argument("--regen-worker", metavar="RANK/WORLD", default=None,
                            help="data-parallel regeneration: write only shards i %% WORLD == RANK, then exit "
@@ -84,7 +88,10 @@ def _stage(args) -> object:
     if args.command == "cache":
         return str(stages.run_cache(cfg, progress))
     if args.command == "train":
-        m = stages.run_train(cfg, progress, stop_at=args.stop_at)  # the trainer with the stage's start/end lines
+        if args.stop_after is not None and not args.stop_after > 0:
+            raise ConfigError(f"--stop-after {args.stop_after}: give the minutes of this launch, a number > 0")
+        m = stages.run_train(cfg, progress, stop_at=args.stop_at,  # the trainer with the stage's start/end lines
+                             stop_after_minutes=args.stop_after)
         return {k: v for k, v in m.items() if k != "history"}
     if args.command == "export":
         return str(stages.run_export(cfg, progress))

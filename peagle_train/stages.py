@@ -562,8 +562,10 @@ def run_eval(cfg: RunConfig, progress: bool = True) -> dict:
 
 
 @stage_lines("train")
-def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None) -> dict:
-    """The train stage with its start and end lines: :func:`peagle_train.trainer.trainer.run_train`.
+def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
+              stop_after_minutes: float | None = None) -> dict:
+    """The train stage with its start and end lines: :func:`peagle_train.trainer.trainer.run_train`
+    (``stop_at`` / ``stop_after_minutes``: a launch that stops early, see there).
 
     A run that already finished (``train_metrics.json`` and ``drafter/config.json``, no
     ``stop_at``) is not trained again; it is reported by the stage's end line, ``train: reused
@@ -583,7 +585,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
         steps = json.loads((out / "train_metrics.json").read_text()).get("steps")
         _reused(f"{out} already holds a finished run of {steps} steps: train_metrics.json and drafter/; "
                 "delete train_metrics.json or pass --overwrite to train again")
-    result = train(cfg, progress and not finished, stop_at)
+    result = train(cfg, progress and not finished, stop_at, stop_after_minutes)
     if not finished:
         predicted = result.get("predicted_peak") or {}
         _stage_fields(predicted_peak_bytes=predicted.get("bytes"),

@@ -556,27 +556,45 @@ class Trainer(InTrainingEval, Checkpoints):
         write_text_atomic(path, "".join(json.dumps(finite_or_none(h)) + "\n" for h in self.history))
         return path.open("a")
 
-    def fit(self, progress: bool = True, stop_at: int | None = None) -> dict | None:
+    def fit(self, progress: bool = True, stop_at: int | None = None,
+            stop_after_minutes: float | None = None) -> dict | None:
         """Train to ``total_steps``; with ``stop_at``, checkpoint and return ``None`` at that step
-        (a planned interruption: the schedule still targets ``total_steps``). Python's garbage collector
-        runs as ``train.gc_every`` says (:mod:`peagle_train.core.gc_control`): its full collections only
-        between steps.
+        (a planned interruption: the schedule still targets ``total_steps``); with ``stop_after_minutes``,
+        the same after the first step that ends at least that many minutes after this launch's first step
+        began (:meth:`_launch_over`: a job's time limit; loading before and saving after are not counted).
+        Python's garbage collector runs as ``train.gc_every`` says (:mod:`peagle_train.core.gc_control`):
+        its full collections only between steps.
 
         Raises:
             SkippedStepsError: more than ``train.max_skipped_steps`` skipped steps in the run
                 (:meth:`_check_skipped`); the last checkpoint is left as it was.
         """
         with manual_collection(self.tc.gc_every):
-            return self._fit(progress, stop_at)
+            return self._fit(progress, stop_at, stop_after_minutes=stop_after_minutes)
 
-    def _fit(self, progress: bool, stop_at: int | None) -> dict | None:
+    def _launch_over(self, t_launch: float, minutes: float | None) -> bool:
+        """Whether this launch has trained ``minutes`` (wall minutes since its first step began), the same
+        answer on every rank: one process reads its clock; several take the ranks' maximum through one
+        collective, on steps that are a multiple of ``train.log_every`` only (the collective waits for
+        the queued work, so not after every step). False when ``minutes`` is None."""
+        if minutes is None:
+            return False
+        over = time.perf_counter() - t_launch >= 60 * minutes
+        if self.acc.num_processes == 1:
+            return over
+        if self.step % self.tc.log_every:
+            return False
+        return bool(self.acc.reduce(torch.tensor([float(over)], device=self.device), reduction="max").item())
+
+    def _fit(self, progress: bool, stop_at: int | None, stop_after_minutes: float | None = None) -> dict | None:
         from tqdm import tqdm
 
         self.acc.init_trackers("peagle_train", init_kwargs={"wandb": {
             "dir": str(self.out / "logs"), "name": self.out.name, "config": self.cfg.model_dump(mode="json")}})
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train[{self.tc.method}]",
                    disable=not (progress and self.acc.is_local_main_process))
-        t_start = time.perf_counter() - self.elapsed_before
+        t_launch = time.perf_counter()
+        t_start = t_launch - self.elapsed_before
         step_log = self._open_step_log()
         profiler = StepProfiler(self.tc.profile_steps if self.acc.is_main_process else 0, self.tc.profile_start,
                                 self.out / "logs" / "profile.json")
@@ -612,7 +630,10 @@ class Trainer(InTrainingEval, Checkpoints):
                 step_log.flush()
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
-            if stop_at is not None and self.step >= stop_at:
+            if (stop_at is not None and self.step >= stop_at) or self._launch_over(t_launch, stop_after_minutes):
+                if stop_at is None or self.step < stop_at:
+                    self.acc.print(f"train: stopped after {stop_after_minutes} minutes of this launch at step "
+                                   f"{self.step} of {self.total_steps}; the next launch continues the run")
                 if step_log is not None:
                     step_log.close()
                 self._stop_prefetch()
@@ -633,10 +654,13 @@ class Trainer(InTrainingEval, Checkpoints):
         return final
 
 
-def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None) -> dict:
+def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
+              stop_after_minutes: float | None = None) -> dict:
     """The ``train`` stage: features (cache or online) → drafter → ``<output_dir>/drafter``.
 
-    ``stop_at``: checkpoint and return after that optimizer step (resume later by calling again).
+    ``stop_at``: checkpoint and return after that optimizer step (resume later by calling again);
+    ``stop_after_minutes``: the same after this launch's first step that ends that many wall minutes
+    after its first step began (:meth:`Trainer.fit`); either returns ``{"stopped_at": step, ...}``.
     Under a multi-process launch every rank calls this (see ``launch/README.md``).
 
     A run that already finished (``train_metrics.json`` and a complete ``drafter/``) is not
@@ -683,7 +707,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None)
         dump_config(cfg, out / "resolved_config.yaml")
     trainer.resume()
     t0 = time.perf_counter()
-    final = trainer.fit(progress=progress, stop_at=stop_at)
+    final = trainer.fit(progress=progress, stop_at=stop_at, stop_after_minutes=stop_after_minutes)
     if final is None:
         return {"stopped_at": trainer.step, "history": trainer.history, "predicted_peak": trainer.predicted_peak}
     trainer.save_drafter()

@@ -187,3 +187,31 @@ def test_cli_chain_of_two_launches(runs, capsys):
     assert f"resumed from {a / 'checkpoints' / 'step-00000002'} (step 2)" in capsys.readouterr().out
     run_train(_cfg_at(run_dir, a, state_in=str(s2)), progress=False, stop_at=5)
     assert f"resumed from portable state {s2} (step 4" in capsys.readouterr().out
+
+
+def test_cli_stop_after_minutes(runs, capsys):
+    """`peagle-train train ... --stop-after MINUTES`: a launch that has trained that long checkpoints, writes
+    train.state_out and exits (here: the first step outlasts 1e-6 minutes); the next launch, in a fresh folder,
+    continues from the state to the end, with the uninterrupted run's losses (fp32 moments). A limit that is
+    not a positive number of minutes is refused before anything runs."""
+    from peagle_train.cli import main
+    from peagle_train.recipe import dump_config
+
+    run_dir, straight, _ = runs
+    recipe = run_dir / "recipe-stop-after.yaml"
+    a = _fresh(run_dir, "after_a")
+    dump_config(_cfg_at(run_dir, a), recipe)
+    s1 = run_dir / "after-1.pst"
+    assert main(["train", str(recipe), f"train.state_out={s1}", "train.state_moments=fp32", "--stop-after", "1e-6",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped after 1e-06 minutes of this launch at step 1 of" in out and ps.peek_step(s1) == 1
+    assert not (a / "train_metrics.json").exists()  # not finished: the next launch continues
+    b = _fresh(run_dir, "after_b")
+    assert main(["train", str(recipe), f"output_dir={b}", f"train.state_in={s1}", "train.state_moments=fp32",
+                 "--stop-after", "60", "--quiet"]) == 0
+    done = json.loads((b / "train_metrics.json").read_text())
+    assert done["steps"] == len(straight)
+    assert [h["loss"] for h in done["history"]] == pytest.approx([h["loss"] for h in straight], rel=1e-6, abs=1e-7)
+    assert main(["train", str(recipe), "--stop-after", "0", "--quiet"]) == 2
+    assert "--stop-after 0.0: give the minutes of this launch" in capsys.readouterr().err

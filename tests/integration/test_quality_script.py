@@ -1,9 +1,9 @@
-"""``benchmarks/quality_experiment.sh ablate``: variant parsing, GPU waves, resume and summary.
+"""``benchmarks/quality_experiment.sh``: ``ablate`` (variant parsing, GPU waves, resume and summary) and ``leg``
+/ ``state-out`` / ``ferry-groups`` / ``state-in`` (one long run in legs, its state ferried between machines).
 
-The training command is replaced by a fake (``PEAGLE_CLI``) that records its arguments and writes a
-``train_metrics.json`` as the real ``train`` does, so the shell logic runs in seconds on CPU. The
-fourth session's device run lost its ablation to a quoting bug this test catches (the default
-variant list was one word).
+The training command is replaced by a fake (``PEAGLE_CLI``) that records its arguments and writes what
+the real ``train`` writes, so the shell logic runs in seconds on CPU. The fourth session's device run
+lost its ablation to a quoting bug this test catches (the default variant list was one word).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "quality_experiment.sh"
 
-FAKE_CLI = r'''#!{python}
+#: the fakes' common start: arguments, overrides, output_dir, one line per call in FAKE_LOG
+FAKE_HEAD = r'''#!{python}
 import json, os, sys, time
 from pathlib import Path
 args = sys.argv[1:]
@@ -29,6 +30,9 @@ out = Path(over["output_dir"])
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({{"args": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
                          "start": time.time()}}) + "\n")
+'''
+
+FAKE_CLI = FAKE_HEAD + r'''
 if out.name == "{fail}":
     print("boom: no GPU memory left", file=sys.stderr)
     sys.exit(3)
@@ -170,3 +174,138 @@ def test_ablation_report_bad_files_become_error_rows(tmp_path):
     assert ablation_report.shared_eval_steps([rows["v1"]]) == []
     with pytest.raises(FileNotFoundError, match="no ablation folder"):
         ablation_report.summarize(tmp_path / "nope")
+
+
+# -- leg / state-out / ferry-groups / state-in: one long run per drafter in legs on machines lent for a short
+# time, its portable state brought back in batches a device call can carry. The fake does what the real
+# train does at the seams the script relies on (tested for real in test_portable_state.py): --stop-after
+# ends a leg, the state is written to train.state_out as a manifest and pieces, train.state_in continues
+# from it, the whole history is in logs/steps.jsonl, and the run ends (train_metrics.json) once its time
+# is spent.
+
+FAKE_LEGS = FAKE_HEAD + r'''
+if args[0] == "export":
+    (out / "export").mkdir(parents=True, exist_ok=True)
+    sys.exit(0)
+assert args[0] == "train" and "--stop-after" in args
+history = []
+if "train.state_in" in over:
+    man = json.loads(Path(over["train.state_in"]).read_text())
+    for p in man["parts"]:  # as the real loader: every piece must be there
+        assert (Path(over["train.state_in"]).parent / p).is_file(), p
+    history = man["history"]
+step0 = len(history)
+for s in range(step0 + 1, step0 + 6):  # a leg: 5 steps, an evaluation every 5, 100 tokens a step, 6 s a step
+    rec = {{"step": s, "loss": 10.0 - s, "tokens": 100, "elapsed_s": 6.0 * s}}
+    if s % 5 == 0:
+        rec.update({{"eval_loss": 5.0 - s / 10, "eval_walk_al": {{"7": 1.0 + s / 10}}, "eval_sim_al": {{"7": 1.1 + s / 10}}}})
+    history.append(rec)
+(out / "logs").mkdir(parents=True, exist_ok=True)
+(out / "logs" / "steps.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+st = Path(over["train.state_out"])
+parts = [f"{{st.name}}.abcd{{len(history)}}.part{{i}}" for i in range(5)]  # 5 pieces of 1 KiB
+for p in st.parent.glob(st.name + ".*.part*"):
+    p.unlink()
+for p in parts:
+    (st.parent / p).write_bytes(os.urandom(1024))
+st.write_text(json.dumps({{"parts": parts, "history": history}}))
+(out / "logs" / "state_out.json").write_text(json.dumps({{"path": str(st), "step": len(history), "parts": parts}}))
+if len(history) >= 10:  # the run's time is spent: it ends
+    (out / "train_metrics.json").write_text(json.dumps({{"steps": len(history), "history": history}}))
+print(json.dumps({{"stopped_at": len(history)}}))
+'''
+
+
+def _machine(tmp_path: Path, name: str, fake: Path) -> dict:
+    """A fresh machine: its WORK holds the prepared data only."""
+    work = tmp_path / name
+    data = work / "peagle" / "data"
+    data.mkdir(parents=True)
+    for f in ("train.safetensors", "eval.safetensors", "eval_prompts.json", "meta.json"):
+        (data / f).write_text("{}")
+    env = os.environ | {"WORK": str(work), "PEAGLE_CLI": str(fake), "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+                        "NGPU": "1", "FERRY": str(tmp_path / "ferry")}
+    env.pop("OUT", None)
+    return env
+
+
+def _step(env: dict, *step: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *step], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _trains(tmp_path: Path) -> list[dict]:
+    calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    return [dict(a.split("=", 1) for a in c if "=" in a) | {"_args": c} for c in calls if c[0] == "train"]
+
+
+def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_LEGS.format(python=sys.executable))
+    fake.chmod(0o755)
+    one = _machine(tmp_path, "one", fake)
+    r = _step(one, "leg", "0.5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = _trains(tmp_path)
+    assert [Path(c["output_dir"]).name for c in first] == ["peagle", "eagle3"]
+    for c, name in zip(first, ("smollm2-135m-peagle-gpu", "smollm2-135m-eagle3-gpu")):
+        assert c["train.state_out"] == str(tmp_path / "one" / "state" / f"{name}.pst") and "train.state_in" not in c
+        assert c["train.state_part_mib"] == "15" and c["_args"][-3:] == ["--stop-after", "0.5", "--quiet"]
+    assert (tmp_path / "one" / "eagle3" / "data" / "meta.json").is_file()  # the baseline trains on the same data
+    curve = json.loads((tmp_path / "one" / "results" / "smollm2-135m-peagle-gpu-curve.json").read_text())
+    assert (curve["steps"], curve["gpu_minutes"], curve["tokens_seen"], curve["finished"]) == (5, 0.5, 500, False)
+    assert curve["curve"] == [{"step": 5, "gpu_minutes": 0.5, "tokens_seen": 500, "eval_loss": 4.5, "walk_al": 1.5,
+                               "sim_al": 1.6}]
+    # back from the machine: 2 states x (manifest + 5 pieces) = 12 files, 8 a call
+    back = tmp_path / "back"
+    for i in (0, 1):
+        r = _step(one | {"OUT": str(back / str(i))}, "state-out", str(i))
+        assert r.returncode == 0 and f"batch {i} of 2" in r.stdout, r.stdout + r.stderr
+    assert [len(list((back / str(i)).iterdir())) for i in (0, 1)] == [8, 4]
+    r = _step(one | {"OUT": str(back / "2")}, "state-out", "2")
+    assert r.returncode != 0 and "batch 2 does not exist" in r.stderr and "2 batches" in r.stderr
+    gathered = tmp_path / "gathered"
+    gathered.mkdir()
+    for f in back.glob("*/*"):
+        shutil.copy2(f, gathered / f.name)
+    r = _step(one, "ferry-groups", str(gathered), str(tmp_path / "ferry"))
+    assert r.returncode == 0 and "2 groups" in r.stdout, r.stdout + r.stderr
+    # a fresh machine: the carried groups, then the second leg continues both runs, which end and are exported
+    two = _machine(tmp_path, "two", fake)
+    r = _step(two, "state-in")
+    assert r.returncode == 0 and "state-in: 12 files" in r.stdout, r.stdout + r.stderr
+    r = _step(two, "leg", "0.5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    second = _trains(tmp_path)[2:]
+    assert [c["train.state_in"] for c in second] == [c["train.state_out"] for c in second]
+    assert all(str(tmp_path / "two") in c["train.state_in"] for c in second)
+    assert "smollm2-135m-peagle-gpu: the run is finished and exported" in r.stdout
+    assert (tmp_path / "two" / "peagle" / "export").is_dir() and (tmp_path / "two" / "eagle3" / "export").is_dir()
+    curve = json.loads((tmp_path / "two" / "results" / "smollm2-135m-eagle3-gpu-curve.json").read_text())
+    assert (curve["steps"], curve["gpu_minutes"], curve["tokens_seen"], curve["finished"]) == (10, 1.0, 1000, True)
+    assert [c["step"] for c in curve["curve"]] == [5, 10] and curve["curve"][-1]["walk_al"] == 2.0
+
+
+def test_ferry_plan_limits(tmp_path):
+    """benchmarks/ferry.py: consecutive groups within the file count and byte limits; a file too large for one
+    call is refused with its name and the key that splits the state."""
+    import ferry  # benchmarks/ is on sys.path (conftest)
+
+    files = []
+    for i, n in enumerate([10, 10, 10, 25, 5, 5]):
+        f = tmp_path / f"f{i}"
+        f.write_bytes(b"x" * n)
+        files.append(f)
+    groups = ferry.plan(files, max_files=3, max_file_bytes=30, max_group_bytes=30)
+    assert [[f.name for f in g] for g in groups] == [["f0", "f1", "f2"], ["f3", "f4"], ["f5"]]
+    assert ferry.plan([]) == []
+    with pytest.raises(ValueError, match="f3: .* train.state_part_mib=15"):
+        ferry.plan(files, max_file_bytes=20)
+
+
+def test_run_curve_without_a_step_log_names_the_folder(tmp_path):
+    import run_curve  # benchmarks/ is on sys.path (conftest)
+
+    with pytest.raises(SystemExit, match=r"steps\.jsonl: no step log"):
+        run_curve.main([str(tmp_path / "never_trained"), str(tmp_path / "curve.json")])

@@ -152,7 +152,8 @@ def test_training_bar_labels_its_al_as_the_train_batch_simulation(capsys):
                                               save_every=0, profile_steps=0, profile_start=0, gc_every=None),
                            _log=lambda *a: None, evaluate=lambda: {"eval_sim_al": 1.5}, _stop_prefetch=lambda: None,
                            _open_step_log=lambda: None, save_state_out=lambda: None)
-    fake._fit = lambda progress, stop_at: Trainer._fit(fake, progress, stop_at)
+    fake._fit = lambda progress, stop_at, **kw: Trainer._fit(fake, progress, stop_at, **kw)
+    fake._launch_over = lambda t, minutes: Trainer._launch_over(fake, t, minutes)
     assert Trainer.fit(fake, progress=True) == {"eval_sim_al": 1.5}
     err = capsys.readouterr().err
     assert "sim_al(train)=1.64" in err and " al=" not in err and "loss=0.500" in err

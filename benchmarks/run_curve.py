@@ -1,0 +1,75 @@
+"""The learning curve of one training run that may span several launches (``--stop-after`` legs resumed
+from a portable state, docs/resume.md), from its run folder.
+
+    python benchmarks/run_curve.py RUN_DIR OUT.json [--K 7]
+
+Reads ``RUN_DIR/logs/steps.jsonl`` (the trainer writes the whole history there, the restored steps of
+earlier launches included) and ``RUN_DIR/logs/state_out.json`` (the last portable state written), and
+writes one JSON:
+
+* ``curve``: one row per in-training evaluation: ``step``, ``gpu_minutes`` (the run's training wall
+  time up to that step, summed over launches, in minutes: ``elapsed_s`` / 60; loading and saving are
+  not counted), ``tokens_seen`` (target tokens trained up to and including that step, all ranks),
+  ``eval_loss`` and, at ``--K``, ``walk_al`` (``eval_walk_al``: the reference loop's acceptance
+  length replayed on the eval split) and ``sim_al`` (``eval_sim_al``);
+* ``loss``: ``[step, gpu_minutes, loss]`` every ``--every`` steps (default 10) and the last step;
+* ``steps``, ``gpu_minutes``, ``tokens_seen`` of the run so far, and ``state``: the state_out record.
+
+Raises SystemExit naming the file when the run folder has no step log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def at_k(record: dict | None, k: int):
+    """``record[str(k)]`` (JSON keys) or ``record[k]``; None when absent."""
+    if not record:
+        return None
+    return record.get(str(k), record.get(k))
+
+
+def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
+    """The curve of ``run_dir`` (see the module docstring). Raises FileNotFoundError without a step log."""
+    log = run_dir / "logs" / "steps.jsonl"
+    history = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    seen, curve, loss = 0, [], []
+    for i, h in enumerate(history):
+        seen += int(h.get("tokens", 0))
+        minutes = round(float(h.get("elapsed_s", 0.0)) / 60, 4)
+        if "eval_loss" in h:
+            curve.append({"step": h["step"], "gpu_minutes": minutes, "tokens_seen": seen, "eval_loss": h["eval_loss"],
+                          "walk_al": at_k(h.get("eval_walk_al"), k), "sim_al": at_k(h.get("eval_sim_al"), k)})
+        if h["step"] % every == 0 or i == len(history) - 1:
+            loss.append([h["step"], minutes, h["loss"]])
+    state = run_dir / "logs" / "state_out.json"
+    last = history[-1] if history else {}
+    return {"run_dir": str(run_dir), "K": k, "steps": last.get("step", 0),
+            "gpu_minutes": round(float(last.get("elapsed_s", 0.0)) / 60, 4), "tokens_seen": seen,
+            "finished": (run_dir / "train_metrics.json").is_file(),
+            "state": json.loads(state.read_text()) if state.is_file() else None, "curve": curve, "loss": loss}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--K", type=int, default=7, help="the K whose acceptance lengths the curve holds (default 7)")
+    p.add_argument("--every", type=int, default=10, help="loss every N steps (default 10)")
+    a = p.parse_args(argv)
+    try:
+        res = run_curve(a.run_dir, a.K, a.every)
+    except FileNotFoundError as e:
+        sys.exit(f"run_curve: {e.filename}: no step log; give the output_dir of a run that trained")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1))
+    print(f"{a.run_dir.name}: step {res['steps']}, {res['gpu_minutes']:.2f} GPU-minutes, {res['tokens_seen']:,} tokens, "
+          f"last walk AL(K={a.K}) {res['curve'][-1]['walk_al'] if res['curve'] else None}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
