@@ -242,6 +242,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     """
     from data_prep.decontaminate import eval_overlap_screen
     from data_prep.sources import load_conversations, split_train_eval
+    from data_prep.loops import unsupervise_loop_tails
     from data_prep.template import TemplateError, tokenize_conversation
     from peagle_train.features.target import load_target, load_target_config
 
@@ -276,12 +277,20 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
         if cfg.regen.enabled:
             split, regen_report = _regenerate_sharded(target, split, cfg, out / "regen", name, progress)
         rows, dropped, reasoning_counts = [], 0, {}
+        loops = {"sequences": 0, "tokens_unsupervised": 0, "tokens_removed": 0} if cfg.data.loop_tail != "keep" else None
         for k, conv in enumerate(split):
             try:
                 r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong,
                                           supervise_reasoning=cfg.data.supervise_reasoning, report=reasoning_counts)
             except TemplateError as e:  # say which conversation, as the data files do (exit 2)
                 raise type(e)(f"{name} split, conversation {k}: {e}") from None
+            if r is not None and loops is not None:  # data.loop_tail: unsupervise
+                ids, mask, n_off = unsupervise_loop_tails(r["input_ids"], r["loss_mask"])
+                if n_off:
+                    loops["sequences"] += 1
+                    loops["tokens_unsupervised"] += n_off
+                    loops["tokens_removed"] += len(r["input_ids"]) - len(ids)
+                r = {**r, "input_ids": ids, "loss_mask": mask}
             if r is None or sum(r["loss_mask"]) == 0:
                 dropped += 1
                 continue
@@ -299,7 +308,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             "sequences": len(rows), "dropped_overlong_or_empty": dropped,
             "tokens": sum(lengths), "supervised_tokens": sum(sum(r["loss_mask"]) for r in rows),
             "median_length": lengths[len(lengths) // 2] if lengths else 0, "regeneration": regen_report,
-            "reasoning": reasoning_counts,
+            "reasoning": reasoning_counts, **({"loop_tails": loops} if loops is not None else {}),
         }
     meta["seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "meta.json", meta, default=str)  # written last: marks prepared data

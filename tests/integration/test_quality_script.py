@@ -309,3 +309,26 @@ def test_run_curve_without_a_step_log_names_the_folder(tmp_path):
 
     with pytest.raises(SystemExit, match=r"steps\.jsonl: no step log"):
         run_curve.main([str(tmp_path / "never_trained"), str(tmp_path / "curve.json")])
+
+
+def test_repetition_report_counts_copyable_tokens_by_answer_position(tmp_path):
+    """benchmarks/repetition_report.py: a looping answer's later tokens are copyable and its tail counts as a
+    loop, a prompt's tokens are never counted (the rule itself: tests/unit/test_loops.py)."""
+    import repetition_report as rr  # benchmarks/ is on sys.path (conftest)
+
+    from peagle_train.features.tokenized import save_tokenized
+
+    loop = list(range(100, 110)) * 30  # 300 tokens, a 10-token loop: all copyable from the 15th on (n = 4)
+    fresh = list(range(1000, 1300))  # 300 distinct tokens: none copyable
+    rows = [{"input_ids": [7, 7, 7, *loop], "loss_mask": [0, 0, 0, *[1] * 300]},
+            {"input_ids": [7, *fresh], "loss_mask": [0, *[1] * 300]}]
+    save_tokenized(rows, tmp_path / "data" / "eval.safetensors")
+    res = rr.main([str(tmp_path), "--out", str(tmp_path / "rep.json")])
+    ev = res["splits"]["eval"]
+    assert ev["sequences"] == 2 and ev["supervised_tokens"] == 600 and ev["looping_tail"] == 0.5
+    assert ev["copyable"] == pytest.approx((300 - 14) / 600, abs=1e-4)
+    assert ev["by_position"]["[0, 64)"] == {"tokens": 128, "copyable": pytest.approx(50 / 128, abs=1e-4)}
+    assert ev["by_position"]["[256, inf)"] == {"tokens": 88, "copyable": 0.5}
+    assert json.loads((tmp_path / "rep.json").read_text())["n"] == 4
+    with pytest.raises(SystemExit, match="holds no train.safetensors"):
+        rr.main([str(tmp_path / "nothing")])

@@ -1,0 +1,42 @@
+"""data_prep.loops: copyable tokens and the looping tails data.loop_tail takes out of the loss (pure rules,
+worked examples from the docstrings, edge cases)."""
+import pytest
+
+from data_prep.loops import copyable_flags, unsupervise_loop_tails
+
+
+def test_copyable_flags_worked_example_and_positions_per_span():
+    assert copyable_flags([9, 5, 6, 5, 6, 5, 6], [0, 1, 1, 1, 1, 1, 1], n=2) == [
+        (0, False), (1, False), (2, False), (3, False), (4, True), (5, True)]
+    assert [p for p, _ in copyable_flags([1, 2, 3, 4, 5], [1, 1, 0, 1, 1], n=1)] == [0, 1, 0, 1]
+    # the prompt counts as context: an answer repeating the prompt is copyable
+    assert [c for _, c in copyable_flags([1, 2, 3, 1, 2, 3], [0, 0, 0, 1, 1, 1], n=1)] == [False, True, True]
+    with pytest.raises(ValueError, match="one length"):
+        copyable_flags([1, 2], [1], n=2)
+    with pytest.raises(ValueError, match="n \\(0\\)"):
+        copyable_flags([1], [1], n=0)
+
+
+def test_unsupervise_loop_tails_worked_example():
+    ids, mask = [9, 1, 2, 1, 2, 1, 2, 1], [0, 1, 1, 1, 1, 1, 1, 1]
+    assert unsupervise_loop_tails(ids, mask, n=1, min_tail=4, fraction=0.9, keep=1) == ([9, 1, 2, 1, 2], [0, 1, 1, 1, 1], 3)
+    assert mask == [0, 1, 1, 1, 1, 1, 1, 1]  # inputs unchanged
+
+
+def test_an_earlier_turns_tail_stays_as_context_and_fresh_answers_are_untouched():
+    loop = [5, 6, 7] * 40  # 120 tokens, copyable from the 7th on (n = 4)
+    fresh = list(range(100, 200))
+    ids = [1] + loop + [2] + fresh
+    mask = [0] + [1] * len(loop) + [0] + [1] * len(fresh)
+    new_ids, new_mask, off = unsupervise_loop_tails(ids, mask)
+    assert new_ids == ids  # the later turn keeps its context, and nothing after the last supervised token
+    # copyable from the loop's 8th token on: 113 of 120 (94 %), so the whole answer is the looping tail
+    # (its first suffix >= 90 % copyable starts at 0); its first 32 tokens stay supervised
+    assert new_mask[1:1 + 32] == [1] * 32 and new_mask[1 + 32:1 + len(loop)] == [0] * (len(loop) - 32)
+    assert off == len(loop) - 32 and new_mask[-len(fresh):] == [1] * len(fresh)
+    same = unsupervise_loop_tails([1] + fresh, [0] + [1] * len(fresh))
+    assert same == ([1] + fresh, [0] + [1] * len(fresh), 0)
+    short = [5, 6, 7] * 10  # a loop shorter than min_tail (64): kept
+    assert unsupervise_loop_tails([1] + short, [0] + [1] * 30)[2] == 0
+    with pytest.raises(ValueError, match="fraction"):
+        unsupervise_loop_tails([1], [1], fraction=0)
