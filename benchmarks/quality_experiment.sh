@@ -40,7 +40,7 @@ cli() {  # PEAGLE_CLI: another executable with the same arguments (tests/integra
   if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; else python3 -m peagle_train.cli "$@"; fi
 }
 PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors
-          peagle/data/eval_prompts.json peagle/data/meta.json)
+          peagle/data/eval_prompts.json peagle/data/meta.json peagle/data/regen)  # regen: for data variants
 pack_prepared() {  # $RESULTS/prepared.tar.xz (+ .sha256) from $WORK/peagle's prepared data
   python3 - "$WORK" "$RESULTS/prepared.tar.xz" "${PREPARED[@]}" <<'PY'
 import sys, tarfile
@@ -51,9 +51,11 @@ with tarfile.open(dest, "w:xz") as t:
 PY
   (cd "$RESULTS" && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
   ls -l "$RESULTS/prepared.tar.xz"
+  [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le $((16 * 2**20)) ] \
+    || echo "prepared.tar.xz is larger than 16 MiB: it will not come back from a device call in one file" >&2
 }
 share_prepared() {  # $1/data: a copy of the prepared data another output_dir trains on (not the regen shards)
-  mkdir -p "$1/data" && for f in "${PREPARED[@]:1}"; do cp "$WORK/$f" "$1/data/"; done
+  mkdir -p "$1/data" && for f in "${PREPARED[@]:1:4}"; do cp "$WORK/$f" "$1/data/"; done
 }
 outdir() {  # RECIPE -> its output_dir
   python3 -c "import yaml, sys; print(yaml.safe_load(open(sys.argv[1]))['output_dir'])" "$1"
@@ -185,7 +187,8 @@ PY
          smollm2-135m-peagle-gpu-acceptance_by_position.png smollm2-135m-eagle3-gpu-acceptance_by_position.png \
          comparison.md comparison.png ;;
   ablate)  # P-EAGLE variants on the same prepared data (after prepare or restore), in waves
-    # ABLATE: space-separated "name=override,override" entries (name= alone: the recipe as is);
+    # ABLATE: space-separated "name=override,override" entries (name= alone: the recipe as is; a variant with a
+    # data.* override, e.g. loop=data.loop_tail=unsupervise, is prepared again from the regeneration shards);
     # ABLATE_MINUTES: each variant's train.max_minutes; ABLATE_PER_GPU: variants sharing one GPU at a
     # time (default 1: each variant has a GPU to itself for its minutes, so variants of different
     # waves and calls compare; six at once on two GPUs stalled in the fourth session). A variant with
@@ -212,7 +215,18 @@ PY
         else echo "ablation $name: finished earlier with other settings ($(cat "$d/variant.txt" 2>/dev/null)); not rerun: use another name"; fi
         continue
       fi
-      [ -d "$d/data" ] || share_prepared "$d"
+      if [[ ",${v#*=}" == *,data.* ]]; then  # a data variant (e.g. data.loop_tail=unsupervise): its own
+        # tokenisation of the same regenerated answers (prepare reuses the regeneration shards; no regeneration)
+        if [ ! -f "$d/data/meta.json" ]; then
+          [ -d "$WORK/peagle/data/regen" ] || { echo "ablation $name: a data variant needs the regeneration shards" \
+            "($WORK/peagle/data/regen: run prepare, or restore a pack that holds them); skipped"; continue; }
+          mkdir -p "$d/data" && { [ -d "$d/data/regen" ] || cp -r "$WORK/peagle/data/regen" "$d/data/"; }
+          cli prepare "$P" "${OVR[@]}" "output_dir=$d" "${vo[@]}" --quiet > "$d.prepare.json" 2> "$d.prepare.err" \
+            || { echo "ablation $name: prepare failed: $(tail -c 300 "$d.prepare.err")"; continue; }
+        fi
+      else
+        [ -d "$d/data" ] || share_prepared "$d"
+      fi
       echo "$spec" > "$d/variant.txt"
       ( CUDA_VISIBLE_DEVICES=$(( i % ngpu )) cli train "$P" "${OVR[@]}" "output_dir=$d" "train.max_minutes=$minutes" \
           "${vo[@]}" > "$d.json" 2> "$d.err" || echo "ablation $name failed: $(tail -c 300 "$d.err")" ) &

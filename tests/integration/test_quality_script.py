@@ -149,6 +149,25 @@ def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
     assert r.returncode == 2 and "ABLATE_PER_GPU must be" in r.stderr
 
 
+def test_ablate_prepares_a_data_variant_again_from_the_regeneration_shards(tmp_path):
+    """A variant with a data.* override (data.loop_tail) gets its own `prepare` on a copy of the regeneration
+    shards before it trains (a copy of the prepared tokens would ignore the override); without the shards it
+    is skipped with the reason, and the other variants run."""
+    env = _setup(tmp_path)
+    r = _run(env, ABLATE="base= loop=data.loop_tail=unsupervise")
+    assert r.returncode == 0 and "loop: a data variant needs the regeneration shards" in r.stdout, r.stdout + r.stderr
+    assert [Path(dict(a.split("=", 1) for a in c["args"] if "=" in a)["output_dir"]).name for c in _calls(tmp_path)] == ["base"]
+    regen = tmp_path / "work" / "peagle" / "data" / "regen"
+    regen.mkdir()
+    (regen / "train-00000.json").write_text("{}")
+    r = _run(env, ABLATE="base= loop=data.loop_tail=unsupervise")
+    assert r.returncode == 0, r.stdout + r.stderr
+    loop = [c["args"] for c in _calls(tmp_path) if "ablate/loop" in " ".join(c["args"])]
+    assert [a[0] for a in loop] == ["prepare", "train"] and all("data.loop_tail=unsupervise" in a for a in loop)
+    assert (tmp_path / "work" / "ablate" / "loop" / "data" / "regen" / "train-00000.json").is_file()
+    assert not (tmp_path / "work" / "ablate" / "loop" / "data" / "train.safetensors").exists()  # not the shared tokens
+
+
 def test_ablation_report_bad_files_become_error_rows(tmp_path):
     for name in ("v1", "v2", "v3", "v4"):
         (tmp_path / name).mkdir()
