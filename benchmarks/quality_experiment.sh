@@ -44,9 +44,12 @@ PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.
 pack_prepared() {  # $RESULTS/prepared.tar.xz (+ .sha256) from $WORK/peagle's prepared data
   python3 - "$WORK" "$RESULTS/prepared.tar.xz" "${PREPARED[@]}" <<'PY'
 import sys, tarfile
+from pathlib import Path
 work, dest, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 with tarfile.open(dest, "w:xz") as t:
     for n in names:
+        if n.endswith("/regen") and not Path(f"{work}/{n}").is_dir():
+            continue  # restored from a pack without the regeneration shards: data variants will say so
         t.add(f"{work}/{n}", arcname=n)
 PY
   (cd "$RESULTS" && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
@@ -238,7 +241,7 @@ PY
     ship ablation.json ablation.md ;;
   leg)  # MINUTES: each drafter trains MINUTES more of one long run, resumed from its portable state when there
     # is one ($WORK/state/NAME.pst, from an earlier leg on this machine or carried in by `state-in`), writing it
-    # again at the end in pieces of 15 MiB (train.state_part_mib: what `state-out` can ship). The run's whole
+    # again at the end in pieces of 14 MiB (train.state_part_mib: what `state-out` and a carry can move). The run's whole
     # time is train.max_minutes over all legs (the recipe's, or EXTRA_OVERRIDES="train.max_minutes=60"); its
     # time schedule anneals over all of them; the leg that spends it ends the run, and the drafter is exported.
     # Per drafter $RESULTS/NAME-curve.json (benchmarks/run_curve.py: eval AL(K=7), GPU-minutes, tokens seen).
@@ -252,7 +255,7 @@ PY
       in=(); [ -f "$st" ] && in=("train.state_in=$st")
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" "output_dir=$d" "train.state_out=$st" \
-          train.state_part_mib=15 "${in[@]}" --stop-after "$m" --quiet > "$RESULTS/$name-leg.json" 2> "$WORK/$name-leg.err" \
+          train.state_part_mib=14 "${in[@]}" --stop-after "$m" --quiet > "$RESULTS/$name-leg.json" 2> "$WORK/$name-leg.err" \
         && { [ ! -f "$d/train_metrics.json" ] || CUDA_VISIBLE_DEVICES=$gpu cli export "$R" "${OVR[@]}" "output_dir=$d" \
              --quiet > /dev/null 2>> "$WORK/$name-leg.err"; } \
         || echo "leg of $name failed: $(tail -n 3 "$WORK/$name-leg.err" | cut -c1-300)" ) &
@@ -265,19 +268,22 @@ PY
       [ -f "$d/train_metrics.json" ] && echo "$name: the run is finished and exported ($d/export)"
     done
     ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json ;;
-  state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 15 MiB pieces) to $OUT, at most
+  state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 14 MiB pieces) to $OUT, at most
     # 8 files and 62 MiB a batch (what one device call brings back); prints how many batches there are. On the
     # CPU side, gather the batches in one folder, then `ferry-groups` it for the next machine
     batches "$WORK/state" "${2:?batch index}" "${OUT:?set OUT}" ;;
-  ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ... of the same size limits, each
-    # one carry of a device call (carry DEST/bI, then `state-in`)
+  ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ..., each one carry of a device call
+    # (<= 58 MiB: the call's 64 MiB carry the working tree too; carry DEST/bI, then `state-in`). DEST must be empty
+    # or absent (pieces of an earlier leg would mix with these); .ferry/ is git-ignored
     python3 - "${2:?src}" "${3:?dest}" <<'PY'
 import shutil, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
-from ferry import plan
+from ferry import MAX_CARRY_BYTES, plan
 src, dest = Path(sys.argv[1]), Path(sys.argv[2])
-groups = plan(sorted(p for p in src.iterdir() if p.is_file()))
+if dest.exists() and any(dest.iterdir()):
+    sys.exit(f"ferry-groups: {dest} is not empty: remove it first (an earlier leg's pieces must not be carried)")
+groups = plan(sorted(p for p in src.iterdir() if p.is_file()), max_group_bytes=MAX_CARRY_BYTES)
 for i, g in enumerate(groups):
     (dest / f"b{i}").mkdir(parents=True, exist_ok=True)
     for f in g:

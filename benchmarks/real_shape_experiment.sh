@@ -117,21 +117,30 @@ case "${1:?step}" in
     read -r -a P <<< "${PREPARE_OVERRIDES:-}"  # prepare's own (after the others, so they win), e.g. the default
     # attention kernel for the regeneration while the feature forwards run on flex_attention (`plan`)
     bash "$0" prepare "$arch" "$@" "${P[@]}"
-    for stage in cache train; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
+    # a stage whose output was dropped is not redone when a later call runs `run` again: the cache and its
+    # training are done once train_metrics.json exists, the online run likewise, the fp8 cache once both
+    # manifests say complete
+    if [ ! -f "$d/train_metrics.json" ]; then
+      for stage in cache train; do cli "$stage" "${A[@]}" "output_dir=$d" train.features=cache "$@"; done
+    fi
     drop "$d/features"
-    cli export "${A[@]}" "output_dir=$d" train.features=cache "$@"
+    { [ ! -d "$d/drafter" ] && [ -f "$d/export/config.json" ]; } \
+      || cli export "${A[@]}" "output_dir=$d" train.features=cache "$@"  # (the plan drops drafter/ after export)
     cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
       > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
     ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
-    cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}"
+    ev_rc=0; cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}" || { ev_rc=$?; echo "eval: FAILED"; }
     o="$WORK/$arch-online"  # the same prepared data, features computed by the target inside the training loop
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
-    cli train "${A[@]}" "output_dir=$o" train.features=online "$@"
+    [ -f "$o/train_metrics.json" ] || cli train "${A[@]}" "output_dir=$o" train.features=online "$@"
     drop "$o/drafter"
     f="$WORK/$arch-fp8"  # the same features stored in fp8 (data.cache_dtype): its bytes per token
     mkdir -p "$f" && { [ -d "$f/data" ] || cp -r "$d/data" "$f/"; }
-    cli cache "${A[@]}" "output_dir=$f" train.features=cache data.cache_dtype=fp8 "$@"
-    drop "$f/features" ;;
+    if ! cat "$f"/features/{train,eval}/manifest.json 2>/dev/null | grep -c '"complete": *true' | grep -qx 2; then
+      cli cache "${A[@]}" "output_dir=$f" train.features=cache data.cache_dtype=fp8 "$@"
+    fi
+    drop "$f/features"
+    exit "$ev_rc" ;;  # a failed eval fails the step, after the online and fp8 runs
   prepare)  # ARCH [override ...]: the prepare stage of `run` alone, e.g. with regen.enabled=false
     # data.path=.gpu/sharegpt_answers.json (ShareGPT's own answers, no regeneration) before `online-n`
     arch=${2:?arch}; shift 2
@@ -155,7 +164,8 @@ PY
 )
     echo "online-n $arch N=$n: micro-batch $m sequences"
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
-    cli train "${A[@]}" "output_dir=$o" train.features=online "train.micro_batch_size=$m" train.max_steps=30 "$@"
+    [ -f "$o/train_metrics.json" ] || cli train "${A[@]}" "output_dir=$o" train.features=online \
+      "train.micro_batch_size=$m" train.max_steps=30 "$@"
     drop "$o/drafter"  # the step times are the result
     read -r k s ckpt <<< "$(recipe "cfg.train.K, cfg.train.partitions, int(cfg.train.activation_checkpointing)" \
       "${A[@]}" "$@" | tr -d "(),'")"

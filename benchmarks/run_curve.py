@@ -7,7 +7,8 @@ Reads ``RUN_DIR/logs/steps.jsonl`` (the trainer writes the whole history there, 
 earlier launches included) and ``RUN_DIR/logs/state_out.json`` (the last portable state written), and
 writes one JSON:
 
-* ``curve``: one row per in-training evaluation: ``step``, ``gpu_minutes`` (the run's training wall
+* ``curve``: one row per in-training evaluation, and the end-of-run evaluation of a finished run
+  (``train_metrics.json`` ``final``) as the last row: ``step``, ``gpu_minutes`` (the run's training wall
   time up to that step, summed over launches, in minutes: ``elapsed_s`` / 60; loading and saving are
   not counted), ``tokens_seen`` (target tokens trained up to and including that step, all ranks),
   ``eval_loss`` and, at ``--K``, ``walk_al`` (``eval_walk_al``: the reference loop's acceptance
@@ -45,6 +46,13 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
                           "walk_al": at_k(h.get("eval_walk_al"), k), "sim_al": at_k(h.get("eval_sim_al"), k)})
         if h["step"] % every == 0 or i == len(history) - 1:
             loss.append([h["step"], minutes, h["loss"]])
+    metrics = run_dir / "train_metrics.json"  # a finished run: its end-of-run evaluation is the curve's last row
+    if metrics.is_file() and history:
+        final = json.loads(metrics.read_text()).get("final") or {}
+        if "eval_loss" in final and (not curve or curve[-1]["step"] != history[-1]["step"]):
+            curve.append({"step": history[-1]["step"], "gpu_minutes": round(float(history[-1].get("elapsed_s", 0.0)) / 60, 4),
+                          "tokens_seen": seen, "eval_loss": final["eval_loss"],
+                          "walk_al": at_k(final.get("eval_walk_al"), k), "sim_al": at_k(final.get("eval_sim_al"), k)})
     state = run_dir / "logs" / "state_out.json"
     last = history[-1] if history else {}
     return {"run_dir": str(run_dir), "K": k, "steps": last.get("step", 0),

@@ -54,11 +54,11 @@ class DataConfig(Section):
         "arena_hard), so the acceptance length is never measured on training prompts "
         "(data_prep/decontaminate.py; counted in meta.json source.eval_overlap).")
     loop_tail: Literal["keep", "unsupervise"] = Field(
-        "keep", description="'unsupervise': take each answer's looping tail out of the loss (a suffix of >= 64 "
+        "keep", description="'unsupervise': take each train answer's looping tail out of the loss (a suffix of >= 64 "
         "tokens that is >= 90 % copyable from the context by a 4-token lookup), keeping its first 32 tokens "
         "supervised, and drop the unsupervised tokens left at a sequence's end (data_prep/loops.py; counted in "
-        "meta.json splits.<split>.loop_tails). Greedy regeneration by a small target loops; its loops are the "
-        "easiest tokens to draft.")
+        "meta.json splits.train.loop_tails; the eval split is left as it is, so that runs with and without it are "
+        "evaluated alike). Greedy regeneration by a small target loops; its loops are the easiest tokens to draft.")
     cache_dtype: Literal["bfloat16", "fp8"] = Field(
         "bfloat16", description="Storage of aux/last hidden states in the feature cache; fp8 = float8_e4m3fn "
         "with per-token float32 scales (about half the bytes/token)."

@@ -17,6 +17,9 @@ MIN_TAIL = 64
 TAIL_FRACTION = 0.9
 #: tokens of a looping tail that stay supervised (the drafter still learns to continue a loop)
 KEEP_TOKENS = 32
+#: the tail starts where a window of this many tokens is TAIL_FRACTION copyable (not inside fresh text
+#: that a long loop after it outweighs)
+START_WINDOW = 16
 
 
 def copyable_flags(ids: list[int], mask: list[int], n: int = LOOKUP_N) -> list[tuple[int, bool]]:
@@ -49,19 +52,22 @@ def copyable_flags(ids: list[int], mask: list[int], n: int = LOOKUP_N) -> list[t
 
 
 def unsupervise_loop_tails(ids: list[int], mask: list[int], n: int = LOOKUP_N, min_tail: int = MIN_TAIL,
-                           fraction: float = TAIL_FRACTION, keep: int = KEEP_TOKENS) -> tuple[list[int], list[int], int]:
+                           fraction: float = TAIL_FRACTION, keep: int = KEEP_TOKENS,
+                           window: int = START_WINDOW) -> tuple[list[int], list[int], int]:
     """Take each answer's looping tail out of the loss, and drop the unsupervised tokens it leaves at the end.
 
     Per supervised span ``[s, e)`` (a run of loss-mask 1: one assistant turn), the tail starts at the
     first ``p`` with ``e - p >= min_tail`` whose suffix ``[p, e)`` is at least ``fraction`` copyable
-    (:func:`copyable_flags`); the mask of ``[p + keep, e)`` becomes 0. When a tail was found, tokens after
+    (:func:`copyable_flags`), moved forward to the first ``p'`` whose ``window`` tokens ``[p', p' + window)``
+    are at least ``fraction`` copyable too (a long loop may outweigh fresh text before it; that text stays
+    supervised); the mask of ``[p' + keep, e)`` becomes 0. When a tail was found, tokens after
     the sequence's last supervised token are then removed (nothing is learned from them; an earlier
     turn's tail stays as the context of the later turns); a sequence without one is returned as it was.
 
-    Example (n = 1, min_tail = 4, fraction = 0.9, keep = 1): ids ``[9, 1, 2, 1, 2, 1, 2, 1]``, mask
+    Example (n = 1, min_tail = 4, fraction = 0.9, keep = 1, window = 2): ids ``[9, 1, 2, 1, 2, 1, 2, 1]``, mask
     ``[0, 1, 1, 1, 1, 1, 1, 1]``: copyable flags of the 7 answer tokens ``F F F T T T T``; the first
-    suffix of >= 4 tokens that is >= 90 % copyable starts at index 4 (``2 1 2 1``, 4 of 4), so index
-    5 onward is unsupervised and removed: ids ``[9, 1, 2, 1, 2]``, mask ``[0, 1, 1, 1, 1]``, 3 tokens
+    suffix of >= 4 tokens that is >= 90 % copyable starts at index 4 (``2 1 2 1``, 4 of 4; its 2-token
+    window is copyable too), so index 5 onward is unsupervised and removed: ids ``[9, 1, 2, 1, 2]``, mask ``[0, 1, 1, 1, 1]``, 3 tokens
     unsupervised.
 
     Returns:
@@ -93,6 +99,9 @@ def unsupervise_loop_tails(ids: list[int], mask: list[int], n: int = LOOKUP_N, m
             suffix[j] = suffix[j + 1] + c[j]
         for j in range(len(c) - min_tail + 1):
             if suffix[j] >= fraction * (len(c) - j):
+                w = min(window, len(c) - j)
+                while j + w <= len(c) and suffix[j] - suffix[j + w] < fraction * w:
+                    j += 1  # fresh text before the loop: the tail starts at the first copyable window
                 for q in range(s + j + keep, e):
                     mask[q] = 0
                     unsupervised += 1

@@ -277,7 +277,9 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
         if cfg.regen.enabled:
             split, regen_report = _regenerate_sharded(target, split, cfg, out / "regen", name, progress)
         rows, dropped, reasoning_counts = [], 0, {}
-        loops = {"sequences": 0, "tokens_unsupervised": 0, "tokens_removed": 0} if cfg.data.loop_tail != "keep" else None
+        # data.loop_tail: the train split only, so that variants are evaluated on the same eval split
+        loops = ({"sequences": 0, "tokens_unsupervised": 0, "tokens_removed": 0}
+                 if cfg.data.loop_tail != "keep" and name == "train" else None)
         for k, conv in enumerate(split):
             try:
                 r = tokenize_conversation(target.tokenizer, conv, cfg.data.max_length, cfg.data.overlong,

@@ -630,7 +630,9 @@ class Trainer(InTrainingEval, Checkpoints):
                 step_log.flush()
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
-            if (stop_at is not None and self.step >= stop_at) or self._launch_over(t_launch, stop_after_minutes):
+            # (a time limit met on the run's last step lets the run finish: evaluate and save now, not next launch)
+            if (stop_at is not None and self.step >= stop_at) or (
+                    self._launch_over(t_launch, stop_after_minutes) and self.step < self.total_steps):
                 if stop_at is None or self.step < stop_at:
                     self.acc.print(f"train: stopped after {stop_after_minutes} minutes of this launch at step "
                                    f"{self.step} of {self.total_steps}; the next launch continues the run")

@@ -521,6 +521,11 @@ def test_real_shape_experiment_cpu_smoke(tmp_path):
     # the disk of a GPU machine: the fp32 drafters are deleted too, the export stays
     assert (work / "llama-3.1-8b" / "export").is_dir() and not list(work.glob("llama-3.1-8b*/drafter"))
     assert "dropped " in log
+    # `run` again (a later call): what was dropped is not rebuilt (no cache, no training), eval runs again
+    rerun = subprocess.run(["bash", script, "run", "llama-3.1-8b"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert rerun.returncode == 0 and "check: passed" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert "cache: started" not in rerun.stdout and "train: started" not in rerun.stdout
     packed = back / "llama-3.1-8b-prepared.tar.xz"
     runs = json.loads((back / "summary.json").read_text())["runs"]["llama-3.1-8b"]
     assert runs["llama-3.1-8b-online-800"]["trainer"]["tokens_per_s"] > 0  # online-n: the trainer ...

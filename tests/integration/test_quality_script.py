@@ -270,7 +270,7 @@ def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
     assert [Path(c["output_dir"]).name for c in first] == ["peagle", "eagle3"]
     for c, name in zip(first, ("smollm2-135m-peagle-gpu", "smollm2-135m-eagle3-gpu")):
         assert c["train.state_out"] == str(tmp_path / "one" / "state" / f"{name}.pst") and "train.state_in" not in c
-        assert c["train.state_part_mib"] == "15" and c["_args"][-3:] == ["--stop-after", "0.5", "--quiet"]
+        assert c["train.state_part_mib"] == "14" and c["_args"][-3:] == ["--stop-after", "0.5", "--quiet"]
     assert (tmp_path / "one" / "eagle3" / "data" / "meta.json").is_file()  # the baseline trains on the same data
     curve = json.loads((tmp_path / "one" / "results" / "smollm2-135m-peagle-gpu-curve.json").read_text())
     assert (curve["steps"], curve["gpu_minutes"], curve["tokens_seen"], curve["finished"]) == (5, 0.5, 500, False)
@@ -290,6 +290,8 @@ def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
         shutil.copy2(f, gathered / f.name)
     r = _step(one, "ferry-groups", str(gathered), str(tmp_path / "ferry"))
     assert r.returncode == 0 and "2 groups" in r.stdout, r.stdout + r.stderr
+    again = _step(one, "ferry-groups", str(gathered), str(tmp_path / "ferry"))  # pieces must not mix with a leg's
+    assert again.returncode != 0 and "is not empty" in again.stderr
     # a fresh machine: the carried groups, then the second leg continues both runs, which end and are exported
     two = _machine(tmp_path, "two", fake)
     r = _step(two, "state-in")
@@ -319,7 +321,7 @@ def test_ferry_plan_limits(tmp_path):
     groups = ferry.plan(files, max_files=3, max_file_bytes=30, max_group_bytes=30)
     assert [[f.name for f in g] for g in groups] == [["f0", "f1", "f2"], ["f3", "f4"], ["f5"]]
     assert ferry.plan([]) == []
-    with pytest.raises(ValueError, match="f3: .* train.state_part_mib=15"):
+    with pytest.raises(ValueError, match="f3: .* train.state_part_mib=14"):
         ferry.plan(files, max_file_bytes=20)
 
 

@@ -19,7 +19,8 @@ def test_copyable_flags_worked_example_and_positions_per_span():
 
 def test_unsupervise_loop_tails_worked_example():
     ids, mask = [9, 1, 2, 1, 2, 1, 2, 1], [0, 1, 1, 1, 1, 1, 1, 1]
-    assert unsupervise_loop_tails(ids, mask, n=1, min_tail=4, fraction=0.9, keep=1) == ([9, 1, 2, 1, 2], [0, 1, 1, 1, 1], 3)
+    assert unsupervise_loop_tails(ids, mask, n=1, min_tail=4, fraction=0.9, keep=1, window=2) == (
+        [9, 1, 2, 1, 2], [0, 1, 1, 1, 1], 3)
     assert mask == [0, 1, 1, 1, 1, 1, 1, 1]  # inputs unchanged
 
 
@@ -30,13 +31,27 @@ def test_an_earlier_turns_tail_stays_as_context_and_fresh_answers_are_untouched(
     mask = [0] + [1] * len(loop) + [0] + [1] * len(fresh)
     new_ids, new_mask, off = unsupervise_loop_tails(ids, mask)
     assert new_ids == ids  # the later turn keeps its context, and nothing after the last supervised token
-    # copyable from the loop's 8th token on: 113 of 120 (94 %), so the whole answer is the looping tail
-    # (its first suffix >= 90 % copyable starts at 0); its first 32 tokens stay supervised
-    assert new_mask[1:1 + 32] == [1] * 32 and new_mask[1 + 32:1 + len(loop)] == [0] * (len(loop) - 32)
-    assert off == len(loop) - 32 and new_mask[-len(fresh):] == [1] * len(fresh)
+    # copyable from the loop's 8th token on (113 of 120): the first suffix >= 90 % copyable starts at its
+    # 1st token, moved to its 7th, the first 16-token window >= 90 % copyable (15 of 16); 32 more stay supervised
+    assert new_mask[1:1 + 6 + 32] == [1] * 38 and new_mask[1 + 38:1 + len(loop)] == [0] * (len(loop) - 38)
+    assert off == len(loop) - 38 and new_mask[-len(fresh):] == [1] * len(fresh)
     same = unsupervise_loop_tails([1] + fresh, [0] + [1] * len(fresh))
     assert same == ([1] + fresh, [0] + [1] * len(fresh), 0)
     short = [5, 6, 7] * 10  # a loop shorter than min_tail (64): kept
     assert unsupervise_loop_tails([1] + short, [0] + [1] * 30)[2] == 0
     with pytest.raises(ValueError, match="fraction"):
         unsupervise_loop_tails([1], [1], fraction=0)
+
+
+def test_fresh_text_before_a_long_loop_stays_supervised():
+    """A long loop outweighs the fresh text before it in the suffix rule (200 fresh + 1,800 looping tokens are
+    >= 90 % copyable from token 14 on); the tail starts at the first 16-token window that is >= 90 % copyable,
+    i.e. where the loop does, so every fresh token keeps its supervision."""
+    fresh = list(range(1000, 1200))
+    loop = [5, 6, 7, 8, 9] * 360
+    ids, mask = [1] + fresh + loop, [0] + [1] * (len(fresh) + len(loop))
+    new_ids, new_mask, off = unsupervise_loop_tails(ids, mask)
+    # kept: the prompt, all fresh tokens, the loop up to where it becomes copyable (its 9th token: a 4-token
+    # context seen before needs one period of 5 and 4 more) and 32 of the tail; the rest is removed
+    assert new_ids == ids[:1 + len(fresh) + 8 + 32] and new_mask == [0] + [1] * (len(fresh) + 8 + 32)
+    assert off == len(ids) - len(new_ids)
