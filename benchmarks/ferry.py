@@ -4,9 +4,17 @@ A device call brings back at most 8 files of at most 16 MiB each, 64 MiB in all,
 most 64 MiB (``/work/.library/device/README.md``); a portable training state of a few hundred MB
 (docs/resume.md, written in 14 MiB pieces with ``train.state_part_mib=14``) therefore travels in
 several calls. :func:`plan` groups files in order so that each group fits one call.
+
+    python benchmarks/ferry.py out SRC I DEST     # batch I of SRC's files (<= 8, <= 62 MiB) copied to DEST
+    python benchmarks/ferry.py carry SRC DEST     # all of SRC's files into DEST/b0, b1, ... (<= 58 MiB each)
+
+(``quality_experiment.sh state-out`` and ``ferry-groups``.)
 """
 from __future__ import annotations
 
+import argparse
+import shutil
+import sys
 from pathlib import Path
 
 MAX_FILES = 8
@@ -38,3 +46,43 @@ def plan(files: list[Path], max_files: int = MAX_FILES, max_file_bytes: int = MA
         groups[-1].append(f)
         size += n
     return groups
+
+
+def files_of(src: Path) -> list[Path]:
+    """The plain files directly in ``src``, sorted by name."""
+    return sorted(p for p in src.iterdir() if p.is_file())
+
+
+def main(argv=None) -> None:
+    """The command line above. Exits with a message naming the folder for a batch that does not exist or a
+    non-empty ``carry`` destination (an earlier leg's pieces must not be carried with these)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    o = sub.add_parser("out")
+    o.add_argument("src", type=Path)
+    o.add_argument("i", type=int)
+    o.add_argument("dest", type=Path)
+    c = sub.add_parser("carry")
+    c.add_argument("src", type=Path)
+    c.add_argument("dest", type=Path)
+    a = p.parse_args(argv)
+    groups = plan(files_of(a.src), max_group_bytes=MAX_GROUP_BYTES if a.cmd == "out" else MAX_CARRY_BYTES)
+    if a.cmd == "out":
+        if not 0 <= a.i < len(groups):
+            sys.exit(f"state-out: batch {a.i} does not exist: {a.src} makes {len(groups)} batches (0..{len(groups) - 1})")
+        a.dest.mkdir(parents=True, exist_ok=True)
+        for f in groups[a.i]:
+            shutil.copy2(f, a.dest / f.name)
+        print(f"state-out: batch {a.i} of {len(groups)} (0..{len(groups) - 1}): {', '.join(f.name for f in groups[a.i])}")
+        return
+    if a.dest.exists() and any(a.dest.iterdir()):
+        sys.exit(f"ferry-groups: {a.dest} is not empty: remove it first (an earlier leg's pieces must not be carried)")
+    for i, g in enumerate(groups):
+        (a.dest / f"b{i}").mkdir(parents=True, exist_ok=True)
+        for f in g:
+            shutil.copy2(f, a.dest / f"b{i}" / f.name)
+    print(f"ferry-groups: {len(groups)} groups in {a.dest}")
+
+
+if __name__ == "__main__":
+    main()

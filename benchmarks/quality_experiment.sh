@@ -63,21 +63,8 @@ share_prepared() {  # $1/data: a copy of the prepared data another output_dir tr
 outdir() {  # RECIPE -> its output_dir
   python3 -c "import yaml, sys; print(yaml.safe_load(open(sys.argv[1]))['output_dir'])" "$1"
 }
-batches() {  # DIR I OUT: batch I of DIR's files (benchmarks/ferry.py: <= 8 files, <= 62 MiB) copied to OUT
-  python3 - "$@" <<'PY'
-import shutil, sys
-from pathlib import Path
-sys.path.insert(0, "benchmarks")
-from ferry import plan
-src, i, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-groups = plan(sorted(p for p in src.iterdir() if p.is_file()))
-if not 0 <= i < len(groups):
-    sys.exit(f"state-out: batch {i} does not exist: {src} makes {len(groups)} batches (0..{len(groups) - 1})")
-out.mkdir(parents=True, exist_ok=True)
-for f in groups[i]:
-    shutil.copy2(f, out / f.name)
-print(f"state-out: batch {i} of {len(groups)} (0..{len(groups) - 1}): {', '.join(f.name for f in groups[i])}")
-PY
+legdir() {  # RECIPE -> its run folder under $WORK (the output_dir's name: peagle, eagle3)
+  echo "$WORK/$(basename "$(outdir "$1")")"
 }
 train_sequences() {  # training sequences of the prepared data on this disk
   python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['splits']['train']['sequences'])" \
@@ -179,7 +166,7 @@ PY
     wait
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml)
-      out=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$R'))['output_dir'])")
+      out=$(outdir "$R")
       for f in eval.json eval.md acceptance_by_position.png al_speedup_vs_k.png; do
         [ -f "$out/eval/$f" ] && cp "$out/eval/$f" "$RESULTS/$name-$f"
       done
@@ -251,7 +238,7 @@ PY
     i=0
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml); st="$WORK/state/$name.pst"
-      d="$WORK/$(basename "$(outdir "$R")")"; [ -d "$d/data" ] || share_prepared "$d"
+      d=$(legdir "$R"); [ -d "$d/data" ] || share_prepared "$d"
       in=(); [ -f "$st" ] && in=("train.state_in=$st")
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" "output_dir=$d" "train.state_out=$st" \
@@ -263,7 +250,7 @@ PY
     done
     wait
     for R in "$P" "$E"; do
-      name=$(basename "$R" .yaml); d="$WORK/$(basename "$(outdir "$R")")"
+      name=$(basename "$R" .yaml); d=$(legdir "$R")
       python3 benchmarks/run_curve.py "$d" "$RESULTS/$name-curve.json" || true
       [ -f "$d/train_metrics.json" ] && echo "$name: the run is finished and exported ($d/export)"
     done
@@ -271,26 +258,11 @@ PY
   state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 14 MiB pieces) to $OUT, at most
     # 8 files and 62 MiB a batch (what one device call brings back); prints how many batches there are. On the
     # CPU side, gather the batches in one folder, then `ferry-groups` it for the next machine
-    batches "$WORK/state" "${2:?batch index}" "${OUT:?set OUT}" ;;
+    python3 benchmarks/ferry.py out "$WORK/state" "${2:?batch index}" "${OUT:?set OUT}" ;;
   ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ..., each one carry of a device call
     # (<= 58 MiB: the call's 64 MiB carry the working tree too; carry DEST/bI, then `state-in`). DEST must be empty
     # or absent (pieces of an earlier leg would mix with these); .ferry/ is git-ignored
-    python3 - "${2:?src}" "${3:?dest}" <<'PY'
-import shutil, sys
-from pathlib import Path
-sys.path.insert(0, "benchmarks")
-from ferry import MAX_CARRY_BYTES, plan
-src, dest = Path(sys.argv[1]), Path(sys.argv[2])
-if dest.exists() and any(dest.iterdir()):
-    sys.exit(f"ferry-groups: {dest} is not empty: remove it first (an earlier leg's pieces must not be carried)")
-groups = plan(sorted(p for p in src.iterdir() if p.is_file()), max_group_bytes=MAX_CARRY_BYTES)
-for i, g in enumerate(groups):
-    (dest / f"b{i}").mkdir(parents=True, exist_ok=True)
-    for f in g:
-        shutil.copy2(f, dest / f"b{i}" / f.name)
-print(f"ferry-groups: {len(groups)} groups in {dest}")
-PY
-    ;;
+    python3 benchmarks/ferry.py carry "${2:?src}" "${3:?dest}" ;;
   state-in)  # the carried groups (FERRY/b*/, default .ferry, from `ferry-groups`) into $WORK/state; the state is checked (sha256 of
     # every piece) when a leg loads it, so a missing or damaged piece is named there
     mkdir -p "$WORK/state"

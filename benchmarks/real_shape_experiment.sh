@@ -244,8 +244,9 @@ PY
           || echo "plan: FAILED: ${S[*]}"
         bash "$0" summary "$WORK/summary.json" "${done_arches[@]}" > /dev/null || echo "plan: summary FAILED"
       done
-      find "$WORK" -path "$WORK/$arch*/features/*" -type f ! -name manifest.json -delete  # (a failed step's too)
-      rm -rf "$WORK/$arch"*/drafter  # the export stays
+      for x in "$WORK/$arch"*/features "$WORK/$arch"*/drafter; do  # a failed step's too; the export stays
+        if [ -d "$x" ]; then drop "$x"; fi
+      done
     done
     echo "plan: finished ($(date -u +%T))" ;;
   lease)  # ARCH [ARCH ...]: `plan` in the background, from a copy of the repository (the device machine's copy of the

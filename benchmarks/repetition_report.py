@@ -14,7 +14,8 @@ drafting: a lookup in the context predicts it; ``data_prep.loops.copyable_flags`
 tokens, the copyable fraction overall and by the token's position in its answer (tokens since its
 supervised span began: ``[0, 64)``, ``[64, 128)``, ``[128, 256)``, ``[256, inf)``; a real-prompt evaluation
 of 64 new tokens sees the first bucket only), and ``looping_tail``: the fraction of sequences whose last
-``TAIL`` (64) supervised tokens are at least 90 % copyable.
+``TAIL`` (64, ``data_prep.loops.MIN_TAIL``) supervised tokens are at least 90 % copyable
+(``TAIL_FRACTION``).
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data_prep.loops import copyable_flags  # noqa: E402  (the rule data.loop_tail applies)
+from data_prep.loops import LOOKUP_N, MIN_TAIL, TAIL_FRACTION, copyable_flags  # noqa: E402  (data.loop_tail's rule)
 
 BUCKETS = (0, 64, 128, 256)  # bucket starts: positions in the answer
-TAIL = 64
+TAIL = MIN_TAIL
 
 
 def bucket_name(k: int) -> str:
@@ -35,7 +36,7 @@ def bucket_name(k: int) -> str:
     return f"[{BUCKETS[k]}, {hi if hi is not None else 'inf'})"
 
 
-def split_report(split: dict, n: int = 4) -> dict:
+def split_report(split: dict, n: int = LOOKUP_N) -> dict:
     """The report of one split ``{"input_ids": [[...]], "loss_mask": [[...]]}`` (see the module docstring)."""
     total = [0] * len(BUCKETS)
     hits = [0] * len(BUCKETS)
@@ -47,7 +48,7 @@ def split_report(split: dict, n: int = 4) -> dict:
             total[k] += 1
             hits[k] += c
         tail = flags[-TAIL:]
-        tails += len(tail) == TAIL and sum(c for _, c in tail) >= 0.9 * TAIL
+        tails += len(tail) == TAIL and sum(c for _, c in tail) >= TAIL_FRACTION * TAIL
     seqs = len(split["input_ids"])
     return {"sequences": seqs, "supervised_tokens": sum(total),
             "copyable": round(sum(hits) / max(1, sum(total)), 4),
@@ -59,7 +60,7 @@ def split_report(split: dict, n: int = 4) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--n", type=int, default=4, help="context tokens of the lookup (default 4)")
+    p.add_argument("--n", type=int, default=LOOKUP_N, help=f"context tokens of the lookup (default {LOOKUP_N})")
     p.add_argument("--out", type=Path, default=None, help="also write the report here (JSON)")
     a = p.parse_args(argv)
     from peagle_train.features.tokenized import load_tokenized

@@ -33,31 +33,37 @@ def at_k(record: dict | None, k: int):
     return record.get(str(k), record.get(k))
 
 
+def minutes(record: dict) -> float:
+    """A step record's ``elapsed_s`` (training seconds of the run up to it) in minutes, 4 decimals."""
+    return round(float(record.get("elapsed_s", 0.0)) / 60, 4)
+
+
 def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
     """The curve of ``run_dir`` (see the module docstring). Raises FileNotFoundError without a step log."""
     log = run_dir / "logs" / "steps.jsonl"
     history = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+
+    def row(h: dict, ev: dict, seen: int) -> dict:  # step record h, its evaluation ev
+        return {"step": h["step"], "gpu_minutes": minutes(h), "tokens_seen": seen, "eval_loss": ev["eval_loss"],
+                "walk_al": at_k(ev.get("eval_walk_al"), k), "sim_al": at_k(ev.get("eval_sim_al"), k)}
+
     seen, curve, loss = 0, [], []
     for i, h in enumerate(history):
         seen += int(h.get("tokens", 0))
-        minutes = round(float(h.get("elapsed_s", 0.0)) / 60, 4)
         if "eval_loss" in h:
-            curve.append({"step": h["step"], "gpu_minutes": minutes, "tokens_seen": seen, "eval_loss": h["eval_loss"],
-                          "walk_al": at_k(h.get("eval_walk_al"), k), "sim_al": at_k(h.get("eval_sim_al"), k)})
+            curve.append(row(h, h, seen))
         if h["step"] % every == 0 or i == len(history) - 1:
-            loss.append([h["step"], minutes, h["loss"]])
+            loss.append([h["step"], minutes(h), h["loss"]])
     metrics = run_dir / "train_metrics.json"  # a finished run: its end-of-run evaluation is the curve's last row
     if metrics.is_file() and history:
         final = json.loads(metrics.read_text()).get("final") or {}
         if "eval_loss" in final and (not curve or curve[-1]["step"] != history[-1]["step"]):
-            curve.append({"step": history[-1]["step"], "gpu_minutes": round(float(history[-1].get("elapsed_s", 0.0)) / 60, 4),
-                          "tokens_seen": seen, "eval_loss": final["eval_loss"],
-                          "walk_al": at_k(final.get("eval_walk_al"), k), "sim_al": at_k(final.get("eval_sim_al"), k)})
+            curve.append(row(history[-1], final, seen))
     state = run_dir / "logs" / "state_out.json"
     last = history[-1] if history else {}
     return {"run_dir": str(run_dir), "K": k, "steps": last.get("step", 0),
-            "gpu_minutes": round(float(last.get("elapsed_s", 0.0)) / 60, 4), "tokens_seen": seen,
-            "finished": (run_dir / "train_metrics.json").is_file(),
+            "gpu_minutes": minutes(last), "tokens_seen": seen,
+            "finished": metrics.is_file(),
             "state": json.loads(state.read_text()) if state.is_file() else None, "curve": curve, "loss": loss}
 
 

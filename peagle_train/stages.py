@@ -241,8 +241,8 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
             stay on disk for the next run.
     """
     from data_prep.decontaminate import eval_overlap_screen
-    from data_prep.sources import load_conversations, split_train_eval
     from data_prep.loops import unsupervise_loop_tails
+    from data_prep.sources import load_conversations, split_train_eval
     from data_prep.template import TemplateError, tokenize_conversation
     from peagle_train.features.target import load_target, load_target_config
 

@@ -275,10 +275,14 @@ class Trainer(InTrainingEval, Checkpoints):
         stop): the ranks' maximum through one collective; one process reads its clock alone, so the step
         starts without a device sync (a device tensor read back would wait for the queued work, the
         prefetched target forward included)."""
-        frac = (time.perf_counter() - t_start) / (60 * self.tc.max_minutes)
+        return self._ranks_max((time.perf_counter() - t_start) / (60 * self.tc.max_minutes))
+
+    def _ranks_max(self, value: float) -> float:
+        """The largest of the ranks' ``value``: ``value`` itself for one process (no collective, no device
+        sync), else one all-reduce of a 1-element tensor (waits for the rank's queued work)."""
         if self.acc.num_processes == 1:
-            return frac
-        return float(self.acc.reduce(torch.tensor([frac], device=self.device), reduction="max"))
+            return value
+        return float(self.acc.reduce(torch.tensor([value], device=self.device), reduction="max"))
 
     def _prefetches_online(self) -> bool:
         """Whether :meth:`_launch_online_features` runs the next step's target forward (``train.prefetch``,
@@ -580,11 +584,9 @@ class Trainer(InTrainingEval, Checkpoints):
         if minutes is None:
             return False
         over = time.perf_counter() - t_launch >= 60 * minutes
-        if self.acc.num_processes == 1:
-            return over
-        if self.step % self.tc.log_every:
+        if self.acc.num_processes > 1 and self.step % self.tc.log_every:
             return False
-        return bool(self.acc.reduce(torch.tensor([float(over)], device=self.device), reduction="max").item())
+        return self._ranks_max(float(over)) > 0
 
     def _fit(self, progress: bool, stop_at: int | None, stop_after_minutes: float | None = None) -> dict | None:
         from tqdm import tqdm
