@@ -54,8 +54,9 @@ def files_of(src: Path) -> list[Path]:
 
 
 def main(argv=None) -> None:
-    """The command line above. Exits with a message naming the folder for a batch that does not exist or a
-    non-empty ``carry`` destination (an earlier leg's pieces must not be carried with these)."""
+    """The command line above. Exits with a message naming the folder or file for a missing source folder, a
+    file too large for one call, a batch that does not exist, or a non-empty ``carry`` destination (an earlier
+    leg's pieces must not be carried with these); nothing is copied then."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("out")
@@ -66,7 +67,12 @@ def main(argv=None) -> None:
     c.add_argument("src", type=Path)
     c.add_argument("dest", type=Path)
     a = p.parse_args(argv)
-    groups = plan(files_of(a.src), max_group_bytes=MAX_GROUP_BYTES if a.cmd == "out" else MAX_CARRY_BYTES)
+    if not a.src.is_dir():
+        sys.exit(f"{a.cmd}: {a.src} is not a folder: give the folder of the state's files")
+    try:
+        groups = plan(files_of(a.src), max_group_bytes=MAX_GROUP_BYTES if a.cmd == "out" else MAX_CARRY_BYTES)
+    except ValueError as e:  # a piece too large for one call
+        sys.exit(f"{a.cmd}: {e}")
     if a.cmd == "out":
         if not 0 <= a.i < len(groups):
             sys.exit(f"state-out: batch {a.i} does not exist: {a.src} makes {len(groups)} batches (0..{len(groups) - 1})")

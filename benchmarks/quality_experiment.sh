@@ -267,6 +267,8 @@ PY
     # every piece) when a leg loads it, so a missing or damaged piece is named there
     mkdir -p "$WORK/state"
     n=0; for f in "${FERRY:-.ferry}"/b*/*; do [ -f "$f" ] || continue; cp "$f" "$WORK/state/"; n=$((n + 1)); done
+    # nothing carried: a leg would start the runs again from step 0, not continue them
+    [ "$n" -gt 0 ] || { echo "state-in: no file under ${FERRY:-.ferry}/b*/: carry the groups of ferry-groups" >&2; exit 2; }
     echo "state-in: $n files in $WORK/state ($(du -sh "$WORK/state" | cut -f1))" ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;

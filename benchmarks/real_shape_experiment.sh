@@ -112,7 +112,7 @@ case "${1:?step}" in
     # random-weight target's logits are near ties that bf16 rounding flips between the speculative and the
     # target-alone paths (docs/real_shapes.md), which would fail the lossless check for no fault of the drafter.
     # The GPU machine's disk (64 GiB) holds one 20B-shaped cache, not a cache, its fp8 copy and five fp32
-    # drafters of 4-8 GB: each cache's shards are deleted once its consumer is done (the manifests stay: bytes
+    # drafters of up to 8 GB (Llama-3.1-8B's: 2.0B parameters in fp32): each cache's shards are deleted once its consumer is done (the manifests stay: bytes
     # per token), and so is the online run's drafter (its step times are the result); KEEP_FEATURES=1 keeps all
     read -r -a P <<< "${PREPARE_OVERRIDES:-}"  # prepare's own (after the others, so they win), e.g. the default
     # attention kernel for the regeneration while the feature forwards run on flex_attention (`plan`)

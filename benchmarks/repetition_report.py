@@ -32,6 +32,7 @@ TAIL = MIN_TAIL
 
 
 def bucket_name(k: int) -> str:
+    """The label of position bucket ``k`` (an index into ``BUCKETS``), e.g. ``"[64, 128)"``, ``"[256, inf)"``."""
     hi = BUCKETS[k + 1] if k + 1 < len(BUCKETS) else None
     return f"[{BUCKETS[k]}, {hi if hi is not None else 'inf'})"
 

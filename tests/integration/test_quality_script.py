@@ -294,6 +294,8 @@ def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
     assert again.returncode != 0 and "is not empty" in again.stderr
     # a fresh machine: the carried groups, then the second leg continues both runs, which end and are exported
     two = _machine(tmp_path, "two", fake)
+    nothing = _step(two | {"FERRY": str(tmp_path / "nothing")}, "state-in")  # a leg would restart from step 0
+    assert nothing.returncode == 2 and "no file under" in nothing.stderr
     r = _step(two, "state-in")
     assert r.returncode == 0 and "state-in: 12 files" in r.stdout, r.stdout + r.stderr
     r = _step(two, "leg", "0.5")
@@ -323,6 +325,13 @@ def test_ferry_plan_limits(tmp_path):
     assert ferry.plan([]) == []
     with pytest.raises(ValueError, match="f3: .* train.state_part_mib=14"):
         ferry.plan(files, max_file_bytes=20)
+    # the command line: a missing folder and a piece too large are named, and nothing is copied
+    with pytest.raises(SystemExit, match="is not a folder"):
+        ferry.main(["carry", str(tmp_path / "missing"), str(tmp_path / "dest")])
+    (tmp_path / "f3").write_bytes(b"x" * (ferry.MAX_FILE_BYTES + 1))
+    with pytest.raises(SystemExit, match="f3: .* train.state_part_mib=14"):
+        ferry.main(["out", str(tmp_path), "0", str(tmp_path / "dest")])
+    assert not (tmp_path / "dest").exists()
 
 
 def test_run_curve_without_a_step_log_names_the_folder(tmp_path):
