@@ -71,6 +71,15 @@ from peagle_train.trainer.profiling import StepProfiler
 from peagle_train.trainer.setup import adamw_implementation, build_drafter, epoch_order, resolve_attention, step_generator
 
 
+def ranks_max(acc, device, value: float) -> float:
+    """The largest of the ranks' ``value`` (a Python float, any unit): ``value`` itself for one process (no
+    collective, no device sync), else one max all-reduce of a 1-element tensor on ``device`` through
+    ``acc`` (an ``accelerate.Accelerator``; waits for the rank's queued work). Every rank must call it."""
+    if acc.num_processes == 1:
+        return value
+    return float(acc.reduce(torch.tensor([value], device=device), reduction="max"))
+
+
 class Trainer(InTrainingEval, Checkpoints):
     """Owns the accelerate objects and the loop; built by :func:`run_train`.
 
@@ -275,14 +284,7 @@ class Trainer(InTrainingEval, Checkpoints):
         stop): the ranks' maximum through one collective; one process reads its clock alone, so the step
         starts without a device sync (a device tensor read back would wait for the queued work, the
         prefetched target forward included)."""
-        return self._ranks_max((time.perf_counter() - t_start) / (60 * self.tc.max_minutes))
-
-    def _ranks_max(self, value: float) -> float:
-        """The largest of the ranks' ``value``: ``value`` itself for one process (no collective, no device
-        sync), else one all-reduce of a 1-element tensor (waits for the rank's queued work)."""
-        if self.acc.num_processes == 1:
-            return value
-        return float(self.acc.reduce(torch.tensor([value], device=self.device), reduction="max"))
+        return ranks_max(self.acc, self.device, (time.perf_counter() - t_start) / (60 * self.tc.max_minutes))
 
     def _prefetches_online(self) -> bool:
         """Whether :meth:`_launch_online_features` runs the next step's target forward (``train.prefetch``,
@@ -586,7 +588,7 @@ class Trainer(InTrainingEval, Checkpoints):
         over = time.perf_counter() - t_launch >= 60 * minutes
         if self.acc.num_processes > 1 and self.step % self.tc.log_every:
             return False
-        return self._ranks_max(float(over)) > 0
+        return ranks_max(self.acc, self.device, float(over)) > 0
 
     def _fit(self, progress: bool, stop_at: int | None, stop_after_minutes: float | None = None) -> dict | None:
         from tqdm import tqdm
