@@ -191,16 +191,21 @@ def _finished(out: list[int], max_new_tokens: int, eos: set[int]) -> bool:
     return False
 
 
-def _new_cache(model, rollback: bool = False):
-    """A ``DynamicCache`` for ``model``. ``rollback=True`` (speculative decoding, which crops rejected
-    drafts): the sliding-window layers of a model with sliding attention (GPT-OSS) record past states until
-    the next ``crop``, which transformers requires to crop a sliding layer once its window is full."""
+def _new_cache():
+    """An empty ``DynamicCache`` that keeps every position of every layer, sliding-window layers included.
+
+    Built without the model's configuration on purpose: with it, transformers gives a sliding-window layer
+    (GPT-OSS) a ``DynamicSlidingWindowLayer`` that keeps only the last ``sliding_window - 1`` keys, refuses to
+    ``crop`` rejected drafts once the window is full unless it records past states, and, when it records
+    them, returns every recorded key while the attention mask covers ``sliding_window - 1 + q`` keys in
+    transformers 5.17 (``RuntimeError: The size of tensor a (377) must match the size of tensor b (131)`` at
+    the first verification after a prompt longer than the window, GPT-OSS-20B, window 128). A full layer
+    crops by a negative count in every 5.x release, and the sliding-window mask
+    (``create_sliding_window_causal_mask``) still limits each query to its window, so the attention is
+    the same; the price is the KV of the whole context in the sliding layers, small at evaluation lengths."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    if rollback and hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
+    return DynamicCache()
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,7 +279,7 @@ def target_generate(
     stats = TargetStats()
     _sync(dev)
     start = time.perf_counter()
-    cache = _new_cache(target.model)
+    cache = _new_cache()
     logits, _ = _run_target(target, ids, cache, want_aux=False)
     out = [_next_token(logits[-1], sampling, temperature, generator)]
     _sync(dev)
@@ -339,7 +344,7 @@ def speculative_generate(
     stats = SpecStats(K=K)
     _sync(dev)
     start = time.perf_counter()
-    cache = _new_cache(target.model, rollback=True)
+    cache = _new_cache()
     logits, aux = _run_target(target, ids, cache, want_aux=True)  # [N, V], [N, A*T]
     out = [_next_token(logits[-1], sampling, temperature, generator)]  # x[N], the first bonus
     _sync(dev)

@@ -60,3 +60,32 @@ def test_greedy_speculative_equals_target_past_the_sliding_window():
             assert out == ref, f"K={K}: speculative output diverges from the target's greedy output"
             hist.update(("none" if a == 0 else "all" if a == K else "some") for a in stats.accepted)
     assert hist["none"] > 0 and hist["some"] > 0 and hist["all"] > 0, hist
+
+
+def test_verification_after_a_long_prefill_equals_the_full_forward():
+    """The loop's cache keeps every key (no ``DynamicSlidingWindowLayer``: transformers 5.17 returned all
+    recorded keys against a window-sized mask, a shape error at the first verification on GPT-OSS-20B) and
+    the sliding window is still applied by the mask: a prefill longer than the window, then a verification
+    of 4 tokens and a crop of 2 of them, then 3 more tokens give the logits of one forward over the whole
+    sequence without a cache (float32: the experts' grouped matmul has no float64 kernel)."""
+    from peagle_train.decoding.speculative import _new_cache, _run_target
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt_oss", attn_implementation="eager", **TINY_GPT_OSS)
+    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    target = Target(model=model, tokenizer=None, aux_layer_ids=AUX, path="")
+    ids = torch.randint(0, 62, (30,), generator=torch.Generator().manual_seed(4))  # window 8: 3 windows long
+    cache = _new_cache()
+    assert not any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", []))
+    pre, _ = _run_target(target, ids[:20], cache, want_aux=False)
+    ver, _ = _run_target(target, ids[20:24], cache, want_aux=False)  # no crop after the prefill
+    cache.crop(-2)  # two rejected drafts: ids[22:24] leave the cache
+    tail, _ = _run_target(target, ids[22:25], cache, want_aux=False)
+    full = model(input_ids=ids[None, :25]).logits[0]
+    torch.testing.assert_close(pre, full[:20], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ver, full[20:24], rtol=0, atol=1e-5)
+    torch.testing.assert_close(tail, full[22:25], rtol=0, atol=1e-5)
+    window_blind = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt_oss", attn_implementation="eager", **{**TINY_GPT_OSS, "sliding_window": 64})).eval()
+    window_blind.load_state_dict(model.state_dict())
+    assert not torch.allclose(window_blind(input_ids=ids[None, :25]).logits[0][20:], full[20:25])  # window matters
