@@ -18,6 +18,9 @@
 #        # after `run ARCH`: the online trainer at micro-batches of ~N prepared tokens ($WORK/ARCH-online-N)
 #        # beside benchmarks/train_step.py's drafter-only step of the same drafter, micro-batch and sequences
 #        # (or with PREPARED=OUT.tar.xz of `pack`, on a fresh machine without `run`)
+#   bash benchmarks/real_shape_experiment.sh short ARCH [override ...]
+#        # after prepare (or with PREPARED=OUT.tar.xz of `pack`): a short online training (SHORT_STEPS, default 6),
+#        # export, check and eval in $WORK/ARCH-short: the late stages alone, in a few minutes of a GPU machine
 #   bash benchmarks/real_shape_experiment.sh attn-check ARCH [OUT.json]
 #        # does transformers' flex_attention give the target's eager features? benchmarks/target_forward.py in
 #        # float32 on one row of 3,439 random tokens, eager against flex_attention on the same weights (and eager
@@ -98,6 +101,15 @@ arch_overrides() {  # ARCH -> the recipe and the overrides that make it run here
     "eval.datasets=[mt_bench]" eval.num_prompts=2 eval.k_max=3 eval.both_turns=false
 }
 
+check_eval() {  # DIR [override ...] (with A set): `check` of DIR's export against the target's configuration, then
+  # eval; on a GPU the target runs in float32 (`run`); returns eval's status
+  local d=$1; shift
+  cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
+    > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
+  local ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
+  cli eval "${A[@]}" "output_dir=$d" "$@" "${ev[@]}" || { local rc=$?; echo "eval: FAILED"; return $rc; }
+}
+
 case "${1:?step}" in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
@@ -126,10 +138,7 @@ case "${1:?step}" in
     drop "$d/features"
     { [ ! -d "$d/drafter" ] && [ -f "$d/export/config.json" ]; } \
       || cli export "${A[@]}" "output_dir=$d" train.features=cache "$@"  # (the plan drops drafter/ after export)
-    cli check "$d/export" --target "$(recipe "materialise_target(cfg.target) / 'config.json'" "${A[@]}" "$@")" \
-      > "$d/logs/check.txt" 2>&1 && echo "check: passed" || { echo "check: FAILED"; tail -n 20 "$d/logs/check.txt"; }
-    ev=(); [ "${TINY:-0}" = 1 ] || ev=(target.dtype=float32)
-    ev_rc=0; cli eval "${A[@]}" "output_dir=$d" train.features=cache "$@" "${ev[@]}" || { ev_rc=$?; echo "eval: FAILED"; }
+    ev_rc=0; check_eval "$d" train.features=cache "$@" || ev_rc=$?
     o="$WORK/$arch-online"  # the same prepared data, features computed by the target inside the training loop
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
     [ -f "$o/train_metrics.json" ] || cli train "${A[@]}" "output_dir=$o" train.features=online "$@"
@@ -141,6 +150,19 @@ case "${1:?step}" in
     fi
     drop "$f/features"
     exit "$ev_rc" ;;  # a failed eval fails the step, after the online and fp8 runs
+  short)  # ARCH [override ...]: the stages after prepare on a short online training, in $WORK/ARCH-short: train
+    # (SHORT_STEPS steps, default 6), export, check, eval (what a machine with a few minutes left can finish;
+    # PREPARED=OUT.tar.xz of `pack` on a fresh machine)
+    arch=${2:?arch}; shift 2
+    mapfile -t A < <(arch_overrides "$arch")
+    d="$WORK/$arch"; o="$WORK/$arch-short"
+    unpack "$d"
+    mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
+    S=(train.features=online "train.max_steps=${SHORT_STEPS:-6}" "$@")
+    cli train "${A[@]}" "output_dir=$o" "${S[@]}" > "$o/train.log" 2>&1 || { tail -n 20 "$o/train.log"; exit 1; }
+    cli export "${A[@]}" "output_dir=$o" "${S[@]}"
+    check_eval "$o" "${S[@]}"
+    drop "$o/drafter" ;;
   prepare)  # ARCH [override ...]: the prepare stage of `run` alone, e.g. with regen.enabled=false
     # data.path=.gpu/sharegpt_answers.json (ShareGPT's own answers, no regeneration) before `online-n`
     arch=${2:?arch}; shift 2
