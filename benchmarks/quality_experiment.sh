@@ -127,10 +127,8 @@ PY
     du -sh "$st/.gguf1" "$st/.gguf2" ;;
   setup)
     cp .gguf2/gguf.partab "$WORK/"
-    if [ -f .gguf2/sharegpt_prompts.json.xz ]; then
-      python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-        .gguf2/sharegpt_prompts.json.xz "$WORK/sharegpt_prompts.json"
-    else cp .gguf2/sharegpt_prompts.json "$WORK/"; fi
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      .gguf2/sharegpt_prompts.json.xz "$WORK/sharegpt_prompts.json"
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;
