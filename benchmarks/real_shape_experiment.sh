@@ -75,6 +75,10 @@ unpack() {  # RUN_DIR: with PREPARED=OUT.tar.xz (packed by `pack` on an earlier 
   fi
 }
 
+need_prepared() {  # RUN_DIR STEP: exit 2 with a message when RUN_DIR holds no prepared data (after `unpack`)
+  [ -f "$1/data/meta.json" ] || { echo "$2: no prepared data in $1/data: run \`prepare ARCH\` or \`run ARCH\` there first, or set PREPARED=OUT.tar.xz (from \`pack\`)" >&2; exit 2; }
+}
+
 arch_overrides() {  # ARCH -> the recipe and the overrides that make it run here (printed one per line)
   local tiny=""; [ "${TINY:-0}" = 1 ] && tiny="-tiny"
   case "$1" in
@@ -157,6 +161,7 @@ case "${1:?step}" in
     mapfile -t A < <(arch_overrides "$arch")
     d="$WORK/$arch"; o="$WORK/$arch-short"
     unpack "$d"
+    need_prepared "$d" short
     mkdir -p "$o" && { [ -d "$o/data" ] || cp -r "$d/data" "$o/"; }
     S=(train.features=online "train.max_steps=${SHORT_STEPS:-6}" "$@")
     cli train "${A[@]}" "output_dir=$o" "${S[@]}" > "$o/train.log" 2>&1 || { tail -n 20 "$o/train.log"; exit 1; }
@@ -176,6 +181,7 @@ case "${1:?step}" in
     mapfile -t A < <(arch_overrides "$arch")
     d="$WORK/$arch"; o="$WORK/$arch-online-$n"
     unpack "$d"  # PREPARED: online-n alone on a fresh machine
+    need_prepared "$d" online-n
     m=$(py - "$d" "$n" <<'PY'
 import sys
 from pathlib import Path

@@ -573,6 +573,10 @@ def test_real_shape_short_runs_the_late_stages_of_gpt_oss(tmp_path):
     work = tmp_path / "work"
     env = {**os.environ, "TINY": "1", "WORK": str(work), "PEAGLE_CACHE": str(tmp_path / "cache"), "SHORT_STEPS": "3"}
     script = str(ROOT / "benchmarks" / "real_shape_experiment.sh")
+    early = subprocess.run(["bash", script, "short", "gpt-oss-20b"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)  # before prepare: refused, naming the folder and what to do
+    assert early.returncode == 2 and f"short: no prepared data in {work}/gpt-oss-20b/data" in early.stderr, early.stderr
+    assert "PREPARED=" in early.stderr and not (work / "gpt-oss-20b-short").exists()
     prep = subprocess.run(["bash", script, "prepare", "gpt-oss-20b"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-2000:]
