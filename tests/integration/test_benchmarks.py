@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -615,3 +616,26 @@ def test_recipe_shapes_are_the_drafters_the_recipes_build(bench, shape, spec, re
                                        "intermediate_size", "vocab_size")}
     got = {k: v for k, v in bench.SHAPES[shape].items() if k in want}
     assert got == want and bench.SHAPES[shape]["draft_vocab"] == vd
+
+
+def test_decode_attention_kernels_cpu_smoke(tmp_path):
+    """``benchmarks/decode_attention_kernels.py --smoke``: every decoding-attention candidate of the
+    regeneration step runs on the same tiny left-padded batch and equals the float32 reference (a variant
+    with a wrong mask, e.g. one attending to the unwritten cache tail, would be off by far more); a variant
+    this torch cannot run is an error row, not a lost run; the JSON names the command."""
+    import decode_attention_kernels as dak
+
+    out = tmp_path / "d.json"
+    res = dak.main(["--smoke", "--fills", "0.5", "1.0", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert res["meta"]["command"] == f"python benchmarks/decode_attention_kernels.py --smoke --fills 0.5 1.0 --out {out}"
+    assert [(r["L"], r["fill"]) for r in res["rows"]] == [(256, 0.5), (256, 1.0)]
+    for row in res["rows"]:
+        v = row["variants"]
+        for name in ("sdpa_expanded", "sdpa_folded", "bmm_bf16", "flex"):
+            assert v[name]["max_abs_err"] < 1e-5 and v[name]["ms"] > 0, name
+        assert v["sdpa_nomask"]["max_abs_err"] is None and "ms" in v["flex_mask_only"]
+        assert "error" in v["sdpa_folded_efficient"] or v["sdpa_folded_efficient"]["max_abs_err"] < 1e-5
+    q, k, v_, start, pos = dak.make_inputs(4, 9, 3, 64, 256, 0.5, "cpu", torch.float32)
+    wrong = torch.nn.functional.scaled_dot_product_attention(q, k, v_, enable_gqa=True)  # no mask
+    assert (wrong - dak.reference(q, k, v_, start, pos)).abs().max() > 1e-2
