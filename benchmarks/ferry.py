@@ -7,14 +7,24 @@ several calls. :func:`plan` groups files in order so that each group fits one ca
 
     python benchmarks/ferry.py out SRC I DEST     # batch I of SRC's files (<= 8, <= 62 MiB) copied to DEST
     python benchmarks/ferry.py carry SRC DEST     # all of SRC's files into DEST/b0, b1, ... (<= 58 MiB each)
+    python benchmarks/ferry.py pack SRC DEST      # SRC's files, each xz-compressed, in tar pieces of <= 14 MiB
+                                                  # (DEST/pack-NNN.tar) and DEST/pack-manifest.json (sha256s)
+    python benchmarks/ferry.py unpack SRC DEST    # the pieces of SRC (checked) into DEST; files there are kept
 
-(``quality_experiment.sh state-out`` and ``ferry-groups``.)
+(``quality_experiment.sh state-out``, ``ferry-groups``, ``regen-out`` and ``regen-in``: regeneration
+shards, many small JSON files that compress well, travel as ``pack`` pieces.)
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import json
+import lzma
+import os
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 MAX_FILES = 8
@@ -22,6 +32,19 @@ MAX_FILE_BYTES = 16 * 2**20
 MAX_GROUP_BYTES = 62 * 2**20  # back from a call: under its 64 MiB, with room for the command's own output
 #: carried into a call: its 64 MiB hold the working tree too (a few MiB): 4 pieces of 14 MiB and the manifests
 MAX_CARRY_BYTES = 58 * 2**20
+#: one ``pack`` piece: under a returned file's 16 MiB with room for the tar headers
+MAX_PIECE_BYTES = 14 * 2**20
+MANIFEST = "pack-manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file (this script stays standard-library only: it runs under any ``python3`` on either
+    machine, where ``peagle_train.features.target.sha256_file`` would import torch)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def plan(files: list[Path], max_files: int = MAX_FILES, max_file_bytes: int = MAX_FILE_BYTES,
@@ -53,6 +76,104 @@ def files_of(src: Path) -> list[Path]:
     return sorted(p for p in src.iterdir() if p.is_file())
 
 
+def pack(src: Path, dest: Path, max_piece_bytes: int = MAX_PIECE_BYTES) -> dict:
+    """Pack the plain files of ``src`` (sorted by name), each xz-compressed (``NAME.xz``), into uncompressed tar
+    pieces ``dest/pack-000.tar``, ``pack-001.tar``, ... of at most ``max_piece_bytes`` of compressed content, and
+    write ``dest/pack-manifest.json``: ``{"files": {name: sha256 of the original}, "pieces": {piece: sha256}}``.
+
+    ``dest`` is emptied of earlier pieces first (a pack describes ``src`` as it is now). Pieces and the manifest
+    are written to temporary names and renamed (a killed run leaves no piece that looks complete).
+
+    Returns:
+        the manifest.
+
+    Raises:
+        ValueError: ``src`` is not a folder; a file whose compressed size exceeds ``max_piece_bytes`` (named).
+    """
+    if not src.is_dir():
+        raise ValueError(f"pack: {src} is not a folder")
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("pack-*"):
+        old.unlink()
+    files, pieces, current, size = {}, {}, [], 0
+
+    def flush():
+        name = f"pack-{len(pieces):03d}.tar"
+        tmp = dest / f".{name}.tmp"
+        with tarfile.open(tmp, "w") as t:
+            for arc, blob in current:
+                info = tarfile.TarInfo(arc)
+                info.size, info.mtime = len(blob), 0
+                t.addfile(info, io.BytesIO(blob))
+        os.replace(tmp, dest / name)
+        pieces[name] = sha256_file(dest / name)
+
+    for f in files_of(src):
+        data = f.read_bytes()
+        files[f.name] = hashlib.sha256(data).hexdigest()
+        blob = lzma.compress(data, preset=6)
+        if len(blob) > max_piece_bytes:
+            raise ValueError(f"pack: {f} is {len(blob) / 2**20:.1f} MiB compressed, more than one piece holds "
+                             f"({max_piece_bytes / 2**20:.0f} MiB)")
+        if current and size + len(blob) > max_piece_bytes:
+            flush()
+            current, size = [], 0
+        current.append((f.name + ".xz", blob))
+        size += len(blob)
+    if current:
+        flush()
+    manifest = {"files": files, "pieces": pieces}
+    tmp = dest / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, dest / MANIFEST)
+    return manifest
+
+
+def unpack(src: Path, dest: Path) -> tuple[list[str], list[str]]:
+    """Extract the pieces that ``pack`` wrote (``src/pack-manifest.json`` and its pieces) into ``dest``.
+
+    Every piece's sha256 is checked against the manifest before anything is written, and every extracted
+    file's against the original's; a file already in ``dest`` is kept, not overwritten (a shard finished on
+    this machine stays). Each file is written to a temporary name and renamed.
+
+    Returns:
+        ``(written, kept)`` file names.
+
+    Raises:
+        ValueError: no manifest in ``src``; a piece missing or damaged (named, with what to do); a file whose
+            content does not match the manifest.
+    """
+    mf = src / MANIFEST
+    if not mf.is_file():
+        raise ValueError(f"unpack: no {MANIFEST} in {src}: carry the folder that `pack` wrote (its pieces and manifest)")
+    manifest = json.loads(mf.read_text())
+    for piece, digest in manifest["pieces"].items():
+        if not (src / piece).is_file():
+            raise ValueError(f"unpack: {src / piece} is missing: carry every piece the manifest lists "
+                             f"({', '.join(manifest['pieces'])})")
+        if sha256_file(src / piece) != digest:
+            raise ValueError(f"unpack: {src / piece} is damaged (sha256 differs from {MANIFEST}): fetch it again")
+    dest.mkdir(parents=True, exist_ok=True)
+    written, kept = [], []
+    for piece in manifest["pieces"]:
+        with tarfile.open(src / piece, "r") as t:
+            for m in t.getmembers():
+                name = m.name.removesuffix(".xz")
+                if name != Path(name).name or name not in manifest["files"]:
+                    raise ValueError(f"unpack: {src / piece} holds {m.name!r}, which {MANIFEST} does not list")
+                if (dest / name).exists():
+                    kept.append(name)
+                    continue
+                data = lzma.decompress(t.extractfile(m).read())
+                if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
+                    raise ValueError(f"unpack: {name} in {src / piece} does not match {MANIFEST}")
+                tmp = dest / f".{name}.tmp"
+                tmp.write_bytes(data)
+                os.replace(tmp, dest / name)
+                written.append(name)
+    return written, kept
+
+
 def main(argv=None) -> None:
     """The command line above. Exits with a message naming the folder or file for a missing source folder, a
     file too large for one call, a batch that does not exist, or a non-empty ``carry`` destination (an earlier
@@ -63,10 +184,22 @@ def main(argv=None) -> None:
     o.add_argument("src", type=Path)
     o.add_argument("i", type=int)
     o.add_argument("dest", type=Path)
-    c = sub.add_parser("carry")
-    c.add_argument("src", type=Path)
-    c.add_argument("dest", type=Path)
+    for cmd in ("carry", "pack", "unpack"):
+        c = sub.add_parser(cmd)
+        c.add_argument("src", type=Path)
+        c.add_argument("dest", type=Path)
     a = p.parse_args(argv)
+    if a.cmd in ("pack", "unpack"):
+        try:
+            if a.cmd == "pack":
+                m = pack(a.src, a.dest)
+                print(f"pack: {len(m['files'])} files of {a.src} in {len(m['pieces'])} pieces in {a.dest}")
+            else:
+                written, kept = unpack(a.src, a.dest)
+                print(f"unpack: {len(written)} files written to {a.dest}, {len(kept)} already there kept")
+        except ValueError as e:
+            sys.exit(str(e))
+        return
     if not a.src.is_dir():
         sys.exit(f"{a.cmd}: {a.src} is not a folder: give the folder of the state's files")
     try:
@@ -75,11 +208,11 @@ def main(argv=None) -> None:
         sys.exit(f"{a.cmd}: {e}")
     if a.cmd == "out":
         if not 0 <= a.i < len(groups):
-            sys.exit(f"state-out: batch {a.i} does not exist: {a.src} makes {len(groups)} batches (0..{len(groups) - 1})")
+            sys.exit(f"out: batch {a.i} does not exist: {a.src} makes {len(groups)} batches (0..{len(groups) - 1})")
         a.dest.mkdir(parents=True, exist_ok=True)
         for f in groups[a.i]:
             shutil.copy2(f, a.dest / f.name)
-        print(f"state-out: batch {a.i} of {len(groups)} (0..{len(groups) - 1}): {', '.join(f.name for f in groups[a.i])}")
+        print(f"out: batch {a.i} of {len(groups)} (0..{len(groups) - 1}): {', '.join(f.name for f in groups[a.i])}")
         return
     if a.dest.exists() and any(a.dest.iterdir()):
         sys.exit(f"ferry-groups: {a.dest} is not empty: remove it first (an earlier leg's pieces must not be carried)")

@@ -5,6 +5,10 @@
 #
 #   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
 #   bash benchmarks/quality_experiment.sh prepare    # regenerate responses, one worker per GPU (resumable: re-run)
+#   bash benchmarks/quality_experiment.sh regen-out I   # batch I of the shards finished so far to $OUT (prepare
+#                                                    # sends batch 0 when it stops unfinished)
+#   bash benchmarks/quality_experiment.sh regen-in   # a fresh machine: the carried .regen/ pieces, then prepare
+#                                                    # continues from those shards
 #   bash benchmarks/quality_experiment.sh restore    # instead of prepare: unpack .prepared/prepared.tar.xz (the
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
@@ -141,7 +145,7 @@ PY
       pids=()
       for r in $(seq 0 $((ngpu - 1))); do
         CUDA_VISIBLE_DEVICES=$r timeout $((BUDGET - 60)) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" \
-          --regen-worker "$r/$ngpu" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
+          "output_dir=$WORK/peagle" --regen-worker "$r/$ngpu" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
         pids+=($!)
         sleep 2  # staggered starts: the workers load the target one after the other
       done
@@ -153,15 +157,36 @@ PY
       echo "regeneration not finished in BUDGET=$BUDGET s: re-run this step (finished shards are kept)"
     else
       left=$(( BUDGET - ($(date +%s) - t0) ))
-      timeout $(( left > 30 ? left : 30 )) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" --quiet \
+      CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")  # (cli(), under timeout)
+      timeout $(( left > 30 ? left : 30 )) "${CLI[@]}" prepare "$P" "${OVR[@]}" "output_dir=$WORK/peagle" --quiet \
         | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     fi
     if [ -f "$WORK/peagle/data/meta.json" ]; then
       share_prepared "$WORK/eagle3" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
       pack_prepared  # small enough to come back and be carried in later (restore): no re-regeneration
+      ship data_meta.json prepare_meta.txt prepared.tar.xz prepared.tar.xz.sha256
+    elif [ -n "${OUT:-}" ] && ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; then
+      # not finished: the shards finished so far come back (pieces of `regen-out`), so that a fresh machine
+      # continues from them (`regen-in`) instead of regenerating them again
+      bash "$0" regen-out 0
     fi
-    ship data_meta.json prepare_meta.txt prepared.tar.xz prepared.tar.xz.sha256
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
+  regen-out)  # I: the regeneration shards finished so far ($WORK/peagle/data/regen), each xz-compressed, in tar
+    # pieces of <= 14 MiB with a manifest of sha256s (benchmarks/ferry.py pack; packed again at I = 0), batch I
+    # of them to $OUT (8 files a call). CPU side: all batches' files into one folder, .regen/ (git-ignored)
+    [ -d "$WORK/peagle/data/regen" ] || { echo "regen-out: no shards in $WORK/peagle/data/regen: run prepare first" >&2; exit 2; }
+    if [ "${2:?batch index}" = 0 ] || [ ! -f "$WORK/regen-pack/pack-manifest.json" ]; then
+      python3 benchmarks/ferry.py pack "$WORK/peagle/data/regen" "$WORK/regen-pack"
+    fi
+    python3 benchmarks/ferry.py out "$WORK/regen-pack" "$2" "${OUT:?set OUT}" ;;
+  regen-in)  # on a fresh machine, before prepare: the carried pieces (REGEN_IN, default .regen/) into
+    # $WORK/peagle/data/regen, every piece and shard checked against the manifest; shards already there are kept.
+    # Pieces too large for one carry may come in several calls: each call's are gathered in $WORK/regen-carried
+    # and the shards are written once every piece the manifest lists is there
+    src=${REGEN_IN:-.regen}
+    ls "$src"/pack-* > /dev/null 2>&1 || { echo "regen-in: no pack-* file in $src: carry the files of regen-out" >&2; exit 2; }
+    mkdir -p "$WORK/regen-carried" && cp "$src"/pack-* "$WORK/regen-carried/"
+    python3 benchmarks/ferry.py unpack "$WORK/regen-carried" "$WORK/peagle/data/regen" ;;
   restore)  # prepared data from an earlier prepare: .prepared/prepared.tar.xz + .sha256 (carry .prepared)
     restore_prepared ;;
   train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other

@@ -390,3 +390,84 @@ def test_stage_builds_the_carried_inputs(tmp_path):
     assert len(rows) > 16000 and len(gpt) > 50000 and set(gpt) == {"(regenerated)"}
     convs, _ = load_conversations(DataConfig(source="sharegpt", path=str(plain), num_conversations=200, max_turns=4))
     assert len(convs) == 200 and max(sum(m["role"] == "assistant" for m in c) for c in convs) > 1
+
+
+FAKE_PREPARE = r'''#!{python}
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+over = dict(a.split("=", 1) for a in args[2:] if "=" in a)
+regen = Path(over["output_dir"]) / "data" / "regen"
+regen.mkdir(parents=True, exist_ok=True)
+for i in range(3):  # three shards finished, then the time limit kills the run before tokenisation
+    convs = [[{{"role": "user", "content": f"q{{i}}-{{j}}"}}, {{"role": "assistant", "content": "word " * (50 + j)}}]
+             for j in range(40)]
+    (regen / f"train-{{i:05d}}.json").write_text(json.dumps({{"conversations": convs, "inputs_sha256": str(i)}}))
+sys.exit(124)
+'''
+
+
+def test_unfinished_regeneration_comes_back_and_a_fresh_machine_continues_from_it(tmp_path):
+    """A prepare stopped by its time limit sends the shards finished so far back (pieces and manifest of
+    ``regen-out``); ``regen-in`` on a fresh machine writes them where prepare resumes, checked, keeping a shard
+    that machine already has; a damaged or missing piece is refused, naming it, and nothing is written."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_prepare.py"
+    fake.write_text(FAKE_PREPARE.format(python=sys.executable))
+    fake.chmod(0o755)
+    back = tmp_path / "back"
+    one = os.environ | {"WORK": str(tmp_path / "one"), "PEAGLE_CLI": str(fake), "NGPU": "1", "BUDGET": "60",
+                        "OUT": str(back)}
+    r = _step(one, "prepare")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "prepare not finished" in r.stdout and "out: batch 0 of 1" in r.stdout, r.stdout
+    assert sorted(p.name for p in back.iterdir()) == ["pack-000.tar", "pack-manifest.json"]
+    shards = tmp_path / "one" / "peagle" / "data" / "regen"
+    # a fresh machine that has finished shard 0 itself: it is kept, the other two are written, byte-identical
+    two_regen = tmp_path / "two" / "peagle" / "data" / "regen"
+    two_regen.mkdir(parents=True)
+    (two_regen / "train-00000.json").write_text("finished here")
+    two = one | {"WORK": str(tmp_path / "two"), "REGEN_IN": str(back)}
+    two.pop("OUT")
+    r = _step(two, "regen-in")
+    assert r.returncode == 0 and "2 files written" in r.stdout and "1 already there kept" in r.stdout, r.stdout + r.stderr
+    assert (two_regen / "train-00000.json").read_text() == "finished here"
+    for i in (1, 2):
+        assert (two_regen / f"train-{i:05d}.json").read_bytes() == (shards / f"train-{i:05d}.json").read_bytes()
+    # a damaged piece: refused before anything is written
+    three = two | {"WORK": str(tmp_path / "three")}
+    piece = back / "pack-000.tar"
+    blob = bytearray(piece.read_bytes())
+    blob[600] ^= 0xFF
+    piece.write_bytes(bytes(blob))
+    r = _step(three, "regen-in")
+    assert r.returncode != 0 and "pack-000.tar is damaged" in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "three" / "peagle" / "data" / "regen").exists()
+    r = _step(three | {"REGEN_IN": str(tmp_path / "nothing")}, "regen-in")
+    assert r.returncode == 2 and "no pack-* file" in r.stderr
+
+
+def test_ferry_pack_splits_into_pieces_and_unpack_needs_them_all(tmp_path):
+    """``ferry.py pack`` keeps every piece under its limit (files compressed one by one, in name order) and
+    ``unpack`` restores the files exactly; a piece not carried is named; a file too large for a piece is named."""
+    import ferry  # benchmarks/ is on sys.path (conftest)
+    import random
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(0)
+    for i in range(6):  # incompressible: each compresses to ~20 KB
+        (src / f"train-{i:05d}.json").write_bytes(bytes(rng.getrandbits(8) for _ in range(20_000)))
+    m = ferry.pack(src, tmp_path / "pack", max_piece_bytes=45_000)
+    assert list(m["pieces"]) == ["pack-000.tar", "pack-001.tar", "pack-002.tar"] and len(m["files"]) == 6
+    assert json.loads((tmp_path / "pack" / "pack-manifest.json").read_text()) == m
+    written, kept = ferry.unpack(tmp_path / "pack", tmp_path / "dest")
+    assert (sorted(written), kept) == (sorted(m["files"]), [])
+    assert all((tmp_path / "dest" / n).read_bytes() == (src / n).read_bytes() for n in m["files"])
+    (tmp_path / "pack" / "pack-001.tar").unlink()
+    with pytest.raises(ValueError, match="pack-001.tar is missing"):
+        ferry.unpack(tmp_path / "pack", tmp_path / "dest2")
+    assert not (tmp_path / "dest2").exists()
+    with pytest.raises(ValueError, match=r"train-00000.json is 0.0 MiB compressed, more than one piece holds"):
+        ferry.pack(src, tmp_path / "pack", max_piece_bytes=1_000)
