@@ -6,6 +6,7 @@ most 64 MiB (``/work/.library/device/README.md``); a portable training state of 
 several calls. :func:`plan` groups files in order so that each group fits one call.
 
     python benchmarks/ferry.py out SRC I DEST     # batch I of SRC's files (<= 8, <= 62 MiB) copied to DEST
+                                                  # ($FERRY_MAX_FILES: fewer files, room for others)
     python benchmarks/ferry.py carry SRC DEST     # all of SRC's files into DEST/b0, b1, ... (<= 58 MiB each)
     python benchmarks/ferry.py pack SRC DEST      # SRC's files, each xz-compressed, in tar pieces of <= 14 MiB
                                                   # (DEST/pack-NNN.tar) and DEST/pack-manifest.json (sha256s)
@@ -203,7 +204,8 @@ def main(argv=None) -> None:
     if not a.src.is_dir():
         sys.exit(f"{a.cmd}: {a.src} is not a folder: give the folder of the state's files")
     try:
-        groups = plan(files_of(a.src), max_group_bytes=MAX_GROUP_BYTES if a.cmd == "out" else MAX_CARRY_BYTES)
+        groups = plan(files_of(a.src), max_files=int(os.environ.get("FERRY_MAX_FILES", MAX_FILES)),
+                      max_group_bytes=MAX_GROUP_BYTES if a.cmd == "out" else MAX_CARRY_BYTES)
     except ValueError as e:  # a piece too large for one call
         sys.exit(f"{a.cmd}: {e}")
     if a.cmd == "out":

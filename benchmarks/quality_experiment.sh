@@ -33,7 +33,7 @@ set -euo pipefail
 WORK=${WORK:-/tmp/peagle_quality}
 RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
 # each step copies at most 8 of its small files to $OUT (the device tool returns at most 8 files per call)
-ship() { [ -n "${OUT:-}" ] || return 0; for f in "$@"; do [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"; done; true; }
+ship() { [ -n "${OUT:-}" ] || return 0; mkdir -p "$OUT"; for f in "$@"; do [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"; done; true; }
 GGUF=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$WORK" "$RESULTS"
@@ -136,16 +136,21 @@ PY
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;
-  prepare)  # one regeneration worker per GPU (disjoint resumable shards), then tokenise; stops by $BUDGET s
+  prepare)  # WORKERS_PER_GPU (default 1) regeneration workers per GPU (disjoint resumable shards), then tokenise;
+    # stops by $BUDGET s. Several workers on one GPU fill the GPU's idle time while one worker's host waits
+    # (docs/benchmarks.md, "Decoding attention kernels for regeneration"). regen_rate.json: the generated tokens
+    # of the shards written in this call over its wall time
     t0=$(date +%s)
     BUDGET=${BUDGET:-540}
     ngpu=$(ngpus)
+    nw=$(( ngpu * ${WORKERS_PER_GPU:-1} ))
+    CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")  # (cli(), under timeout)
     unfinished=0
-    if [ "$ngpu" -gt 1 ]; then
+    if [ "$nw" -gt 1 ]; then
       pids=()
-      for r in $(seq 0 $((ngpu - 1))); do
-        CUDA_VISIBLE_DEVICES=$r timeout $((BUDGET - 60)) python3 -m peagle_train.cli prepare "$P" "${OVR[@]}" \
-          "output_dir=$WORK/peagle" --regen-worker "$r/$ngpu" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
+      for r in $(seq 0 $((nw - 1))); do
+        CUDA_VISIBLE_DEVICES=$(( r % ngpu )) timeout $((BUDGET - 60)) "${CLI[@]}" prepare "$P" "${OVR[@]}" \
+          "output_dir=$WORK/peagle" --regen-worker "$r/$nw" --quiet > "$WORK/regen-worker-$r.log" 2>&1 &
         pids+=($!)
         sleep 2  # staggered starts: the workers load the target one after the other
       done
@@ -153,22 +158,23 @@ PY
       tail -n 3 "$WORK"/regen-worker-*.log | cut -c1-300
     fi
     if [ "$unfinished" = 1 ]; then
-      # a worker ran out of budget: one GPU would only continue its shards slowly; the next call resumes on all
+      # a worker ran out of budget: one process would only continue its shards slowly; the next call resumes on all
       echo "regeneration not finished in BUDGET=$BUDGET s: re-run this step (finished shards are kept)"
     else
       left=$(( BUDGET - ($(date +%s) - t0) ))
-      CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")  # (cli(), under timeout)
       timeout $(( left > 30 ? left : 30 )) "${CLI[@]}" prepare "$P" "${OVR[@]}" "output_dir=$WORK/peagle" --quiet \
         | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     fi
+    python3 benchmarks/regen_rate.py "$WORK/peagle/data/regen" "$t0" "$nw" "$RESULTS/regen_rate.json"
+    ship regen_rate.json
     if [ -f "$WORK/peagle/data/meta.json" ]; then
       share_prepared "$WORK/eagle3" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
       pack_prepared  # small enough to come back and be carried in later (restore): no re-regeneration
       ship data_meta.json prepare_meta.txt prepared.tar.xz prepared.tar.xz.sha256
     elif [ -n "${OUT:-}" ] && ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; then
-      # not finished: the shards finished so far come back (pieces of `regen-out`), so that a fresh machine
-      # continues from them (`regen-in`) instead of regenerating them again
-      bash "$0" regen-out 0
+      # not finished: the shards finished so far come back (pieces of `regen-out`; 7 files a batch beside
+      # regen_rate.json), so that a fresh machine continues from them (`regen-in`) instead of regenerating them
+      FERRY_MAX_FILES=7 bash "$0" regen-out 0
     fi
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
   regen-out)  # I: the regeneration shards finished so far ($WORK/peagle/data/regen), each xz-compressed, in tar
@@ -178,7 +184,7 @@ PY
     if [ "${2:?batch index}" = 0 ] || [ ! -f "$WORK/regen-pack/pack-manifest.json" ]; then
       python3 benchmarks/ferry.py pack "$WORK/peagle/data/regen" "$WORK/regen-pack"
     fi
-    python3 benchmarks/ferry.py out "$WORK/regen-pack" "$2" "${OUT:?set OUT}" ;;
+    python3 benchmarks/ferry.py out "$WORK/regen-pack" "$2" "${OUT:?set OUT}" ;;  # (FERRY_MAX_FILES: fewer than 8)
   regen-in)  # on a fresh machine, before prepare: the carried pieces (REGEN_IN, default .regen/) into
     # $WORK/peagle/data/regen, every piece and shard checked against the manifest; shards already there are kept.
     # Pieces too large for one carry may come in several calls: each call's are gathered in $WORK/regen-carried

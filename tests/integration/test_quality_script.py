@@ -393,17 +393,22 @@ def test_stage_builds_the_carried_inputs(tmp_path):
 
 
 FAKE_PREPARE = r'''#!{python}
-import json, sys
+import json, os, sys
 from pathlib import Path
 args = sys.argv[1:]
 over = dict(a.split("=", 1) for a in args[2:] if "=" in a)
 regen = Path(over["output_dir"]) / "data" / "regen"
 regen.mkdir(parents=True, exist_ok=True)
-for i in range(3):  # three shards finished, then the time limit kills the run before tokenisation
+rank, world = map(int, args[args.index("--regen-worker") + 1].split("/")) if "--regen-worker" in args else (0, 1)
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"args": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\n")
+for i in range(rank, 3, world):  # three shards; a plain prepare is then killed by its time limit before tokenising
     convs = [[{{"role": "user", "content": f"q{{i}}-{{j}}"}}, {{"role": "assistant", "content": "word " * (50 + j)}}]
              for j in range(40)]
-    (regen / f"train-{{i:05d}}.json").write_text(json.dumps({{"conversations": convs, "inputs_sha256": str(i)}}))
-sys.exit(124)
+    report = {{"generated_tokens": 1000 + i, "unfinished_responses": i, "sampling": {{"batch_size": 512}}}}
+    (regen / f"train-{{i:05d}}.json").write_text(json.dumps({{"conversations": convs, "report": report,
+                                                             "inputs_sha256": str(i)}}))
+sys.exit(0 if world > 1 else 124)
 '''
 
 
@@ -418,11 +423,15 @@ def test_unfinished_regeneration_comes_back_and_a_fresh_machine_continues_from_i
     fake.chmod(0o755)
     back = tmp_path / "back"
     one = os.environ | {"WORK": str(tmp_path / "one"), "PEAGLE_CLI": str(fake), "NGPU": "1", "BUDGET": "60",
-                        "OUT": str(back)}
+                        "OUT": str(back), "FAKE_LOG": str(tmp_path / "calls.jsonl")}
     r = _step(one, "prepare")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "prepare not finished" in r.stdout and "out: batch 0 of 1" in r.stdout, r.stdout
-    assert sorted(p.name for p in back.iterdir()) == ["pack-000.tar", "pack-manifest.json"]
+    assert sorted(p.name for p in back.iterdir()) == ["pack-000.tar", "pack-manifest.json", "regen_rate.json"]
+    rate = json.loads((back / "regen_rate.json").read_text())
+    assert (rate["shards_written"], rate["workers"], rate["generated_tokens"], rate["unfinished_responses"]) == (3, 1, 3003, 3)
+    assert rate["tokens_per_s_wall"] > 0 and rate["sampling"] == {"batch_size": 512}
+    assert "3,003 generated tokens in 3 shards by 1 worker," in r.stdout
     shards = tmp_path / "one" / "peagle" / "data" / "regen"
     # a fresh machine that has finished shard 0 itself: it is kept, the other two are written, byte-identical
     two_regen = tmp_path / "two" / "peagle" / "data" / "regen"
@@ -471,3 +480,35 @@ def test_ferry_pack_splits_into_pieces_and_unpack_needs_them_all(tmp_path):
     assert not (tmp_path / "dest2").exists()
     with pytest.raises(ValueError, match=r"train-00000.json is 0.0 MiB compressed, more than one piece holds"):
         ferry.pack(src, tmp_path / "pack", max_piece_bytes=1_000)
+
+
+def test_prepare_runs_several_regeneration_workers_on_one_gpu(tmp_path):
+    """``WORKERS_PER_GPU=2`` on one GPU: two workers on GPU 0 with disjoint shards (``--regen-worker 0/2``,
+    ``1/2``), then the plain prepare that tokenises; the rate counts every shard the call wrote."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_prepare.py"
+    fake.write_text(FAKE_PREPARE.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1", "WORKERS_PER_GPU": "2",
+                        "BUDGET": "90", "FAKE_LOG": str(tmp_path / "calls.jsonl")}
+    env.pop("OUT", None)
+    r = _step(env, "prepare")
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    workers = sorted((c["args"][c["args"].index("--regen-worker") + 1], c["gpu"]) for c in calls
+                     if "--regen-worker" in c["args"])
+    assert workers == [("0/2", "0"), ("1/2", "0")]
+    assert len(calls) == 3 and "--regen-worker" not in calls[-1]["args"]  # then the plain prepare
+    assert all(f"output_dir={tmp_path / 'w' / 'peagle'}" in c["args"] for c in calls)
+    rate = json.loads((tmp_path / "w" / "results" / "regen_rate.json").read_text())
+    assert (rate["shards_written"], rate["workers"], rate["generated_tokens"]) == (3, 2, 3003)
+
+
+def test_regen_rate_names_a_damaged_shard(tmp_path):
+    import regen_rate
+
+    (tmp_path / "train-00000.json").write_text("{not json")
+    with pytest.raises(ValueError, match="train-00000.json: not a regeneration shard"):
+        regen_rate.regen_rate(tmp_path, 0.0, 1)
+    assert regen_rate.regen_rate(tmp_path / "absent", 0.0, 1, now=10.0)["shards_written"] == 0
