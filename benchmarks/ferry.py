@@ -73,8 +73,9 @@ def plan(files: list[Path], max_files: int = MAX_FILES, max_file_bytes: int = MA
 
 
 def files_of(src: Path) -> list[Path]:
-    """The plain files directly in ``src``, sorted by name."""
-    return sorted(p for p in src.iterdir() if p.is_file())
+    """The plain files directly in ``src``, sorted by name, without hidden ones (``.NAME.tmpPID``: a file an
+    atomic write has not finished, ``peagle_train.core.atomic``)."""
+    return sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 def pack(src: Path, dest: Path, max_piece_bytes: int = MAX_PIECE_BYTES) -> dict:

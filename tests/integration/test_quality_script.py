@@ -412,15 +412,21 @@ sys.exit(0 if world > 1 else 124)
 '''
 
 
-def test_unfinished_regeneration_comes_back_and_a_fresh_machine_continues_from_it(tmp_path):
-    """A prepare stopped by its time limit sends the shards finished so far back (pieces and manifest of
-    ``regen-out``); ``regen-in`` on a fresh machine writes them where prepare resumes, checked, keeping a shard
-    that machine already has; a damaged or missing piece is refused, naming it, and nothing is written."""
+def _fake_prepare(tmp_path: Path) -> Path:
+    """FAKE_PREPARE as an executable in ``tmp_path`` (skips without bash)."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     fake = tmp_path / "fake_prepare.py"
     fake.write_text(FAKE_PREPARE.format(python=sys.executable))
     fake.chmod(0o755)
+    return fake
+
+
+def test_unfinished_regeneration_comes_back_and_a_fresh_machine_continues_from_it(tmp_path):
+    """A prepare stopped by its time limit sends the shards finished so far back (pieces and manifest of
+    ``regen-out``); ``regen-in`` on a fresh machine writes them where prepare resumes, checked, keeping a shard
+    that machine already has; a damaged or missing piece is refused, naming it, and nothing is written."""
+    fake = _fake_prepare(tmp_path)
     back = tmp_path / "back"
     one = os.environ | {"WORK": str(tmp_path / "one"), "PEAGLE_CLI": str(fake), "NGPU": "1", "BUDGET": "60",
                         "OUT": str(back), "FAKE_LOG": str(tmp_path / "calls.jsonl")}
@@ -485,11 +491,7 @@ def test_ferry_pack_splits_into_pieces_and_unpack_needs_them_all(tmp_path):
 def test_prepare_runs_several_regeneration_workers_on_one_gpu(tmp_path):
     """``WORKERS_PER_GPU=2`` on one GPU: two workers on GPU 0 with disjoint shards (``--regen-worker 0/2``,
     ``1/2``), then the plain prepare that tokenises; the rate counts every shard the call wrote."""
-    if shutil.which("bash") is None:
-        pytest.skip("no bash")
-    fake = tmp_path / "fake_prepare.py"
-    fake.write_text(FAKE_PREPARE.format(python=sys.executable))
-    fake.chmod(0o755)
+    fake = _fake_prepare(tmp_path)
     env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1", "WORKERS_PER_GPU": "2",
                         "BUDGET": "90", "FAKE_LOG": str(tmp_path / "calls.jsonl")}
     env.pop("OUT", None)
@@ -512,3 +514,30 @@ def test_regen_rate_names_a_damaged_shard(tmp_path):
     with pytest.raises(ValueError, match="train-00000.json: not a regeneration shard"):
         regen_rate.regen_rate(tmp_path, 0.0, 1)
     assert regen_rate.regen_rate(tmp_path / "absent", 0.0, 1, now=10.0)["shards_written"] == 0
+
+
+def test_lease_runs_the_steps_in_the_background_and_wait_brings_back_what_they_made(tmp_path):
+    """``lease prepare nonsense`` runs both steps in the background from a copy of the repository (a failed step is
+    logged, the plan goes on); ``wait`` follows the log and sends back the log, the small results and, with
+    prepare unfinished, the regeneration shards so far (pieces for ``regen-in``)."""
+    fake = _fake_prepare(tmp_path)
+    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1", "BUDGET": "60",
+                        "FAKE_LOG": str(tmp_path / "calls.jsonl"), "WAIT_POLL": "1"}
+    env.pop("OUT", None)
+    r = _step(env, "lease")
+    assert r.returncode == 2 and "name the steps" in r.stderr
+    r = _step(env, "lease", "prepare", "nonsense")
+    assert r.returncode == 0 and "started in the background" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "w" / "repo" / "benchmarks" / "quality_experiment.sh").is_file()
+    back = tmp_path / "back"
+    r = _step(env | {"OUT": str(back)}, "wait", "100")
+    assert r.returncode == 0 and "wait: the plan finished" in r.stdout, r.stdout + r.stderr
+    log = (back / "plan.log").read_text()
+    assert "plan: prepare" in log and "plan: FAILED: nonsense" in log and "plan: finished" in log
+    assert sorted(p.name for p in back.iterdir()) == ["pack-000.tar", "pack-manifest.json", "plan.log",
+                                                      "results.tar.xz"]
+    import tarfile
+
+    with tarfile.open(back / "results.tar.xz") as t:
+        assert json.load(t.extractfile("./regen_rate.json"))["shards_written"] == 3
+    assert (tmp_path / "w" / "plan.done").is_file() and not (tmp_path / "w" / "results" / "data_meta.json").exists()
