@@ -87,6 +87,12 @@ class RegenConfig(Section):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, description="backend hf: prompts per generate call (engines generate and "
                             "static), or the most sequences decoded together (engine continuous).")
+    segment_tokens: int | None = Field(
+        None, ge=8, description="engine static: decode at most this many tokens per generate call; rows that "
+        "ended leave and waiting prompts take their places, rows that go on are prefilled again with their tokens "
+        "so far (greedy output unchanged). The static cache then holds a row's length so far plus one segment, not "
+        "the whole cap, and no row decodes past its answer. None = one call to the cap per batch."
+    )
     kv_blocks: int | None = Field(
         None, ge=1, description="engine continuous: KV-cache blocks of 256 tokens (all layers); None = sized "
         "from kv_memory_fraction of the free accelerator memory."
@@ -123,7 +129,8 @@ class RegenConfig(Section):
     def _server_needs_vllm(self) -> "RegenConfig":
         if self.backend != "vllm" and (self.server_url is not None or self.api_key_env is not None):
             raise ValueError("regen.server_url / regen.api_key_env are only used with regen.backend: vllm")
-        hf_only = [k for k in ("kv_blocks", "kv_memory_fraction", "max_batch_tokens") if getattr(self, k) is not None]
+        hf_only = [k for k in ("kv_blocks", "kv_memory_fraction", "max_batch_tokens", "segment_tokens")
+                   if getattr(self, k) is not None]
         if self.backend != "hf" and (self.engine != "auto" or hf_only):
             raise ValueError(f"regen.{'engine' if self.engine != 'auto' else hf_only[0]} is a setting of regen.backend: "
                              "hf (the vLLM backend has its own engine)")

@@ -142,7 +142,11 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     free = f"{free_bytes / GIB:.2f} GiB free on {where}"
     if engine in ("generate", "static"):
         prompt = max_prompt_tokens
-        if engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
+        if engine == "static" and cfg.segment_tokens is not None:  # a row goes on with its prompt + tokens so
+            # far (< the cap) prefilled again, bucketed, + one segment (at most the cap)
+            prompt = bucketed(max_prompt_tokens + cfg.max_new_tokens - 1, max(STATIC_PROMPT_BUCKET, cfg.segment_tokens))
+            seq = prompt + min(cfg.segment_tokens, cfg.max_new_tokens)
+        elif engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
             prompt = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET)
             seq = prompt + cfg.max_new_tokens
         prefill = prefill_bytes_per_row(model_config, dtype_bytes, prompt, attn_implementation)

@@ -98,6 +98,57 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     return results
 
 
+def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_id: int, eos_ids: list[int],
+                        gen_kwargs: dict, bucket: int, batch_size: int, cap: int, segment: int,
+                        attention=contextlib.nullcontext):
+    """Static-cache generation in segments of at most ``segment`` new tokens, the batch refilled between them.
+
+    Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
+    token or the cap leaves (yielded), and the next prompts of ``order`` take the free places. A row that goes
+    on is given again as its prompt plus its tokens so far (prefilled again, left-padded to a multiple of
+    ``max(bucket, segment)`` tokens), so the static cache of a call holds that length plus one segment, not the
+    whole cap, and no row decodes past its answer while others finish. In exact arithmetic greedy decoding gives
+    the tokens one ``generate`` call to the cap gives (tests: token-identical on the real SmolLM2 in float32).
+    A call's batch is padded to a power of two (at most ``batch_size``) with copies of its first row, whose
+    outputs are dropped, so that the batch shapes a compiled decoding step meets stay few.
+
+    Args:
+        prompts: token ids per job. order: the job indices in the order to start them (all of them once).
+        gen_kwargs: ``generate`` keywords (``max_new_tokens`` is set per call: the segment, or less where every
+            row has less of its cap left). cap: ``regen.max_new_tokens``.
+
+    Yields:
+        ``(job index, new token ids through the first end-of-turn token, finished)`` as rows leave; a row cut by
+        the cap has exactly ``cap`` tokens and ``finished`` False (an end-of-turn token after the cap is not
+        counted, as in one call to the cap).
+    """
+    from collections import deque
+
+    queue, active = deque(order), []  # active: (job index, tokens so far)
+    while queue or active:
+        while queue and len(active) < batch_size:
+            active.append((queue.popleft(), []))
+        rows = len(active)
+        width = min(batch_size, 1 << (rows - 1).bit_length())  # rows rounded up to a power of two
+        inputs = [prompts[i] + g for i, g in active] + [prompts[active[0][0]] + active[0][1]] * (width - rows)
+        n = min(segment, max(cap - len(g) for _, g in active))
+        with attention():
+            out = _generate_batch(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": n},
+                                  max(bucket, segment))
+        going = []
+        for (i, g), (new, finished) in zip(active, out):  # the padding rows' outputs are dropped
+            g = g + new
+            if len(g) > cap:  # this row had less of its cap left than the call decoded
+                yield i, g[:cap], False
+            elif finished:
+                yield i, g, True
+            elif len(g) == cap:
+                yield i, g, False
+            else:
+                going.append((i, g))
+        active = going
+
+
 def regenerate(
     model,
     tokenizer,
@@ -211,7 +262,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     ``complete(jobs)`` yields ``(job position, Completion)`` with the generated ``token_ids`` (through the
     first end-of-turn token) as they are ready: ``generate`` answers longest prompts first (ties by
     conversation index) in left-padded batches of ``batch_size``; ``static`` the same with a static KV cache
-    and prompts left-padded to a multiple of :data:`STATIC_PROMPT_BUCKET` tokens; ``continuous``
+    and prompts left-padded to a multiple of :data:`STATIC_PROMPT_BUCKET` tokens (with ``regen.segment_tokens``:
+    in segments, the batch refilled between them, :func:`_generate_segmented`); ``continuous``
     (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
     when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
     ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode.
@@ -254,6 +306,12 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     def complete(jobs: list[Job]):
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
+        if engine == "static" and cfg.segment_tokens is not None:
+            for i, new, finished in _generate_segmented(model, [j[3] for j in jobs], order, pad_id, eos_ids,
+                                                        gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
+                                                        cfg.segment_tokens, attention):
+                yield answer(i, new, finished)
+            return
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             with attention():

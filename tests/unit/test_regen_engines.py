@@ -69,6 +69,12 @@ def test_continuous_batching_and_static_cache_are_token_identical_to_generate(sm
     assert engine == "static"
     assert [static[i].token_ids for i in range(len(jobs))] == [ref_all[i].token_ids for i in range(len(jobs))]
     assert [alone[i].token_ids for i in range(2)] == [ref_all[i].token_ids for i in range(2)]
+    # static cache in segments of 8 tokens, 4 rows at a time: finished rows leave, waiting prompts join
+    engine, segmented = _run(target, regen.model_copy(update={"engine": "static", "batch_size": 4,
+                                                              "segment_tokens": 8}), jobs)
+    assert engine == "static"
+    for i in range(len(jobs)):
+        assert (segmented[i].token_ids, segmented[i].finished) == (ref_all[i].token_ids, ref_all[i].finished), i
     for i, (k, _, _, prompt) in enumerate(jobs):
         ref = ref_all[i]
         assert cont[i].token_ids == ref.token_ids, (f"prompt {k} ({len(prompt)} tokens): continuous batching "
@@ -229,3 +235,66 @@ def test_prepare_refuses_a_cap_that_cannot_fit_before_any_shard(smollm2, tmp_pat
     with pytest.raises(ConfigError, match="smollm2-135m.yaml.*one sequence.*GiB.*regen.max_new_tokens"):
         run_prepare(cfg, progress=False)
     assert not list((tmp_path / "run" / "data" / "regen").glob("*.json"))
+
+
+def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_config):
+    """``_generate_segmented`` (``regen.segment_tokens``): rows leave at their end-of-turn token or the cap and
+    waiting prompts take their places, rows that go on are prefilled again with their tokens so far; every
+    answer equals one left-padded ``generate`` call to the cap, whatever the segment (float32 with SDPA: float64
+    eager attention gives NaN on left padding in transformers, and this model's logit gaps, ~1e-3, are far
+    above float32 rounding): the end-of-turn
+    token counted, a row cut by the cap with exactly ``cap`` tokens, an end-of-turn token after the cap not
+    counted, every job once."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from data_prep.regenerate import _generate_batch, _generate_segmented
+
+    torch.manual_seed(0)
+    config = tiny_llama_config()
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3, 11)]
+    cap, kw = 13, {"do_sample": False}
+    free = _generate_batch(model, prompts, 0, [1], {**kw, "max_new_tokens": cap})  # no row ends (id 1 unused)
+    # an end-of-turn id that some rows reach at different depths, one of them only after the cap
+    counts = {}
+    for new, _ in free:
+        for t, tok in enumerate(new):
+            counts.setdefault(tok, set()).add(t)
+    eos = max(counts, key=lambda tok: len(counts[tok]))
+    ref = _generate_batch(model, prompts, 0, [eos], {**kw, "max_new_tokens": cap})
+    assert any(f for _, f in ref) and not all(f for _, f in ref)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    generate, shapes = model.generate, []
+
+    def recording(**kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return generate(**kwargs)
+
+    model.generate = recording
+    for segment, batch in ((3, 3), (5, 4), (13, 2), (40, 8)):
+        shapes.clear()
+        out = list(_generate_segmented(model, prompts, order, 0, [eos], kw, 1, batch, cap, segment))
+        # few shapes for a compiled decoding step: rows a power of two (or the batch), lengths a multiple of the segment
+        assert all((b == batch or b & (b - 1) == 0) and b <= batch and L % segment == 0 for b, L in shapes), shapes
+        assert sorted(i for i, _, _ in out) == list(range(len(prompts))), (segment, batch)
+        got = {i: (new, fin) for i, new, fin in out}
+        for i, (new, fin) in enumerate(ref):
+            assert got[i] == (new, fin), (segment, batch, i)
+            assert len(new) <= cap and (fin or len(new) == cap)
+
+
+def test_segment_tokens_is_an_hf_static_setting_and_its_memory_is_counted(tiny_llama_config):
+    with pytest.raises(ValueError, match="regen.segment_tokens is a setting of regen.backend: hf"):
+        RegenConfig(backend="vllm", segment_tokens=512)
+    with pytest.raises(ValueError):
+        RegenConfig(segment_tokens=4)  # fewer than 8 tokens a call: all prefill
+    c = tiny_llama_config(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9,
+                          vocab_size=49152)
+    cfg = RegenConfig(engine="static", max_new_tokens=2048, batch_size=512, segment_tokens=512)
+    # the longest row goes on with 500 + 2,047 tokens, bucketed to 2,560, plus one segment of 512
+    per_seq = (2560 + 512) * kv_bytes_per_token(c, 2) + 49152 * 4 + prefill_bytes_per_row(c, 2, 2560, None)
+    fitted, note = fit_regen_memory(cfg, c, 2, "static", 500, free_bytes=20 * GIB)
+    assert fitted.batch_size == int(20 * GIB * 0.9) // per_seq and "batch_size 512" in note
