@@ -91,7 +91,8 @@ arch_overrides() {  # ARCH -> the recipe and the overrides that make it run here
   esac
   echo target.path=null
   if [ "${TINY:-0}" = 1 ]; then
-    printf '%s\n' target.dtype=float32 target.device=cpu target.attn_implementation=eager data.source=sharegpt \
+    printf '%s\n' target.dtype=float32 target.device=cpu target.attn_implementation=eager \
+      target.feature_attn_implementation=null data.source=sharegpt \
       data.num_conversations=6 data.max_length=640 data.eval_fraction=0.34 regen.max_new_tokens=8 \
       drafter.draft_vocab_size=1024 train.K=3 train.partitions=1 "train.mixed_precision='no'" \
       train.activation_checkpointing=false train.max_steps=8 eval.max_new_tokens=6

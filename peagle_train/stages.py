@@ -34,7 +34,7 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       # which kernel computes the target's attention, not what it computes: kernels that agree
                       # (benchmarks/real_shape_experiment.sh attn-check) may change between stages, e.g. the
                       # regeneration on the default one and the feature forwards on flex_attention (docs/real_shapes.md)
-                      "target.attn_implementation",
+                      "target.attn_implementation", "target.feature_attn_implementation",
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
 #: how eval runs the target, not what was prepared or trained: eval may change them in a finished run's folder
@@ -429,7 +429,7 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
     import torch
 
     from peagle_train.features.cache import cache_batch_size, damaged_shards, remove_temp_files, write_cache
-    from peagle_train.features.target import load_target
+    from peagle_train.features.target import feature_target, load_target
     from peagle_train.features.tokenized import load_prepared
 
     if cfg.train.features != "cache":
@@ -450,7 +450,7 @@ def run_cache(cfg: RunConfig, progress: bool = True) -> Path | None:
                 continue
             print(f"cache: {d}: rebuilding {len(damaged)} damaged file(s): "
                   + "; ".join(f"{name} ({why})" for name, why in damaged))
-        target = target or load_target(cfg.target, with_tokenizer=False)
+        target = target or load_target(feature_target(cfg.target), with_tokenizer=False)
         gpu = torch.cuda.get_device_properties(target.device).total_memory if target.device.type == "cuda" else None
         batch, why = cache_batch_size(target, [len(x) for x in data[split]["input_ids"]], cfg.regen.batch_size, gpu)
         if why:

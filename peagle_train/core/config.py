@@ -52,6 +52,11 @@ class TargetConfig(Section):
     attn_implementation: str | None = Field(
         None, description="Attention implementation of the target ('eager', 'sdpa', 'flex_attention', ...), passed "
         "to transformers' from_pretrained/from_config; None = transformers' choice (docs/real_shapes.md).")
+    feature_attn_implementation: str | None = Field(
+        None, description="Attention implementation of the target's forwards that compute features (the cache "
+        "stage and online training), where it may differ from the kernel that regenerates and verifies (prepare, "
+        "eval), e.g. 'flex_attention' for GPT-OSS, checked against eager by `real_shape_experiment.sh "
+        "attn-check`; None = target.attn_implementation.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "TargetConfig":

@@ -473,6 +473,14 @@ def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch
         return AutoModelForCausalLM.from_config(config, dtype=dtype, **_attn_kwargs(attn_implementation))
 
 
+def feature_target(cfg: TargetConfig) -> TargetConfig:
+    """The target section for the forwards that compute features (cache stage, online training): ``cfg`` with
+    ``attn_implementation`` set to ``cfg.feature_attn_implementation`` where that is set, else ``cfg`` itself."""
+    if cfg.feature_attn_implementation is None:
+        return cfg
+    return cfg.model_copy(update={"attn_implementation": cfg.feature_attn_implementation})
+
+
 def _attn_kwargs(attn_implementation: str | None) -> dict:
     """``{"attn_implementation": ...}`` when set (``target.attn_implementation``), else nothing."""
     return {} if attn_implementation is None else {"attn_implementation": attn_implementation}

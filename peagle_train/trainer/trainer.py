@@ -682,7 +682,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
             target, aux layers, dtype or prepared data (before training; names every difference).
         RuntimeError: processes that do not form one group.
     """
-    from peagle_train.features.target import default_aux_layer_ids, load_target, load_target_config
+    from peagle_train.features.target import default_aux_layer_ids, feature_target, load_target, load_target_config
 
     out = Path(cfg.output_dir)
     done = out / "train_metrics.json"
@@ -704,7 +704,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
         check_caches_match(feats, {s: data[s]["input_ids"] for s in feats}, target=str(tpath), aux_layer_ids=aux_ids,
                            hidden_size=tconf.hidden_size, vocab_size=tconf.vocab_size, dtype=cfg.data.cache_dtype)
     else:
-        target = load_target(cfg.target, with_tokenizer=False)
+        target = load_target(feature_target(cfg.target), with_tokenizer=False)
         feats = {s: OnlineFeatures(target, data[s]["input_ids"], batch_tokens=cfg.train.target_batch_tokens)
                  for s in ("train", "eval")}
     trainer = Trainer(cfg, data, feats, tconf, aux_ids, accelerator=acc, layout=layout)

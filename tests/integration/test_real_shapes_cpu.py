@@ -36,6 +36,7 @@ ARCHES = {
 #: CPU sizes: a few ShareGPT prompts, 8 regenerated tokens, 1 epoch, K = 3, one MT-Bench question
 TINY = [
     "target.path=null", "target.dtype=float32", "target.device=cpu", "target.attn_implementation=eager",
+    "target.feature_attn_implementation=null",  # the GPT-OSS recipe's flex_attention applies the sinks on CUDA only
     "data.source=sharegpt", "data.num_conversations=7", "data.max_prompt_tokens=512", "data.max_length=640",
     "data.eval_fraction=0.25",
     "regen.max_new_tokens=8", "regen.batch_size=8",

@@ -736,3 +736,37 @@ def test_target_batch_tokens_reaches_the_online_features(run_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         T.run_train(_cfg(run_dir, features="online", max_steps=1, target_batch_tokens=4096), progress=False)
     assert seen == [4096, 4096]
+
+
+def test_feature_forwards_run_the_feature_attention_kernel(run_dir, monkeypatch):
+    """target.feature_attn_implementation: the cache stage and online training build the target with it (the
+    GPT-OSS recipe's flex_attention), while target.attn_implementation stays for regeneration and eval."""
+    import peagle_train.features.target as target_mod
+    import peagle_train.trainer.trainer as T
+
+    built = []
+    load = target_mod.load_target
+
+    def spy(cfg, *a, **k):
+        built.append(cfg.attn_implementation)
+        return load(cfg, *a, **k)
+
+    monkeypatch.setattr(target_mod, "load_target", spy)
+    cfg = _cfg(run_dir, features="online", max_steps=1)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"attn_implementation": "sdpa",
+                                                                        "feature_attn_implementation": "eager"})})
+
+    class Stop(T.Trainer):
+        def __init__(self, cfg, data, features, *a, **k):
+            built.append(next(iter(features.values())).target.model.config._attn_implementation)
+            raise RuntimeError("stop")
+
+    monkeypatch.setattr(T, "Trainer", Stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        T.run_train(cfg, progress=False)
+    assert built == ["eager", "eager"]  # asked for, and what the online features' target runs
+    built.clear()
+    run_cache(cfg.model_copy(update={"train": cfg.train.model_copy(update={"features": "cache"})}), progress=False)
+    assert built == ["eager"]
+    assert target_mod.feature_target(cfg.target.model_copy(update={"feature_attn_implementation": None})
+                                     ).attn_implementation == "sdpa"

@@ -69,6 +69,7 @@ def test_the_targets_attention_kernel_may_change_between_stages(tmp_path):
     assert claim_output_dir(cfg("target.attn_implementation=flex_attention")) == out
     (out / "drafter").mkdir()  # trained
     assert claim_output_dir(cfg("target.attn_implementation=eager")) == out
+    assert claim_output_dir(cfg("target.feature_attn_implementation=flex_attention")) == out
     assert (out / "run_config.yaml").read_text() == before
     with pytest.raises(ConfigError, match=r"differs in: target\.dtype\)"):
         claim_output_dir(cfg("target.attn_implementation=eager", "target.dtype=bfloat16"))
