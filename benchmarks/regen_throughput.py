@@ -81,9 +81,17 @@ def parse_args(argv):
                         "under torch.profiler: per decoding step the GPU's busy/idle ms, the top kernels and the "
                         "top host ops (key 'profile'); 0 = off")
     p.add_argument("--override", nargs="*", default=[], help="further recipe overrides key=value")
+    p.add_argument("--variants", nargs="*", default=[], metavar="NAME=regen.KEY=VALUE[,regen.KEY=VALUE]",
+                   help="after the engines (and generate): the first engine again per variant, with these regen "
+                   "settings, on the same prompts and target, side by side (e.g. b1024=regen.batch_size=1024 "
+                   "seg512=regen.segment_tokens=512); with generate, each variant's identity count too")
     p.add_argument("--smoke", action="store_true", help="CPU smoke: the CPU demo recipe, tiny sizes")
     p.add_argument("--out", required=True, help="JSON output path")
     args = p.parse_args(argv)
+    try:
+        args.variant_settings = parse_variants(args.variants)
+    except ValueError as e:
+        p.error(str(e))
     if args.random_init_from_config and (args.gguf or not args.tokenizer):
         p.error("--random-init-from-config needs --tokenizer and excludes --gguf")
     if args.smoke:
@@ -93,6 +101,34 @@ def parse_args(argv):
     args.subset = min(args.subset, args.prompts)
     args.generate_cap = min(args.generate_cap or args.cap, args.cap)
     return args
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """``["NAME=regen.KEY=VALUE[,regen.KEY=VALUE]", ...]`` -> ``{NAME: {KEY: value}}`` (values read as YAML:
+    ``null``, numbers, booleans).
+
+    Raises:
+        ValueError: a spec without ``NAME=``, a repeated name, a setting outside ``regen`` (the target would have
+            to be loaded again: run the script again instead) or without ``=VALUE``.
+    """
+    import yaml
+
+    out: dict[str, dict] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or not rest:
+            raise ValueError(f"--variants {spec!r}: expected NAME=regen.KEY=VALUE[,regen.KEY=VALUE]")
+        if name in out:
+            raise ValueError(f"--variants: the name {name!r} is given twice")
+        upd = {}
+        for item in rest.split(","):
+            key, sep, value = item.partition("=")
+            if not key.startswith("regen.") or not sep:
+                raise ValueError(f"--variants {spec!r}: {item!r} is not regen.KEY=VALUE (a variant changes only "
+                                 "the regen section: other settings need another run of this script)")
+            upd[key.removeprefix("regen.")] = yaml.safe_load(value)
+        out[name] = upd
+    return out
 
 
 def load_prompts(tokenizer, cfg, n: int) -> list[list[int]]:
@@ -257,6 +293,18 @@ def main(argv=None) -> dict:
                 run["identical"][name] = {"compared": len(same), "identical": sum(same), "all": all(same),
                                           "first_differing_prompt": first_diff}
                 line += f", {name} identical to generate {sum(same)}/{len(same)}"
+            _write(args.out, result)
+        for vname, upd in args.variant_settings.items():
+            vcfg = type(cfg.regen).model_validate({**cfg.regen.model_dump(), "engine": args.engines[0],
+                                                   "batch_size": args.cb_batch, **knobs, **upd})
+            res = run_engine(target, vcfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds)
+            rec = {"settings": upd, **{k: v for k, v in res.items() if k != "ids"}}
+            line += f", {vname} {res['tokens_per_s']:,.0f} tok/s"
+            if "generate" in run:
+                same = [a == b[: args.generate_cap] for a, b in zip(gen["ids"], res["ids"]) if a is not None and b is not None]
+                rec["identical"] = {"compared": len(same), "identical": sum(same), "all": all(same)}
+                line += f" ({sum(same)}/{len(same)} identical)"
+            run.setdefault("variants", {})[vname] = rec
             _write(args.out, result)
         if args.profile_cap:
             run["profile"] = profile_engine(target, cfg.regen.model_copy(update={

@@ -246,6 +246,28 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
     assert "profile:" not in result["summary"]  # the profile's timeline is GPU-only
     with pytest.raises(SystemExit):
         regen_throughput.parse_args(["--random-init-from-config", "x.json", "--out", "o.json"])  # no --tokenizer
+    # --variants: the static engine again on the same prompts, in segments and at another batch, side by side,
+    # each counted against plain generate
+    out2 = tmp_path / "variants.json"
+    res = regen_throughput.main([
+        "--recipe", "recipes/smollm2-135m.yaml", "--random-init-from-config", str(tmp_path / "config.json"),
+        "--tokenizer", str(tmp_path / "tok"), "--prompts-file", str(tmp_path / "prompts.json"), "--prompts", "4",
+        "--subset", "4", "--cap", "12", "--batch", "4", "--cb-batch", "4", "--dtypes", "float32",
+        "--engines", "static", "--variants", "seg8=regen.segment_tokens=8", "b2=regen.batch_size=2,regen.segment_tokens=8",
+        "--out", str(out2)])
+    (run,) = res["runs"]
+    assert set(run["variants"]) == {"seg8", "b2"} and run["variants"]["b2"]["settings"] == {"batch_size": 2,
+                                                                                          "segment_tokens": 8}
+    assert run["variants"]["b2"]["batch_size"] == 2 and run["variants"]["seg8"]["batch_size"] == 4
+    for v in run["variants"].values():
+        assert v["engine"] == "static" and v["answered"] == 4 and v["identical"] == {"compared": 4, "identical": 4,
+                                                                                      "all": True}
+    assert "seg8 " in res["summary"] and "(4/4 identical)" in res["summary"]
+    assert regen_throughput.parse_variants(["a=regen.segment_tokens=null"]) == {"a": {"segment_tokens": None}}
+    for bad, why in ((["a=target.dtype=bfloat16"], "only the regen section"), (["a"], "expected NAME="),
+                     (["a=regen.batch_size=2", "a=regen.batch_size=4"], "given twice")):
+        with pytest.raises(ValueError, match=why):
+            regen_throughput.parse_variants(bad)
 
 
 def test_train_step_data_from_trains_on_the_prepared_sequences(bench, tmp_path):
