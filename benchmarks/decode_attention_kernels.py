@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -123,23 +121,13 @@ def make_flex(compile_: bool, mask_only: bool = False):
 
 
 def time_ms(fn, args, iters: int, cuda: bool) -> float:
-    """Median ms of ``fn(*args)`` over ``iters`` calls after 3 warm-up calls (CUDA events on a GPU)."""
-    for _ in range(3):
-        fn(*args)
-    out = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(*args)
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn(*args)
-            out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
+    """Median ms of ``fn(*args)`` over ``iters`` calls after 3 warm-up calls (``chain_kernel.timed``: CUDA events
+    on a GPU)."""
+    from chain_kernel import timed
+
+    fn(*args)
+    fn(*args)  # + timed's own warm-up call: 3
+    return timed(lambda: fn(*args), iters, torch.device("cuda" if cuda else "cpu"))
 
 
 def main(argv=None) -> dict:

@@ -46,9 +46,11 @@ OVR+=(${EXTRA_OVERRIDES:-})  # e.g. EXTRA_OVERRIDES="data.num_conversations=8 re
 ngpus() { echo "${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}"; }
 P=recipes/smollm2-135m-peagle-gpu.yaml
 E=recipes/smollm2-135m-eagle3-gpu.yaml
-cli() {  # PEAGLE_CLI: another executable with the same arguments (tests/integration/test_quality_script.py)
-  if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; else python3 -m peagle_train.cli "$@"; fi
-}
+# PEAGLE_CLI: another executable with the same arguments (tests/integration/test_quality_script.py); an array, so
+# that `timeout` can run it too
+CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")
+cli() { "${CLI[@]}" "$@"; }
+have_shards() { ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; }  # regeneration shards on this disk
 PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors
           peagle/data/eval_prompts.json peagle/data/meta.json peagle/data/regen)  # regen: for data variants
 pack_prepared() {  # $RESULTS/prepared.tar.xz (+ .sha256) from $WORK/peagle's prepared data
@@ -146,7 +148,6 @@ PY
     BUDGET=${BUDGET:-540}
     ngpu=$(ngpus)
     nw=$(( ngpu * ${WORKERS_PER_GPU:-1} ))
-    CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")  # (cli(), under timeout)
     unfinished=0
     if [ "$nw" -gt 1 ]; then
       pids=()
@@ -173,7 +174,7 @@ PY
       share_prepared "$WORK/eagle3" && cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
       pack_prepared  # small enough to come back and be carried in later (restore): no re-regeneration
       ship data_meta.json prepare_meta.txt prepared.tar.xz prepared.tar.xz.sha256
-    elif [ -n "${OUT:-}" ] && ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; then
+    elif [ -n "${OUT:-}" ] && have_shards; then
       # not finished: the shards finished so far come back (pieces of `regen-out`; 7 files a batch beside
       # regen_rate.json), so that a fresh machine continues from them (`regen-in`) instead of regenerating them
       FERRY_MAX_FILES=7 bash "$0" regen-out 0
@@ -370,7 +371,7 @@ PY
     mkdir -p "$OUT" && cp "$WORK/plan.log" "$OUT/"
     tar -C "$RESULTS" -cJf "$OUT/results.tar.xz" --exclude='prepared.tar.xz*' .
     if [ -f "$RESULTS/prepared.tar.xz" ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
-    elif ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; then FERRY_MAX_FILES=5 bash "$0" regen-out 0; fi
+    elif have_shards; then FERRY_MAX_FILES=5 bash "$0" regen-out 0; fi
     [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;

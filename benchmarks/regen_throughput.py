@@ -149,6 +149,13 @@ def load_prompts(tokenizer, cfg, n: int) -> list[list[int]]:
     return prompts
 
 
+def agreement(generate_ids: list, engine_ids: list, cap: int) -> list[bool]:
+    """Per prompt answered by both (``None``: not answered), whether plain generate's answer (at most ``cap``
+    tokens, ended by the cap or an end-of-turn token) equals the engine's answer cut at ``cap``: equal iff
+    greedy decoding agrees up to there."""
+    return [a == b[:cap] for a, b in zip(generate_ids, engine_ids) if a is not None and b is not None]
+
+
 def collect_answers(answers, max_seconds: float, t0: float, clock=time.perf_counter, gap: float = 0.5) -> tuple[dict, float]:
     """Read ``(index, Completion)`` pairs from an engine until ``max_seconds`` after ``t0``.
 
@@ -285,10 +292,7 @@ def main(argv=None) -> dict:
             line += f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['answered']}/{gen['prompts']} prompts)"
             run["identical"] = {}
             for name, res in fast.items():
-                # generate's answer (at most generate_cap tokens, ended by the cap or end-of-turn) against the
-                # engine's answer cut at generate_cap: equal iff greedy decoding agrees up to there
-                same = [a == b[: args.generate_cap] for a, b in zip(gen["ids"], res["ids"])
-                        if a is not None and b is not None]
+                same = agreement(gen["ids"], res["ids"], args.generate_cap)
                 first_diff = next((i for i, x in enumerate(same) if not x), None)
                 run["identical"][name] = {"compared": len(same), "identical": sum(same), "all": all(same),
                                           "first_differing_prompt": first_diff}
@@ -301,7 +305,7 @@ def main(argv=None) -> dict:
             rec = {"settings": upd, **{k: v for k, v in res.items() if k != "ids"}}
             line += f", {vname} {res['tokens_per_s']:,.0f} tok/s"
             if "generate" in run:
-                same = [a == b[: args.generate_cap] for a, b in zip(gen["ids"], res["ids"]) if a is not None and b is not None]
+                same = agreement(gen["ids"], res["ids"], args.generate_cap)
                 rec["identical"] = {"compared": len(same), "identical": sum(same), "all": all(same)}
                 line += f" ({sum(same)}/{len(same)} identical)"
             run.setdefault("variants", {})[vname] = rec
