@@ -69,12 +69,16 @@ def reference(q, k, v, start, pos):
 
 
 def sdpa_expanded(q, k, v, start, pos):
+    """transformers' SDPA path: the grouped KV heads copied to ``[B, H, L, D]``, a bool mask ``[B, 1, 1, L]``.
+    Inputs as :func:`make_inputs`; returns ``[B, H, 1, D]`` in ``q``'s dtype."""
     g = q.shape[1] // k.shape[1]
     m = bool_mask(start, pos, k.shape[2])[:, None, None, :]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=m)
 
 
 def sdpa_folded(q, k, v, start, pos):
+    """``data_prep.gqa_decode_attention``'s step: the ``H / Hkv`` query heads of a group as query rows
+    ``[B, Hkv, H/Hkv, D]`` over the uncopied ``[B, Hkv, L, D]`` cache; returns ``[B, H, 1, D]``."""
     B, H, _, D = q.shape
     hkv = k.shape[1]
     m = bool_mask(start, pos, k.shape[2])[:, None, None, :].expand(B, 1, H // hkv, k.shape[2])
@@ -82,6 +86,8 @@ def sdpa_folded(q, k, v, start, pos):
 
 
 def sdpa_folded_efficient(q, k, v, start, pos):
+    """:func:`sdpa_folded` on PyTorch's memory-efficient kernel (RuntimeError where it cannot run the inputs,
+    e.g. float32 on a CPU: recorded as an error row)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
@@ -89,6 +95,8 @@ def sdpa_folded_efficient(q, k, v, start, pos):
 
 
 def bmm_bf16(q, k, v, start, pos):
+    """The folded step as two batched matmuls in ``q``'s dtype, scores and softmax in float32
+    (``[B, Hkv, H/Hkv, L]``); returns ``[B, H, 1, D]``."""
     B, H, _, D = q.shape
     hkv = k.shape[1]
     s = torch.matmul(q.reshape(B, hkv, H // hkv, D), k.transpose(-1, -2)).float() / D ** 0.5  # [B, Hkv, g, L]
@@ -97,6 +105,8 @@ def bmm_bf16(q, k, v, start, pos):
 
 
 def sdpa_nomask(q, k, v, start, pos):
+    """SDPA with grouped heads and no mask over the whole cache: NOT the step (it attends to padding and the
+    unwritten tail), the floor of a kernel that reads the whole cache; returns ``[B, H, 1, D]``."""
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
@@ -131,6 +141,8 @@ def time_ms(fn, args, iters: int, cuda: bool) -> float:
 
 
 def main(argv=None) -> dict:
+    """The command line (module docstring): times every variant per ``--lengths`` x ``--fills`` and returns the
+    JSON written to ``--out`` (``meta``, ``rows``). A variant that raises is recorded as ``{"error": ...}``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--heads", type=int, default=9)

@@ -475,7 +475,10 @@ def random_target_model(path: Path, seed: int, dtype: torch.dtype, device: torch
 
 def feature_target(cfg: TargetConfig) -> TargetConfig:
     """The target section for the forwards that compute features (cache stage, online training): ``cfg`` with
-    ``attn_implementation`` set to ``cfg.feature_attn_implementation`` where that is set, else ``cfg`` itself."""
+    ``attn_implementation`` set to ``cfg.feature_attn_implementation`` where that is set, else ``cfg`` itself
+    (a copy: ``cfg`` is not changed). Why the two may differ: GPT-OSS regenerates on eager attention while flex
+    attention gives the same features much faster (docs/real_shapes.md, "Attention implementation of the
+    target"). Raises nothing; the kernel name is checked by transformers when the target is built."""
     if cfg.feature_attn_implementation is None:
         return cfg
     return cfg.model_copy(update={"attn_implementation": cfg.feature_attn_implementation})
