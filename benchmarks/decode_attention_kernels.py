@@ -15,6 +15,8 @@ the target's shape, the candidates on the same tensors and checks that each equa
   grouped heads natively, a block mask of each row's ``[start_b, pos]`` built per step (timed with it) so
   unwritten cache blocks are skipped.
 - ``flex_mask_only``: that block mask's construction alone.
+- ``triton_splitk_c<N>``: ``data_prep.decode_attention_kernel`` (``regen.decode_kernel: triton``), split-K
+  over chunks of N positions, reading only each row's kept range (CUDA with Triton; an error row elsewhere).
 - ``sdpa_nomask``: SDPA with grouped heads and no mask: not a correct step (it attends to padding and the
   unwritten tail), the floor of what a kernel reading the whole cache costs.
 
@@ -104,6 +106,21 @@ def bmm_bf16(q, k, v, start, pos):
     return torch.matmul(s.softmax(-1).to(v.dtype), v).reshape(B, H, 1, D)
 
 
+def make_triton(chunk: int):
+    """``triton(q, k, v, start, pos)``: the split-K Triton kernel of ``data_prep.decode_attention_kernel`` with
+    ``chunk`` positions per split, on the folded query heads and the step's bool mask; ``[B, H, 1, D]``."""
+    from data_prep.decode_attention_kernel import gqa_decode_attention
+
+    def triton_splitk(q, k, v, start, pos):
+        B, H, _, D = q.shape
+        hkv = k.shape[1]
+        out = gqa_decode_attention(q.reshape(B, hkv, H // hkv, D), k, v, bool_mask(start, pos, k.shape[2]),
+                                   D ** -0.5, chunk)
+        return out.reshape(B, H, 1, D)
+
+    return triton_splitk
+
+
 def sdpa_nomask(q, k, v, start, pos):
     """SDPA with grouped heads and no mask over the whole cache: NOT the step (it attends to padding and the
     unwritten tail), the floor of a kernel that reads the whole cache; returns ``[B, H, 1, D]``."""
@@ -161,7 +178,7 @@ def main(argv=None) -> dict:
     variants = {"sdpa_expanded": sdpa_expanded, "sdpa_folded": sdpa_folded,
                 "sdpa_folded_efficient": sdpa_folded_efficient, "bmm_bf16": bmm_bf16,
                 "flex": make_flex(compile_=cuda), "flex_mask_only": make_flex(cuda, mask_only=True),
-                "sdpa_nomask": sdpa_nomask}
+                **{f"triton_splitk_c{c}": make_triton(c) for c in (128, 256, 512)}, "sdpa_nomask": sdpa_nomask}
     rows = []
     for L in a.lengths:
         for fill in a.fills:

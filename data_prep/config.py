@@ -93,6 +93,12 @@ class RegenConfig(Section):
         "so far (greedy output unchanged). The static cache then holds a row's length so far plus one segment, not "
         "the whole cap, and no row decodes past its answer. None = one call to the cap per batch."
     )
+    decode_kernel: Literal["auto", "sdpa", "triton"] = Field(
+        "auto", description="engine static: the decoding step's attention over the cache. 'triton' = the split-K "
+        "kernel of data_prep.decode_attention_kernel (reads only each row's kept cache positions); 'sdpa' = "
+        "PyTorch's masked SDPA on the folded query heads (data_prep.gqa_decode_attention); 'auto' = triton on CUDA "
+        "with Triton installed, else sdpa."
+    )
     kv_blocks: int | None = Field(
         None, ge=1, description="engine continuous: KV-cache blocks of 256 tokens (all layers); None = sized "
         "from kv_memory_fraction of the free accelerator memory."
@@ -130,7 +136,7 @@ class RegenConfig(Section):
         if self.backend != "vllm" and (self.server_url is not None or self.api_key_env is not None):
             raise ValueError("regen.server_url / regen.api_key_env are only used with regen.backend: vllm")
         hf_only = [k for k in ("kv_blocks", "kv_memory_fraction", "max_batch_tokens", "segment_tokens")
-                   if getattr(self, k) is not None]
+                   if getattr(self, k) is not None] + (["decode_kernel"] if self.decode_kernel != "auto" else [])
         if self.backend != "hf" and (self.engine != "auto" or hf_only):
             raise ValueError(f"regen.{'engine' if self.engine != 'auto' else hf_only[0]} is a setting of regen.backend: "
                              "hf (the vLLM backend has its own engine)")

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 
 from data_prep.config import RegenConfig
-from data_prep.gqa_decode_attention import decode_attention
+from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
 from data_prep.regen_memory import STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
@@ -302,7 +302,9 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
         bucket = STATIC_PROMPT_BUCKET
 
     # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
-    attention = (lambda: decode_attention(model)) if engine == "static" else contextlib.nullcontext
+    # (regen.decode_kernel: PyTorch's masked SDPA or the split-K Triton kernel of data_prep.decode_attention_kernel)
+    kernel = resolve_kernel(cfg.decode_kernel, model.device) if engine == "static" else None
+    attention = (lambda: decode_attention(model, kernel)) if engine == "static" else contextlib.nullcontext
 
     def complete(jobs: list[Job]):
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))

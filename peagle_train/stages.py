@@ -35,6 +35,7 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       # (benchmarks/real_shape_experiment.sh attn-check) may change between stages, e.g. the
                       # regeneration on the default one and the feature forwards on flex_attention (docs/real_shapes.md)
                       "target.attn_implementation", "target.feature_attn_implementation",
+                      "regen.decode_kernel",  # the same for regeneration's decoding attention (tests: token-identical)
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
 #: how eval runs the target, not what was prepared or trained: eval may change them in a finished run's folder

@@ -2,12 +2,19 @@
 expanding the KV cache equals transformers' SDPA attention; generation with it is token-identical."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from data_prep.gqa_decode_attention import NAME, decode_attention, gqa_decode_sdpa
+from data_prep.gqa_decode_attention import NAME, decode_attention, gqa_decode_sdpa, resolve_kernel
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sdpa(*a, **k):
@@ -82,3 +89,53 @@ def test_static_generation_with_the_folded_attention_is_token_identical():
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(folded, plain)
     assert sum(folded_steps) == 11 * cfg.num_hidden_layers  # every decoding step after the prefill, every layer
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed (setup.sh --test)")
+def test_split_k_kernel_under_the_interpreter():
+    """``interp_decode_kernel.py`` in a fresh process with ``TRITON_INTERPRET=1``: the Triton decoding kernel
+    ≡ masked SDPA in float64, and static generation on it is token-identical; must pass, none skipped."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                        "tests/unit/interp_decode_kernel.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    assert "7 passed" in r.stdout and "skipped" not in r.stdout, tail
+
+
+def test_decode_kernel_setting_resolves_and_bad_values_are_refused(monkeypatch):
+    from data_prep.config import RegenConfig
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_kernel("auto", "cpu") == "sdpa"  # no CUDA: the SDPA fold
+    assert resolve_kernel("sdpa", "cpu") == "sdpa"
+    with pytest.raises(RuntimeError, match="regen.decode_kernel: triton needs Triton and a CUDA device"):
+        resolve_kernel("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown regen.decode_kernel 'fast'"):
+        resolve_kernel("fast", "cpu")
+    with pytest.raises(ValueError, match="regen.decode_kernel is a setting of regen.backend: hf"):
+        RegenConfig(backend="vllm", decode_kernel="triton")
+    with pytest.raises(ValueError):
+        RegenConfig(decode_kernel="flash")
+    from data_prep.decode_attention_kernel import gqa_decode_attention
+
+    q, kv = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 5, 8)
+    with pytest.raises(RuntimeError, match="set regen.decode_kernel: sdpa"):
+        gqa_decode_attention(q, kv, kv, torch.ones(1, 5, dtype=torch.bool), 1.0)
+
+
+def test_kept_range_and_combine_partials_worked_examples():
+    from data_prep.decode_attention_kernel import combine_partials, kept_range
+
+    start, end = kept_range(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 0, 1]], dtype=torch.bool))
+    assert start.tolist() == [2, 0, 0] and end.tolist() == [4, 0, 5]
+    # two splits of one query: scores (log2 units) [1, 2] in split 0 and [3] in split 1, values 10, 20, 30
+    m = torch.tensor([[[2.0], [3.0]]])
+    l = torch.tensor([[[2.0 ** -1 + 1.0], [1.0]]])
+    o = torch.tensor([[[[10 * 2.0 ** -1 + 20.0]], [[30.0]]]])
+    p = torch.tensor([2.0 ** 1, 2.0 ** 2, 2.0 ** 3])
+    want = (p * torch.tensor([10.0, 20.0, 30.0])).sum() / p.sum()
+    torch.testing.assert_close(combine_partials(o, m, l), want.reshape(1, 1, 1))
+    empty = combine_partials(torch.zeros(1, 2, 1, 1), torch.full((1, 2, 1), float("-inf")), torch.zeros(1, 2, 1))
+    assert torch.equal(empty, torch.zeros(1, 1, 1))  # no kept key: 0, not NaN
