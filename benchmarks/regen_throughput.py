@@ -75,6 +75,11 @@ def parse_args(argv):
     p.add_argument("--max-seconds", type=float, default=150.0, help="per engine run: abandon what is unfinished")
     p.add_argument("--attn", default=None, help="model attention implementation to set before the runs (e.g. "
                    "flash_attention_2 where flash-attn is installed; continuous batching pages it); default: as loaded")
+    p.add_argument("--warmup", action="store_true",
+                   help="before each timed fast-engine or variant run, the same settings once on its first batch "
+                        "of prompts (untimed, key 'warmup_seconds'): the timed run then meets compiled decoding "
+                        "steps, as a long prepare does after its first batches, instead of counting their "
+                        "compilation (tens of seconds per new shape on an H200)")
     p.add_argument("--skip-generate", action="store_true", help="only the fast engines (no identity count)")
     p.add_argument("--profile-cap", type=int, default=0, metavar="T",
                    help="after the timed runs, run the first engine again on the same prompts with a T-token cap "
@@ -210,6 +215,13 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
             "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 
 
+def warm_up(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> float:
+    """``--warmup``: :func:`run_engine` of ``regen_cfg`` on the first ``batch_size`` prompts (the shapes of the
+    timed run's first batch: its compiled decoding steps are then cached), untimed by the caller; returns its
+    seconds (compilation included)."""
+    return run_engine(target, regen_cfg, max_prompt_tokens, prompts[: regen_cfg.batch_size], float("inf"))["seconds"]
+
+
 def profile_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> dict:
     """One more run of ``regen_cfg``'s engine on ``prompts`` (one batch, ``regen_cfg.max_new_tokens`` tokens
     each) under ``torch.profiler``, after an unprofiled warm-up run of the same shape (compilation, CUDA
@@ -279,9 +291,10 @@ def main(argv=None) -> dict:
         result["runs"].append(run)
         fast, parts = {}, []
         for name in args.engines:
-            res = run_engine(target, cfg.regen.model_copy(update={"engine": name, "batch_size": args.cb_batch,
-                                                                  **knobs}),
-                             cfg.data.max_prompt_tokens, prompts, args.max_seconds)
+            ecfg = cfg.regen.model_copy(update={"engine": name, "batch_size": args.cb_batch, **knobs})
+            warm = warm_up(target, ecfg, cfg.data.max_prompt_tokens, prompts) if args.warmup else None
+            res = {**run_engine(target, ecfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds),
+                   "warmup_seconds": warm}
             fast[name] = res
             run[name] = {k: v for k, v in res.items() if k != "ids"}
             parts.append(f"{name} {res['tokens_per_s']:,.0f} tok/s ({res['answered']}/{res['prompts']} prompts, "
@@ -305,7 +318,9 @@ def main(argv=None) -> dict:
         for vname, upd in args.variant_settings.items():
             vcfg = type(cfg.regen).model_validate({**cfg.regen.model_dump(), "engine": args.engines[0],
                                                    "batch_size": args.cb_batch, **knobs, **upd})
-            res = run_engine(target, vcfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds)
+            warm = warm_up(target, vcfg, cfg.data.max_prompt_tokens, prompts) if args.warmup else None
+            res = {**run_engine(target, vcfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds),
+                   "warmup_seconds": warm}
             rec = {"settings": upd, **{k: v for k, v in res.items() if k != "ids"}}
             line += f", {vname} {res['tokens_per_s']:,.0f} tok/s"
             if "generate" in run:

@@ -129,7 +129,7 @@ if triton is not None:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_t)
             else:
                 sc = tl.dot(q, tl.trans(k), out_dtype=acc_t)
-            sc = tl.where(keep[None, :], sc * scale_log2, float("-inf"))
+            sc = tl.where(keep[None, :], (sc * scale_log2).to(acc_t), float("-inf"))  # inductor passes a float64 scale
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -208,5 +208,5 @@ def gqa_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep
                          "k and v must have q's dtype and keep must be bool")
     if chunk <= 0 or chunk % BLOCK_N:
         raise ValueError(f"gqa_decode_attention: chunk {chunk} must be a positive multiple of {BLOCK_N}")
-    start, end = kept_range(keep)
-    return _gqa_decode_op(q, k, v, keep.view(torch.uint8), start, end, float(scale), int(chunk))
+    start, end = kept_range(keep)  # (a bool tensor's uint8 view does not lower in inductor: an int8 copy, B*L bytes)
+    return _gqa_decode_op(q, k, v, keep.to(torch.int8), start, end, float(scale), int(chunk))

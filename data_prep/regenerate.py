@@ -35,6 +35,7 @@ reasoning ends its conversation (``unfinished_reasoning``).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
@@ -98,9 +99,55 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     return results
 
 
+class _FittingRows:
+    """:func:`_generate_batch` in calls of at most ``limit`` rows, halving ``limit`` (for this call and every
+    later one) when ``generate`` runs out of accelerator memory.
+
+    The memory check before the first shard (:func:`check_regen_memory`) counts the KV cache, logits and a
+    model of the prefill's transient tensors; what an attention kernel allocates in a long prefill (e.g. PyTorch
+    falling back to its math SDPA kernel, which materialises ``[B, heads, P, L]`` scores) can exceed that
+    model. Such a batch is then generated in halves (same rows, same outputs in exact arithmetic: rows do not
+    interact) with a message saying which size ran out and what to set, instead of failing the run.
+    ``limit`` stays a power of two when it starts as one (the compiled decoding step meets few batch shapes).
+    """
+
+    def __init__(self, limit: int, log=None):
+        self.limit = max(1, int(limit))
+        self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def __call__(self, model, prompts: list[list[int]], *args, **kwargs) -> list[tuple[list[int], bool]]:
+        """:func:`_generate_batch`'s arguments and result, over ``prompts`` in calls of at most ``limit`` rows.
+
+        Raises:
+            torch.OutOfMemoryError: one row alone does not fit (re-raised with what to lower).
+        """
+        import torch
+
+        out, s = [], 0
+        while s < len(prompts):
+            chunk = prompts[s : s + self.limit]
+            try:
+                out += _generate_batch(model, chunk, *args, **kwargs)
+            except torch.OutOfMemoryError as e:
+                if len(chunk) == 1:
+                    raise torch.OutOfMemoryError(
+                        f"regeneration: one row of {max(len(p) for p in chunk)} prompt tokens does not fit the "
+                        f"accelerator's memory in generate: lower data.max_prompt_tokens or regen.max_new_tokens "
+                        f"({e})") from e
+                self.limit = max(1, len(chunk) // 2)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.log(f"prepare: generate ran out of accelerator memory on {len(chunk)} rows of up to "
+                         f"{max(len(p) for p in chunk)} prompt tokens; continuing with at most {self.limit} rows per "
+                         f"call (set regen.batch_size: {self.limit} to start there)")
+                continue
+            s += len(chunk)
+        return out
+
+
 def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_id: int, eos_ids: list[int],
                         gen_kwargs: dict, bucket: int, batch_size: int, cap: int, segment: int,
-                        attention=contextlib.nullcontext):
+                        attention=contextlib.nullcontext, generate_rows=None):
     """Static-cache generation in segments of at most ``segment`` new tokens, the batch refilled between them.
 
     Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
@@ -116,6 +163,7 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         prompts: token ids per job. order: the job indices in the order to start them (all of them once).
         gen_kwargs: ``generate`` keywords (``max_new_tokens`` is set per call: the segment, or less where every
             row has less of its cap left). cap: ``regen.max_new_tokens``.
+        generate_rows: :func:`_generate_batch` or a :class:`_FittingRows` (the default: one of ``batch_size``).
 
     Yields:
         ``(job index, new token ids through the first end-of-turn token, finished)`` as rows leave; a row cut by
@@ -124,6 +172,7 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
     """
     from collections import deque
 
+    generate_rows = generate_rows or _FittingRows(batch_size)
     queue, active = deque(order), []  # active: (job index, tokens so far)
     while queue or active:
         while queue and len(active) < batch_size:
@@ -133,8 +182,8 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         inputs = [prompts[i] + g for i, g in active] + [prompts[active[0][0]] + active[0][1]] * (width - rows)
         n = min(segment, max(cap - len(g) for _, g in active))
         with attention():
-            out = _generate_batch(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": n},
-                                  max(bucket, segment))
+            out = generate_rows(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": n},
+                                max(bucket, segment))
         going = []
         for (i, g), (new, finished) in zip(active, out):  # the padding rows' outputs are dropped
             g = g + new
@@ -306,18 +355,20 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     kernel = resolve_kernel(cfg.decode_kernel, model.device) if engine == "static" else None
     attention = (lambda: decode_attention(model, kernel)) if engine == "static" else contextlib.nullcontext
 
+    generate_rows = _FittingRows(cfg.batch_size)  # halves its calls, for the rest of the run, on running out of memory
+
     def complete(jobs: list[Job]):
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         if engine == "static" and cfg.segment_tokens is not None:
             for i, new, finished in _generate_segmented(model, [j[3] for j in jobs], order, pad_id, eos_ids,
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
-                                                        cfg.segment_tokens, attention):
+                                                        cfg.segment_tokens, attention, generate_rows):
                 yield answer(i, new, finished)
             return
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             with attention():
-                batch = _generate_batch(model, [jobs[i][3] for i in idx], pad_id, eos_ids, gen_kwargs, bucket)
+                batch = generate_rows(model, [jobs[i][3] for i in idx], pad_id, eos_ids, gen_kwargs, bucket)
             for i, (new, finished) in zip(idx, batch):
                 yield answer(i, new, finished)
 

@@ -254,8 +254,11 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
         "--tokenizer", str(tmp_path / "tok"), "--prompts-file", str(tmp_path / "prompts.json"), "--prompts", "4",
         "--subset", "4", "--cap", "12", "--batch", "4", "--cb-batch", "4", "--dtypes", "float32",
         "--engines", "static", "--variants", "seg8=regen.segment_tokens=8", "b2=regen.batch_size=2,regen.segment_tokens=8",
-        "--out", str(out2)])
+        "--warmup", "--out", str(out2)])
     (run,) = res["runs"]
+    # --warmup: each timed run after an untimed one on its first batch; a run without it records None
+    assert run["static"]["warmup_seconds"] > 0 and all(v["warmup_seconds"] > 0 for v in run["variants"].values())
+    assert result["runs"][0]["continuous"]["warmup_seconds"] is None
     assert set(run["variants"]) == {"seg8", "b2"} and run["variants"]["b2"]["settings"] == {"batch_size": 2,
                                                                                           "segment_tokens": 8}
     assert run["variants"]["b2"]["batch_size"] == 2 and run["variants"]["seg8"]["batch_size"] == 4

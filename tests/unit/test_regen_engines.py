@@ -298,3 +298,47 @@ def test_segment_tokens_is_an_hf_static_setting_and_its_memory_is_counted(tiny_l
     per_seq = (2560 + 512) * kv_bytes_per_token(c, 2) + 49152 * 4 + prefill_bytes_per_row(c, 2, 2560, None)
     fitted, note = fit_regen_memory(cfg, c, 2, "static", 500, free_bytes=20 * GIB)
     assert fitted.batch_size == int(20 * GIB * 0.9) // per_seq and "batch_size 512" in note
+
+
+def test_a_batch_that_runs_out_of_memory_in_generate_goes_on_in_halves(tiny_llama_config):
+    """What the memory check could not foresee (e.g. a long re-prefill on PyTorch's math SDPA kernel, the cause
+    of an out-of-memory on an H200 at batch 427 × 4,096 tokens in float32) costs one failed call, not the run:
+    ``_FittingRows`` halves its row limit (for the rest of the run), says so and what to set, and the outputs
+    equal one batch's; a single row that does not fit is an error naming what to lower."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from data_prep.regenerate import _FittingRows, _generate_batch, _generate_segmented
+
+    torch.manual_seed(0)
+    config = tiny_llama_config()
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3, 11, 4)]
+    kw = {"do_sample": False, "max_new_tokens": 6}
+    want = _generate_batch(model, prompts, 0, [1], kw)
+    generate, calls = model.generate, []
+
+    def small_memory(**kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 21.89 GiB")
+        return generate(**kwargs)
+
+    model.generate = small_memory
+    said = []
+    rows = _FittingRows(8, log=said.append)
+    assert rows(model, prompts, 0, [1], kw) == want
+    assert calls == [8, 4, 2, 2, 2, 2] and rows.limit == 2
+    assert len(said) == 2 and "ran out of accelerator memory on 8 rows" in said[0]
+    assert "set regen.batch_size: 2" in said[1]
+    calls.clear()
+    assert rows(model, prompts[:4], 0, [1], kw) == want[:4] and calls == [2, 2]  # the limit stays
+    # the segmented engine goes through the same rows
+    out = {i: new for i, new, _ in _generate_segmented(model, prompts, list(range(8)), 0, [1], {"do_sample": False},
+                                                       1, 8, 6, 8, generate_rows=_FittingRows(8, log=said.append))}
+    assert [out[i] for i in range(8)] == [new for new, _ in want]
+    model.generate = lambda **kwargs: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(torch.OutOfMemoryError, match="one row of 14 prompt tokens does not fit.*lower data.max_prompt"):
+        _FittingRows(1, log=said.append)(model, prompts[3:4], 0, [1], kw)
