@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
 #   bash benchmarks/quality_experiment.sh prepare    # regenerate responses, one worker per GPU (resumable: re-run)
+#   bash benchmarks/quality_experiment.sh regen-bench OUT.json [flags]   # regeneration tokens/s of the real target,
+#                                                    # identity count against plain generate (regen_throughput.py)
 #   bash benchmarks/quality_experiment.sh regen-out I   # batch I of the shards finished so far to $OUT (prepare
 #                                                    # sends batch 0 when it stops unfinished)
 #   bash benchmarks/quality_experiment.sh regen-in   # a fresh machine: the carried .regen/ pieces, then prepare
@@ -180,6 +182,13 @@ PY
       FERRY_MAX_FILES=7 bash "$0" regen-out 0
     fi
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
+  regen-bench)  # OUT.json [regen_throughput.py flags]: after setup, regeneration tokens/s of the REAL SmolLM2 (answers end at
+    # <|im_end|>) on the staged ShareGPT first turns, each timed engine run after an untimed warm-up on its first batch,
+    # and plain generate on 64 of the prompts for the identity count (docs/benchmarks.md, "Split-K decoding kernel")
+    out=${2:?out.json}; shift 2
+    python3 benchmarks/regen_throughput.py --recipe "$P" --gguf "$GGUF" --prompts-file "$WORK/sharegpt_prompts.json" \
+      --engines static --prompts 1024 --engine-batch 512 --cap 2048 --subset 64 --batch 64 --dtypes float32 \
+      --warmup --max-seconds 240 --out "$out" "$@" ;;
   regen-out)  # I: the regeneration shards finished so far ($WORK/peagle/data/regen), each xz-compressed, in tar
     # pieces of <= 14 MiB with a manifest of sha256s (benchmarks/ferry.py pack; packed again at I = 0), batch I
     # of them to $OUT (8 files a call). CPU side: all batches' files into one folder, .regen/ (git-ignored)
