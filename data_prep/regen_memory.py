@@ -29,9 +29,33 @@ PAGE_TOKENS = 256
 STATIC_PROMPT_BUCKET = 128
 
 
+#: engine ``static`` in segments (``regen.segment_tokens``): a call's rows are left-padded to a multiple of
+#: ``max(this, segment)`` tokens, so that the lengths a compiled decoding step meets over a whole run stay few
+#: (at most 8 for a 2,048-token prompt limit and a 2,048-token cap), each compiled once
+SEGMENT_LENGTH_BUCKET = 512
+#: engine ``static`` in segments: a call decodes at least this share of ``regen.batch_size`` rows (padded with
+#: copies of its first row), so that a round's last rows do not meet a new batch shape at every halving
+SEGMENT_MIN_WIDTH_SHARE = 8
+
+
 def bucketed(n: int, bucket: int) -> int:
     """``n`` rounded up to a multiple of ``bucket`` (tokens; ``bucket`` >= 1)."""
     return -(-n // bucket) * bucket
+
+
+def segment_bucket(bucket: int, segment: int) -> int:
+    """The length multiple a segmented static call pads its rows to: ``max(bucket, segment,``
+    :data:`SEGMENT_LENGTH_BUCKET` ``)`` tokens (``bucket``: the engine's prompt bucket)."""
+    return max(bucket, segment, SEGMENT_LENGTH_BUCKET)
+
+
+def segment_width(rows: int, batch_size: int) -> int:
+    """Rows a segmented static call decodes: ``rows`` rounded up to a power of two, at least
+    ``batch_size //`` :data:`SEGMENT_MIN_WIDTH_SHARE` (rounded up to a power of two), at most ``batch_size``.
+
+    Example: ``batch_size`` 512: 300 rows -> 512, 100 -> 128, 3 -> 64."""
+    low = 1 << max(0, batch_size // SEGMENT_MIN_WIDTH_SHARE - 1).bit_length()
+    return min(batch_size, max(low, 1 << max(0, rows - 1).bit_length()))
 #: Share of the free memory the check lets the KV cache (and logits) take: the rest is activations,
 #: the allocator's fragmentation and the sampler's temporaries.
 HEADROOM = 0.9
@@ -144,7 +168,8 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
         prompt = max_prompt_tokens
         if engine == "static" and cfg.segment_tokens is not None:  # a row goes on with its prompt + tokens so
             # far (< the cap) prefilled again, bucketed, + one segment (at most the cap)
-            prompt = bucketed(max_prompt_tokens + cfg.max_new_tokens - 1, max(STATIC_PROMPT_BUCKET, cfg.segment_tokens))
+            prompt = bucketed(max_prompt_tokens + cfg.max_new_tokens - 1, segment_bucket(STATIC_PROMPT_BUCKET,
+                                                                                        cfg.segment_tokens))
             seq = prompt + min(cfg.segment_tokens, cfg.max_new_tokens)
         elif engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
             prompt = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET)

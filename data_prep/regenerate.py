@@ -39,7 +39,8 @@ import sys
 
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
-from data_prep.regen_memory import STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes
+from data_prep.regen_memory import (STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes, segment_bucket,
+                                   segment_width)
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
 from data_prep.rounds import Completion, Job, Message, harmony_splitter, reasoning_markers, regen_report, run_rounds
@@ -99,6 +100,23 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     return results
 
 
+#: engine ``static``: the compiled decoding step may be compiled again for this many new shapes (batch rows x
+#: cache length) before torch.compile gives up and runs the rest eagerly (torch's default ``recompile_limit``
+#: is 8: a run in segments meets more, e.g. 8 lengths at two widths)
+STATIC_RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def _static_step(model, kernel: str):
+    """The static engine's ``generate`` calls: the decoding attention of :func:`decode_attention` with ``kernel``,
+    and room for :data:`STATIC_RECOMPILE_LIMIT` compiled shapes (torch's limit is restored after)."""
+    import torch
+
+    limit = max(torch._dynamo.config.recompile_limit, STATIC_RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(recompile_limit=limit), decode_attention(model, kernel):
+        yield
+
+
 class _FittingRows:
     """:func:`_generate_batch` in calls of at most ``limit`` rows, halving ``limit`` (for this call and every
     later one) when ``generate`` runs out of accelerator memory.
@@ -152,12 +170,14 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
 
     Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
     token or the cap leaves (yielded), and the next prompts of ``order`` take the free places. A row that goes
-    on is given again as its prompt plus its tokens so far (prefilled again, left-padded to a multiple of
-    ``max(bucket, segment)`` tokens), so the static cache of a call holds that length plus one segment, not the
+    on is given again as its prompt plus its tokens so far (prefilled again, left-padded), so the static cache of a call holds that length plus one segment, not the
     whole cap, and no row decodes past its answer while others finish. In exact arithmetic greedy decoding gives
     the tokens one ``generate`` call to the cap gives (tests: token-identical on the real SmolLM2 in float32).
-    A call's batch is padded to a power of two (at most ``batch_size``) with copies of its first row, whose
-    outputs are dropped, so that the batch shapes a compiled decoding step meets stay few.
+    So that a compiled decoding step meets few shapes over a whole run (each new one is compiled again): a
+    call's batch is padded to a power of two (:func:`data_prep.regen_memory.segment_width`: at most
+    ``batch_size``, at least an eighth of it) with copies of its first row, whose outputs are dropped; its rows
+    are left-padded to a multiple of :func:`data_prep.regen_memory.segment_bucket` tokens; and every call
+    decodes ``min(segment, cap)`` tokens (a row past its cap is cut to it).
 
     Args:
         prompts: token ids per job. order: the job indices in the order to start them (all of them once).
@@ -178,12 +198,12 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         while queue and len(active) < batch_size:
             active.append((queue.popleft(), []))
         rows = len(active)
-        width = min(batch_size, 1 << (rows - 1).bit_length())  # rows rounded up to a power of two
+        width = segment_width(rows, batch_size)  # a power of two, not below batch_size / 8: few batch shapes
         inputs = [prompts[i] + g for i, g in active] + [prompts[active[0][0]] + active[0][1]] * (width - rows)
-        n = min(segment, max(cap - len(g) for _, g in active))
+        # every call decodes the same number of tokens (a row past its cap is cut below): one more shape fewer
         with attention():
-            out = generate_rows(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": n},
-                                max(bucket, segment))
+            out = generate_rows(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": min(segment, cap)},
+                                segment_bucket(bucket, segment))
         going = []
         for (i, g), (new, finished) in zip(active, out):  # the padding rows' outputs are dropped
             g = g + new
@@ -353,7 +373,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
     # (regen.decode_kernel: PyTorch's masked SDPA or the split-K Triton kernel of data_prep.decode_attention_kernel)
     kernel = resolve_kernel(cfg.decode_kernel, model.device) if engine == "static" else None
-    attention = (lambda: decode_attention(model, kernel)) if engine == "static" else contextlib.nullcontext
+    attention = (lambda: _static_step(model, kernel)) if engine == "static" else contextlib.nullcontext
 
     generate_rows = _FittingRows(cfg.batch_size)  # halves its calls, for the rest of the run, on running out of memory
 

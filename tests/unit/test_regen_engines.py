@@ -237,7 +237,7 @@ def test_prepare_refuses_a_cap_that_cannot_fit_before_any_shard(smollm2, tmp_pat
     assert not list((tmp_path / "run" / "data" / "regen").glob("*.json"))
 
 
-def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_config):
+def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_config, monkeypatch):
     """``_generate_segmented`` (``regen.segment_tokens``): rows leave at their end-of-turn token or the cap and
     waiting prompts take their places, rows that go on are prefilled again with their tokens so far; every
     answer equals one left-padded ``generate`` call to the cap, whatever the segment (float32 with SDPA: float64
@@ -248,6 +248,7 @@ def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_confi
     import torch
     from transformers import LlamaForCausalLM
 
+    from data_prep import regen_memory
     from data_prep.regenerate import _generate_batch, _generate_segmented
 
     torch.manual_seed(0)
@@ -270,15 +271,19 @@ def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_confi
     generate, shapes = model.generate, []
 
     def recording(**kwargs):
-        shapes.append(tuple(kwargs["input_ids"].shape))
+        shapes.append((*kwargs["input_ids"].shape, kwargs["max_new_tokens"]))
         return generate(**kwargs)
 
     model.generate = recording
-    for segment, batch in ((3, 3), (5, 4), (13, 2), (40, 8)):
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 4)  # the tiny prompts need a tiny length bucket
+    for segment, batch in ((3, 3), (5, 4), (13, 2), (40, 8), (2, 16)):
         shapes.clear()
         out = list(_generate_segmented(model, prompts, order, 0, [eos], kw, 1, batch, cap, segment))
-        # few shapes for a compiled decoding step: rows a power of two (or the batch), lengths a multiple of the segment
-        assert all((b == batch or b & (b - 1) == 0) and b <= batch and L % segment == 0 for b, L in shapes), shapes
+        # few shapes for a compiled decoding step: rows a power of two (or the batch) and at least batch / 8,
+        # lengths a multiple of max(segment, the length bucket), every call min(segment, cap) new tokens
+        step = max(segment, 4)
+        assert all((b == batch or b & (b - 1) == 0) and batch // 8 <= b <= batch and L % step == 0
+                   and n == min(segment, cap) for b, L, n in shapes), shapes
         assert sorted(i for i, _, _ in out) == list(range(len(prompts))), (segment, batch)
         got = {i: (new, fin) for i, new, fin in out}
         for i, (new, fin) in enumerate(ref):
@@ -294,7 +299,7 @@ def test_segment_tokens_is_an_hf_static_setting_and_its_memory_is_counted(tiny_l
     c = tiny_llama_config(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9,
                           vocab_size=49152)
     cfg = RegenConfig(engine="static", max_new_tokens=2048, batch_size=512, segment_tokens=512)
-    # the longest row goes on with 500 + 2,047 tokens, bucketed to 2,560, plus one segment of 512
+    # the longest row goes on with 500 + 2,047 tokens, bucketed to 2,560 (a multiple of 512), plus one segment of 512
     per_seq = (2560 + 512) * kv_bytes_per_token(c, 2) + 49152 * 4 + prefill_bytes_per_row(c, 2, 2560, None)
     fitted, note = fit_regen_memory(cfg, c, 2, "static", 500, free_bytes=20 * GIB)
     assert fitted.batch_size == int(20 * GIB * 0.9) // per_seq and "batch_size 512" in note
@@ -342,3 +347,15 @@ def test_a_batch_that_runs_out_of_memory_in_generate_goes_on_in_halves(tiny_llam
     model.generate = lambda **kwargs: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
     with pytest.raises(torch.OutOfMemoryError, match="one row of 14 prompt tokens does not fit.*lower data.max_prompt"):
         _FittingRows(1, log=said.append)(model, prompts[3:4], 0, [1], kw)
+
+
+def test_segment_shapes_stay_few():
+    """The shapes a segmented static run meets: widths a power of two between batch / 8 and the batch, lengths
+    a multiple of max(bucket, segment, 512) -- over a 2,048-token prompt limit and cap at most 8 lengths."""
+    from data_prep.regen_memory import segment_bucket, segment_width
+
+    assert [segment_width(r, 512) for r in (512, 300, 256, 100, 65, 64, 3, 1)] == [512, 512, 256, 128, 128, 64, 64, 64]
+    assert segment_width(5, 6) == 6 and segment_width(1, 1) == 1 and segment_width(3, 16) == 4
+    assert segment_bucket(128, 256) == 512 and segment_bucket(128, 1024) == 1024
+    lengths = {-(-n // segment_bucket(128, 256)) for n in range(1, 2048 + 2047)}
+    assert len(lengths) == 8
