@@ -183,11 +183,12 @@ PY
     fi
     echo "prepare: $(( $(date +%s) - t0 )) s" ;;
   regen-bench)  # OUT.json [regen_throughput.py flags]: after setup, regeneration tokens/s of the REAL SmolLM2 (answers end at
-    # <|im_end|>) on the staged ShareGPT first turns, each timed engine run after an untimed warm-up on its first batch,
+    # <|im_end|>) on 512 staged ShareGPT first turns (one batch), each timed engine run after an untimed warm-up on
+    # the same batch (compiled code then cached: the steady rate of a long prepare),
     # and plain generate on 64 of the prompts for the identity count (docs/benchmarks.md, "Split-K decoding kernel")
     out=${2:?out.json}; shift 2
     python3 benchmarks/regen_throughput.py --recipe "$P" --gguf "$GGUF" --prompts-file "$WORK/sharegpt_prompts.json" \
-      --engines static --prompts 1024 --engine-batch 512 --cap 2048 --subset 64 --batch 64 --dtypes float32 \
+      --engines static --prompts 512 --engine-batch 512 --cap 2048 --subset 64 --batch 64 --dtypes float32 \
       --warmup --max-seconds 240 --out "$out" "$@" ;;
   regen-out)  # I: the regeneration shards finished so far ($WORK/peagle/data/regen), each xz-compressed, in tar
     # pieces of <= 14 MiB with a manifest of sha256s (benchmarks/ferry.py pack; packed again at I = 0), batch I
