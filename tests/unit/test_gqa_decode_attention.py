@@ -139,3 +139,29 @@ def test_kept_range_and_combine_partials_worked_examples():
     torch.testing.assert_close(combine_partials(o, m, l), want.reshape(1, 1, 1))
     empty = combine_partials(torch.zeros(1, 2, 1, 1), torch.full((1, 2, 1), float("-inf")), torch.zeros(1, 2, 1))
     assert torch.equal(empty, torch.zeros(1, 1, 1))  # no kept key: 0, not NaN
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_eager_and_compiled_match_masked_sdpa(dtype):
+    """On a GPU: the split-K kernel, eagerly and inside ``torch.compile(fullgraph=True)`` (as the static engine's
+    compiled decoding step runs it), against masked SDPA in float32 on SmolLM2's heads over a left-padded cache
+    with an unwritten tail and several splits per row."""
+    from data_prep.decode_attention_kernel import gqa_decode_attention
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, Hkv, G, L, D = 8, 3, 3, 700, 64
+    q, k, v = (torch.randn(*s, generator=g).cuda().to(dtype) for s in ((B, Hkv, G, D), (B, Hkv, L, D), (B, Hkv, L, D)))
+    j = torch.arange(L, device="cuda")
+    start = torch.tensor([0, 5, 100, 250, 0, 699, 30, 64], device="cuda")
+    keep = (j[None, :] >= start[:, None]) & (j[None, :] <= 699 - torch.arange(B, device="cuda")[:, None] * 40)
+    keep[5, 699] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=keep[:, None, None, :].expand(B, Hkv, G, L), scale=D ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    eager = gqa_decode_attention(q, k, v, keep, D ** -0.5)
+    compiled = torch.compile(lambda *a: gqa_decode_attention(*a, D ** -0.5), fullgraph=True)(q, k, v, keep)
+    for got in (eager, compiled):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
