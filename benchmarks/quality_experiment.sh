@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/quality_experiment.sh setup      # GGUF + wheels + prompts in place (see docs/results.md)
 #   bash benchmarks/quality_experiment.sh prepare    # regenerate responses, one worker per GPU (resumable: re-run)
-#   bash benchmarks/quality_experiment.sh regen-bench OUT.json [flags]   # regeneration tokens/s of the real target,
+#   bash benchmarks/quality_experiment.sh regen-bench OUT.json [flags]   # regeneration tokens/s of the real target
+#                                                    # (a bare OUT.json is written in $RESULTS),
 #                                                    # identity count against plain generate (regen_throughput.py)
 #   bash benchmarks/quality_experiment.sh regen-out I   # batch I of the shards finished so far to $OUT (prepare
 #                                                    # sends batch 0 when it stops unfinished)
@@ -187,6 +188,7 @@ PY
     # the same batch (compiled code then cached: the steady rate of a long prepare),
     # and plain generate on 64 of the prompts for the identity count (docs/benchmarks.md, "Split-K decoding kernel")
     out=${2:?out.json}; shift 2
+    case $out in /*) ;; *) out=$RESULTS/$out ;; esac  # a bare name lands in $RESULTS: `wait` brings it back
     python3 benchmarks/regen_throughput.py --recipe "$P" --gguf "$GGUF" --prompts-file "$WORK/sharegpt_prompts.json" \
       --engines static --prompts 512 --engine-batch 512 --cap 2048 --subset 64 --batch 64 --dtypes float32 \
       --warmup --max-seconds 240 --out "$out" "$@" ;;

@@ -541,3 +541,27 @@ def test_lease_runs_the_steps_in_the_background_and_wait_brings_back_what_they_m
     with tarfile.open(back / "results.tar.xz") as t:
         assert json.load(t.extractfile("./regen_rate.json"))["shards_written"] == 3
     assert (tmp_path / "w" / "plan.done").is_file() and not (tmp_path / "w" / "results" / "data_meta.json").exists()
+
+
+def test_regen_bench_runs_regen_throughput_on_the_real_target_and_keeps_its_json_in_results(tmp_path):
+    """``regen-bench NAME.json [flags]``: regen_throughput.py on the staged GGUF and prompts, the GPU recipe, one
+    batch of 512 with a warm-up and plain generate on 64 prompts, the caller's flags passed on; a bare file name
+    lands in $RESULTS (so ``wait`` brings it back), an absolute path stays where it is."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    fake = bin_ / "python3"  # records the regen_throughput.py command instead of running it
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'args.txt'}\n")
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(tmp_path / "w"), "PATH": f"{bin_}:{os.environ['PATH']}"}
+    r = _step(env, "regen-bench", "regen_real.json", "--dtypes", "float32", "bfloat16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    args = (tmp_path / "args.txt").read_text().splitlines()
+    assert args[0] == "benchmarks/regen_throughput.py"
+    opt = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+    assert opt["--out"] == str(tmp_path / "w" / "results" / "regen_real.json")
+    assert opt["--gguf"] == str(tmp_path / "w" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert opt["--recipe"] == "recipes/smollm2-135m-peagle-gpu.yaml" and opt["--prompts"] == "512"
+    assert "--warmup" in args and args[-3:] == ["--dtypes", "float32", "bfloat16"]
+    r = _step(env, "regen-bench", str(tmp_path / "elsewhere.json"))
+    assert r.returncode == 0 and str(tmp_path / "elsewhere.json") in (tmp_path / "args.txt").read_text()
+    assert _step(env, "regen-bench").returncode != 0  # no output named
