@@ -216,17 +216,20 @@ PY
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml)
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
-      ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" --quiet > "$RESULTS/$name-train.json" 2> "$WORK/$name-train.err" \
-        && CUDA_VISIBLE_DEVICES=$gpu cli export "$R" "${OVR[@]}" --quiet > /dev/null 2>> "$WORK/$name-train.err" ) &
+      d=$(legdir "$R")  # under $WORK, where prepare (or restore) put the data
+      ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" "output_dir=$d" --quiet > "$RESULTS/$name-train.json" \
+          2> "$WORK/$name-train.err" \
+        && CUDA_VISIBLE_DEVICES=$gpu cli export "$R" "${OVR[@]}" "output_dir=$d" --quiet > /dev/null \
+          2>> "$WORK/$name-train.err" ) &
       [ "$ngpu" -gt 1 ] || wait
     done
     wait
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml)
       tail -n 3 "$WORK/$name-train.err" | cut -c1-300
-      python3 - "$R" "$RESULTS/$name-train-metrics.json" <<'PY'
-import json, sys, yaml
-out = yaml.safe_load(open(sys.argv[1]))["output_dir"]
+      python3 - "$(legdir "$R")" "$RESULTS/$name-train-metrics.json" <<'PY'
+import json, sys
+out = sys.argv[1]
 m = json.load(open(f"{out}/train_metrics.json"))
 h = m["history"]
 curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "eval_loss": r["eval_loss"],
@@ -244,14 +247,16 @@ PY
     for R in "$P" "$E"; do
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       name=$(basename "$R" .yaml)
-      ( CUDA_VISIBLE_DEVICES=$gpu cli eval "$R" "${OVR[@]}" --quiet > /dev/null 2> "$WORK/$name-eval.err" \
+      # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key)
+      ( CUDA_VISIBLE_DEVICES=$gpu cli eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" \
+          "target.dtype=${EVAL_DTYPE:-float32}" --quiet > /dev/null 2> "$WORK/$name-eval.err" \
         || echo "eval of $name reported a problem: $(tail -n 2 "$WORK/$name-eval.err" | cut -c1-300)" ) &
       [ "$ngpu" -gt 1 ] || wait
     done
     wait
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml)
-      out=$(outdir "$R")
+      out=$(legdir "$R")
       for f in eval.json eval.md acceptance_by_position.png al_speedup_vs_k.png; do
         [ -f "$out/eval/$f" ] && cp "$out/eval/$f" "$RESULTS/$name-$f"
       done

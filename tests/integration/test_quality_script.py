@@ -565,3 +565,45 @@ def test_regen_bench_runs_regen_throughput_on_the_real_target_and_keeps_its_json
     r = _step(env, "regen-bench", str(tmp_path / "elsewhere.json"))
     assert r.returncode == 0 and str(tmp_path / "elsewhere.json") in (tmp_path / "args.txt").read_text()
     assert _step(env, "regen-bench").returncode != 0  # no output named
+
+
+FAKE_TRAIN_EVAL = FAKE_HEAD + r'''
+out.mkdir(parents=True, exist_ok=True)
+if args[0] == "train":
+    h = [{{"step": s, "loss": 5.0 - s / 10, "elapsed_s": float(s), "eval_loss": 4.0, "eval_walk_al": {{"7": 1.2}},
+          "eval_sim_al": {{"7": 1.25}}}} for s in range(1, 11)]
+    (out / "train_metrics.json").write_text(json.dumps({{"steps": 10, "train_seconds": 10.0, "history": h,
+                                                          "final": {{"eval_walk_al": {{"7": 1.2}}}}}}))
+elif args[0] == "eval":
+    (out / "eval").mkdir(parents=True, exist_ok=True)
+    (out / "eval" / "eval.json").write_text(json.dumps({{"dtype": over["target.dtype"], "output_dir": str(out)}}))
+'''
+
+
+def test_train_and_eval_use_the_run_folders_under_work_and_eval_runs_the_target_in_float32(tmp_path):
+    """``train`` and ``eval`` work in $WORK/peagle and $WORK/eagle3 (where prepare and restore put the data), not
+    the recipes' fixed output_dir, so another WORK works; eval runs the target in float32 (EVAL_DTYPE) whatever
+    dtype the drafters trained with (e.g. EXTRA_OVERRIDES=target.dtype=bfloat16 for a faster prepare)."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
+    fake.chmod(0o755)
+    work = tmp_path / "elsewhere"
+    env = os.environ | {"WORK": str(work), "PEAGLE_CLI": str(fake), "NGPU": "1", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+                        "EXTRA_OVERRIDES": "target.dtype=bfloat16"}
+    env.pop("OUT", None)
+    for step in ("train", "eval"):
+        r = _step(env, step)
+        assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [c[0] for c in calls] == ["train", "export", "train", "export", "eval", "eval"]
+    for c in calls:
+        name = "eagle3" if "eagle3" in c[1] else "peagle"
+        assert f"output_dir={work / name}" in c, c
+    for c in calls[-2:]:  # the last target.dtype wins
+        assert [a for a in c if a.startswith("target.dtype=")] == ["target.dtype=bfloat16", "target.dtype=float32"]
+    results = work / "results"
+    assert json.loads((results / "smollm2-135m-peagle-gpu-train-metrics.json").read_text())["steps"] == 10
+    ev = json.loads((results / "smollm2-135m-eagle3-gpu-eval.json").read_text())
+    assert ev == {"dtype": "float32", "output_dir": str(work / "eagle3")}
