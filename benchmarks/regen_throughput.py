@@ -215,11 +215,16 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
             "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 
 
-def warm_up(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> float:
-    """``--warmup``: :func:`run_engine` of ``regen_cfg`` on the first ``batch_size`` prompts (the shapes of the
-    timed run's first batch: its compiled decoding steps are then cached), untimed by the caller; returns its
-    seconds (compilation included)."""
-    return run_engine(target, regen_cfg, max_prompt_tokens, prompts[: regen_cfg.batch_size], float("inf"))["seconds"]
+def timed_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]], max_seconds: float,
+                 warmup: bool) -> dict:
+    """:func:`run_engine`, after (``warmup``, ``--warmup``) an untimed run of the same settings on the first
+    ``batch_size`` prompts: the shapes of the timed run's first batch, whose compiled decoding steps are then
+    cached. Adds ``warmup_seconds``: that run's seconds (compilation included), None without it."""
+    warm = None
+    if warmup:
+        first = prompts[: regen_cfg.batch_size]
+        warm = run_engine(target, regen_cfg, max_prompt_tokens, first, float("inf"))["seconds"]
+    return {**run_engine(target, regen_cfg, max_prompt_tokens, prompts, max_seconds), "warmup_seconds": warm}
 
 
 def profile_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int]]) -> dict:
@@ -292,9 +297,7 @@ def main(argv=None) -> dict:
         fast, parts = {}, []
         for name in args.engines:
             ecfg = cfg.regen.model_copy(update={"engine": name, "batch_size": args.cb_batch, **knobs})
-            warm = warm_up(target, ecfg, cfg.data.max_prompt_tokens, prompts) if args.warmup else None
-            res = {**run_engine(target, ecfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds),
-                   "warmup_seconds": warm}
+            res = timed_engine(target, ecfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds, args.warmup)
             fast[name] = res
             run[name] = {k: v for k, v in res.items() if k != "ids"}
             parts.append(f"{name} {res['tokens_per_s']:,.0f} tok/s ({res['answered']}/{res['prompts']} prompts, "
@@ -318,9 +321,7 @@ def main(argv=None) -> dict:
         for vname, upd in args.variant_settings.items():
             vcfg = type(cfg.regen).model_validate({**cfg.regen.model_dump(), "engine": args.engines[0],
                                                    "batch_size": args.cb_batch, **knobs, **upd})
-            warm = warm_up(target, vcfg, cfg.data.max_prompt_tokens, prompts) if args.warmup else None
-            res = {**run_engine(target, vcfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds),
-                   "warmup_seconds": warm}
+            res = timed_engine(target, vcfg, cfg.data.max_prompt_tokens, prompts, args.max_seconds, args.warmup)
             rec = {"settings": upd, **{k: v for k, v in res.items() if k != "ids"}}
             line += f", {vname} {res['tokens_per_s']:,.0f} tok/s"
             if "generate" in run:

@@ -27,8 +27,6 @@ PAGE_TOKENS = 256
 #: engine ``static``: prompts are left-padded to a multiple of this many tokens, so the static cache (prompt +
 #: ``max_new_tokens``) and the compiled decoding step see a few shapes per run, not one per batch.
 STATIC_PROMPT_BUCKET = 128
-
-
 #: engine ``static`` in segments (``regen.segment_tokens``): a call's rows are left-padded to a multiple of
 #: ``max(this, segment)`` tokens, so that the lengths a compiled decoding step meets over a whole run stay few
 #: (at most 8 for a 2,048-token prompt limit and a 2,048-token cap), each compiled once
@@ -56,6 +54,8 @@ def segment_width(rows: int, batch_size: int) -> int:
     Example: ``batch_size`` 512: 300 rows -> 512, 100 -> 128, 3 -> 64."""
     low = 1 << max(0, batch_size // SEGMENT_MIN_WIDTH_SHARE - 1).bit_length()
     return min(batch_size, max(low, 1 << max(0, rows - 1).bit_length()))
+
+
 #: Share of the free memory the check lets the KV cache (and logits) take: the rest is activations,
 #: the allocator's fragmentation and the sampler's temporaries.
 HEADROOM = 0.9

@@ -147,16 +147,17 @@ class _FittingRows:
             try:
                 out += _generate_batch(model, chunk, *args, **kwargs)
             except torch.OutOfMemoryError as e:
+                longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
                     raise torch.OutOfMemoryError(
-                        f"regeneration: one row of {max(len(p) for p in chunk)} prompt tokens does not fit the "
+                        f"regeneration: one row of {longest} prompt tokens does not fit the "
                         f"accelerator's memory in generate: lower data.max_prompt_tokens or regen.max_new_tokens "
                         f"({e})") from e
                 self.limit = max(1, len(chunk) // 2)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 self.log(f"prepare: generate ran out of accelerator memory on {len(chunk)} rows of up to "
-                         f"{max(len(p) for p in chunk)} prompt tokens; continuing with at most {self.limit} rows per "
+                         f"{longest} prompt tokens; continuing with at most {self.limit} rows per "
                          f"call (set regen.batch_size: {self.limit} to start there)")
                 continue
             s += len(chunk)
@@ -170,9 +171,10 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
 
     Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
     token or the cap leaves (yielded), and the next prompts of ``order`` take the free places. A row that goes
-    on is given again as its prompt plus its tokens so far (prefilled again, left-padded), so the static cache of a call holds that length plus one segment, not the
-    whole cap, and no row decodes past its answer while others finish. In exact arithmetic greedy decoding gives
-    the tokens one ``generate`` call to the cap gives (tests: token-identical on the real SmolLM2 in float32).
+    on is given again as its prompt plus its tokens so far (prefilled again, left-padded), so the static cache of a
+    call holds that length plus one segment, not the whole cap, and no row decodes past its answer while others
+    finish. In exact arithmetic greedy decoding gives the tokens one ``generate`` call to the cap gives (tests:
+    token-identical on the real SmolLM2 in float32).
     So that a compiled decoding step meets few shapes over a whole run (each new one is compiled again): a
     call's batch is padded to a power of two (:func:`data_prep.regen_memory.segment_width`: at most
     ``batch_size``, at least an eighth of it) with copies of its first row, whose outputs are dropped; its rows
@@ -181,8 +183,8 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
 
     Args:
         prompts: token ids per job. order: the job indices in the order to start them (all of them once).
-        gen_kwargs: ``generate`` keywords (``max_new_tokens`` is set per call: the segment, or less where every
-            row has less of its cap left). cap: ``regen.max_new_tokens``.
+        gen_kwargs: ``generate`` keywords (``max_new_tokens`` is set per call to ``min(segment, cap)``).
+            cap: ``regen.max_new_tokens``.
         generate_rows: :func:`_generate_batch` or a :class:`_FittingRows` (the default: one of ``batch_size``).
 
     Yields:

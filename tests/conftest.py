@@ -5,7 +5,8 @@ drafter built from it, and a random packed micro-batch (several documents,
 padding at the end, a random loss mask), a whole objective problem over a COD grid
 (``objective_problem``), and ``bench`` (``benchmarks/train_step.py`` as a module). The tiny-model
 factories are session-scoped so they can be used from ``hypothesis`` tests. Plain helpers:
-``conv``, ``mask_runs``, ``save_tiny_target``. ``torch_single_thread`` (module scope) runs a
+``conv``, ``mask_runs``, ``save_tiny_target``,
+``run_under_triton_interpreter``. ``torch_single_thread`` (module scope) runs a
 module's tiny-tensor math on one intra-op thread: on a small, shared CPU box the OpenMP
 thread pool makes such tiny ops up to ~100x slower. ``no_leftover_processes`` (session, autouse)
 fails the run when a process the suite started outlives it (``suite_processes``, ``end_processes``).
@@ -311,6 +312,20 @@ def save_tiny_target(path):
                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return cfg
+
+
+def run_under_triton_interpreter(test_file: str, passed: int) -> None:
+    """Run ``test_file`` (a path under the repository, e.g. ``tests/unit/interp_chain_kernel.py``) with pytest in a
+    fresh process with ``TRITON_INTERPRET=1`` (the variable must be set before Triton kernels are defined);
+    asserts it exits 0 with exactly ``passed`` tests passed and none skipped (the output's tail on failure)."""
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test_file],
+                       cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    assert f"{passed} passed" in r.stdout and "skipped" not in r.stdout, tail
 
 
 def need_smollm2() -> None:

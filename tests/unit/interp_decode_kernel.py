@@ -26,7 +26,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 from data_prep import decode_attention_kernel as dk  # noqa: E402
-from data_prep.gqa_decode_attention import NAME_TRITON, decode_attention, gqa_decode_triton, resolve_kernel  # noqa: E402
+from data_prep.gqa_decode_attention import NAME_TRITON, gqa_decode_triton, resolve_kernel  # noqa: E402
+from tests.unit.test_gqa_decode_attention import check_static_generation_on  # noqa: E402
 
 
 def _masked_sdpa(q, k, v, keep, scale):
@@ -87,32 +88,6 @@ def test_attention_function_equals_transformers_sdpa():
 
 
 def test_static_generation_on_the_kernel_is_token_identical():
-    from transformers import AttentionInterface, LlamaForCausalLM
-
-    from tests.conftest import _tiny_llama_config
-
-    torch.manual_seed(0)
-    cfg = _tiny_llama_config()
-    cfg.num_key_value_heads = max(1, cfg.num_attention_heads // 2)
-    model = LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("sdpa")
-    ids = torch.randint(3, cfg.vocab_size, (3, 9))
-    att = torch.ones_like(ids)
-    att[0, :4] = 0
-    att[2, :2] = 0
-    kw = dict(input_ids=ids, attention_mask=att, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    on_kernel = []
-
-    def spy(module, query, key, value, mask, *a, **k):
-        on_kernel.append(query.shape[2] == 1 and mask is not None and mask.dtype == torch.bool)
-        return gqa_decode_triton(module, query, key, value, mask, *a, **k)
-
-    with torch.no_grad():
-        plain = model.generate(**kw)
-        with decode_attention(model, "triton"):
-            assert model.config._attn_implementation == NAME_TRITON
-            AttentionInterface.register(NAME_TRITON, spy)
-            static = model.generate(**kw, cache_implementation="static")
-    assert model.config._attn_implementation == "sdpa"
-    assert torch.equal(static, plain)
-    assert sum(on_kernel) == 11 * cfg.num_hidden_layers  # every decoding step after the prefill, every layer
+    check_static_generation_on("triton", NAME_TRITON, gqa_decode_triton,
+                               lambda query, mask: query.shape[2] == 1 and mask is not None
+                               and mask.dtype == torch.bool)

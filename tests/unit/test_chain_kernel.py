@@ -13,13 +13,10 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_under_triton_interpreter
 
 import peagle_train.kernels.chain_kernel as ck
 from peagle_train.core.config import ConfigError, TrainConfig
@@ -27,8 +24,6 @@ from peagle_train.kernels.attention import build_split_masks, chain_attention
 from peagle_train.peagle.grid import pad_grid
 from peagle_train.peagle.masks import GridMeta, build_chain_index, invert_chain_index
 from tests.unit.test_attention import make_grid
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_resolve(monkeypatch):
@@ -98,13 +93,7 @@ def test_tiling_rows_are_powers_of_two(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed (setup.sh --test)")
 def test_kernels_under_the_interpreter():
     """``interp_chain_kernel.py`` in a fresh process with ``TRITON_INTERPRET=1``: must pass, none skipped."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                        "tests/unit/interp_chain_kernel.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
-    tail = (r.stdout + r.stderr)[-3000:]
-    assert r.returncode == 0, tail
-    assert "5 passed" in r.stdout and "skipped" not in r.stdout, tail
+    run_under_triton_interpreter("tests/unit/interp_chain_kernel.py", passed=5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,

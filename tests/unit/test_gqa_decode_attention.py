@@ -3,18 +3,13 @@ expanding the KV cache equals transformers' SDPA attention; generation with it i
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_under_triton_interpreter
 
 from data_prep.gqa_decode_attention import NAME, decode_attention, gqa_decode_sdpa, resolve_kernel
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sdpa(*a, **k):
@@ -55,10 +50,11 @@ def test_prefill_and_ungrouped_heads_fall_back_to_transformers_sdpa():
     assert torch.equal(got, want)
 
 
-def test_static_generation_with_the_folded_attention_is_token_identical():
-    """A tiny GQA Llama: static-cache generate under decode_attention gives plain generate's tokens on a
-    left-padded batch, and the model's attention implementation is restored after."""
-    from transformers import LlamaForCausalLM
+def check_static_generation_on(kernel: str, name: str, fn, counts) -> None:
+    """A tiny GQA Llama: static-cache generate under ``decode_attention(model, kernel)`` gives plain generate's tokens
+    on a left-padded batch, every decoding step of every layer goes through ``fn`` (registered under ``name``) where
+    ``counts(query, mask)``, and the model's attention implementation is restored after."""
+    from transformers import AttentionInterface, LlamaForCausalLM
 
     from tests.conftest import _tiny_llama_config
 
@@ -72,36 +68,35 @@ def test_static_generation_with_the_folded_attention_is_token_identical():
     att[0, :4] = 0
     att[2, :2] = 0
     kw = dict(input_ids=ids, attention_mask=att, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    from transformers import AttentionInterface
-
-    folded_steps = []
+    steps = []
 
     def spy(module, query, key, value, mask, *a, **k):
-        folded_steps.append(query.shape[2] == 1 and mask is not None)
-        return gqa_decode_sdpa(module, query, key, value, mask, *a, **k)
+        steps.append(counts(query, mask))
+        return fn(module, query, key, value, mask, *a, **k)
 
     with torch.no_grad():
         plain = model.generate(**kw)
-        with decode_attention(model):
-            assert model.config._attn_implementation == NAME
-            AttentionInterface.register(NAME, spy)
-            folded = model.generate(**kw, cache_implementation="static")
+        with decode_attention(model, kernel):
+            assert model.config._attn_implementation == name
+            AttentionInterface.register(name, spy)
+            static = model.generate(**kw, cache_implementation="static")
     assert model.config._attn_implementation == "sdpa"
-    assert torch.equal(folded, plain)
-    assert sum(folded_steps) == 11 * cfg.num_hidden_layers  # every decoding step after the prefill, every layer
+    assert torch.equal(static, plain)
+    assert sum(steps) == 11 * cfg.num_hidden_layers  # every decoding step after the prefill, every layer
+
+
+def test_static_generation_with_the_folded_attention_is_token_identical():
+    """A tiny GQA Llama: static-cache generate under decode_attention gives plain generate's tokens on a
+    left-padded batch, and the model's attention implementation is restored after."""
+    check_static_generation_on("sdpa", NAME, gqa_decode_sdpa,
+                               lambda query, mask: query.shape[2] == 1 and mask is not None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed (setup.sh --test)")
 def test_split_k_kernel_under_the_interpreter():
     """``interp_decode_kernel.py`` in a fresh process with ``TRITON_INTERPRET=1``: the Triton decoding kernel
     ≡ masked SDPA in float64, and static generation on it is token-identical; must pass, none skipped."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                        "tests/unit/interp_decode_kernel.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
-    tail = (r.stdout + r.stderr)[-3000:]
-    assert r.returncode == 0, tail
-    assert "7 passed" in r.stdout and "skipped" not in r.stdout, tail
+    run_under_triton_interpreter("tests/unit/interp_decode_kernel.py", passed=7)
 
 
 def test_decode_kernel_setting_resolves_and_bad_values_are_refused(monkeypatch):
