@@ -8,7 +8,8 @@ step has ``H / Hkv`` (3 for SmolLM2) and read every cache position, filled or no
 step at cap 256 and the same SDPA without a mask read the cache 2.4–4.7× faster (docs/benchmarks.md,
 "Decoding attention kernels for regeneration", ``docs/data/decode_attention_4fe764a.json``).
 
-What: flash-decoding (split-K). Program ``(b, h, s)`` takes the ``g = H / Hkv`` query heads that share
+What: flash-decoding (split-K over the keys; Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
+inference", 2023), with the online softmax of FlashAttention (Dao et al., 2022). Program ``(b, h, s)`` takes the ``g = H / Hkv`` query heads that share
 key/value head ``h`` of row ``b`` and the keys of chunk ``s`` (``chunk`` positions) intersected with
 the row's kept range ``[start_b, end_b)`` (first and last True of the row's mask), so positions before
 the left padding ends and after the last written cache slot are never read. Inside the range the mask
