@@ -20,7 +20,12 @@ target's chat template (:func:`data_prep.template.build_prompt_ids`), so turn ``
 conditions on the *regenerated* history. Engine ``generate``: within a round prompts are sorted
 by length (longest first, ties by conversation index) and generated in left-padded batches of
 ``RegenConfig.batch_size``; engine ``continuous``: the whole round is submitted and answers come back
-as they finish.
+as they finish; engine ``static`` in segments (``regen.segment_tokens``) *streams* turns instead of rounds: a
+conversation's next turn joins the batch at the next segment after its previous turn is answered, the deepest
+conversations first (:func:`data_prep.rounds.stream_turns`), so a round's few long answers do not leave the batch nearly empty. The
+report's ``turns`` says which (``rounds`` / ``streamed``); its ``engine_profile`` (engines ``generate`` and
+``static``) how many ``generate`` calls ran, the shapes they met and the seconds of those meeting a new shape
+(with a compiled decoding step: the compiles).
 
 A conversation whose round-``r`` prompt exceeds ``max_prompt_tokens``, or whose
 response is empty, ends there: it keeps turns ``< r`` or, at ``r = 0``, is dropped; both
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
@@ -132,6 +138,12 @@ class _FittingRows:
     def __init__(self, limit: int, log=None):
         self.limit = max(1, int(limit))
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._seen: set[tuple[int, int, int]] = set()
+        #: where the engine's time goes (the regeneration report's ``engine_profile``): ``calls`` to
+        #: ``generate``, the distinct ``shapes`` (rows x padded prompt length x new tokens) they met, the
+        #: ``seconds`` inside them, and ``new_shape_seconds``: the part spent in calls meeting a shape for the
+        #: first time -- with a compiled decoding step (engine ``static`` on CUDA) those calls compile it
+        self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0}
 
     def __call__(self, model, prompts: list[list[int]], *args, **kwargs) -> list[tuple[list[int], bool]]:
         """:func:`_generate_batch`'s arguments and result, over ``prompts`` in calls of at most ``limit`` rows.
@@ -144,8 +156,10 @@ class _FittingRows:
         out, s = [], 0
         while s < len(prompts):
             chunk = prompts[s : s + self.limit]
+            t0 = time.perf_counter()
             try:
                 out += _generate_batch(model, chunk, *args, **kwargs)
+                self._count(chunk, args, kwargs, time.perf_counter() - t0)
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -162,6 +176,18 @@ class _FittingRows:
                 continue
             s += len(chunk)
         return out
+
+    def _count(self, chunk: list[list[int]], args: tuple, kwargs: dict, seconds: float) -> None:
+        """Add one finished ``generate`` call of ``seconds`` to :attr:`profile` (``args``/``kwargs``: those of
+        :func:`_generate_batch` after the prompts)."""
+        named = dict(zip(("pad_id", "eos_ids", "gen_kwargs", "bucket"), args)) | kwargs
+        shape = (len(chunk), bucketed(max(len(p) for p in chunk), named.get("bucket", 1)),
+                 int(named["gen_kwargs"].get("max_new_tokens") or 0))
+        new = shape not in self._seen
+        self._seen.add(shape)
+        p = self.profile
+        p.update(calls=p["calls"] + 1, shapes=len(self._seen), seconds=round(p["seconds"] + seconds, 3),
+                 new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3))
 
 
 def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_id: int, eos_ids: list[int],
@@ -182,7 +208,10 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
     decodes ``min(segment, cap)`` tokens (a row past its cap is cut to it).
 
     Args:
-        prompts: token ids per job. order: the job indices in the order to start them (all of them once).
+        prompts: token ids per job (a sequence indexed by job index). order: the job indices in the order to
+            start them (each once); a ``collections.deque`` is used as it is, so the caller may append jobs (and
+            extend ``prompts``) while it consumes the answers: a multi-turn conversation's next turn, once its
+            turn before is yielded (:func:`data_prep.rounds.stream_turns`), joins at the next free place.
         gen_kwargs: ``generate`` keywords (``max_new_tokens`` is set per call to ``min(segment, cap)``).
             cap: ``regen.max_new_tokens``.
         generate_rows: :func:`_generate_batch` or a :class:`_FittingRows` (the default: one of ``batch_size``).
@@ -195,7 +224,8 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
     from collections import deque
 
     generate_rows = generate_rows or _FittingRows(batch_size)
-    queue, active = deque(order), []  # active: (job index, tokens so far)
+    queue = order if isinstance(order, deque) else deque(order)
+    active = []  # (job index, tokens so far)
     while queue or active:
         while queue and len(active) < batch_size:
             active.append((queue.popleft(), []))
@@ -276,6 +306,9 @@ def regenerate(
     kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
     report = regen_report(cfg, {"backend": "hf", "engine": engine}, **stats, max_prompt_tokens=max_prompt_tokens,
                           eos_ids=_eos_ids(model, tokenizer))
+    report["turns"] = "streamed" if complete.streaming else "rounds"
+    if complete.profile is not None:
+        report["engine_profile"] = dict(complete.profile)
     return kept, report
 
 
@@ -362,6 +395,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
             for i, new, finished in continuous_generate(model, [j[3] for j in jobs], cfg, eos_ids, pad_id):
                 yield answer(i, new, finished)
 
+        complete.streaming, complete.profile = False, None
         return complete, engine
 
     gen_kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample}
@@ -379,14 +413,17 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     generate_rows = _FittingRows(cfg.batch_size)  # halves its calls, for the rest of the run, on running out of memory
 
-    def complete(jobs: list[Job]):
-        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
-        if engine == "static" and cfg.segment_tokens is not None:
-            for i, new, finished in _generate_segmented(model, [j[3] for j in jobs], order, pad_id, eos_ids,
+    segmented = engine == "static" and cfg.segment_tokens is not None
+
+    def complete(jobs: list[Job], waiting=None):
+        if segmented:  # streaming (data_prep.rounds.run_rounds): ``waiting`` grows as turns are answered
+            order = waiting if waiting is not None else sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
+            for i, new, finished in _generate_segmented(model, _JobPrompts(jobs), order, pad_id, eos_ids,
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows):
                 yield answer(i, new, finished)
             return
+        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             with attention():
@@ -394,4 +431,19 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
             for i, (new, finished) in zip(idx, batch):
                 yield answer(i, new, finished)
 
+    complete.streaming = segmented  # a row leaves at every segment: a conversation's next turn can join then
+    complete.profile = generate_rows.profile
     return complete, engine
+
+
+class _JobPrompts:
+    """The prompt ids of ``jobs`` by job index, seeing jobs appended later (a streaming engine's prompts)."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.jobs[i][3]
+
+    def __len__(self) -> int:
+        return len(self.jobs)

@@ -45,7 +45,7 @@ class Completion:
 
 
 def run_rounds(
-    complete: Callable[[list[Job]], Iterable[tuple[int, Completion]]],
+    complete: Callable[..., Iterable[tuple[int, Completion]]],
     tokenizer,
     conversations: list[list[Message]],
     max_prompt_tokens: int,
@@ -55,8 +55,15 @@ def run_rounds(
     """Regenerate turn by turn over all conversations (module docstring), with any engine.
 
     Args:
-        complete: the engine: answers a round's jobs, yielding ``(job position, Completion)``
-            in any order (the HF engine yields batch by batch, so the progress bar moves).
+        complete: the engine: answers jobs, yielding ``(job position, Completion)`` in any order (the HF
+            engine yields batch by batch, so the progress bar moves). A *round* engine is called once per
+            turn index ``r`` with that round's jobs: turn ``r + 1`` of any conversation starts only once every
+            conversation's turn ``r`` is answered. A *streaming* engine (``complete.streaming`` true, e.g. the
+            HF static engine in segments) is called once as ``complete(jobs, waiting)``: ``jobs`` a list and
+            ``waiting`` a ``collections.deque`` of positions in it (the engine takes from its left), both
+            extended here while the engine runs -- a conversation's next turn is put first as soon as its
+            previous turn is yielded -- so the engine's batch stays full while any conversation has turns left
+            (:func:`stream_turns`).
         tokenizer: target tokenizer (prompt-length check, :func:`build_prompt_ids`).
         conversations, max_prompt_tokens, progress: as :func:`regenerate`.
 
@@ -64,6 +71,8 @@ def run_rounds(
         ``(kept conversations, stats)``; ``stats`` holds the keyword arguments of
         :func:`regen_report` that the loop knows (``n_in``, ``n_out``, ``cut``,
         ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine).
+        Both kinds of engine give the same conversations and stats (but ``seconds``) for the same
+        completions: each turn's prompt is its own conversation's regenerated history.
 
     Each completion becomes ``{"role": "assistant", "content": answer, "reasoning"?: reasoning}``.
     A completion with ``reasoning=None`` is split with the template's reasoning markers
@@ -86,7 +95,7 @@ def run_rounds(
     markers = reasoning_markers(tokenizer)
     counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, unfinished_reasoning=0,
                   turns_generated=0)
-    generated_tokens, seconds = 0, 0.0
+    totals = {"generated_tokens": 0, "seconds": 0.0}
     total_turns = sum(len(users) for _, users in parts)
     bar = tqdm(total=total_turns, unit="turn", desc=desc, disable=not progress)
 
@@ -95,58 +104,109 @@ def run_rounds(
         alive[k] = False
         bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)  # its remaining turns
 
-    for r in range(max((len(u) for _, u in parts), default=0)):
-        jobs: list[Job] = []
-        for k, (_, users) in enumerate(parts):
-            if alive[k] and r < len(users):
-                # role/content only: reasoning is not sent back
-                msgs = [{"role": m["role"], "content": m["content"]} for m in out[k]]
-                msgs.append({"role": "user", "content": users[r]})
-                try:
-                    ids = build_prompt_ids(tokenizer, msgs)
-                except TemplateRefusedData as e:  # say which conversation and turn
-                    raise TemplateRefusedData(f"conversation {k}, turn {r}: {e}") from None
-                if len(ids) > max_prompt_tokens:
-                    end(k, "prompts_too_long")
-                else:
-                    jobs.append((k, r, msgs, ids))
-        if not jobs:
-            continue
+    def job(k: int, r: int) -> Job | None:
+        """Turn ``r`` of conversation ``k`` on its regenerated history; None (counted) when too long."""
+        # role/content only: reasoning is not sent back
+        msgs = [{"role": m["role"], "content": m["content"]} for m in out[k]]
+        msgs.append({"role": "user", "content": parts[k][1][r]})
+        try:
+            ids = build_prompt_ids(tokenizer, msgs)
+        except TemplateRefusedData as e:  # say which conversation and turn
+            raise TemplateRefusedData(f"conversation {k}, turn {r}: {e}") from None
+        if len(ids) > max_prompt_tokens:
+            end(k, "prompts_too_long")
+            return None
+        return (k, r, msgs, ids)
+
+    def record(k: int, r: int, c: Completion) -> bool:
+        """Keep (or end the conversation on) the answer ``c`` to turn ``r`` of ``k``; True when kept."""
+        totals["generated_tokens"] += c.tokens
+        counts["unfinished_responses"] += not c.finished
+        reasoning, text, closed = c.reasoning, c.text, True
+        if reasoning is None and markers is not None:
+            reasoning, text, closed = split_reasoning(c.text, markers)
+        if not closed or (reasoning and not text and not c.finished):
+            end(k, "unfinished_reasoning")
+            return False
+        if not text:
+            end(k, "empty_responses")
+            return False
+        turn = {"role": "assistant", "content": text}
+        if reasoning:
+            turn["reasoning"] = reasoning
+        out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
+        counts["turns_generated"] += 1
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{totals['generated_tokens'] / max(totals['seconds'], 1e-9):.1f}", refresh=False)
+        return True
+
+    def timed(call: Callable[[], Iterable[tuple[int, Completion]]]):
+        """The answers of the engine ``call()`` starts, the time spent inside the engine added to ``totals``."""
         t0 = time.perf_counter()
-        answers = iter(complete(jobs))  # a list engine works here, a generator engine in next()
-        seconds += time.perf_counter() - t0
+        it = iter(call())  # a list engine works here, a generator engine in next()
+        totals["seconds"] += time.perf_counter() - t0
         while True:
             t0 = time.perf_counter()
-            nxt = next(answers, None)
-            seconds += time.perf_counter() - t0
+            nxt = next(it, None)
+            totals["seconds"] += time.perf_counter() - t0
             if nxt is None:
-                break
-            i, c = nxt
-            k = jobs[i][0]
-            generated_tokens += c.tokens
-            counts["unfinished_responses"] += not c.finished
-            reasoning, text, closed = c.reasoning, c.text, True
-            if reasoning is None and markers is not None:
-                reasoning, text, closed = split_reasoning(c.text, markers)
-            if not closed or (reasoning and not text and not c.finished):
-                end(k, "unfinished_reasoning")
-            elif not text:
-                end(k, "empty_responses")
-            else:
-                turn = {"role": "assistant", "content": text}
-                if reasoning:
-                    turn["reasoning"] = reasoning
-                out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
-                counts["turns_generated"] += 1
-                bar.update(1)
-            bar.set_postfix(tok_s=f"{generated_tokens / max(seconds, 1e-9):.1f}", refresh=False)
+                return
+            yield nxt
+
+    if getattr(complete, "streaming", False):
+        stream_turns(complete, job, record, [len(users) for _, users in parts], timed)
+    else:
+        for r in range(max((len(u) for _, u in parts), default=0)):
+            jobs = [j for k, (_, users) in enumerate(parts) if alive[k] and r < len(users)
+                    for j in [job(k, r)] if j is not None]
+            if jobs:
+                for i, c in timed(lambda: complete(jobs)):
+                    record(jobs[i][0], r, c)
     bar.close()
 
     n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
     kept = [o for o, n in zip(out, n_turns) if n > 0]
     return kept, dict(n_in=len(conversations), n_out=len(kept), turns_requested=total_turns, counts=counts,
                       cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)),
-                      generated_tokens=generated_tokens, seconds=seconds)
+                      generated_tokens=totals["generated_tokens"], seconds=totals["seconds"])
+
+
+def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callable[[int, int, Completion], bool],
+                 turns: list[int], timed=lambda call: call()) -> None:
+    """Drive a streaming engine (:func:`run_rounds`): every conversation's first turn is waiting at the start,
+    the conversations with the most turns first (then the longest prompt, then the conversation index), and
+    each answered turn that ``record`` keeps puts the conversation's next turn at the *front* of the waiting
+    queue before the engine asks for more work.
+
+    Why: with rounds, a round with few long answers left (a deep multi-turn conversation, a response that runs to
+    the cap) holds the whole batch back; here no conversation waits for another's turn. The order is
+    longest-chain-first scheduling: a conversation's turns run one after another whatever the batch, so the
+    deepest conversations start first and go on at once, alongside the bulk of single turns, instead of
+    running alone at the end of the shard.
+
+    Example: conversations A (3 turns), B, C, D (1 turn each), an engine of two places answering one job at a
+    time: A1 and B1 start; A1 is answered, A2 starts before C1; B1 is answered, C1 starts; A2 is answered,
+    A3 starts before D1.
+
+    Args:
+        complete: the streaming engine, called once as ``complete(jobs, waiting)``.
+        job: ``(k, r) -> Job`` for turn ``r`` of conversation ``k`` on its history so far, or None (then the
+            conversation has ended, counted by ``job``). record: ``(k, r, completion) -> kept``.
+        turns: the number of user turns of each conversation.
+        timed: ``timed(call)`` iterates the answers of ``call()``, the engine's start (run_rounds counts the
+            time spent inside the engine).
+    """
+    from collections import deque
+
+    jobs: list[Job] = [j for k, n in enumerate(turns) if n > 0 for j in [job(k, 0)] if j is not None]
+    waiting = deque(sorted(range(len(jobs)), key=lambda i: (-turns[jobs[i][0]], -len(jobs[i][3]), jobs[i][0])))
+    for i, c in timed(lambda: complete(jobs, waiting)):
+        k, r = jobs[i][0], jobs[i][1]
+        if record(k, r, c) and r + 1 < turns[k]:
+            nxt = job(k, r + 1)
+            if nxt is not None:
+                jobs.append(nxt)
+                waiting.appendleft(len(jobs) - 1)  # a conversation under way goes on first
 
 
 #: A closing reasoning tag in a chat template's text: ``</think>`` (Qwen3, DeepSeek-R1), ``</seed:think>``.

@@ -511,6 +511,81 @@ def test_batched_greedy_regeneration_equals_one_at_a_time(tok, tiny_model):
                 assert tok.decode(new, skip_special_tokens=True).strip() == m["content"]
 
 
+def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_model, monkeypatch):
+    """Engine ``static`` in segments streams turns (a conversation's next turn joins at the next segment, not
+    after the whole round): the same conversations and counts as plain ``generate`` in rounds, and the report
+    says how the turns ran and where the engine's time went."""
+    from data_prep import regen_memory
+
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)  # tiny prompts: a tiny length bucket
+    monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)
+    cfg = RegenConfig(max_new_tokens=12, batch_size=2)
+    rounds, ref = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "generate"}), 512,
+                             progress=False)
+    calls, generate = [], tiny_model.generate
+
+    def counting(**kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return generate(**kwargs)
+
+    monkeypatch.setattr(tiny_model, "generate", counting)
+    streamed, rep = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "static",
+                                                                                     "segment_tokens": 8}),
+                               512, progress=False)
+    assert streamed == rounds
+    same = ("conversations_out", "turns_generated", "generated_tokens", "unfinished_responses", "prompts_too_long")
+    assert {k: rep[k] for k in same} == {k: ref[k] for k in same}
+    assert (rep["turns"], ref["turns"]) == ("streamed", "rounds")
+    prof = rep["engine_profile"]
+    assert prof["calls"] == len(calls) and 1 <= prof["shapes"] <= prof["calls"]
+    assert 0 < prof["new_shape_seconds"] <= prof["seconds"] <= rep["generate_seconds"] + 1e-3
+    assert ref["engine_profile"]["calls"] == 3 + 2  # round 0: 5 prompts in batches of 2, round 1: 3 prompts
+
+
+def test_stream_turns_starts_a_next_turn_before_the_round_ends(monkeypatch):
+    """``run_rounds`` with a streaming engine (``complete.streaming``): the conversation with the most turns
+    starts first and its next turn goes before waiting first turns (longest chain first) -- with rounds A2
+    would wait for every first turn --
+    and it is built on A's regenerated first answer; the results equal a round engine's for the same answers."""
+    from collections import deque
+
+    from data_prep import rounds
+    from data_prep.rounds import Completion, run_rounds
+
+    convs = [conv("A1", "x", "A2", "x", "A3", "x"), conv("B1", "x"), conv("C1", "x"), conv("D1", "x")]
+    events = []
+
+    def answer(job):
+        k, r, msgs, _ = job
+        return Completion(f"{msgs[-1]['content']} answered", None, 3, True)
+
+    def streaming(jobs, waiting: deque):
+        active = []
+        while waiting or active:  # two places; one answer per step, then the free place is refilled
+            while waiting and len(active) < 2:
+                i = waiting.popleft()
+                events.append(("start", jobs[i][2][-1]["content"]))
+                active.append(i)
+            i = active.pop(0)
+            events.append(("answer", jobs[i][2][-1]["content"]))
+            yield i, answer(jobs[i])
+
+    streaming.streaming = True
+
+    class Tok:  # no chat template: no reasoning markers
+        chat_template = None
+
+    # prompt ids: one id per character of the messages
+    monkeypatch.setattr(rounds, "build_prompt_ids", lambda tok, msgs: [ord(c) for m in msgs for c in m["content"]])
+    out, stats = run_rounds(streaming, Tok(), convs, 512, progress=False)
+    ref, ref_stats = run_rounds(lambda jobs: [(i, answer(j)) for i, j in enumerate(jobs)], Tok(), convs, 512,
+                                progress=False)
+    assert events[:8] == [("start", "A1"), ("start", "B1"), ("answer", "A1"), ("start", "A2"),  # A2 before C1
+                          ("answer", "B1"), ("start", "C1"), ("answer", "A2"), ("start", "A3")]  # A3 before D1
+    assert out == ref and out[0][3]["content"] == "A2 answered"
+    assert {k: v for k, v in stats.items() if k != "seconds"} == {k: v for k, v in ref_stats.items() if k != "seconds"}
+
+
 def test_multi_turn_prompt_contains_regenerated_history(tok, tiny_model):
     cfg = RegenConfig(max_new_tokens=10, batch_size=2)
     (out,), _ = regenerate(tiny_model, tok, REGEN_CONVS[:1], cfg, 512, progress=False)

@@ -359,3 +359,19 @@ def test_segment_shapes_stay_few():
     assert segment_bucket(128, 256) == 512 and segment_bucket(128, 1024) == 1024
     lengths = {-(-n // segment_bucket(128, 256)) for n in range(1, 2048 + 2047)}
     assert len(lengths) == 8
+
+
+def test_free_memory_counts_what_the_caching_allocator_holds_unused(monkeypatch):
+    """After an earlier ``generate`` in the same process, PyTorch's caching allocator keeps the freed KV cache's
+    blocks: the driver reports them as used (an H200 showed 62.9 of 139 GiB free and the check cut a batch
+    of 512 to 459). They are free to this process, so they count."""
+    import torch
+
+    from data_prep.regen_memory import free_memory_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (63 * GIB, 139 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 72 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * GIB)
+    assert free_memory_bytes("cuda:0") == (63 + 71) * GIB
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    assert free_memory_bytes("cuda:0") == 63 * GIB
