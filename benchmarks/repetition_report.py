@@ -1,6 +1,7 @@
 """How much of a prepared split's supervised text repeats what came before it in the same sequence.
 
     python benchmarks/repetition_report.py RUN_DIR [--n 4] [--out REPORT.json]
+    python benchmarks/repetition_report.py RUN_DIR --answers RECIPE.yaml   # + the regeneration shards' answers
 
 A suspect for drafters whose deep drafts score well in training but are not accepted on real prompts
 (issue 20): greedy regeneration by a small target falls into loops, and a loop's continuation can be
@@ -16,6 +17,12 @@ supervised span began: ``[0, 64)``, ``[64, 128)``, ``[128, 256)``, ``[256, inf)`
 of 64 new tokens sees the first bucket only), and ``looping_tail``: the fraction of sequences whose last
 ``TAIL`` (64, ``data_prep.loops.MIN_TAIL``) supervised tokens are at least 90 % copyable
 (``TAIL_FRACTION``).
+
+``--answers RECIPE``: also the split ``regenerated_answers``, every assistant answer of the regeneration
+shards (``RUN_DIR/data/regen/*.json``, e.g. carried back from a machine before tokenisation), each answer
+alone as one supervised sequence, tokenised by the recipe's target tokenizer: what regeneration wrote,
+before the chat template, ``data.loop_tail`` and ``data.max_length`` apply (the context of a copy is the
+answer itself, not its prompt, so the share is a lower bound).
 """
 from __future__ import annotations
 
@@ -58,11 +65,36 @@ def split_report(split: dict, n: int = LOOKUP_N) -> dict:
             "looping_tail": round(tails / max(1, seqs), 4)}
 
 
+def shard_split(regen_dir: Path, tokenize) -> dict:
+    """Every assistant answer of the regeneration shards ``regen_dir/*.json`` (``{"conversations": [...]}``, as
+    ``peagle-train prepare`` writes them) as one sequence, all of it supervised: ``{"input_ids", "loss_mask"}``
+    for :func:`split_report`. ``tokenize``: ``text -> list[int]`` (no special tokens added)."""
+    ids = []
+    for f in sorted(regen_dir.glob("*.json")):
+        for conv in json.loads(f.read_text())["conversations"]:
+            ids += [tokenize(m["content"]) for m in conv if m["role"] == "assistant"]
+    return {"input_ids": ids, "loss_mask": [[1] * len(x) for x in ids]}
+
+
+def recipe_tokenizer(recipe: str):
+    """``text -> ids`` with the target tokenizer of ``recipe`` (materialised like ``peagle-train prepare``)."""
+    from transformers import AutoTokenizer
+
+    from peagle_train.features.target import materialise_target, tokenizer_source
+    from peagle_train.recipe import load_config
+
+    target = load_config(recipe, []).target
+    tok = AutoTokenizer.from_pretrained(tokenizer_source(target, materialise_target(target)))
+    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--n", type=int, default=LOOKUP_N, help=f"context tokens of the lookup (default {LOOKUP_N})")
     p.add_argument("--out", type=Path, default=None, help="also write the report here (JSON)")
+    p.add_argument("--answers", default=None, metavar="RECIPE",
+                   help="also the regeneration shards' answers (data/regen/*.json), tokenised by this recipe's target")
     a = p.parse_args(argv)
     from peagle_train.features.tokenized import load_tokenized
 
@@ -71,9 +103,14 @@ def main(argv=None) -> dict:
         f = a.run_dir / "data" / f"{name}.safetensors"
         if f.is_file():
             res["splits"][name] = split_report(load_tokenized(f), a.n)
+    if a.answers:
+        regen = a.run_dir / "data" / "regen"
+        if not list(regen.glob("*.json")):
+            sys.exit(f"repetition_report: --answers: {regen} holds no regeneration shard (*.json)")
+        res["splits"]["regenerated_answers"] = split_report(shard_split(regen, recipe_tokenizer(a.answers)), a.n)
     if not res["splits"]:
         sys.exit(f"repetition_report: {a.run_dir / 'data'} holds no train.safetensors or eval.safetensors: "
-                 "give the output_dir of a prepared run")
+                 "give the output_dir of a prepared run (or --answers RECIPE for its regeneration shards)")
     meta = a.run_dir / "data" / "meta.json"
     if meta.is_file():  # the regeneration's unfinished count, beside the repetition
         for name, s in json.loads(meta.read_text()).get("splits", {}).items():

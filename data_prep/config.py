@@ -93,6 +93,12 @@ class RegenConfig(Section):
         "so far (greedy output unchanged). The static cache then holds a row's length so far plus one segment, not "
         "the whole cap, and no row decodes past its answer. None = one call to the cap per batch."
     )
+    stop_loops: bool = Field(
+        False, description="engine static with segment_tokens: between segments, a row whose answer ends in a "
+        "repetition loop (its last 64 tokens at least 90 % copyable from the 256 before them, "
+        "data_prep.loops.ends_in_loop) stops there, counted as unfinished and in the report's looped_responses, "
+        "instead of looping on to the cap. Output is then a prefix of the greedy answer, not the whole of it."
+    )
     decode_kernel: Literal["auto", "sdpa", "triton"] = Field(
         "auto", description="engine static: the decoding step's attention over the cache. 'triton' = the split-K "
         "kernel of data_prep.decode_attention_kernel (reads only each row's kept cache positions); 'sdpa' = "
@@ -140,6 +146,9 @@ class RegenConfig(Section):
         if self.backend != "hf" and (self.engine != "auto" or hf_only):
             raise ValueError(f"regen.{'engine' if self.engine != 'auto' else hf_only[0]} is a setting of regen.backend: "
                              "hf (the vLLM backend has its own engine)")
+        if self.stop_loops and (self.backend != "hf" or self.segment_tokens is None or self.engine not in ("static", "auto")):
+            raise ValueError("regen.stop_loops works between the segments of the HF static engine: set regen.backend: "
+                             "hf, regen.engine: static (or auto on CUDA without flash attention) and regen.segment_tokens")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(f"regen.server_url must start with http:// or https:// (got '{self.server_url}')")
         return self

@@ -17,6 +17,8 @@ MIN_TAIL = 64
 TAIL_FRACTION = 0.9
 #: tokens of a looping tail that stay supervised (the drafter still learns to continue a loop)
 KEEP_TOKENS = 32
+#: regen.stop_loops looks for a loop in an answer's last this many tokens (a loop of a longer period goes on)
+LOOP_WINDOW = 256
 #: the tail starts where a window of this many tokens is TAIL_FRACTION copyable (not inside fresh text
 #: that a long loop after it outweighs)
 START_WINDOW = 16
@@ -110,3 +112,28 @@ def unsupervise_loop_tails(ids: list[int], mask: list[int], n: int = LOOKUP_N, m
         return list(ids), mask, 0
     last = max((q for q, m in enumerate(mask) if m), default=-1)
     return list(ids[:last + 1]), mask[:last + 1], unsupervised
+
+
+def ends_in_loop(ids: list[int], n: int = LOOKUP_N, tail: int = MIN_TAIL, fraction: float = TAIL_FRACTION,
+                 window: int = LOOP_WINDOW) -> bool:
+    """Whether generated ``ids`` end in a repetition loop: at least ``fraction`` of the last ``tail`` tokens are
+    copyable (:func:`copyable_flags`) with the last ``window`` tokens as the context (the rule of
+    :func:`unsupervise_loop_tails` on a bounded window, so the check costs O(window) per row whatever the answer's
+    length: ``regen.stop_loops`` runs it on every row between segments).
+
+    Example (n = 1, tail = 4, fraction = 0.9, window = 8): ``[5, 6, 7, 1, 2, 1, 2, 1, 2, 1, 2]`` ends in a loop
+    (in the window ``1 2 1 2 1 2 1 2`` each of the last 4 tokens follows a token that was followed by it before);
+    ``[5, 6, 7, 1, 2, 1, 2, 1, 2]`` does not yet (the window ``6 7 1 2 1 2 1 2``: the first ``1`` of the last four
+    follows the first ``2``, which was not followed before: 3 of 4); ``[1, 2, 1, 2, 3, 4, 5, 6]`` does not;
+    fewer than ``tail + n`` tokens never do.
+
+    Raises:
+        ValueError: ``tail`` < 1, ``window`` < ``tail`` or ``fraction`` outside (0, 1].
+    """
+    if tail < 1 or window < tail or not 0 < fraction <= 1:
+        raise ValueError(f"tail ({tail}) >= 1, window ({window}) >= tail and 0 < fraction ({fraction}) <= 1 required")
+    if len(ids) < tail + n:
+        return False
+    w = list(ids[-window:])
+    flags = copyable_flags(w, [0] * (len(w) - tail) + [1] * tail, n)
+    return sum(c for _, c in flags) >= fraction * tail

@@ -45,6 +45,7 @@ import time
 
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
+from data_prep.loops import ends_in_loop
 from data_prep.regen_memory import (STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes, segment_bucket,
                                    segment_width)
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
@@ -192,7 +193,8 @@ class _FittingRows:
 
 def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_id: int, eos_ids: list[int],
                         gen_kwargs: dict, bucket: int, batch_size: int, cap: int, segment: int,
-                        attention=contextlib.nullcontext, generate_rows=None):
+                        attention=contextlib.nullcontext, generate_rows=None, stop_loops: bool = False,
+                        looped: list | None = None):
     """Static-cache generation in segments of at most ``segment`` new tokens, the batch refilled between them.
 
     Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
@@ -215,6 +217,8 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         gen_kwargs: ``generate`` keywords (``max_new_tokens`` is set per call to ``min(segment, cap)``).
             cap: ``regen.max_new_tokens``.
         generate_rows: :func:`_generate_batch` or a :class:`_FittingRows` (the default: one of ``batch_size``).
+        stop_loops: ``regen.stop_loops``: a row that goes on but whose tokens so far end in a repetition loop
+            (:func:`data_prep.loops.ends_in_loop`) leaves as unfinished, its job index appended to ``looped``.
 
     Yields:
         ``(job index, new token ids through the first end-of-turn token, finished)`` as rows leave; a row cut by
@@ -244,6 +248,10 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
             elif finished:
                 yield i, g, True
             elif len(g) == cap:
+                yield i, g, False
+            elif stop_loops and ends_in_loop(g):
+                if looped is not None:
+                    looped.append(i)
                 yield i, g, False
             else:
                 going.append((i, g))
@@ -307,6 +315,8 @@ def regenerate(
     report = regen_report(cfg, {"backend": "hf", "engine": engine}, **stats, max_prompt_tokens=max_prompt_tokens,
                           eos_ids=_eos_ids(model, tokenizer))
     report["turns"] = "streamed" if complete.streaming else "rounds"
+    if cfg.stop_loops:
+        report["looped_responses"] = len(complete.looped)  # also in unfinished_responses
     if complete.profile is not None:
         report["engine_profile"] = dict(complete.profile)
     return kept, report
@@ -395,7 +405,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
             for i, new, finished in continuous_generate(model, [j[3] for j in jobs], cfg, eos_ids, pad_id):
                 yield answer(i, new, finished)
 
-        complete.streaming, complete.profile = False, None
+        complete.streaming, complete.profile, complete.looped = False, None, None
         return complete, engine
 
     gen_kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample}
@@ -414,13 +424,18 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     generate_rows = _FittingRows(cfg.batch_size)  # halves its calls, for the rest of the run, on running out of memory
 
     segmented = engine == "static" and cfg.segment_tokens is not None
+    if cfg.stop_loops and not segmented:
+        raise ValueError(f"regen.stop_loops needs the static engine in segments (regen.segment_tokens); this run's "
+                         f"engine is {engine}")
+    looped: list[int] = []  # job indices stopped in a loop (regen.stop_loops)
 
     def complete(jobs: list[Job], waiting=None):
         if segmented:  # streaming (data_prep.rounds.run_rounds): ``waiting`` grows as turns are answered
             order = waiting if waiting is not None else sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
             for i, new, finished in _generate_segmented(model, _JobPrompts(jobs), order, pad_id, eos_ids,
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
-                                                        cfg.segment_tokens, attention, generate_rows):
+                                                        cfg.segment_tokens, attention, generate_rows,
+                                                        cfg.stop_loops, looped):
                 yield answer(i, new, finished)
             return
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
@@ -433,6 +448,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     complete.streaming = segmented  # a row leaves at every segment: a conversation's next turn can join then
     complete.profile = generate_rows.profile
+    complete.looped = looped
     return complete, engine
 
 

@@ -377,7 +377,7 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
         return mine
     # unfinished_reasoning: responses cut inside their reasoning (data_prep.rounds); 0 in shards written before it
     summed = {k: sum(r.get(k, 0) for r in reports) for k in ("conversations_in", "conversations_out", "generated_tokens",
-                                                            "prompts_too_long", "unfinished_responses",
+                                                            "prompts_too_long", "unfinished_responses", "looped_responses",
                                                             "unfinished_reasoning")}
     secs = sum(r["generate_seconds"] for r in reports)
     summed.update(generate_seconds=secs, tokens_per_s=summed["generated_tokens"] / secs if secs else None,

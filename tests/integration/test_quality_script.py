@@ -362,6 +362,19 @@ def test_repetition_report_counts_copyable_tokens_by_answer_position(tmp_path):
     assert json.loads((tmp_path / "rep.json").read_text())["n"] == 4
     with pytest.raises(SystemExit, match="holds no train.safetensors"):
         rr.main([str(tmp_path / "nothing")])
+    # the regeneration shards' answers, each alone: a looping answer and a fresh one, one id per word
+    regen = tmp_path / "data" / "regen"
+    regen.mkdir()
+    words = lambda text: [int(w) for w in text.split()]  # noqa: E731
+    convs = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": " ".join(map(str, loop))},
+              {"role": "user", "content": "q2"}, {"role": "assistant", "content": " ".join(map(str, fresh))}]]
+    (regen / "train-00000.json").write_text(json.dumps({"conversations": convs, "report": {}}))
+    ans = rr.split_report(rr.shard_split(regen, words))
+    assert {k: ans[k] for k in ("sequences", "supervised_tokens", "looping_tail")} == {
+        "sequences": 2, "supervised_tokens": 600, "looping_tail": 0.5}
+    assert ans["copyable"] == pytest.approx((300 - 14) / 600, abs=1e-4)
+    with pytest.raises(SystemExit, match="--answers: .*holds no regeneration shard"):
+        rr.main([str(tmp_path / "nothing"), "--answers", "recipes/smollm2-135m.yaml"])
 
 
 def test_stage_builds_the_carried_inputs(tmp_path):

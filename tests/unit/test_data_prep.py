@@ -540,6 +540,13 @@ def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_mod
     assert prof["calls"] == len(calls) and 1 <= prof["shapes"] <= prof["calls"]
     assert 0 < prof["new_shape_seconds"] <= prof["seconds"] <= rep["generate_seconds"] + 1e-3
     assert ref["engine_profile"]["calls"] == 3 + 2  # round 0: 5 prompts in batches of 2, round 1: 3 prompts
+    # regen.stop_loops: 12-token answers are too short to be seen as loops (64 tokens): the same conversations
+    stopped, rep = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={
+        "engine": "static", "segment_tokens": 8, "stop_loops": True}), 512, progress=False)
+    assert stopped == rounds and rep["looped_responses"] == 0 and "looped_responses" not in ref
+    with pytest.raises(ValueError, match="regen.stop_loops needs the static engine in segments"):
+        regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(stop_loops=True, engine="auto", segment_tokens=8), 512,
+                   progress=False)  # auto is generate on CPU
 
 
 def test_stream_turns_starts_a_next_turn_before_the_round_ends(monkeypatch):

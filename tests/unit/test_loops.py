@@ -55,3 +55,21 @@ def test_fresh_text_before_a_long_loop_stays_supervised():
     # context seen before needs one period of 5 and 4 more) and 32 of the tail; the rest is removed
     assert new_ids == ids[:1 + len(fresh) + 8 + 32] and new_mask == [0] + [1] * (len(fresh) + 8 + 32)
     assert off == len(ids) - len(new_ids)
+
+
+def test_ends_in_loop_worked_examples_and_errors():
+    from data_prep.loops import ends_in_loop
+
+    assert ends_in_loop([5, 6, 7, 1, 2, 1, 2, 1, 2, 1, 2], n=1, tail=4, window=8)
+    assert not ends_in_loop([5, 6, 7, 1, 2, 1, 2, 1, 2], n=1, tail=4, window=8)  # 3 of 4: not yet
+    assert not ends_in_loop([1, 2, 1, 2, 3, 4, 5, 6], n=1, tail=4, window=8)
+    assert not ends_in_loop([1, 2, 1], n=1, tail=4, window=8)
+    # only the window counts: a loop whose period is longer than the window is not seen
+    period = list(range(10, 30))  # 20 distinct tokens, repeated
+    assert ends_in_loop(period * 6, n=4, tail=64, window=256)
+    assert not ends_in_loop(period * 6, n=4, tail=16, window=24)
+    # the defaults: 64 tokens, 90 %, the 4-token lookup of data.loop_tail
+    assert ends_in_loop(list(range(100)) + [7, 8, 9] * 40) and not ends_in_loop(list(range(200)))
+    for bad in ({"tail": 0}, {"tail": 8, "window": 4}, {"fraction": 0.0}, {"fraction": 1.5}):
+        with pytest.raises(ValueError):
+            ends_in_loop([1] * 300, **bad)

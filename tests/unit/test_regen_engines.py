@@ -375,3 +375,40 @@ def test_free_memory_counts_what_the_caching_allocator_holds_unused(monkeypatch)
     assert free_memory_bytes("cuda:0") == (63 + 71) * GIB
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     assert free_memory_bytes("cuda:0") == 63 * GIB
+
+
+def test_stop_loops_cuts_looping_rows_between_segments(tiny_llama_config, monkeypatch):
+    """``regen.stop_loops``: a row whose answer ends in a repetition loop at a segment's end leaves there as
+    unfinished and is listed in ``looped``; every answer is a prefix of the greedy answer without it (the same
+    answer where no loop was seen); the setting is refused where there are no segments."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from data_prep import regen_memory
+    from data_prep.loops import ends_in_loop
+    from data_prep.regenerate import _generate_segmented
+
+    torch.manual_seed(0)
+    config = tiny_llama_config()
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3)]
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 4)
+    cap, segment, kw = 200, 40, {"do_sample": False}
+    full = {i: (new, fin) for i, new, fin in _generate_segmented(model, prompts, list(range(6)), 0, [1], kw, 1, 4,
+                                                                   cap, segment)}
+    looped = []
+    cut = {i: (new, fin) for i, new, fin in _generate_segmented(model, prompts, list(range(6)), 0, [1], kw, 1, 4,
+                                                                  cap, segment, stop_loops=True, looped=looped)}
+    assert looped, "the tiny random model's greedy answers loop"  # the test needs at least one
+    for i in range(6):
+        new, fin = cut[i]
+        assert full[i][0][: len(new)] == new
+        if i in looped:
+            assert not fin and len(new) < cap and len(new) % segment == 0 and ends_in_loop(new)
+        else:
+            assert (new, fin) == full[i]
+    with pytest.raises(ValueError, match="regen.stop_loops works between the segments"):
+        RegenConfig(stop_loops=True)
+    RegenConfig(stop_loops=True, segment_tokens=64, engine="static")
