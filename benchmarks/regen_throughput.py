@@ -212,6 +212,8 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
             "answered": len(out), "timed_out": len(out) < len(prompts),
             "generated_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / max(secs, 1e-9), 1),
             "unfinished": sum(not c.finished for c in out.values()),
+            # generate calls, shapes met, and the seconds of calls meeting a shape first (the compiles)
+            "engine_profile": dict(complete.profile) if getattr(complete, "profile", None) is not None else None,
             "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 
 

@@ -197,6 +197,9 @@ def test_regen_throughput_cpu_smoke(tmp_path, capsys):
     assert run["continuous"]["engine"] == "continuous" and run["generate"]["engine"] == "generate"
     assert run["static"]["engine"] == "static"
     assert run["static"]["prompts"] == run["continuous"]["prompts"] == run["generate"]["prompts"] == 4
+    prof = run["static"]["engine_profile"]  # where the engine's time went: generate calls, shapes, first-shape seconds
+    assert prof["calls"] >= 1 and 1 <= prof["shapes"] <= prof["calls"] and prof["new_shape_seconds"] <= prof["seconds"]
+    assert run["continuous"]["engine_profile"] is None
     for name in ("static", "continuous"):
         assert run[name]["generated_tokens"] > 0 and run[name]["tokens_per_s"] > 0
         assert run["identical"][name] == {"compared": 4, "identical": 4, "all": True, "first_differing_prompt": None}
