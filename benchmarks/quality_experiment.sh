@@ -377,8 +377,9 @@ PY
     echo "lease: ${*} started in the background, log $WORK/plan.log" ;;
   wait)  # SECONDS: follow `lease` until its steps finish or SECONDS pass (new log lines are printed); then to
     # $OUT: plan.log, results.tar.xz (the small result files), prepared.tar.xz (+ .sha256) once prepare has
-    # tokenised, else the regeneration shards finished so far (batch 0 of regen-out, 5 files at most: carry them
-    # in as .regen/ and `regen-in` if the machine is lost before the plan ends)
+    # tokenised and only if it fits one returned file (16 MiB: the tokens of a large prepare do not), and the
+    # regeneration shards finished so far (batch 0 of regen-out, 4 files at most; xz-compressed text, ~20x
+    # smaller than the shards: carry them in as .regen/ and `regen-in`, then prepare tokenises them again)
     secs=${2:?seconds}; end=$((SECONDS + secs)); seen=0
     while [ ! -f "$WORK/plan.done" ] && [ $SECONDS -lt $end ]; do
       n=$(wc -l < "$WORK/plan.log"); [ "$n" -gt "$seen" ] && tail -n +$((seen + 1)) "$WORK/plan.log" | head -n 200 | cut -c1-300
@@ -387,8 +388,11 @@ PY
     [ -n "${OUT:-}" ] || { echo "wait: set OUT (the folder that comes back)" >&2; exit 2; }
     mkdir -p "$OUT" && cp "$WORK/plan.log" "$OUT/"
     tar -C "$RESULTS" -cJf "$OUT/results.tar.xz" --exclude='prepared.tar.xz*' .
-    if [ -f "$RESULTS/prepared.tar.xz" ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
-    elif have_shards; then FERRY_MAX_FILES=5 bash "$0" regen-out 0; fi
+    if [ -f "$RESULTS/prepared.tar.xz" ]; then
+      if [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le $((16 * 2**20)) ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
+      else echo "wait: prepared.tar.xz is over 16 MiB and stays here; the shards come back instead"; fi
+    fi
+    if have_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi
     [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;

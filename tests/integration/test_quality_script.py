@@ -554,6 +554,16 @@ def test_lease_runs_the_steps_in_the_background_and_wait_brings_back_what_they_m
     with tarfile.open(back / "results.tar.xz") as t:
         assert json.load(t.extractfile("./regen_rate.json"))["shards_written"] == 3
     assert (tmp_path / "w" / "plan.done").is_file() and not (tmp_path / "w" / "results" / "data_meta.json").exists()
+    # prepared data: back beside the shards when it fits one returned file, else only the shards
+    results = tmp_path / "w" / "results"
+    for size, back_too in ((16 * 2**20 + 1, False), (1000, True)):
+        (results / "prepared.tar.xz").write_bytes(b"x" * size)
+        (results / "prepared.tar.xz.sha256").write_text("sum")
+        shutil.rmtree(back)
+        r = _step(env | {"OUT": str(back)}, "wait", "1")
+        names = sorted(p.name for p in back.iterdir())
+        assert {"pack-000.tar", "pack-manifest.json"} <= set(names), r.stdout + r.stderr
+        assert ("prepared.tar.xz" in names) == back_too and ("over 16 MiB" in r.stdout) != back_too
 
 
 def test_regen_bench_runs_regen_throughput_on_the_real_target_and_keeps_its_json_in_results(tmp_path):
