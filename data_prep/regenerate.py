@@ -381,10 +381,21 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
     when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
     ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode.
+
+    ``complete`` carries ``streaming`` (static in segments: :func:`data_prep.rounds.run_rounds` then streams
+    turns), ``profile`` (:attr:`_FittingRows.profile`; None for continuous) and ``looped`` (the job indices
+    ``regen.stop_loops`` stopped; None for continuous).
+
+    Raises:
+        ValueError: ``regen.stop_loops`` where the engine is not static in segments; see :func:`resolve_engine`.
     """
     import transformers
 
     engine = resolve_engine(model, cfg)
+    segmented = engine == "static" and cfg.segment_tokens is not None
+    if cfg.stop_loops and not segmented:  # e.g. auto resolving to continuous where flash attention is installed
+        raise ValueError(f"regen.stop_loops needs the static engine in segments (regen.segment_tokens); this run's "
+                         f"engine is {engine}: set regen.engine: static")
     transformers.set_seed(cfg.seed)
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)
@@ -423,10 +434,6 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     generate_rows = _FittingRows(cfg.batch_size)  # halves its calls, for the rest of the run, on running out of memory
 
-    segmented = engine == "static" and cfg.segment_tokens is not None
-    if cfg.stop_loops and not segmented:
-        raise ValueError(f"regen.stop_loops needs the static engine in segments (regen.segment_tokens); this run's "
-                         f"engine is {engine}")
     looped: list[int] = []  # job indices stopped in a loop (regen.stop_loops)
 
     def complete(jobs: list[Job], waiting=None):

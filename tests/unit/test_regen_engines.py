@@ -412,3 +412,13 @@ def test_stop_loops_cuts_looping_rows_between_segments(tiny_llama_config, monkey
     with pytest.raises(ValueError, match="regen.stop_loops works between the segments"):
         RegenConfig(stop_loops=True)
     RegenConfig(stop_loops=True, segment_tokens=64, engine="static")
+
+
+def test_stop_loops_is_refused_where_auto_resolves_to_continuous_batching(monkeypatch):
+    """``regen.engine: auto`` with ``stop_loops`` is valid config (static on CUDA without flash attention) but
+    where it resolves to continuous batching, which has no segments, the engine refuses instead of ignoring it."""
+    from data_prep import regenerate as R
+
+    monkeypatch.setattr(R, "resolve_engine", lambda model, cfg: "continuous")
+    with pytest.raises(ValueError, match="stop_loops needs the static engine in segments.*engine is continuous"):
+        R.hf_engine(None, None, RegenConfig(stop_loops=True, segment_tokens=64))
