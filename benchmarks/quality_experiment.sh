@@ -37,6 +37,7 @@
 set -euo pipefail
 export WORK=${WORK:-/tmp/peagle_quality}  # (exported: the background steps of `lease` use it)
 export RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
+RETURN_MAX=$((16 * 2**20))  # bytes: the largest file one device call brings back
 # each step copies at most 8 of its small files to $OUT (the device tool returns at most 8 files per call)
 ship() { [ -n "${OUT:-}" ] || return 0; mkdir -p "$OUT"; for f in "$@"; do [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"; done; true; }
 GGUF=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -69,7 +70,7 @@ with tarfile.open(dest, "w:xz") as t:
 PY
   (cd "$RESULTS" && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
   ls -l "$RESULTS/prepared.tar.xz"
-  [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le $((16 * 2**20)) ] \
+  [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le "$RETURN_MAX" ] \
     || echo "prepared.tar.xz is larger than 16 MiB: it will not come back from a device call in one file" >&2
 }
 share_prepared() {  # $1/data: a copy of the prepared data another output_dir trains on (not the regen shards)
@@ -389,7 +390,7 @@ PY
     mkdir -p "$OUT" && cp "$WORK/plan.log" "$OUT/"
     tar -C "$RESULTS" -cJf "$OUT/results.tar.xz" --exclude='prepared.tar.xz*' .
     if [ -f "$RESULTS/prepared.tar.xz" ]; then
-      if [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le $((16 * 2**20)) ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
+      if [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le "$RETURN_MAX" ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
       else echo "wait: prepared.tar.xz is over 16 MiB and stays here; the shards come back instead"; fi
     fi
     if have_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi

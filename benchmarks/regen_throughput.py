@@ -204,16 +204,13 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
     answers.close()  # stops the engine at once if answers are still in flight
     sync()
     tokens = sum(c.tokens for c in out.values())
-    from data_prep.gqa_decode_attention import resolve_kernel
-
-    kernel = resolve_kernel(regen_cfg.decode_kernel, target.model.device) if engine == "static" else None
-    return {"engine": engine, "decode_kernel": kernel, "batch_size": regen_cfg.batch_size, "memory_note": note,
+    return {"engine": engine, "decode_kernel": complete.decode_kernel, "batch_size": regen_cfg.batch_size, "memory_note": note,
             "prompts": len(prompts),
             "answered": len(out), "timed_out": len(out) < len(prompts),
             "generated_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / max(secs, 1e-9), 1),
             "unfinished": sum(not c.finished for c in out.values()),
             # generate calls, shapes met, and the seconds of calls meeting a shape first (the compiles)
-            "engine_profile": dict(complete.profile) if getattr(complete, "profile", None) is not None else None,
+            "engine_profile": dict(complete.profile) if complete.profile is not None else None,
             "ids": [out[k].token_ids if k in out else None for k in range(len(prompts))]}
 
 

@@ -139,14 +139,15 @@ class _FittingRows:
     def __init__(self, limit: int, log=None):
         self.limit = max(1, int(limit))
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self._seen: set[tuple[int, int, int]] = set()
+        self._seen: set[tuple] = set()
         #: where the engine's time goes (the regeneration report's ``engine_profile``): ``calls`` to
         #: ``generate``, the distinct ``shapes`` (rows x padded prompt length x new tokens) they met, the
         #: ``seconds`` inside them, and ``new_shape_seconds``: the part spent in calls meeting a shape for the
         #: first time -- with a compiled decoding step (engine ``static`` on CUDA) those calls compile it
         self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0}
 
-    def __call__(self, model, prompts: list[list[int]], *args, **kwargs) -> list[tuple[list[int], bool]]:
+    def __call__(self, model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
+                 bucket: int = 1) -> list[tuple[list[int], bool]]:
         """:func:`_generate_batch`'s arguments and result, over ``prompts`` in calls of at most ``limit`` rows.
 
         Raises:
@@ -159,8 +160,9 @@ class _FittingRows:
             chunk = prompts[s : s + self.limit]
             t0 = time.perf_counter()
             try:
-                out += _generate_batch(model, chunk, *args, **kwargs)
-                self._count(chunk, args, kwargs, time.perf_counter() - t0)
+                out += _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket)
+                self._count((len(chunk), bucketed(max(len(p) for p in chunk), bucket),
+                             gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0)
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -178,12 +180,9 @@ class _FittingRows:
             s += len(chunk)
         return out
 
-    def _count(self, chunk: list[list[int]], args: tuple, kwargs: dict, seconds: float) -> None:
-        """Add one finished ``generate`` call of ``seconds`` to :attr:`profile` (``args``/``kwargs``: those of
-        :func:`_generate_batch` after the prompts)."""
-        named = dict(zip(("pad_id", "eos_ids", "gen_kwargs", "bucket"), args)) | kwargs
-        shape = (len(chunk), bucketed(max(len(p) for p in chunk), named.get("bucket", 1)),
-                 int(named["gen_kwargs"].get("max_new_tokens") or 0))
+    def _count(self, shape: tuple, seconds: float) -> None:
+        """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens) and ``seconds``
+        (wall time) to :attr:`profile`."""
         new = shape not in self._seen
         self._seen.add(shape)
         p = self.profile
@@ -383,8 +382,9 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode.
 
     ``complete`` carries ``streaming`` (static in segments: :func:`data_prep.rounds.run_rounds` then streams
-    turns), ``profile`` (:attr:`_FittingRows.profile`; None for continuous) and ``looped`` (the job indices
-    ``regen.stop_loops`` stopped; None for continuous).
+    turns), ``profile`` (:attr:`_FittingRows.profile`; None for continuous), ``looped`` (the job indices
+    ``regen.stop_loops`` stopped; None for continuous) and ``decode_kernel`` (the static engine's decoding
+    attention, :func:`data_prep.gqa_decode_attention.resolve_kernel`; None for the other engines).
 
     Raises:
         ValueError: ``regen.stop_loops`` where the engine is not static in segments; see :func:`resolve_engine`.
@@ -416,7 +416,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
             for i, new, finished in continuous_generate(model, [j[3] for j in jobs], cfg, eos_ids, pad_id):
                 yield answer(i, new, finished)
 
-        complete.streaming, complete.profile, complete.looped = False, None, None
+        complete.streaming, complete.profile, complete.looped, complete.decode_kernel = False, None, None, None
         return complete, engine
 
     gen_kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample}
@@ -437,15 +437,15 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     looped: list[int] = []  # job indices stopped in a loop (regen.stop_loops)
 
     def complete(jobs: list[Job], waiting=None):
-        if segmented:  # streaming (data_prep.rounds.run_rounds): ``waiting`` grows as turns are answered
-            order = waiting if waiting is not None else sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
+        # longest prompt first; a streaming caller's ``waiting`` (data_prep.rounds.run_rounds) grows as turns are answered
+        order = waiting if waiting is not None else sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
+        if segmented:
             for i, new, finished in _generate_segmented(model, _JobPrompts(jobs), order, pad_id, eos_ids,
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
                                                         cfg.stop_loops, looped):
                 yield answer(i, new, finished)
             return
-        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][3]))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             with attention():
@@ -456,6 +456,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     complete.streaming = segmented  # a row leaves at every segment: a conversation's next turn can join then
     complete.profile = generate_rows.profile
     complete.looped = looped
+    complete.decode_kernel = kernel
     return complete, engine
 
 
