@@ -68,16 +68,31 @@ def split_report(split: dict, n: int = LOOKUP_N) -> dict:
 def shard_split(regen_dir: Path, tokenize) -> dict:
     """Every assistant answer of the regeneration shards ``regen_dir/*.json`` (``{"conversations": [...]}``, as
     ``peagle-train prepare`` writes them) as one sequence, all of it supervised: ``{"input_ids", "loss_mask"}``
-    for :func:`split_report`. ``tokenize``: ``text -> list[int]`` (no special tokens added)."""
+    (lists of token-id lists and of 1s) for :func:`split_report`. ``tokenize``: ``text -> list[int]`` (no special
+    tokens added).
+
+    Raises:
+        ValueError: a file that is not a regeneration shard (not JSON, or no ``conversations`` list), naming it.
+    """
     ids = []
     for f in sorted(regen_dir.glob("*.json")):
-        for conv in json.loads(f.read_text())["conversations"]:
-            ids += [tokenize(m["content"]) for m in conv if m["role"] == "assistant"]
+        try:
+            convs = json.loads(f.read_text())["conversations"]
+            answers = [m["content"] for conv in convs for m in conv if m["role"] == "assistant"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{f}: not a regeneration shard ({type(e).__name__}: {e}); give the shards "
+                             "peagle-train prepare wrote in data/regen/") from None
+        ids += [tokenize(a) for a in answers]
     return {"input_ids": ids, "loss_mask": [[1] * len(x) for x in ids]}
 
 
 def recipe_tokenizer(recipe: str):
-    """``text -> ids`` with the target tokenizer of ``recipe`` (materialised like ``peagle-train prepare``)."""
+    """``text -> ids`` (token ids, no special tokens added) with the target tokenizer of ``recipe``, read by the
+    rule every stage uses (``materialise_target``, ``tokenizer_source``).
+
+    Raises:
+        ConfigError / TargetLoadError: the recipe or its target cannot be read (their messages name the key).
+    """
     from transformers import AutoTokenizer
 
     from peagle_train.features.target import materialise_target, tokenizer_source
@@ -107,7 +122,10 @@ def main(argv=None) -> dict:
         regen = a.run_dir / "data" / "regen"
         if not list(regen.glob("*.json")):
             sys.exit(f"repetition_report: --answers: {regen} holds no regeneration shard (*.json)")
-        res["splits"]["regenerated_answers"] = split_report(shard_split(regen, recipe_tokenizer(a.answers)), a.n)
+        try:
+            res["splits"]["regenerated_answers"] = split_report(shard_split(regen, recipe_tokenizer(a.answers)), a.n)
+        except ValueError as e:  # a file that is not a shard; a recipe that does not load (ConfigError)
+            sys.exit(f"repetition_report: --answers: {e}")
     if not res["splits"]:
         sys.exit(f"repetition_report: {a.run_dir / 'data'} holds no train.safetensors or eval.safetensors: "
                  "give the output_dir of a prepared run (or --answers RECIPE for its regeneration shards)")

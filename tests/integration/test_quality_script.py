@@ -375,6 +375,9 @@ def test_repetition_report_counts_copyable_tokens_by_answer_position(tmp_path):
     assert ans["copyable"] == pytest.approx((300 - 14) / 600, abs=1e-4)
     with pytest.raises(SystemExit, match="--answers: .*holds no regeneration shard"):
         rr.main([str(tmp_path / "nothing"), "--answers", "recipes/smollm2-135m.yaml"])
+    (regen / "train-00001.json").write_text(json.dumps({"report": {}}))  # not a shard: named, nothing counted
+    with pytest.raises(ValueError, match="train-00001.json: not a regeneration shard.*data/regen"):
+        rr.shard_split(regen, words)
 
 
 def test_stage_builds_the_carried_inputs(tmp_path):
