@@ -99,6 +99,20 @@ class RegenConfig(Section):
         "data_prep.loops.ends_in_loop) stops there, counted as unfinished and in the report's looped_responses, "
         "instead of looping on to the cap. Output is then a prefix of the greedy answer, not the whole of it."
     )
+    refill_at: float | None = Field(
+        None, gt=0.0, le=1.0, description="engine static with segment_tokens: a generate call ends as soon as this "
+        "share of its rows has finished (end-of-turn token or cap) instead of decoding the whole segment, and "
+        "waiting prompts take the free places; rows still going are continued in the next call (greedy output "
+        "unchanged). Answers end at different depths: without it a call decodes its whole segment for the rows "
+        "left, most places empty (docs/benchmarks.md, 'Refilling a segment early'). None = every call decodes "
+        "the whole segment."
+    )
+    compile_dynamic: bool = Field(
+        False, description="engine static: compile the decoding step with dynamic shapes (transformers' "
+        "CompileConfig(dynamic=True)), one graph for every batch width and cache length with a CUDA graph recorded "
+        "per shape, instead of torch.compile's default (a new shape compiles again after the first; each compile "
+        "of the SmolLM2 step took tens of seconds on an H200, docs/benchmarks.md)."
+    )
     decode_kernel: Literal["auto", "sdpa", "triton"] = Field(
         "auto", description="engine static: the decoding step's attention over the cache. 'triton' = the split-K "
         "kernel of data_prep.decode_attention_kernel (reads only each row's kept cache positions); 'sdpa' = "
@@ -146,9 +160,15 @@ class RegenConfig(Section):
         if self.backend != "hf" and (self.engine != "auto" or hf_only):
             raise ValueError(f"regen.{'engine' if self.engine != 'auto' else hf_only[0]} is a setting of regen.backend: "
                              "hf (the vLLM backend has its own engine)")
-        if self.stop_loops and (self.backend != "hf" or self.segment_tokens is None or self.engine not in ("static", "auto")):
-            raise ValueError("regen.stop_loops works between the segments of the HF static engine: set regen.backend: "
-                             "hf, regen.engine: static (or auto on CUDA without flash attention) and regen.segment_tokens")
+        if self.compile_dynamic and (self.backend != "hf" or self.engine not in ("static", "auto")):
+            raise ValueError("regen.compile_dynamic is a setting of the HF static engine: set regen.backend: hf and "
+                             "regen.engine: static (or auto on CUDA without flash attention)")
+        for key in ("stop_loops", "refill_at"):
+            if getattr(self, key) not in (None, False) and (
+                    self.backend != "hf" or self.segment_tokens is None or self.engine not in ("static", "auto")):
+                raise ValueError(f"regen.{key} works between the segments of the HF static engine: set regen.backend: "
+                                 "hf, regen.engine: static (or auto on CUDA without flash attention) and "
+                                 "regen.segment_tokens")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(f"regen.server_url must start with http:// or https:// (got '{self.server_url}')")
         return self

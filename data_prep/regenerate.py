@@ -40,8 +40,10 @@ reasoning ends its conversation (``unfinished_reasoning``).
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
+import weakref
 
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
@@ -77,9 +79,41 @@ def _decoder(tokenizer):
     return lambda ids: tokenizer.decode([t for t in ids if t not in special or t in keep]).strip()
 
 
+class _EndsWhenShareDone:
+    """A ``transformers`` stopping criterion (``generate(stopping_criteria=StoppingCriteriaList([...]))``; it
+    has ``StoppingCriteria``'s call signature) that ends the whole call once
+    ``share`` of its first ``len(tokens_left)`` rows are done: a row is done once it has produced an end-of-turn
+    token or ``tokens_left[b]`` tokens (its cap). Rows after those (a segmented call's padding copies) are not
+    counted. Called once per decoding step with the ids so far ``[B, L + t]``; returns ``[B]`` bool, all True once
+    the share is reached, else all False (the end-of-turn stop per row is generate's own). State lives on the
+    device: no host synchronisation beyond generate's own per-step check. One instance per ``generate`` call.
+    """
+
+    def __init__(self, share: float, tokens_left: list[int], eos_ids: list[int]):
+        self.share, self.tokens_left, self.eos_ids = share, tokens_left, eos_ids
+        self.need = max(1, math.ceil(round(share * len(tokens_left), 9)))  # 0.3 x 10 rows: 3, not 4
+        self.step, self.done = 0, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        rows = len(self.tokens_left)
+        if self.done is None:
+            self.eos = torch.tensor(self.eos_ids, device=input_ids.device)
+            self.left = torch.tensor(self.tokens_left, device=input_ids.device)
+            self.done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+        self.step += 1
+        self.done |= torch.isin(input_ids[:rows, -1], self.eos) | (self.left <= self.step)
+        return (self.done.sum() >= self.need).expand(input_ids.shape[0])
+
+
 def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
-                    bucket: int = 1):
+                    bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None):
     """Left-pad ``prompts`` (to a multiple of ``bucket`` tokens) and generate.
+
+    With ``refill_at`` (``regen.refill_at``; needs ``tokens_left``, the tokens each of the first rows may still
+    produce, the rest being padding copies) the call ends once that share of those rows is done
+    (:class:`_EndsWhenShareDone`); a row cut there has no end-of-turn token and goes on in the caller's next call.
 
     Returns:
         list of (new token ids up to and including the first eos, finished: bool) per prompt.
@@ -92,13 +126,18 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     for b, p in enumerate(prompts):
         input_ids[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
         attention_mask[b, L - len(p):] = 1
+    if refill_at is not None:
+        from transformers import StoppingCriteriaList
+
+        gen_kwargs = {**gen_kwargs, "stopping_criteria": StoppingCriteriaList(
+            [_EndsWhenShareDone(refill_at, tokens_left, eos_ids)])}
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),
         pad_token_id=pad_id,
         eos_token_id=eos_ids,
         **gen_kwargs,
-    )  # (B, L + T_new)
+    )  # (B, L + T_new), T_new <= max_new_tokens
     results = []
     eos = set(eos_ids)
     for row in out[:, L:].tolist():
@@ -136,19 +175,29 @@ class _FittingRows:
     ``limit`` stays a power of two when it starts as one (the compiled decoding step meets few batch shapes).
     """
 
-    def __init__(self, limit: int, log=None):
+    def __init__(self, limit: int, log=None, seen: set | None = None):
         self.limit = max(1, int(limit))
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self._seen: set[tuple] = set()
+        #: the shapes met before, by this object and by earlier ones given the same set (``hf_engine`` gives one
+        #: set per model and decoding kernel, :func:`_shapes_seen`: the compiled step outlives a shard)
+        self._seen: set[tuple] = set() if seen is None else seen
+        self._mine: set[tuple] = set()
         #: where the engine's time goes (the regeneration report's ``engine_profile``): ``calls`` to
         #: ``generate``, the distinct ``shapes`` (rows x padded prompt length x new tokens) they met, the
         #: ``seconds`` inside them, and ``new_shape_seconds``: the part spent in calls meeting a shape for the
-        #: first time -- with a compiled decoding step (engine ``static`` on CUDA) those calls compile it
-        self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0}
+        #: first time in this process's model -- with a compiled decoding step (engine ``static`` on CUDA)
+        #: those calls compile it; a later shard meeting the same shapes counts 0 there
+        #: ``compiles``: graphs torch.compile made during the calls, ``compile_seconds``: its time compiling
+        #: them (tracing and code generation; CUDA-graph recording is not in it), :func:`_compile_stats`
+        self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0, "compiles": 0,
+                        "compile_seconds": 0.0}
 
     def __call__(self, model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
-                 bucket: int = 1) -> list[tuple[list[int], bool]]:
+                 bucket: int = 1, refill_at: float | None = None,
+                 tokens_left: list[int] | None = None) -> list[tuple[list[int], bool]]:
         """:func:`_generate_batch`'s arguments and result, over ``prompts`` in calls of at most ``limit`` rows.
+        With ``tokens_left`` (its first rows are the real ones), a call that would hold only rows after them
+        (padding copies, after a halving) is not made: the result then ends with the last real row's.
 
         Raises:
             torch.OutOfMemoryError: one row alone does not fit (re-raised with what to lower).
@@ -156,13 +205,15 @@ class _FittingRows:
         import torch
 
         out, s = [], 0
-        while s < len(prompts):
+        while s < len(prompts) and (tokens_left is None or s < len(tokens_left)):
             chunk = prompts[s : s + self.limit]
-            t0 = time.perf_counter()
+            left = None if tokens_left is None else tokens_left[s : s + self.limit]
+            t0, c0 = time.perf_counter(), _compile_stats()
             try:
-                out += _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket)
+                out += _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket, refill_at, left)
+                c1 = _compile_stats()
                 self._count((len(chunk), bucketed(max(len(p) for p in chunk), bucket),
-                             gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0)
+                             gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0, c1[0] - c0[0], c1[1] - c0[1])
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -180,20 +231,45 @@ class _FittingRows:
             s += len(chunk)
         return out
 
-    def _count(self, shape: tuple, seconds: float) -> None:
-        """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens) and ``seconds``
-        (wall time) to :attr:`profile`."""
+    def _count(self, shape: tuple, seconds: float, compiles: int = 0, compile_seconds: float = 0.0) -> None:
+        """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens), ``seconds``
+        (wall time) and the ``compiles`` / ``compile_seconds`` made in it to :attr:`profile`."""
         new = shape not in self._seen
         self._seen.add(shape)
+        self._mine.add(shape)
         p = self.profile
-        p.update(calls=p["calls"] + 1, shapes=len(self._seen), seconds=round(p["seconds"] + seconds, 3),
-                 new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3))
+        p.update(calls=p["calls"] + 1, shapes=len(self._mine), seconds=round(p["seconds"] + seconds, 3),
+                 new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3),
+                 compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3))
+
+
+def _compile_stats() -> tuple[int, float]:
+    """``(graphs compiled, seconds compiling)`` by torch.compile in this process so far: dynamo's
+    ``counters["stats"]["unique_graphs"]`` and the sum of its ``_compile.compile_inner`` times (both private
+    torch counters: ``(0, 0.0)`` where they are missing)."""
+    try:
+        from torch._dynamo import utils
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return 0, 0.0
+    graphs = int(utils.counters.get("stats", {}).get("unique_graphs", 0))
+    return graphs, float(sum(getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner", [])))
+
+
+#: model -> {decoding kernel -> the generate shapes it met} (:func:`_shapes_seen`); weak: a freed model leaves
+_SHAPES_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _shapes_seen(model, kernel: str | None) -> set[tuple]:
+    """The set of ``generate`` shapes ``model`` met with decoding ``kernel`` in this process, for
+    :class:`_FittingRows`' ``new_shape_seconds``: transformers keeps the compiled decoding step on the model, so a
+    shape met in an earlier shard (an earlier :func:`hf_engine`) is not compiled again."""
+    return _SHAPES_SEEN.setdefault(model, {}).setdefault(kernel, set())
 
 
 def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_id: int, eos_ids: list[int],
                         gen_kwargs: dict, bucket: int, batch_size: int, cap: int, segment: int,
                         attention=contextlib.nullcontext, generate_rows=None, stop_loops: bool = False,
-                        looped: list | None = None):
+                        looped: list | None = None, refill_at: float | None = None):
     """Static-cache generation in segments of at most ``segment`` new tokens, the batch refilled between them.
 
     Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
@@ -206,7 +282,10 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
     call's batch is padded to a power of two (:func:`data_prep.regen_memory.segment_width`: at most
     ``batch_size``, at least an eighth of it) with copies of its first row, whose outputs are dropped; its rows
     are left-padded to a multiple of :func:`data_prep.regen_memory.segment_bucket` tokens; and every call
-    decodes ``min(segment, cap)`` tokens (a row past its cap is cut to it).
+    decodes up to ``min(segment, cap)`` tokens (a row past its cap is cut to it). With ``refill_at``
+    (``regen.refill_at``) a call ends as soon as that share of its rows is done (end-of-turn token or cap,
+    :class:`_EndsWhenShareDone`), so the places of finished rows are refilled without waiting for the segment's
+    end: rows that ran on are continued in the next call like any row that goes on (same greedy tokens).
 
     Args:
         prompts: token ids per job (a sequence indexed by job index). order: the job indices in the order to
@@ -218,6 +297,7 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         generate_rows: :func:`_generate_batch` or a :class:`_FittingRows` (the default: one of ``batch_size``).
         stop_loops: ``regen.stop_loops``: a row that goes on but whose tokens so far end in a repetition loop
             (:func:`data_prep.loops.ends_in_loop`) leaves as unfinished, its job index appended to ``looped``.
+        refill_at: ``regen.refill_at``, a share in (0, 1], or None: every call decodes the whole segment.
 
     Yields:
         ``(job index, new token ids through the first end-of-turn token, finished)`` as rows leave; a row cut by
@@ -238,7 +318,7 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         # every call decodes the same number of tokens (a row past its cap is cut below): one more shape fewer
         with attention():
             out = generate_rows(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": min(segment, cap)},
-                                segment_bucket(bucket, segment))
+                                segment_bucket(bucket, segment), refill_at, [cap - len(g) for _, g in active])
         going = []
         for (i, g), (new, finished) in zip(active, out):  # the padding rows' outputs are dropped
             g = g + new
@@ -387,15 +467,20 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     attention, :func:`data_prep.gqa_decode_attention.resolve_kernel`; None for the other engines).
 
     Raises:
-        ValueError: ``regen.stop_loops`` where the engine is not static in segments; see :func:`resolve_engine`.
+        ValueError: ``regen.stop_loops`` or ``regen.refill_at`` where the engine is not static in segments,
+            ``regen.compile_dynamic`` where it is not static; see :func:`resolve_engine`.
     """
     import transformers
 
     engine = resolve_engine(model, cfg)
     segmented = engine == "static" and cfg.segment_tokens is not None
-    if cfg.stop_loops and not segmented:  # e.g. auto resolving to continuous where flash attention is installed
-        raise ValueError(f"regen.stop_loops needs the static engine in segments (regen.segment_tokens); this run's "
-                         f"engine is {engine}: set regen.engine: static")
+    if cfg.compile_dynamic and engine != "static":
+        raise ValueError(f"regen.compile_dynamic is a setting of the static engine; this run's engine is {engine}: "
+                         "set regen.engine: static")
+    for key in ("stop_loops", "refill_at"):  # e.g. auto resolving to continuous where flash attention is installed
+        if getattr(cfg, key) not in (None, False) and not segmented:
+            raise ValueError(f"regen.{key} needs the static engine in segments (regen.segment_tokens); this run's "
+                             f"engine is {engine}: set regen.engine: static")
     transformers.set_seed(cfg.seed)
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)
@@ -426,13 +511,18 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     if engine == "static":  # transformers compiles the decoding step for a static cache on CUDA
         gen_kwargs["cache_implementation"] = "static"
         bucket = STATIC_PROMPT_BUCKET
+        if cfg.compile_dynamic:  # one graph for all shapes (regen.compile_dynamic)
+            from transformers import CompileConfig
+
+            gen_kwargs["compile_config"] = CompileConfig(dynamic=True)
 
     # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
     # (regen.decode_kernel: PyTorch's masked SDPA or the split-K Triton kernel of data_prep.decode_attention_kernel)
     kernel = resolve_kernel(cfg.decode_kernel, model.device) if engine == "static" else None
     attention = (lambda: _static_step(model, kernel)) if engine == "static" else contextlib.nullcontext
 
-    generate_rows = _FittingRows(cfg.batch_size)  # halves its calls, for the rest of the run, on running out of memory
+    # halves its calls, for the rest of the run, on running out of memory; counts compiles over the process's shards
+    generate_rows = _FittingRows(cfg.batch_size, seen=_shapes_seen(model, kernel))
 
     looped: list[int] = []  # job indices stopped in a loop (regen.stop_loops)
 
@@ -443,7 +533,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
             for i, new, finished in _generate_segmented(model, _JobPrompts(jobs), order, pad_id, eos_ids,
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
-                                                        cfg.stop_loops, looped):
+                                                        cfg.stop_loops, looped, cfg.refill_at):
                 yield answer(i, new, finished)
             return
         for s in range(0, len(order), cfg.batch_size):

@@ -539,7 +539,14 @@ def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_mod
     prof = rep["engine_profile"]
     assert prof["calls"] == len(calls) and 1 <= prof["shapes"] <= prof["calls"]
     assert 0 < prof["new_shape_seconds"] <= prof["seconds"] <= rep["generate_seconds"] + 1e-3
+    assert (prof["compiles"], prof["compile_seconds"]) == (0, 0.0)  # nothing is compiled on CPU
     assert ref["engine_profile"]["calls"] == 3 + 2  # round 0: 5 prompts in batches of 2, round 1: 3 prompts
+    # a second shard in the same process meets the shapes the first met: nothing new to compile there
+    again, rep2 = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "static",
+                                                                                   "segment_tokens": 8}),
+                             512, progress=False)
+    assert again == rounds and rep2["engine_profile"]["shapes"] == prof["shapes"]
+    assert rep2["engine_profile"]["new_shape_seconds"] == 0
     # regen.stop_loops: 12-token answers are too short to be seen as loops (64 tokens): the same conversations
     stopped, rep = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={
         "engine": "static", "segment_tokens": 8, "stop_loops": True}), 512, progress=False)
@@ -547,6 +554,31 @@ def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_mod
     with pytest.raises(ValueError, match="regen.stop_loops needs the static engine in segments"):
         regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(stop_loops=True, engine="auto", segment_tokens=8), 512,
                    progress=False)  # auto is generate on CPU
+
+
+def test_compile_dynamic_asks_transformers_for_one_dynamic_graph(tok, tiny_model, monkeypatch):
+    """``regen.compile_dynamic``: the static engine's ``generate`` calls carry ``CompileConfig(dynamic=True)``
+    (transformers compiles the decoding step with it on CUDA); not set, they carry none; refused for the other
+    engines, in config and where ``auto`` resolves to another engine."""
+    from data_prep import regenerate as R
+
+    seen, generate = [], tiny_model.generate
+
+    def recording(**kwargs):
+        seen.append(kwargs.get("compile_config"))
+        return generate(**kwargs)
+
+    monkeypatch.setattr(tiny_model, "generate", recording)
+    for dynamic in (True, False):
+        cfg = RegenConfig(engine="static", max_new_tokens=3, batch_size=2, compile_dynamic=dynamic)
+        _, rep = regenerate(tiny_model, tok, REGEN_CONVS[:2], cfg, 512, progress=False)
+        assert rep["engine"] == "static" and seen
+        assert all(c is not None and c.dynamic is True for c in seen) if dynamic else all(c is None for c in seen)
+        seen.clear()
+    with pytest.raises(ValueError, match="regen.compile_dynamic is a setting of the HF static engine"):
+        RegenConfig(engine="generate", compile_dynamic=True)
+    with pytest.raises(ValueError, match="regen.compile_dynamic is a setting of the static engine.*generate"):
+        regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(compile_dynamic=True), 512, progress=False)  # auto: CPU
 
 
 def test_stream_turns_starts_a_next_turn_before_the_round_ends(monkeypatch):

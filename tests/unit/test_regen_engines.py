@@ -75,6 +75,11 @@ def test_continuous_batching_and_static_cache_are_token_identical_to_generate(sm
     assert engine == "static"
     for i in range(len(jobs)):
         assert (segmented[i].token_ids, segmented[i].finished) == (ref_all[i].token_ids, ref_all[i].finished), i
+    # and with regen.refill_at: a call of 16 tokens ends once half its rows are done, the free places refilled
+    _, refilled = _run(target, regen.model_copy(update={"engine": "static", "batch_size": 4, "segment_tokens": 16,
+                                                        "refill_at": 0.5}), jobs)
+    for i in range(len(jobs)):
+        assert (refilled[i].token_ids, refilled[i].finished) == (ref_all[i].token_ids, ref_all[i].finished), i
     for i, (k, _, _, prompt) in enumerate(jobs):
         ref = ref_all[i]
         assert cont[i].token_ids == ref.token_ids, (f"prompt {k} ({len(prompt)} tokens): continuous batching "
@@ -244,7 +249,7 @@ def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_confi
     eager attention gives NaN on left padding in transformers, and this model's logit gaps, ~1e-3, are far
     above float32 rounding): the end-of-turn
     token counted, a row cut by the cap with exactly ``cap`` tokens, an end-of-turn token after the cap not
-    counted, every job once."""
+    counted, every job once; with ``regen.refill_at`` too, where calls end early (fewer row-steps decoded)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -271,24 +276,69 @@ def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_confi
     generate, shapes = model.generate, []
 
     def recording(**kwargs):
-        shapes.append((*kwargs["input_ids"].shape, kwargs["max_new_tokens"]))
-        return generate(**kwargs)
+        out = generate(**kwargs)  # [B, L + decoded]
+        shapes.append((*kwargs["input_ids"].shape, kwargs["max_new_tokens"], out.shape[1] - kwargs["input_ids"].shape[1]))
+        return out
 
     model.generate = recording
     monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 4)  # the tiny prompts need a tiny length bucket
-    for segment, batch in ((3, 3), (5, 4), (13, 2), (40, 8), (2, 16)):
+    work = {}
+    for segment, batch, refill in ((3, 3, None), (5, 4, None), (13, 2, None), (40, 8, None), (2, 16, None),
+                                   (40, 4, None), (40, 4, 0.25), (40, 4, 0.5), (13, 8, 1.0), (40, 8, 0.5)):
         shapes.clear()
-        out = list(_generate_segmented(model, prompts, order, 0, [eos], kw, 1, batch, cap, segment))
+        out = list(_generate_segmented(model, prompts, order, 0, [eos], kw, 1, batch, cap, segment, refill_at=refill))
         # few shapes for a compiled decoding step: rows a power of two (or the batch) and at least batch / 8,
         # lengths a multiple of max(segment, the length bucket), every call min(segment, cap) new tokens
         step = max(segment, 4)
         assert all((b == batch or b & (b - 1) == 0) and batch // 8 <= b <= batch and L % step == 0
-                   and n == min(segment, cap) for b, L, n in shapes), shapes
+                   and n == min(segment, cap) for b, L, n, _ in shapes), shapes
         assert sorted(i for i, _, _ in out) == list(range(len(prompts))), (segment, batch)
         got = {i: (new, fin) for i, new, fin in out}
         for i, (new, fin) in enumerate(ref):
-            assert got[i] == (new, fin), (segment, batch, i)
+            assert got[i] == (new, fin), (segment, batch, refill, i)
             assert len(new) <= cap and (fin or len(new) == cap)
+        work[segment, batch, refill] = sum(b * t for b, _, _, t in shapes)  # row-steps decoded
+    # refill_at: a call ends once its share of rows is done, so fewer places decode after their row finished
+    assert work[40, 4, 0.25] < work[40, 4, None] and work[40, 4, 0.5] <= work[40, 4, None], work
+
+
+def test_a_call_ends_once_its_share_of_rows_is_done():
+    """``_EndsWhenShareDone`` (``regen.refill_at``): a row is done at an end-of-turn token (remembered after it:
+    generate pads a finished row) or once it produced its ``tokens_left``; rows after ``tokens_left``'s (padding
+    copies) never count; the call ends at ``ceil(share x rows)`` done rows (0.3 x 10 rows is 3)."""
+    import torch
+
+    from data_prep.regenerate import _EndsWhenShareDone
+
+    eos, pad = 7, 0
+    crit = _EndsWhenShareDone(0.5, [5, 2, 9, 9], [eos])  # 4 real rows and 2 padding copies: 2 done rows end it
+    steps = [[3, 3, 3, 3, 7, 7], [7, 3, 3, 3, 7, 7], [pad, 3, 3, 3, 7, 7]]  # the token each row produced
+    ids = torch.tensor([[1] * 6]).T
+    said = []
+    for tokens in steps:
+        ids = torch.cat([ids, torch.tensor([tokens]).T], dim=1)  # [6, 1 + step]
+        out = crit(ids, None)
+        assert out.shape == (6,) and out.dtype == torch.bool and len(set(out.tolist())) == 1
+        said.append(bool(out[0]))
+    # step 1: padding copies at eos only; step 2: row 0 at eos and row 1 at its 2 tokens left
+    assert said == [False, True, True]
+    assert _EndsWhenShareDone(0.3, [9] * 10, [eos]).need == 3 and _EndsWhenShareDone(0.01, [9] * 3, [eos]).need == 1
+    assert _EndsWhenShareDone(1.0, [9] * 3, [eos]).need == 3
+
+
+def test_refill_at_is_a_setting_of_the_static_engine_in_segments(monkeypatch):
+    from data_prep import regenerate as R
+
+    with pytest.raises(ValueError, match="regen.refill_at works between the segments"):
+        RegenConfig(refill_at=0.5)
+    with pytest.raises(ValueError):
+        RegenConfig(refill_at=0.0, segment_tokens=64)
+    with pytest.raises(ValueError):
+        RegenConfig(refill_at=1.5, segment_tokens=64)
+    cfg = RegenConfig(refill_at=0.5, segment_tokens=64, engine="auto")
+    monkeypatch.setattr(R, "resolve_engine", lambda model, cfg: "continuous")
+    with pytest.raises(ValueError, match="regen.refill_at needs the static engine in segments.*continuous"):
+        R.hf_engine(object(), object(), cfg)
 
 
 def test_segment_tokens_is_an_hf_static_setting_and_its_memory_is_counted(tiny_llama_config):
@@ -422,3 +472,34 @@ def test_stop_loops_is_refused_where_auto_resolves_to_continuous_batching(monkey
     monkeypatch.setattr(R, "resolve_engine", lambda model, cfg: "continuous")
     with pytest.raises(ValueError, match="stop_loops needs the static engine in segments.*engine is continuous"):
         R.hf_engine(None, None, RegenConfig(stop_loops=True, segment_tokens=64))
+
+
+def test_engine_profile_counts_the_compiles_made_in_its_calls(tiny_llama_config, monkeypatch):
+    """``engine_profile.compiles`` / ``compile_seconds``: what torch.compile's counters grew by during the
+    ``generate`` calls (a stand-in generate grows them as a compiled decoding step would), not before them."""
+    import collections
+
+    import torch
+    from torch._dynamo import utils
+    from transformers import LlamaForCausalLM
+
+    from data_prep.regenerate import _compile_stats, _FittingRows
+
+    counters = collections.defaultdict(collections.Counter)
+    counters["stats"]["unique_graphs"] = 5  # made before: not this engine's
+    monkeypatch.setattr(utils, "counters", counters)
+    monkeypatch.setattr(utils, "compilation_time_metrics", {"_compile.compile_inner": [7.0]})
+    assert _compile_stats() == (5, 7.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    generate = model.generate
+
+    def compiling(**kwargs):
+        counters["stats"]["unique_graphs"] += 2
+        utils.compilation_time_metrics["_compile.compile_inner"].append(1.5)
+        return generate(**kwargs)
+
+    model.generate = compiling
+    rows = _FittingRows(2)
+    rows(model, [[3, 4], [5], [6, 7, 8]], 0, [1], {"do_sample": False, "max_new_tokens": 2})  # two calls
+    assert (rows.profile["calls"], rows.profile["compiles"], rows.profile["compile_seconds"]) == (2, 4, 3.0)
