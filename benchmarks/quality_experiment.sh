@@ -18,6 +18,7 @@
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
+#                                                    # (EVAL_WORKERS=N: N processes per drafter, then a merge)
 #   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
 #   bash benchmarks/quality_experiment.sh leg MIN    # instead of train: both drafters MIN more minutes of one long run
@@ -242,15 +243,35 @@ print(sys.argv[1], "steps", m["steps"], "train_s", round(m["train_seconds"]), "f
 PY
     done
     ship smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
-  eval)
+  eval)  # EVAL_WORKERS=N (default 1): N eval processes per drafter, each every N-th prompt, all at once (both
+    # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge)
     ngpu=$(ngpus)
+    nw=${EVAL_WORKERS:-1}
+    [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
     i=0
     for R in "$P" "$E"; do
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       name=$(basename "$R" .yaml)
       # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key)
-      ( CUDA_VISIBLE_DEVICES=$gpu cli eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" \
-          "target.dtype=${EVAL_DTYPE:-float32}" --quiet > /dev/null 2> "$WORK/$name-eval.err" \
+      ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}" --quiet)
+      if [ "$nw" -gt 1 ]; then
+        ( pids=()
+          for r in $(seq 0 $((nw - 1))); do
+            # one CPU thread each: the loop's work is on the GPU, and 2N processes share the host's cores
+            OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-worker "$r/$nw" > /dev/null \
+              2> "$WORK/$name-eval-$r.err" &
+            pids+=($!)
+          done
+          ok=1; for pid in "${pids[@]}"; do wait "$pid" || ok=0; done
+          if [ "$ok" = 1 ]; then
+            CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-merge "$nw" > /dev/null 2> "$WORK/$name-eval.err" \
+              || echo "eval of $name reported a problem: $(tail -n 2 "$WORK/$name-eval.err" | cut -c1-300)"
+          else
+            echo "eval of $name: a worker failed: $(tail -q -n 1 "$WORK/$name"-eval-*.err | cut -c1-300)"
+          fi ) &
+        continue  # the other drafter's workers start at once
+      fi
+      ( CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" > /dev/null 2> "$WORK/$name-eval.err" \
         || echo "eval of $name reported a problem: $(tail -n 2 "$WORK/$name-eval.err" | cut -c1-300)" ) &
       [ "$ngpu" -gt 1 ] || wait
     done

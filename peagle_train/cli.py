@@ -7,6 +7,7 @@ Usage::
     peagle-train train RECIPE train.state_in=S0.pst train.state_out=S1.pst --stop-at 800   # docs/resume.md
     peagle-train train RECIPE train.state_in=S1.pst train.state_out=S2.pst --stop-after 25  # minutes
     peagle-train prepare RECIPE --regen-worker 0/2   # + 1/2 on another GPU, then a plain prepare
+    peagle-train eval RECIPE --eval-worker 0/4       # + 1/4 .. 3/4 at the same time, then --eval-merge 4
     peagle-train check EXPORT_DIR [--target TARGET_DIR_OR_CONFIG] [--num-speculative-tokens K]
     peagle-train push EXPORT_DIR REPO_ID [--public] [--dry-run]
 
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--stop-after", metavar="MINUTES", type=float, default=None,
                            help="the same after the first optimizer step that ends MINUTES wall minutes after this "
                                 "launch's first step began (loading before and saving after are not counted)")
+        if name == "eval":
+            s.add_argument("--eval-worker", metavar="RANK/WORLD", default=None,
+                           help="decode only prompts i %% WORLD == RANK of each set and write their statistics to "
+                                "eval/parts/ (run WORLD of them, e.g. at once on one GPU, then --eval-merge WORLD)")
+            s.add_argument("--eval-merge", metavar="WORLD", type=int, default=None,
+                           help="no decoding: the report of the WORLD worker parts in eval/parts/")
         if name == "prepare":
             s.add_argument("--regen-worker", metavar="RANK/WORLD", default=None,
                            help="data-parallel regeneration: write only shards i %% WORLD == RANK, then exit "
@@ -65,6 +72,7 @@ def _stage(args) -> object:
     from peagle_train.core.config import ConfigError
     from peagle_train.recipe import load_config
 
+    eval_worker = _eval_worker(args) if args.command == "eval" else None  # before anything loads
     cfg = load_config(args.recipe, args.overrides)
     progress = not args.quiet
     if args.quiet:  # also silence transformers' weight-loading bars
@@ -95,7 +103,32 @@ def _stage(args) -> object:
         return {k: v for k, v in m.items() if k != "history"}
     if args.command == "export":
         return str(stages.run_export(cfg, progress))
-    return {**stages.run_eval(cfg, progress), "report": report}
+    if eval_worker is not None:
+        return stages.run_eval(cfg, progress, worker=eval_worker)
+    return {**stages.run_eval(cfg, progress, merge=args.eval_merge), "report": report}
+
+
+def _eval_worker(args) -> tuple[int, int] | None:
+    """``--eval-worker RANK/WORLD`` as ``(rank, world)`` (None without it), checked with ``--eval-merge``.
+
+    Raises:
+        ConfigError: not ``RANK/WORLD`` with ``0 <= RANK < WORLD``; given with ``--eval-merge``; ``--eval-merge`` < 1.
+    """
+    from peagle_train.core.config import ConfigError
+
+    if args.eval_merge is not None and args.eval_merge < 1:
+        raise ConfigError(f"--eval-merge {args.eval_merge}: give the number of workers (>= 1)")
+    if args.eval_worker is None:
+        return None
+    if args.eval_merge is not None:
+        raise ConfigError("give --eval-worker (decode a share) or --eval-merge (report the shares), not both")
+    try:
+        rank, world = (int(x) for x in args.eval_worker.split("/"))
+    except ValueError:
+        raise ConfigError(f"--eval-worker {args.eval_worker!r}: expected RANK/WORLD, e.g. 0/4") from None
+    if not 0 <= rank < world:
+        raise ConfigError(f"--eval-worker {rank}/{world}: need 0 <= rank < world (e.g. 0/4 .. 3/4)")
+    return rank, world
 
 
 ALLOC_CONF_DEFAULT = "expandable_segments:True"

@@ -547,10 +547,15 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
 
 
 @stage_lines("eval")
-def run_eval(cfg: RunConfig, progress: bool = True) -> dict:
+def run_eval(cfg: RunConfig, progress: bool = True, worker: tuple[int, int] | None = None,
+             merge: int | None = None) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``.
 
-    ``progress``: the stage lines (:func:`stage_lines`) and the evaluator's bars per dataset × K."""
+    ``progress``: the stage lines (:func:`stage_lines`) and the evaluator's bars per dataset × K.
+    ``worker = (rank, world)``: only every ``world``-th prompt of each set, raw statistics to
+    ``eval/parts/`` (:func:`peagle_train.eval.evaluate.run_eval`), no report; ``merge = world``: no decoding,
+    the report of the ``world`` parts (:func:`peagle_train.eval.evaluate.merge_eval`) and the model card.
+    Several workers share one GPU well: the batch-1 loop leaves it mostly idle."""
     from data_prep.eval_prompts import load_eval_prompts
     from peagle_train.eval import evaluate
     from peagle_train.export.model_card import render_model_card
@@ -558,14 +563,20 @@ def run_eval(cfg: RunConfig, progress: bool = True) -> dict:
     from peagle_train.features.target import load_target
 
     out = Path(cfg.output_dir)
-    target = load_target(cfg.target)
-    drafter = load_exported(out / "export").to(target.device)
     target_name = cfg.target.name + (" (RANDOM WEIGHTS: target.random_init_from_config)"
                                      if cfg.target.random_init_from_config else "")
-    results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=target_name,
-                                drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
-                                load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
-                                else load_eval_prompts(name, n), progress=progress)
+    if merge is not None:
+        results = evaluate.merge_eval(out / "eval", merge)
+    else:
+        target = load_target(cfg.target)
+        drafter = load_exported(out / "export").to(target.device)
+        results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=target_name,
+                                    drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
+                                    load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
+                                    else load_eval_prompts(name, n), progress=progress, worker=worker)
+        if worker is not None:
+            return {"eval_worker": list(worker), "part": str(out / "eval" / "parts" /
+                                                             f"worker-{worker[0]}-of-{worker[1]}.json")}
     # the model card carries the eval table next to the serve command
     export_cfg = json.loads((out / "export" / "config.json").read_text())
     readme = render_model_card(export_cfg, target_name=cfg.target.name, model_ref="export", card=_card(cfg, results))

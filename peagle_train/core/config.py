@@ -281,4 +281,20 @@ class EvalConfig(Section):
     num_prompts: int = Field(8, ge=1, description="Prompts per dataset.")
     max_new_tokens: int = Field(64, ge=1)
     k_max: int = Field(7, ge=1, description="Evaluate served K = 1..k_max (<= trained K).")
+    k_values: list[int] | None = Field(
+        None, description="Only these served K (each 1..k_max, e.g. [1, 3, 5, 7]: AL at 3, 5, 7 and the drafting "
+        "cost of K = 7 against K = 1 at 4/7 of the decoding time); None = every K = 1..k_max.")
     both_turns: bool = True
+
+    @model_validator(mode="after")
+    def _k_values_in_range(self) -> "EvalConfig":
+        if self.k_values is not None:
+            bad = [k for k in self.k_values if not 1 <= k <= self.k_max]
+            if bad or not self.k_values or len(set(self.k_values)) != len(self.k_values):
+                raise ValueError(f"eval.k_values {self.k_values}: give distinct served K between 1 and eval.k_max "
+                                 f"({self.k_max}), e.g. [1, 3, 5, 7]")
+        return self
+
+    def served_ks(self) -> list[int]:
+        """The served K the eval decodes, ascending: ``k_values`` or ``1..k_max``."""
+        return sorted(self.k_values) if self.k_values is not None else list(range(1, self.k_max + 1))

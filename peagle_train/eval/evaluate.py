@@ -25,6 +25,8 @@ Outputs in ``out_dir`` (see :mod:`peagle_train.eval.report`): ``eval.json``, ``e
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import platform
 from collections.abc import Callable
@@ -175,36 +177,41 @@ def run_eval(
     encode: Callable[[list[dict]], list[int]] | None = None,
     decode: Callable[[list[int]], str] | None = None,
     progress: bool = True,
+    worker: tuple[int, int] | None = None,
 ) -> dict:
     """Evaluate a drafter against its target and write the report.
 
     Args:
-        target, drafter: on the same device; put in eval mode here.
-        cfg: datasets, ``num_prompts`` per dataset, ``max_new_tokens``, ``k_max``, ``both_turns``.
-        out_dir: created if missing; receives ``eval.json``, ``eval.md`` and two PNG plots.
-        target_name, drafter_name: shown in the report. trained_K: the drafter's trained K.
-        load_prompts: ``(dataset, n) -> prompts`` (default ``data_prep.eval_prompts.load_eval_prompts``);
-            a prompt is its list of user turns (str) or a :class:`TokenPrompt` (one turn, ids as given).
-        encode: chat messages → prompt ids (default ``data_prep.template.build_prompt_ids`` with the
-            target's tokenizer). decode: answer ids → text for turn 2's history (default the
-            tokenizer's ``decode(skip_special_tokens=True)``).
-        progress: show a tqdm bar per dataset for target-alone decoding and one per dataset × K
-            (sequences done of the dataset, generated tokens/s in the postfix); False: silent.
+        target: loaded target (model + tokenizer); its device is used.
+        drafter: a :class:`Drafter` on the same device.
+        cfg: datasets, ``num_prompts`` per dataset, ``max_new_tokens``, ``k_max`` / ``k_values`` (the served K),
+            ``both_turns``.
+        out_dir: where :func:`peagle_train.eval.report.write_report` writes.
+        target_name / drafter_name: labels in the report. trained_K: the drafter's trained depths.
+        load_prompts: ``(name, n) -> prompts`` (default :func:`data_prep.eval_prompts.load_eval_prompts`).
+        encode: user-message history -> prompt ids (default: the target's chat template).
+        decode: ids -> text (turn-1 answer in turn 2's history).
+        progress: tqdm bars per dataset × K.
+        worker: ``(rank, world)``: decode only the prompts ``i`` with ``i % world == rank`` of each set and write
+            their raw statistics to ``out_dir/parts/worker-RANK-of-WORLD.json`` instead of the report; once all
+            ``world`` parts are there, :func:`merge_eval` writes the report they make together (the same
+            acceptance lengths, per-position acceptance and lossless check as one process; timings then come
+            from ``world`` processes sharing the device).
 
     Returns:
-        The results dict also written to ``eval.json`` (keys: ``target``, ``drafter``, ``method``,
-        ``trained_K``, ``k_values``, ``max_new_tokens``, ``hardware``, ``datasets`` →
-        ``{name: {num_prompts, num_sequences, target_alone, by_K: [...]}}``, ``lossless``).
+        the report's dict (``eval.json``); with ``worker``, the part's dict.
 
     Raises:
-        ValueError: ``k_max`` above ``trained_K`` for a parallel-drafting drafter (spec §4).
-        LosslessError: any greedy speculative output differs from the target's, after the
-            report (listing every mismatch) has been written.
+        ValueError: ``k_max`` above ``trained_K`` for a parallel-drafting drafter (spec §4); ``worker`` out of range.
+        LosslessError: any greedy speculative output differs from target-alone greedy decoding, after the
+            report (listing every mismatch) has been written (not raised by a worker: :func:`merge_eval` does).
         FileNotFoundError / ValueError: from the prompt loader (missing eval set distribution).
     """
     method = method_of_config(drafter.config)
     if not method.serves_above_trained_K and cfg.k_max > trained_K:
         raise ValueError(f"eval.k_max={cfg.k_max} exceeds the drafter's trained K={trained_K} (served K <= trained K)")
+    if worker is not None and not 0 <= worker[0] < worker[1]:
+        raise ValueError(f"eval worker {worker[0]}/{worker[1]}: need 0 <= rank < world (e.g. 0/4 .. 3/4)")
     load_prompts = load_prompts or _default_loader
     if encode is None:
         from data_prep.template import build_prompt_ids
@@ -214,80 +221,134 @@ def run_eval(
     target.model.eval()
     drafter.eval()
     eos = eos_ids(target)
-    ks = list(range(1, cfg.k_max + 1))
-    mismatches: list[dict] = []
-    checked = 0
-    datasets: dict[str, dict] = {}
-    warmed = False
+    ks = cfg.served_ks()
+    raw: dict[str, _RawSet] = {}
+    warm = [False]
     for name in cfg.datasets:
         prompts = load_prompts(name, cfg.num_prompts)
-        base = TargetStats()
-        # target alone first: each sequence's prompt ids and greedy reference (turn 2's history needs turn 1's)
-        seqs: list[tuple[int, int, list[int], list[int]]] = []  # (prompt, turn, ids, reference)
-        steps = [[t] if isinstance(t, TokenPrompt) else t[: 2 if cfg.both_turns else 1] for t in prompts]
-        bar = _bar(sum(map(len, steps)), f"eval[{name}] target alone", progress)
-        for pi, turns in enumerate(steps):
-            history: list[dict] = []
-            for ti, user in enumerate(turns):
-                if isinstance(user, TokenPrompt):
-                    ids = list(user.ids)
-                else:
-                    history.append({"role": "user", "content": user})
-                    ids = list(encode(history))
-                if not warmed:  # lazy init (kernels, allocator) stays out of the timings
-                    target_generate(target, ids, min(4, cfg.max_new_tokens), eos_token_id=eos)
-                    speculative_generate(target, drafter, ids, ks[-1], min(4, cfg.max_new_tokens), eos_token_id=eos)
-                    warmed = True
-                ref, bst = target_generate(target, ids, cfg.max_new_tokens, eos_token_id=eos)
-                base.new_tokens += bst.new_tokens
-                base.total_s += bst.total_s
-                seqs.append((pi, ti, ids, ref))
-                _advance(bar, base.new_tokens, base.total_s)
-                if not isinstance(user, TokenPrompt):
-                    answer = [t for t in ref if eos is None or t not in eos]
-                    history.append({"role": "assistant", "content": decode(answer)})
+        mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
+        raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm, progress)
+    head = {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
+            "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,
+            "decoding": "greedy", "hardware": hardware_info(target.device)}
+    if worker is not None:
+        part = {**head, "worker": list(worker), "datasets": {n: r.to_dict() for n, r in raw.items()}}
+        path = Path(out_dir) / "parts" / f"worker-{worker[0]}-of-{worker[1]}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(part))
+        os.replace(tmp, path)  # a part is complete or absent
+        return part
+    return _report(head, raw, ks, out_dir, workers=1)
+
+
+@dataclass
+class _RawSet:
+    """One eval set's raw statistics (all its sequences, or one worker's share): target-alone totals, the
+    loop's statistics per served ``K`` and sequence, lossless mismatches per ``K`` and their records."""
+
+    num_prompts: int
+    base: TargetStats
+    per_k: dict[int, list[SpecStats]]
+    bad_k: dict[int, int]
+    found: list[dict]
+    sequences: int
+
+    def to_dict(self) -> dict:
+        return {"num_prompts": self.num_prompts, "sequences": self.sequences, "base": self.base.to_dict(),
+                "per_k": {str(k): [st.to_dict() for st in v] for k, v in self.per_k.items()},
+                "bad_k": {str(k): v for k, v in self.bad_k.items()}, "found": self.found}
+
+    @staticmethod
+    def from_dict(d: dict) -> "_RawSet":
+        stat = lambda x: SpecStats(K=x["K"], accepted=x["accepted"], draft_s=x["draft_s"],  # noqa: E731
+                                   verify_s=x["verify_s"], prefill_s=x["prefill_s"], total_s=x["total_s"],
+                                   new_tokens=x["new_tokens"])
+        b = d["base"]
+        return _RawSet(d["num_prompts"], TargetStats(b["prefill_s"], b["total_s"], b["new_tokens"]),
+                       {int(k): [stat(x) for x in v] for k, v in d["per_k"].items()},
+                       {int(k): v for k, v in d["bad_k"].items()}, list(d["found"]), d["sequences"])
+
+    def add(self, other: "_RawSet") -> "_RawSet":
+        """Both shares of the same set together (sums and concatenations; mismatches in prompt order)."""
+        base = TargetStats(self.base.prefill_s + other.base.prefill_s, self.base.total_s + other.base.total_s,
+                           self.base.new_tokens + other.base.new_tokens)
+        return _RawSet(self.num_prompts, base, {k: self.per_k[k] + other.per_k[k] for k in self.per_k},
+                       {k: self.bad_k[k] + other.bad_k[k] for k in self.bad_k},
+                       sorted(self.found + other.found, key=lambda m: (m["prompt"], m["turn"], m["K"])),
+                       self.sequences + other.sequences)
+
+
+def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg: EvalConfig, ks: list[int], eos,
+                encode, decode, warm: list, progress: bool) -> _RawSet:
+    """Target alone, then the loop at every ``K``, over the prompts ``mine`` (indices into ``prompts``) of set ``name``."""
+    base = TargetStats()
+    # target alone first: each sequence's prompt ids and greedy reference (turn 2's history needs turn 1's)
+    seqs: list[tuple[int, int, list[int], list[int]]] = []  # (prompt, turn, ids, reference)
+    steps = {pi: [prompts[pi]] if isinstance(prompts[pi], TokenPrompt) else prompts[pi][: 2 if cfg.both_turns else 1]
+             for pi in mine}
+    bar = _bar(sum(map(len, steps.values())), f"eval[{name}] target alone", progress)
+    for pi, turns in steps.items():
+        history: list[dict] = []
+        for ti, user in enumerate(turns):
+            if isinstance(user, TokenPrompt):
+                ids = list(user.ids)
+            else:
+                history.append({"role": "user", "content": user})
+                ids = list(encode(history))
+            if not warm[0]:  # lazy init (kernels, allocator) stays out of the timings
+                target_generate(target, ids, min(4, cfg.max_new_tokens), eos_token_id=eos)
+                speculative_generate(target, drafter, ids, ks[-1], min(4, cfg.max_new_tokens), eos_token_id=eos)
+                warm[0] = True
+            ref, bst = target_generate(target, ids, cfg.max_new_tokens, eos_token_id=eos)
+            base.new_tokens += bst.new_tokens
+            base.total_s += bst.total_s
+            seqs.append((pi, ti, ids, ref))
+            _advance(bar, base.new_tokens, base.total_s)
+            if not isinstance(user, TokenPrompt):
+                answer = [t for t in ref if eos is None or t not in eos]
+                history.append({"role": "assistant", "content": decode(answer)})
+    bar.close()
+    per_k: dict[int, list[SpecStats]] = {k: [] for k in ks}
+    bad_k = {k: 0 for k in ks}
+    found: list[dict] = []
+    for k in ks:
+        bar = _bar(len(seqs), f"eval[{name}] K={k}", progress)
+        for pi, ti, ids, ref in seqs:
+            out, st = speculative_generate(target, drafter, ids, k, cfg.max_new_tokens, eos_token_id=eos)
+            per_k[k].append(st)
+            _advance(bar, sum(s.new_tokens for s in per_k[k]), sum(s.total_s for s in per_k[k]))
+            if out != ref:
+                pos = _first_diff(ref, out)
+                bad_k[k] += 1
+                found.append({
+                    "dataset": name, "prompt": pi, "turn": ti + 1, "K": k, "position": pos,
+                    "target_token": ref[pos] if pos < len(ref) else None,
+                    "speculative_token": out[pos] if pos < len(out) else None,
+                    "target_len": len(ref), "speculative_len": len(out),
+                    "target_top2_margin": _top2_margin(target, ids, ref, pos),
+                })
         bar.close()
-        per_k: dict[int, list[SpecStats]] = {k: [] for k in ks}
-        bad_k = {k: 0 for k in ks}
-        found: list[dict] = []
-        for k in ks:
-            bar = _bar(len(seqs), f"eval[{name}] K={k}", progress)
-            for pi, ti, ids, ref in seqs:
-                out, st = speculative_generate(target, drafter, ids, k, cfg.max_new_tokens, eos_token_id=eos)
-                per_k[k].append(st)
-                checked += 1
-                _advance(bar, sum(s.new_tokens for s in per_k[k]), sum(s.total_s for s in per_k[k]))
-                if out != ref:
-                    pos = _first_diff(ref, out)
-                    bad_k[k] += 1
-                    found.append({
-                        "dataset": name, "prompt": pi, "turn": ti + 1, "K": k, "position": pos,
-                        "target_token": ref[pos] if pos < len(ref) else None,
-                        "speculative_token": out[pos] if pos < len(out) else None,
-                        "target_len": len(ref), "speculative_len": len(out),
-                        "target_top2_margin": _top2_margin(target, ids, ref, pos),
-                    })
-            bar.close()
-        mismatches += sorted(found, key=lambda m: (m["prompt"], m["turn"], m["K"]))  # prompt order, then K
+    return _RawSet(len(prompts), base, per_k, bad_k, sorted(found, key=lambda m: (m["prompt"], m["turn"], m["K"])),
+                   len(seqs))
+
+
+def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | Path, workers: int) -> dict:
+    """The report of ``raw`` (per set, all its sequences): pooled per ``K``, written by
+    :func:`~peagle_train.eval.report.write_report`; raises :class:`LosslessError` after writing if any mismatch."""
+    datasets, mismatches = {}, []
+    for name, r in raw.items():
+        mismatches += r.found  # prompt order, then K
         datasets[name] = {
-            "num_prompts": len(prompts),
-            "num_sequences": len(seqs),
-            "target_alone": {"new_tokens": base.new_tokens, "seconds": base.total_s, "tokens_per_s": base.tokens_per_s},
-            "by_K": [_pool(per_k[k], base.new_tokens, base.total_s, k, bad_k[k]) for k in ks],
+            "num_prompts": r.num_prompts,
+            "num_sequences": r.sequences,
+            "target_alone": {"new_tokens": r.base.new_tokens, "seconds": r.base.total_s,
+                             "tokens_per_s": r.base.tokens_per_s},
+            "by_K": [_pool(r.per_k[k], r.base.new_tokens, r.base.total_s, k, r.bad_k[k]) for k in ks],
         }
-    results = {
-        "target": target_name,
-        "drafter": drafter_name,
-        "method": method.name,
-        "trained_K": trained_K,
-        "k_values": ks,
-        "max_new_tokens": cfg.max_new_tokens,
-        "both_turns": cfg.both_turns,
-        "decoding": "greedy",
-        "hardware": hardware_info(target.device),
-        "datasets": datasets,
-        "lossless": {"checked": checked, "mismatches": mismatches, "passed": not mismatches},
-    }
+    checked = sum(r.sequences for r in raw.values()) * len(ks)
+    results = {**head, "workers": workers, "datasets": datasets,
+               "lossless": {"checked": checked, "mismatches": mismatches, "passed": not mismatches}}
     write_report(results, out_dir)
     if mismatches:
         first = mismatches[0]
@@ -297,3 +358,37 @@ def run_eval(
             f"{first['position']}, top-2 margin {first['target_top2_margin']}); details in {Path(out_dir) / 'eval.json'}"
         )
     return results
+
+
+def merge_eval(out_dir: str | Path, world: int) -> dict:
+    """The report of ``world`` eval workers (:func:`run_eval` with ``worker``), from their parts in
+    ``out_dir/parts/``: each set's sequences of all workers pooled as one process pools them (acceptance
+    length, per-position acceptance, lossless check are the same; timings are those of the workers, which
+    shared the device: ``workers`` in the report says how many).
+
+    Returns / Raises: as :func:`run_eval`; also FileNotFoundError naming the missing parts (run those workers),
+    ValueError when the parts were made with other settings (K values, datasets, tokens) or another world.
+    """
+    parts = []
+    missing = []
+    for r in range(world):
+        path = Path(out_dir) / "parts" / f"worker-{r}-of-{world}.json"
+        if not path.exists():
+            missing.append(str(path))
+        else:
+            parts.append(json.loads(path.read_text()))
+    if missing:
+        raise FileNotFoundError(f"eval merge: {len(missing)} of {world} worker parts are missing ({', '.join(missing)}): "
+                                f"run `peagle-train eval RECIPE --eval-worker RANK/{world}` for each")
+    keys = ("target", "drafter", "method", "trained_K", "k_values", "max_new_tokens", "both_turns", "decoding")
+    for p in parts[1:]:
+        diff = [k for k in keys if p[k] != parts[0][k]] + (["datasets"] if list(p["datasets"]) != list(parts[0]["datasets"]) else [])
+        if diff:
+            raise ValueError(f"eval merge: worker {p['worker'][0]}/{world} was run with other settings than worker "
+                             f"0/{world} ({', '.join(diff)}): run all workers with the same recipe")
+    raw = {}
+    for name in parts[0]["datasets"]:
+        shares = [_RawSet.from_dict(p["datasets"][name]) for p in parts]
+        raw[name] = functools.reduce(_RawSet.add, shares)
+    head = {k: parts[0][k] for k in (*keys, "hardware")}
+    return _report(head, raw, parts[0]["k_values"], out_dir, workers=world)

@@ -227,3 +227,88 @@ def test_run_eval_shows_a_bar_per_dataset_and_K_unless_quiet(tmp_path, capsys):
     run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=2,
              load_prompts=lambda name, n: PROMPTS[:n], progress=False)
     assert "eval[" not in capsys.readouterr().err
+
+
+def test_eval_workers_merge_into_the_single_process_report(tmp_path):
+    """``run_eval(worker=(r, n))`` decodes every n-th prompt and writes its raw statistics to ``parts/``;
+    ``merge_eval`` pools the n parts into the report one process writes: the same sequences, rounds, acceptance
+    lengths, per-position acceptance and lossless check (timings differ); a missing part or one made with other
+    settings is named, and a mismatch found by a worker is raised by the merge."""
+    from peagle_train.eval.evaluate import merge_eval
+
+    target, drafter = tiny_pair(K=3)
+    prompts = PROMPTS + [["count to five."], ["say hi."]]
+    loader = lambda name, n: prompts[:n]  # noqa: E731
+    cfg = EvalConfig(datasets=["mt_bench", "humaneval"], num_prompts=5, max_new_tokens=10, k_max=3, both_turns=True)
+    one = run_eval(target, drafter, cfg, tmp_path / "one", target_name="t", drafter_name="d", trained_K=3,
+                   load_prompts=loader, progress=False)
+    for r in range(2):
+        part = run_eval(target, drafter, cfg, tmp_path / "two", target_name="t", drafter_name="d", trained_K=3,
+                        load_prompts=loader, progress=False, worker=(r, 2))
+        assert part["worker"] == [r, 2] and not (tmp_path / "two" / "eval.json").exists()
+    with pytest.raises(FileNotFoundError, match="1 of 3 worker parts are missing.*worker-2-of-3.json"):
+        (tmp_path / "two" / "parts" / "worker-0-of-3.json").write_text((tmp_path / "two" / "parts" / "worker-0-of-2.json").read_text())
+        (tmp_path / "two" / "parts" / "worker-1-of-3.json").write_text((tmp_path / "two" / "parts" / "worker-1-of-2.json").read_text())
+        merge_eval(tmp_path / "two", 3)
+    two = merge_eval(tmp_path / "two", 2)
+    assert json.loads((tmp_path / "two" / "eval.json").read_text())["workers"] == 2 and one["workers"] == 1
+    assert two["lossless"] == one["lossless"] and two["lossless"]["checked"] == 2 * 8 * 3
+    for name in ("mt_bench", "humaneval"):
+        a, b = one["datasets"][name], two["datasets"][name]
+        assert (a["num_prompts"], a["num_sequences"]) == (b["num_prompts"], b["num_sequences"]) == (5, 8)
+        assert a["target_alone"]["new_tokens"] == b["target_alone"]["new_tokens"]
+        for x, y in zip(a["by_K"], b["by_K"]):
+            same = ("K", "rounds", "acceptance_length", "per_position_acceptance", "new_tokens", "mismatches")
+            assert {k: x[k] for k in same} == {k: y[k] for k in same}
+    # a part made with another K range is refused by name
+    bad = json.loads((tmp_path / "two" / "parts" / "worker-1-of-2.json").read_text())
+    bad["k_values"] = [1, 2]
+    (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="worker 1/2 was run with other settings.*k_values"):
+        merge_eval(tmp_path / "two", 2)
+    with pytest.raises(ValueError, match="need 0 <= rank < world"):
+        run_eval(target, drafter, cfg, tmp_path / "x", target_name="t", drafter_name="d", trained_K=3,
+                 load_prompts=loader, progress=False, worker=(2, 2))
+    # a worker that finds a mismatch only records it; the merge raises after writing the report
+    part = json.loads((tmp_path / "two" / "parts" / "worker-0-of-2.json").read_text())
+    rec = {"dataset": "mt_bench", "prompt": 0, "turn": 1, "K": 2, "position": 3, "target_token": 5,
+           "speculative_token": 6, "target_len": 10, "speculative_len": 10, "target_top2_margin": 0.1}
+    part["datasets"]["mt_bench"]["found"] = [rec]
+    part["datasets"]["mt_bench"]["bad_k"]["2"] = 1
+    (tmp_path / "two" / "parts" / "worker-0-of-2.json").write_text(json.dumps(part))
+    (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(json.dumps({**bad, "k_values": [1, 2, 3]}))
+    with pytest.raises(LosslessError, match="1 of 48 speculative outputs differ"):
+        merge_eval(tmp_path / "two", 2)
+    assert json.loads((tmp_path / "two" / "eval.json").read_text())["lossless"]["mismatches"] == [rec]
+
+
+def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
+    """``peagle-train eval RECIPE --eval-worker R/W`` / ``--eval-merge W``: a malformed or out-of-range worker, both
+    flags at once, or a merge of fewer than one worker exit 2 with the fix, before the target loads."""
+    from pathlib import Path
+
+    from peagle_train.cli import main
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml")
+    out = f"output_dir={tmp_path / 'run'}"
+    for flags, said in ((["--eval-worker", "2/2"], "need 0 <= rank < world"),
+                        (["--eval-worker", "one/2"], "expected RANK/WORLD"),
+                        (["--eval-worker", "0/2", "--eval-merge", "2"], "not both"),
+                        (["--eval-merge", "0"], "give the number of workers")):
+        assert main(["eval", recipe, out, *flags, "--quiet"]) == 2, flags
+        assert said in capsys.readouterr().err, flags
+    assert not (tmp_path / "run").exists()
+
+
+def test_k_values_evaluates_only_those_served_k(tmp_path):
+    """``eval.k_values``: only those served K are decoded (ascending), each checked against the target; values
+    outside ``1..k_max``, repeated or none are refused naming the key."""
+    target, drafter = tiny_pair(K=3)
+    cfg = EvalConfig(datasets=["humaneval"], num_prompts=2, max_new_tokens=8, k_max=3, k_values=[3, 1])
+    res = run_eval(target, drafter, cfg, tmp_path, target_name="t", drafter_name="d", trained_K=3,
+                   load_prompts=lambda name, n: PROMPTS[:n], progress=False)
+    assert res["k_values"] == [1, 3] and [r["K"] for r in res["datasets"]["humaneval"]["by_K"]] == [1, 3]
+    assert res["lossless"]["checked"] == 4 * 2  # 2 prompts x 2 turns, 2 served K
+    for bad in ([0, 1], [4], [1, 1], []):
+        with pytest.raises(ValueError, match="eval.k_values"):
+            EvalConfig(k_max=3, k_values=bad)

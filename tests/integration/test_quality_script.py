@@ -633,3 +633,28 @@ def test_train_and_eval_use_the_run_folders_under_work_and_eval_runs_the_target_
     assert json.loads((results / "smollm2-135m-peagle-gpu-train-metrics.json").read_text())["steps"] == 10
     ev = json.loads((results / "smollm2-135m-eagle3-gpu-eval.json").read_text())
     assert ev == {"dtype": "float32", "output_dir": str(work / "eagle3")}
+
+
+def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
+    """``EVAL_WORKERS=3``: three eval processes per drafter (``--eval-worker r/3``, both drafters' at once on one
+    GPU), then one ``--eval-merge 3`` per drafter after its workers; a bad count is refused."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1",
+                        "FAKE_LOG": str(tmp_path / "calls.jsonl"), "EVAL_WORKERS": "3"}
+    env.pop("OUT", None)
+    r = _step(env, "eval")
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    for name in ("peagle", "eagle3"):
+        mine = [c["args"] for c in calls if f"output_dir={tmp_path / 'w' / name}" in c["args"]]
+        workers = sorted(a[a.index("--eval-worker") + 1] for a in mine if "--eval-worker" in a)
+        assert workers == ["0/3", "1/3", "2/3"], mine
+        assert "--eval-merge" in mine[-1] and mine[-1][mine[-1].index("--eval-merge") + 1] == "3"
+        assert sum("--eval-merge" in a for a in mine) == 1
+    assert {c["gpu"] for c in calls} == {"0"}
+    r = _step(env | {"EVAL_WORKERS": "0"}, "eval")
+    assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
