@@ -267,7 +267,9 @@ def main(argv=None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    overrides = [f"regen.max_new_tokens={args.cap}", *args.override]
+    # whole greedy answers, or the identity count against generate would compare prefixes (a recipe's
+    # regen.stop_loops cuts looping answers); --override regen.stop_loops=true measures with it
+    overrides = [f"regen.max_new_tokens={args.cap}", "regen.stop_loops=false", *args.override]
     if args.gguf:
         overrides += ["target.gguf_package=null", f"target.gguf_file={args.gguf}"]
     if args.random_init_from_config:

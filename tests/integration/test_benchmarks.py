@@ -193,6 +193,8 @@ def test_regen_throughput_cpu_smoke(tmp_path, capsys):
     assert json.loads(out.read_text()) == result
     assert result["meta"]["command"] == f"python benchmarks/regen_throughput.py --smoke --out {out}"
     assert "commit" in result["meta"]
+    # whole greedy answers whatever the recipe says (a GPU recipe's regen.stop_loops would cut loops short)
+    assert "regen.stop_loops=false" in result["meta"]["overrides"]
     (run,) = result["runs"]
     assert run["continuous"]["engine"] == "continuous" and run["generate"]["engine"] == "generate"
     assert run["static"]["engine"] == "static"
