@@ -55,7 +55,7 @@ def test_regenerated_gpt_oss_turns_keep_reasoning_and_render_verbatim(tok, monke
     import data_prep.regenerate as R
 
     turns = {0: _ids(tok, TURN), 1: _ids(tok, "<|channel|>analysis<|message|>Let me think about the")}
-    monkeypatch.setattr(R, "_generate_batch", lambda model, prompts, pad, eos, kw, bucket=1: [
+    monkeypatch.setattr(R, "_generate_batch", lambda model, prompts, pad, eos, kw, bucket=1, *refill: [
         (turns[0], True) if len(p) == min(map(len, prompts)) else (turns[1], False) for p in prompts])
     complete, engine = R.hf_engine(_Model([tok.convert_tokens_to_ids("<|return|>")]), tok,
                                    RegenConfig(engine="generate", batch_size=2, max_new_tokens=16))
