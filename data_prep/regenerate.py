@@ -189,8 +189,11 @@ class _FittingRows:
         #: those calls compile it; a later shard meeting the same shapes counts 0 there
         #: ``compiles``: graphs torch.compile made during the calls, ``compile_seconds``: its time compiling
         #: them (tracing and code generation; CUDA-graph recording is not in it), :func:`_compile_stats`
+        #: ``decode_steps``: the decoding steps the calls ran (each call: its longest answer's tokens), and
+        #: ``row_steps``: those steps times the call's rows (padding copies included): generated tokens over
+        #: ``row_steps`` is the share of places that produced a token
         self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0, "compiles": 0,
-                        "compile_seconds": 0.0}
+                        "compile_seconds": 0.0, "decode_steps": 0, "row_steps": 0}
 
     def __call__(self, model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
                  bucket: int = 1, refill_at: float | None = None,
@@ -210,10 +213,12 @@ class _FittingRows:
             left = None if tokens_left is None else tokens_left[s : s + self.limit]
             t0, c0 = time.perf_counter(), _compile_stats()
             try:
-                out += _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket, refill_at, left)
+                got = _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket, refill_at, left)
+                out += got
                 c1 = _compile_stats()
                 self._count((len(chunk), bucketed(max(len(p) for p in chunk), bucket),
-                             gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0, c1[0] - c0[0], c1[1] - c0[1])
+                             gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0, c1[0] - c0[0], c1[1] - c0[1],
+                            max((len(new) for new, _ in got), default=0))
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -231,16 +236,18 @@ class _FittingRows:
             s += len(chunk)
         return out
 
-    def _count(self, shape: tuple, seconds: float, compiles: int = 0, compile_seconds: float = 0.0) -> None:
+    def _count(self, shape: tuple, seconds: float, compiles: int = 0, compile_seconds: float = 0.0,
+               steps: int = 0) -> None:
         """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens), ``seconds``
-        (wall time) and the ``compiles`` / ``compile_seconds`` made in it to :attr:`profile`."""
+        (wall time), the ``compiles`` / ``compile_seconds`` made in it and its decoding ``steps`` to :attr:`profile`."""
         new = shape not in self._seen
         self._seen.add(shape)
         self._mine.add(shape)
         p = self.profile
         p.update(calls=p["calls"] + 1, shapes=len(self._mine), seconds=round(p["seconds"] + seconds, 3),
                  new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3),
-                 compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3))
+                 compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3),
+                 decode_steps=p["decode_steps"] + steps, row_steps=p["row_steps"] + shape[0] * steps)
 
 
 def _compile_stats() -> tuple[int, float]:

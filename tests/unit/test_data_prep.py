@@ -540,6 +540,8 @@ def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_mod
     assert prof["calls"] == len(calls) and 1 <= prof["shapes"] <= prof["calls"]
     assert 0 < prof["new_shape_seconds"] <= prof["seconds"] <= rep["generate_seconds"] + 1e-3
     assert (prof["compiles"], prof["compile_seconds"]) == (0, 0.0)  # nothing is compiled on CPU
+    # every generated token took a place of a decoding step; the padding copies and finished rows took more
+    assert 0 < prof["decode_steps"] <= prof["calls"] * 8 and rep["generated_tokens"] <= prof["row_steps"]
     assert ref["engine_profile"]["calls"] == 3 + 2  # round 0: 5 prompts in batches of 2, round 1: 3 prompts
     # a second shard in the same process meets the shapes the first met: nothing new to compile there
     again, rep2 = regenerate(tiny_model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "static",

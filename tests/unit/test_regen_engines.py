@@ -503,3 +503,5 @@ def test_engine_profile_counts_the_compiles_made_in_its_calls(tiny_llama_config,
     rows = _FittingRows(2)
     rows(model, [[3, 4], [5], [6, 7, 8]], 0, [1], {"do_sample": False, "max_new_tokens": 2})  # two calls
     assert (rows.profile["calls"], rows.profile["compiles"], rows.profile["compile_seconds"]) == (2, 4, 3.0)
+    # id 1 ends no answer here (the tiny random model): each call runs its 2 steps, on 2 and then 1 rows
+    assert (rows.profile["decode_steps"], rows.profile["row_steps"]) == (4, 2 * 2 + 1 * 2)
