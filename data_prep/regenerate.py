@@ -90,7 +90,7 @@ class _EndsWhenShareDone:
     """
 
     def __init__(self, share: float, tokens_left: list[int], eos_ids: list[int]):
-        self.share, self.tokens_left, self.eos_ids = share, tokens_left, eos_ids
+        self.tokens_left, self.eos_ids = tokens_left, eos_ids
         self.need = max(1, math.ceil(round(share * len(tokens_left), 9)))  # 0.3 x 10 rows: 3, not 4
         self.step, self.done = 0, None
 

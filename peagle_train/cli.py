@@ -87,11 +87,7 @@ def _stage(args) -> object:
     if args.command == "prepare":
         worker = None
         if args.regen_worker is not None:
-            try:
-                rank, world = (int(x) for x in args.regen_worker.split("/"))
-            except ValueError:
-                raise ConfigError(f"--regen-worker {args.regen_worker!r}: expected RANK/WORLD, e.g. 0/2") from None
-            worker = (rank, world)
+            worker = _rank_world("--regen-worker", args.regen_worker, "0/2")
         return stages.run_prepare(cfg, progress, regen_worker=worker)
     if args.command == "cache":
         return str(stages.run_cache(cfg, progress))
@@ -108,6 +104,21 @@ def _stage(args) -> object:
     return {**stages.run_eval(cfg, progress, merge=args.eval_merge), "report": report}
 
 
+def _rank_world(flag: str, value: str, example: str) -> tuple[int, int]:
+    """A worker flag's ``RANK/WORLD`` value as two ints (ranges are checked by the caller).
+
+    Raises:
+        ConfigError: not two integers separated by ``/``, naming ``flag`` and an ``example``.
+    """
+    from peagle_train.core.config import ConfigError
+
+    try:
+        rank, world = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected RANK/WORLD, e.g. {example}") from None
+    return rank, world
+
+
 def _eval_worker(args) -> tuple[int, int] | None:
     """``--eval-worker RANK/WORLD`` as ``(rank, world)`` (None without it), checked with ``--eval-merge``.
 
@@ -122,10 +133,7 @@ def _eval_worker(args) -> tuple[int, int] | None:
         return None
     if args.eval_merge is not None:
         raise ConfigError("give --eval-worker (decode a share) or --eval-merge (report the shares), not both")
-    try:
-        rank, world = (int(x) for x in args.eval_worker.split("/"))
-    except ValueError:
-        raise ConfigError(f"--eval-worker {args.eval_worker!r}: expected RANK/WORLD, e.g. 0/4") from None
+    rank, world = _rank_world("--eval-worker", args.eval_worker, "0/4")
     if not 0 <= rank < world:
         raise ConfigError(f"--eval-worker {rank}/{world}: need 0 <= rank < world (e.g. 0/4 .. 3/4)")
     return rank, world

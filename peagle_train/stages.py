@@ -575,8 +575,7 @@ def run_eval(cfg: RunConfig, progress: bool = True, worker: tuple[int, int] | No
                                     load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
                                     else load_eval_prompts(name, n), progress=progress, worker=worker)
         if worker is not None:
-            return {"eval_worker": list(worker), "part": str(out / "eval" / "parts" /
-                                                             f"worker-{worker[0]}-of-{worker[1]}.json")}
+            return {"eval_worker": list(worker), "part": str(evaluate.part_path(out / "eval", *worker))}
     # the model card carries the eval table next to the serve command
     export_cfg = json.loads((out / "export" / "config.json").read_text())
     readme = render_model_card(export_cfg, target_name=cfg.target.name, model_ref="export", card=_card(cfg, results))

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from peagle_train.core.atomic import write_json_atomic
 from peagle_train.core.config import EvalConfig
 from peagle_train.decoding.speculative import (
     SpecStats,
@@ -233,13 +234,17 @@ def run_eval(
             "decoding": "greedy", "hardware": hardware_info(target.device)}
     if worker is not None:
         part = {**head, "worker": list(worker), "datasets": {n: r.to_dict() for n, r in raw.items()}}
-        path = Path(out_dir) / "parts" / f"worker-{worker[0]}-of-{worker[1]}.json"
+        path = part_path(out_dir, *worker)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(part))
-        os.replace(tmp, path)  # a part is complete or absent
+        write_json_atomic(path, part, indent=None)  # a part is complete or absent
         return part
     return _report(head, raw, ks, out_dir, workers=1)
+
+
+def part_path(out_dir: str | Path, rank: int, world: int) -> Path:
+    """Where eval worker ``rank`` of ``world`` (:func:`run_eval` with ``worker``) writes its part:
+    ``out_dir/parts/worker-RANK-of-WORLD.json``."""
+    return Path(out_dir) / "parts" / f"worker-{rank}-of-{world}.json"
 
 
 @dataclass
@@ -372,7 +377,7 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
     parts = []
     missing = []
     for r in range(world):
-        path = Path(out_dir) / "parts" / f"worker-{r}-of-{world}.json"
+        path = part_path(out_dir, r, world)
         if not path.exists():
             missing.append(str(path))
         else:
