@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from peagle_train.core.atomic import write_json_atomic
-from peagle_train.core.config import EvalConfig
+from peagle_train.core.config import ConfigError, EvalConfig
 from peagle_train.decoding.speculative import (
     SpecStats,
     TargetStats,
@@ -372,7 +372,8 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
     shared the device: ``workers`` in the report says how many).
 
     Returns / Raises: as :func:`run_eval`; also FileNotFoundError naming the missing parts (run those workers),
-    ValueError when the parts were made with other settings (K values, datasets, tokens) or another world.
+    ConfigError (a ValueError; the CLI's exit 2) naming a part that is not JSON or was made with other settings
+    (K values, datasets, tokens) than worker 0's.
     """
     parts = []
     missing = []
@@ -381,7 +382,10 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
         if not path.exists():
             missing.append(str(path))
         else:
-            parts.append(json.loads(path.read_text()))
+            try:
+                parts.append(json.loads(path.read_text()))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"eval merge: {path} is not a worker part ({e}): run that worker again") from None
     if missing:
         raise FileNotFoundError(f"eval merge: {len(missing)} of {world} worker parts are missing ({', '.join(missing)}): "
                                 f"run `peagle-train eval RECIPE --eval-worker RANK/{world}` for each")
@@ -389,7 +393,7 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
     for p in parts[1:]:
         diff = [k for k in keys if p[k] != parts[0][k]] + (["datasets"] if list(p["datasets"]) != list(parts[0]["datasets"]) else [])
         if diff:
-            raise ValueError(f"eval merge: worker {p['worker'][0]}/{world} was run with other settings than worker "
+            raise ConfigError(f"eval merge: worker {p['worker'][0]}/{world} was run with other settings than worker "
                              f"0/{world} ({', '.join(diff)}): run all workers with the same recipe")
     raw = {}
     for name in parts[0]["datasets"]:

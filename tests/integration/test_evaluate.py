@@ -266,6 +266,11 @@ def test_eval_workers_merge_into_the_single_process_report(tmp_path):
     (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="worker 1/2 was run with other settings.*k_values"):
         merge_eval(tmp_path / "two", 2)
+    good = (tmp_path / "two" / "parts" / "worker-1-of-2.json").read_text()
+    (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(good[: len(good) // 2])  # a damaged part
+    with pytest.raises(ValueError, match="worker-1-of-2.json is not a worker part.*run that worker again"):
+        merge_eval(tmp_path / "two", 2)
+    (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(good)
     with pytest.raises(ValueError, match="need 0 <= rank < world"):
         run_eval(target, drafter, cfg, tmp_path / "x", target_name="t", drafter_name="d", trained_K=3,
                  load_prompts=loader, progress=False, worker=(2, 2))
