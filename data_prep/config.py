@@ -133,6 +133,11 @@ class RegenConfig(Section):
         "by transformers from the memory left."
     )
     shard_size: int = Field(256, ge=1, description="Conversations per resumable regeneration shard.")
+    train_shards: int | None = Field(
+        None, ge=1, description="Regenerate, and prepare the train split from, only the first this many shards of "
+        "the train split (shards of shard_size conversations, in the split's order); the eval split is whole. "
+        "Train on the shards made so far while the rest are still to come: raising it later regenerates only "
+        "the new shards. None = every shard.")
     seed: int = Field(0, description="Sampling seed (HF: transformers.set_seed; vLLM: per-request seed).")
     server_url: str | None = Field(
         None, description="backend vllm: base URL of an OpenAI-compatible server (e.g. http://localhost:8000, "
@@ -169,6 +174,8 @@ class RegenConfig(Section):
                 raise ValueError(f"regen.{key} works between the segments of the HF static engine: set regen.backend: "
                                  "hf, regen.engine: static (or auto on CUDA without flash attention) and "
                                  "regen.segment_tokens")
+        if self.train_shards is not None and not self.enabled:
+            raise ValueError("regen.train_shards limits the regenerated train shards: it needs regen.enabled: true")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(f"regen.server_url must start with http:// or https:// (got '{self.server_url}')")
         return self

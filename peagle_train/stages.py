@@ -331,7 +331,10 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     against free memory (:func:`data_prep.regenerate.check_regen_memory`): reduced with a printed message,
     or refused (ConfigError) when not one sequence fits. A run killed mid-shard loses only that shard's
     work: a shard file is complete or absent (``write_json_atomic``), so a re-run redoes exactly the
-    missing shards, each conversation once."""
+    missing shards, each conversation once.
+
+    ``regen.train_shards = n`` (train split only): shards ``n`` and later are neither generated nor
+    returned, so prepare tokenises the first ``n * regen.shard_size`` train conversations."""
     from data_prep.regenerate import check_regen_memory, regenerate
 
     root.mkdir(parents=True, exist_ok=True)
@@ -339,7 +342,10 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     size = cfg.regen.shard_size
     regen_cfg = None  # cfg.regen once checked against memory
     mine: dict[str, list[int]] = {"written": [], "reused": []}
+    limit = cfg.regen.train_shards if split == "train" else None
     for i, start in enumerate(range(0, len(convs), size)):
+        if limit is not None and i >= limit:
+            break
         path = root / f"{split}-{i:05d}.json"
         if worker is not None:
             if i % worker[1] != worker[0]:
@@ -382,7 +388,8 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     secs = sum(r["generate_seconds"] for r in reports)
     summed.update(generate_seconds=secs, tokens_per_s=summed["generated_tokens"] / secs if secs else None,
                   engine=sorted({r.get("engine", "generate") for r in reports}),  # HF shards written before it: generate
-                  sampling=reports[0]["sampling"] if reports else None, shards=len(reports))
+                  sampling=reports[0]["sampling"] if reports else None, shards=len(reports),
+                  shards_in_split=-(-len(convs) // size))  # more than shards: regen.train_shards stopped early
     return out, summed
 
 

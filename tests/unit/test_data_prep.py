@@ -699,3 +699,30 @@ def test_regeneration_workers_split_shards_and_a_plain_prepare_reuses_them(tok, 
     assert (tmp_path / "two" / "train-00000.json").read_text() == before
     with pytest.raises(ConfigError, match="RANK|rank"):
         stages.run_prepare(cfg, False, regen_worker=(2, 2))
+
+
+def test_train_shards_regenerates_and_returns_only_the_first_shards(tok, tiny_model, tmp_path):
+    """``regen.train_shards: n``: the train split stops after shard n (nothing later is generated or
+    returned, the first shards equal an unlimited run's); the eval split is whole; raising n later
+    regenerates only the new shards."""
+    from types import SimpleNamespace
+
+    from peagle_train import stages
+    from peagle_train.core.config import TargetConfig
+    from peagle_train.recipe import RunConfig
+
+    def cfg(n):
+        return RunConfig(target=TargetConfig(name="tiny", path="unused"),
+                         regen=RegenConfig(max_new_tokens=6, batch_size=2, shard_size=2, train_shards=n))
+
+    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
+    full, rep_full = stages._regenerate_sharded(target, REGEN_CONVS, cfg(None), tmp_path / "full", "train", False)
+    one, rep = stages._regenerate_sharded(target, REGEN_CONVS, cfg(1), tmp_path / "lim", "train", False)
+    assert one == full[:2] and rep["shards"] == 1 and rep["shards_in_split"] == rep_full["shards_in_split"] == 3
+    assert sorted(p.name for p in (tmp_path / "lim").glob("*.json")) == ["train-00000.json"]
+    ev, _ = stages._regenerate_sharded(target, REGEN_CONVS, cfg(1), tmp_path / "lim", "eval", False)
+    assert len(ev) == len(full)  # the eval split is never limited
+    two, rep2 = stages._regenerate_sharded(target, REGEN_CONVS, cfg(2), tmp_path / "lim", "train", False)
+    assert two == full[:4] and rep2["shards"] == 2
+    with pytest.raises(ValueError, match="train_shards.*regen.enabled"):
+        RegenConfig(enabled=False, train_shards=1)
