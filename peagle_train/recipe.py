@@ -232,9 +232,25 @@ def validate_against_target(cfg: RunConfig, target_config) -> None:
     if hd % 2:
         raise ConfigError(f"{src}: {given('head_dim', hd)} is odd: rotary position embeddings rotate pairs of "
                           "channels; set drafter.head_dim to an even number")
+    if d.init_layers == "target":  # the target's last layers must fit the drafter's, key for key
+        theirs = {"hidden_size": T, "intermediate_size": getattr(target_config, "intermediate_size", None),
+                  "num_attention_heads": target_config.num_attention_heads,
+                  "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+                  "head_dim": getattr(target_config, "head_dim", None) or T // target_config.num_attention_heads}
+        ours = {"hidden_size": H, "intermediate_size": d.intermediate_size or theirs["intermediate_size"],
+                "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd}
+        unlike = [k for k in ours if ours[k] != theirs[k]]
+        experts = next((getattr(target_config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(target_config, k, None)), None)
+        if unlike or experts or d.num_layers > num_layers:
+            why = (f"{given(unlike[0], ours[unlike[0]])} but the target's is {theirs[unlike[0]]}" if unlike else
+                   f"the target's layers are mixtures of {experts} experts, not dense Llama layers" if experts else
+                   f"drafter.num_layers={d.num_layers} exceeds the target's {num_layers} layers")
+            raise ConfigError(f"{src}: drafter.init_layers: target starts the drafter's layers from the target's last "
+                              f"{d.num_layers}, which needs the same layer shape: {why}; use drafter.init_layers: random")
     try:  # whatever else the drafter's config refuses, refused now rather than in train
         make_drafter_config(target_config, aux_layer_ids=ids, draft_vocab_size=vd or vocab_size, mask_token_id=m,
-                            **d.model_dump(exclude={"draft_vocab_size", "mask_token_id"}))
+                            **d.shape_fields())
     except Exception as e:  # noqa: BLE001 -- transformers' config validators raise several types
         raise ConfigError(f"{src}: the drafter section does not make a valid drafter for target "
                           f"{cfg.target.name}: {e}") from e

@@ -76,6 +76,12 @@ class TargetConfig(Section):
 class DrafterConfig(Section):
     """Drafter shape. ``None`` fields are copied from the target."""
 
+    def shape_fields(self) -> dict:
+        """The keyword arguments :func:`~peagle_train.model.drafter.make_drafter_config` takes from this
+        section: every field but the vocabulary ones (``draft_vocab_size``, ``mask_token_id``, passed
+        resolved) and ``init_layers`` (how the weights start, not the shape)."""
+        return self.model_dump(exclude={"draft_vocab_size", "mask_token_id", "init_layers"})
+
     num_layers: int = Field(4, ge=1)
     hidden_size: int | None = Field(None, ge=1)
     intermediate_size: int | None = Field(None, ge=1)
@@ -99,6 +105,14 @@ class DrafterConfig(Section):
         "trainable", description="'trainable': the drafter's lm_head (the target head's draft-vocab rows) is trained. "
         "'frozen': it keeps the target's rows (speculators' P-EAGLE default; the loss then needs only the input "
         "gradient of the head: 4 instead of 6 FLOP per weight and element). Needs H == T.")
+    init_layers: Literal["random", "target"] = Field(
+        "random", description="How the decoder layers, fc and norm start. 'random': Normal(0, 0.02) linears, unit "
+        "norms (EAGLE-3, speculators). 'target': drafter layer i starts as the target's decoder layer L - n + i "
+        "(its last n layers), the fusion layer's q/k/v reading the hidden half only (the embedding half zero), "
+        "fc passing the last aux state through (identity block), norm the target's final norm "
+        "(peagle_train.model.drafter.Drafter.init_layers_from_target). Needs the drafter's shape equal to the "
+        "target's (hidden, intermediate, heads, KV heads, head dim), Llama-named dense layers, and the target's "
+        "weights on disk or loaded (features: online).")
 
 
 class TrainConfig(Section):

@@ -255,6 +255,64 @@ def load_target_config(cfg: TargetConfig):
         raise TargetLoadError(f"target.path '{path}': {e}") from e
 
 
+def target_layer_tensors(path, layer_ids: list[int], model=None) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The tensors of the target's decoder layers ``layer_ids`` and its final norm, float32 on the CPU
+    (``drafter.init_layers: target``; :meth:`~peagle_train.model.drafter.Drafter.init_layers_from_target`).
+
+    Read from the target folder's safetensors files (``model.safetensors`` or the shards its
+    ``model.safetensors.index.json`` names) without loading the model; or, for a random-weight target
+    (no weights on disk), from ``model``, the loaded target (``train.features: online``).
+
+    Returns:
+        ``(layers, final_norm)``: per id a dict keyed as inside a layer (``self_attn.q_proj.weight``, ...),
+        and ``model.norm.weight`` ``[T]``.
+
+    Raises:
+        ValueError: a random-weight target without ``model``, or no ``model.layers.<i>.`` / ``model.norm.weight``
+            tensors in the files (naming the folder).
+    """
+    import json
+
+    from safetensors import safe_open
+
+    prefixes = {f"model.layers.{i}.": k for k, i in enumerate(layer_ids)}
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in layer_ids]
+    norm = None
+
+    def take(name: str, get) -> None:
+        nonlocal norm
+        if name == "model.norm.weight":
+            norm = get(name).float().cpu()
+            return
+        for prefix, k in prefixes.items():
+            if name.startswith(prefix):
+                t = get(name)
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2-sharded target
+                layers[k][name[len(prefix):]] = t.detach().float().cpu()
+
+    folder = Path(str(path))
+    if is_random_target(folder):
+        if model is None:
+            raise ValueError(f"{folder} is a random-weight target (no weights on disk): drafter.init_layers: target "
+                             "needs train.features: online, or drafter.init_layers: random")
+        state = dict(model.named_parameters())
+        for name in state:
+            take(name, state.__getitem__)
+    else:
+        index = folder / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else ["model.safetensors"])
+        for fname in files:
+            with safe_open(str(folder / fname), framework="pt") as f:
+                for name in f.keys():
+                    take(name, f.get_tensor)
+    missing = [i for i, d in zip(layer_ids, layers) if not d]
+    if missing or norm is None:
+        raise ValueError(f"{folder}: no {'model.norm.weight' if norm is None else f'model.layers.{missing[0]}.*'} "
+                         "tensors: drafter.init_layers: target needs a Llama-style target (model.layers.<i>, model.norm)")
+    return layers, norm
+
+
 def pick_device(pref: str) -> torch.device:
     """``auto`` → CUDA when available, else CPU."""
     if pref == "auto":

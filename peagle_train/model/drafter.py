@@ -303,6 +303,60 @@ class Drafter(nn.Module):
         self.lm_head.weight.copy_(head_weight[draft_ids.to(head_weight.device)])
 
     @torch.no_grad()
+    def init_layers_from_target(self, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor) -> None:
+        """Start the decoder layers, ``fc`` and ``norm`` from the target (``drafter.init_layers: target``).
+
+        Args:
+            layers: one dict per drafter layer (``num_hidden_layers`` of them), the tensors of the target
+                decoder layer it starts from, keyed as in a Llama layer (``input_layernorm.weight``,
+                ``self_attn.{q,k,v,o}_proj.weight``, ``post_attention_layernorm.weight``,
+                ``mlp.{gate,up,down}_proj.weight``); the caller picks the layers (the target's last ``n``).
+            final_norm: the target's final RMSNorm weight ``[T]``.
+
+        Layers ``i >= 1`` are copied. The fusion layer 0 (spec §2) reads ``cat(input_layernorm(emb),
+        hidden_norm(h))``: its q/k/v take the target's weights on the hidden half and zeros on the
+        embedding half, and both of its input norms the target's ``input_layernorm``; the rest is copied.
+        ``fc`` ``[H, A*T]`` becomes zeros with an identity block on the last aux state, so at the start
+        layer 0 sees that state as the target's layer would. Zero weights still receive gradients
+        (``dL/dW = g x^T``): the embedding half and the other aux states train from step 0.
+        ``mask_hidden`` and the embeddings/head are left as they are.
+
+        Raises:
+            ValueError: ``H != T``, a wrong number of layers, a missing tensor or a shape unlike the
+                drafter's (naming the layer and key).
+        """
+        H, T = self.config.hidden_size, self.config.target_hidden_size
+        if H != T:
+            raise ValueError(f"init_layers_from_target needs hidden_size {H} == the target's {T}")
+        if len(layers) != len(self.layers):
+            raise ValueError(f"init_layers_from_target: {len(layers)} target layers for {len(self.layers)} drafter layers")
+        for i, (layer, src) in enumerate(zip(self.layers, layers)):
+            for name, p in layer.named_parameters():
+                key = "input_layernorm.weight" if name == "hidden_norm.weight" else name
+                if key not in src:
+                    raise ValueError(f"init_layers_from_target: target layer for drafter layer {i} has no '{key}' "
+                                     f"(has {sorted(src)[:8]}...): not a dense Llama-style layer")
+                w = src[key].to(device=p.device, dtype=p.dtype)
+                if layer.fusion and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+                    if tuple(w.shape) != (p.shape[0], H):
+                        raise ValueError(f"init_layers_from_target: '{key}' of drafter layer {i}: target "
+                                         f"{tuple(w.shape)}, drafter hidden half {(p.shape[0], H)}")
+                    p.zero_()
+                    p[:, H:].copy_(w)  # x = cat(emb half, hidden half)
+                    continue
+                if w.shape != p.shape:
+                    raise ValueError(f"init_layers_from_target: '{key}' of drafter layer {i}: target "
+                                     f"{tuple(w.shape)}, drafter {tuple(p.shape)}")
+                p.copy_(w)
+        if final_norm.shape != self.norm.weight.shape:
+            raise ValueError(f"init_layers_from_target: final norm {tuple(final_norm.shape)}, drafter "
+                             f"{tuple(self.norm.weight.shape)}")
+        self.norm.weight.copy_(final_norm)
+        A = len(self.config.eagle_aux_hidden_state_layer_ids)
+        self.fc.weight.zero_()
+        self.fc.weight[:, (A - 1) * T:].copy_(torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device))
+
+    @torch.no_grad()
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """``draft_ids`` ``[Vd]`` int64, strictly increasing target ids (spec §2)."""
         draft_ids = draft_ids.to(self.d2t.device)

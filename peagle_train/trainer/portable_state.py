@@ -461,7 +461,7 @@ def recipe_state_size(cfg) -> dict:
 
     _, tconf = load_target_config(cfg.target)
     aux = cfg.target.aux_layer_ids or default_aux_layer_ids(tconf.num_hidden_layers)
-    shape = cfg.drafter.model_dump(exclude={"draft_vocab_size", "mask_token_id"})
+    shape = cfg.drafter.shape_fields()
     dcfg = make_drafter_config(tconf, aux_layer_ids=aux, draft_vocab_size=cfg.drafter.draft_vocab_size or tconf.vocab_size,
                                K=cfg.train.K, **shape, **get_method(cfg.train.method).drafter_fields(cfg))
     with torch.device("meta"):

@@ -22,7 +22,7 @@ def resolve_attention(kind: str, device: torch.device) -> str:
 def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
     """A drafter of the recipe's shape, initialised from the target's embeddings and head rows; the
     draft method (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`)."""
-    shape = cfg.drafter.model_dump(exclude={"draft_vocab_size", "mask_token_id"})  # the section's shape fields
+    shape = cfg.drafter.shape_fields()
     dcfg = make_drafter_config(target_config, aux_layer_ids=aux_layer_ids, draft_vocab_size=int(draft_ids.numel()),
                                K=cfg.train.K, **shape, **get_method(cfg.train.method).drafter_fields(cfg))
     torch.manual_seed(cfg.train.seed)
@@ -32,6 +32,31 @@ def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed
     else:
         drafter.set_draft_vocab(draft_ids)
     return drafter
+
+
+def init_layers_from_target(drafter: Drafter, cfg: RunConfig, target_config, model=None) -> list[int]:
+    """``drafter.init_layers: target``: start drafter layer ``i`` from the target's decoder layer ``L - n + i``
+    (its last ``n = drafter.num_layers``), ``fc`` and ``norm`` as
+    :meth:`~peagle_train.model.drafter.Drafter.init_layers_from_target` says. Weights are read from the
+    target's files, or from ``model`` (the loaded target) for a random-weight target.
+
+    Returns:
+        the target layer ids used (e.g. ``[26, 27, 28, 29]`` for SmolLM2-135M's 30 layers and 4 drafter layers).
+
+    Raises:
+        ConfigError: the target's tensors cannot start this drafter (naming the recipe, the layer and the key).
+    """
+    from peagle_train.core.config import ConfigError
+    from peagle_train.features.target import load_target_config, target_layer_tensors
+
+    L, n = target_config.num_hidden_layers, cfg.drafter.num_layers
+    ids = list(range(L - n, L))
+    try:
+        layers, norm = target_layer_tensors(load_target_config(cfg.target)[0], ids, model)
+        drafter.init_layers_from_target(layers, norm)
+    except ValueError as e:
+        raise ConfigError(f"{cfg.source_file}: drafter.init_layers: target: {e}") from None
+    return ids
 
 
 def adamw_implementation(device_type: str, strategy: str) -> dict:

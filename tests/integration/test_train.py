@@ -627,6 +627,33 @@ def test_frozen_lm_head_keeps_the_targets_rows(run_dir):
     assert id(drafter.lm_head.weight) not in {id(p) for g in tr.opt.param_groups for p in g["params"]}
 
 
+def test_init_layers_target_starts_from_the_targets_last_layers(run_dir):
+    """drafter.init_layers: target, cached features (the target's files are read, not the model): the
+    drafter's layers start as the target's last two (4 and 5 of 6), its norm as the target's, fc as the
+    pass-through of the last aux state; it trains from there. The default starts elsewhere."""
+    from safetensors.torch import load_file
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    w = load_file(str(run_dir / "target" / "model.safetensors"))
+    cfg = _cfg(run_dir, max_steps=2)
+    cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_layers": "target"})})
+    tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+    drafter = tr.acc.unwrap_model(tr.model).drafter
+    assert torch.equal(drafter.layers[1].mlp.down_proj.weight, w["model.layers.5.mlp.down_proj.weight"])
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight[:, 32:], w["model.layers.4.self_attn.q_proj.weight"])
+    assert torch.equal(drafter.layers[0].hidden_norm.weight, w["model.layers.4.input_layernorm.weight"])
+    assert torch.equal(drafter.norm.weight, w["model.norm.weight"])
+    assert torch.equal(drafter.fc.weight[:, 64:], torch.eye(32)) and not drafter.fc.weight[:, :64].any()
+    start = drafter.layers[1].mlp.down_proj.weight.detach().clone()
+    for _ in range(2):
+        tr.train_step()
+    tr._stop_prefetch()
+    assert not torch.equal(drafter.layers[1].mlp.down_proj.weight.detach(), start)
+    plain = Trainer(_cfg(run_dir, max_steps=2), data, feats, tconf, [1, 3, 4])
+    plain._stop_prefetch()
+    assert not torch.equal(plain.acc.unwrap_model(plain.model).drafter.layers[1].mlp.down_proj.weight, start)
+
+
 def test_adamw_is_fused_on_cuda_for_plain_parameters_only(run_dir):
     """One fused AdamW kernel on CUDA for a single process or DDP; torch's default elsewhere (FSDP2's
     sharded and DeepSpeed's partitioned parameters; the CPU); the trainer builds what it says."""

@@ -549,3 +549,80 @@ def test_eagle3_step_lengths_follow_the_cod_bound():
     for n_valid in (1, 500, 10239, 11000):
         counts = cod_keep_counts(n_valid, 7, 0.7, 0.2, None)
         assert all(c <= L for c, L in zip(counts, eagle3_step_lengths(11000, 7, 1024, (0.7, 0.2, None))))
+
+
+# ----------------------------------------------------------------------------- drafter.init_layers: target
+
+
+def test_init_layers_from_target_continues_the_target_from_its_last_aux_state(tmp_path):
+    """``drafter.init_layers: target``: at the start the drafter's depth-0 stack, fed the last aux state, is
+    the target's last n layers: with that state the input of layer L - n (aux ids 1, 2, 3 of a 6-layer
+    target, n = 3) its logits equal the target's in float64, whatever the input tokens (the fusion layer's
+    embedding half is zero). That half still receives gradients, so the embeddings enter from step 1."""
+    from conftest import save_tiny_target
+    from transformers import LlamaForCausalLM
+
+    from peagle_train.features.target import target_layer_tensors
+
+    tc = save_tiny_target(tmp_path)
+    target = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    n, aux = 3, [1, 2, 3]
+    d = Drafter(make_drafter_config(tc, aux_layer_ids=aux, draft_vocab_size=64, mask_token_id=63, num_layers=n))
+    d = d.double()
+    d.init_from_target(target.model.embed_tokens.weight, target.lm_head.weight, torch.arange(64))
+    layers, norm = target_layer_tensors(tmp_path, [3, 4, 5])
+    assert sorted(layers[0]) == sorted(target.model.layers[3].state_dict())
+    d.init_layers_from_target(layers, norm)
+    E = 12
+    ids = torch.randint(0, 63, (1, E), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    aux_states = torch.cat([out.hidden_states[i][0] for i in aux], -1)  # [E, 3T]
+    other_tokens = (ids[0] + 7) % 63
+    for tokens in (ids[0], other_tokens):
+        with torch.no_grad():
+            h, _ = d(tokens, d.project_aux(aux_states), torch.arange(E), AttnSpec(dense=causal(E)))
+        # float64 but for transformers' LlamaRMSNorm, which normalises in float32 (differences ~4e-8)
+        torch.testing.assert_close(d.logits(h), out.logits[0], atol=1e-6, rtol=1e-4)
+    shifted = Drafter(make_drafter_config(tc, aux_layer_ids=aux, draft_vocab_size=64, mask_token_id=63,
+                                          num_layers=n)).double()
+    shifted.init_from_target(target.model.embed_tokens.weight, target.lm_head.weight, torch.arange(64))
+    shifted.init_layers_from_target(*target_layer_tensors(tmp_path, [2, 3, 4]))  # one layer too early
+    with torch.no_grad():
+        h2, _ = shifted(ids[0], shifted.project_aux(aux_states), torch.arange(E), AttnSpec(dense=causal(E)))
+    assert (shifted.logits(h2) - out.logits[0]).abs().max() > 1e-4  # the check above tells layers apart
+    H = tc.hidden_size
+    assert d.layers[0].self_attn.q_proj.weight[:, :H].abs().sum() == 0
+    h, _ = d(ids[0], d.project_aux(aux_states), torch.arange(E), AttnSpec(dense=causal(E)))
+    d.logits(h).logsumexp(-1).sum().backward()
+    assert d.layers[0].self_attn.q_proj.weight.grad[:, :H].abs().sum() > 0  # the embedding half trains
+    assert d.fc.weight.grad[:, : 2 * H].abs().sum() > 0  # and so do the other aux states
+
+
+def test_init_layers_from_target_refuses_what_does_not_fit(tmp_path, tiny_llama_config):
+    """A random-weight target has nothing on disk (its loaded model is read instead); a layer of another
+    shape or without a Llama key is refused naming the layer and key; a wrong layer count too."""
+    from transformers import LlamaForCausalLM
+
+    from peagle_train.features.target import RANDOM_WEIGHTS_MARKER, target_layer_tensors
+
+    tc = tiny_llama_config(num_hidden_layers=4)
+    (tmp_path / RANDOM_WEIGHTS_MARKER).write_text("{}")
+    with pytest.raises(ValueError, match="random-weight target.*features: online"):
+        target_layer_tensors(tmp_path, [2, 3])
+    model = LlamaForCausalLM(tc)
+    layers, norm = target_layer_tensors(tmp_path, [2, 3], model=model)
+    assert torch.equal(layers[1]["mlp.down_proj.weight"], model.model.layers[3].mlp.down_proj.weight)
+    assert torch.equal(norm, model.model.norm.weight)
+    d = Drafter(make_drafter_config(tc, aux_layer_ids=[1, 2, 3], draft_vocab_size=tc.vocab_size,
+                                    mask_token_id=tc.vocab_size - 1, num_layers=2))
+    with pytest.raises(ValueError, match="2 target layers for 3"):
+        Drafter(make_drafter_config(tc, aux_layer_ids=[1, 2, 3], draft_vocab_size=tc.vocab_size,
+                                    mask_token_id=tc.vocab_size - 1, num_layers=3)).init_layers_from_target(layers, norm)
+    bad = [dict(layers[0]), dict(layers[1])]
+    del bad[1]["mlp.gate_proj.weight"]
+    with pytest.raises(ValueError, match="drafter layer 1 has no 'mlp.gate_proj.weight'"):
+        d.init_layers_from_target(bad, norm)
+    bad[1] = {**layers[1], "mlp.up_proj.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"'mlp.up_proj.weight' of drafter layer 1: target \(3, 3\)"):
+        d.init_layers_from_target(bad, norm)

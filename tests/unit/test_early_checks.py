@@ -35,14 +35,15 @@ def recipe(aux=(1, 2, 3), **drafter) -> RunConfig:
     recipe(hidden_size=16, allow_hidden_size_mismatch=True),  # the opt-in
     recipe(hidden_size=48, allow_hidden_size_mismatch=True, num_attention_heads=6, num_key_value_heads=3,
            head_dim=6, draft_vocab_size=64),
-], ids=["defaults", "other_heads", "h_ne_t_opted_in", "own_heads"])
+    recipe(init_layers="target", num_layers=6),
+], ids=["defaults", "other_heads", "h_ne_t_opted_in", "own_heads", "init_layers_target"])
 def test_fitting_recipes_pass(cfg):
     """Accepted shapes build the drafter as training does (same resolution of null fields)."""
     from peagle_train.model.drafter import Drafter, make_drafter_config
 
     validate_against_target(cfg, TARGET)
     dcfg = make_drafter_config(TARGET, aux_layer_ids=[1, 2, 3], draft_vocab_size=64, mask_token_id=5,
-                               **cfg.drafter.model_dump(exclude={"draft_vocab_size", "mask_token_id"}))
+                               **cfg.drafter.shape_fields())
     Drafter(dcfg)
 
 
@@ -63,11 +64,25 @@ def test_fitting_recipes_pass(cfg):
     (recipe(mask_token_id=64), r"^r\.yaml: drafter\.mask_token_id=64 is outside the target vocab \[0, 64\)"),
     (recipe(aux=(1, 2, 6)), r"^r\.yaml: target\.aux_layer_ids=\[1, 2, 6\] must be < the target's 6 layers"),
     (recipe(aux=None), r"^r\.yaml: target\.aux_layer_ids is null: a 6-layer target has colliding default aux layers"),
+    (recipe(init_layers="target", intermediate_size=48),
+     r"^r\.yaml: drafter\.init_layers: target .*same layer shape: drafter\.intermediate_size=48 but the target's is 64"),
+    (recipe(init_layers="target", num_attention_heads=8, head_dim=4),
+     r"same layer shape: drafter\.num_attention_heads=8 but the target's is 4.*drafter\.init_layers: random"),
+    (recipe(init_layers="target", num_layers=7), r"drafter\.num_layers=7 exceeds the target's 6 layers"),
 ], ids=["hidden_size", "hidden_vs_heads", "heads_vs_target_kv", "target_heads_vs_kv", "more_kv_than_q", "odd_head_dim",
-        "draft_vocab", "mask_token", "aux_ids", "default_aux_collide"])
+        "draft_vocab", "mask_token", "aux_ids", "default_aux_collide", "init_target_mlp", "init_target_heads",
+        "init_target_layers"])
 def test_impossible_drafter_shapes_are_config_errors(cfg, match):
     with pytest.raises(ConfigError, match=match):
         validate_against_target(cfg, TARGET)
+
+
+def test_init_layers_target_refuses_a_mixture_of_experts_target():
+    """GPT-OSS-style targets have no dense layers to start from (their ``mlp`` is a router and experts)."""
+    moe = LlamaConfig(**{**TARGET.to_dict(), "num_local_experts": 32})
+    with pytest.raises(ConfigError, match="mixtures of 32 experts, not dense Llama layers"):
+        validate_against_target(recipe(init_layers="target"), moe)
+    validate_against_target(recipe(), moe)  # random layers: fine
 
 
 def test_zero_sizes_are_refused_at_load():
