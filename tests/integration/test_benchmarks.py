@@ -670,3 +670,29 @@ def test_decode_attention_kernels_cpu_smoke(tmp_path):
     q, k, v_, start, pos = dak.make_inputs(4, 9, 3, 64, 256, 0.5, "cpu", torch.float32)
     wrong = torch.nn.functional.scaled_dot_product_attention(q, k, v_, enable_gqa=True)  # no mask
     assert (wrong - dak.reference(q, k, v_, start, pos)).abs().max() > 1e-2
+
+
+def test_cpu_ablation_smoke(tmp_path, capsys):
+    """``benchmarks/cpu_ablation.py``: the committed regenerated shards as a chat JSONL, prepare and cache
+    once, two variants trained by ``peagle-train train`` from copies of the same data for the same steps;
+    one JSON with the command, the data and each variant's eval. The target-started drafter begins far
+    closer to the target (its eval loss after two steps is below the random start's)."""
+    from conftest import need_smollm2
+
+    need_smollm2()
+    import cpu_ablation
+
+    out = tmp_path / "abl.json"
+    args = ["--out", str(out), "--work", str(tmp_path / "w"), "--conversations", "40", "--steps", "2",
+            "--eval-every", "1", "--max-length", "256", "--eval-fraction", "0.1"]
+    assert cpu_ablation.main(args) == 0
+    got = json.loads(out.read_text())
+    assert got["command"] == "python benchmarks/cpu_ablation.py " + " ".join(args)
+    assert got["data"]["train"]["sequences"] > 0 and got["data"]["eval"]["sequences"] > 0
+    v = got["variants"]
+    assert set(v) == {"random", "target"} and v["target"]["overrides"] == ["drafter.init_layers=target"]
+    assert v["random"]["steps"] == v["target"]["steps"] == 2
+    assert [c["step"] for c in v["random"]["eval_curve"]] == [1]  # the last step's eval is the final one
+    assert v["target"]["eval_loss"] < v["random"]["eval_loss"]
+    printed = capsys.readouterr().out
+    assert "random: 2 steps" in printed and "target: 2 steps" in printed
