@@ -27,6 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from train_step import provenance  # benchmarks/ is on the path: this script's folder
+
+from peagle_train.core.atomic import write_json_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m.yaml"
 SHARDS = ROOT / "docs" / "data" / "quality" / "regen_92788d0"
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--work", default="/tmp/peagle_cpu_ablation")
     p.add_argument("--override", nargs="*", default=[], help="more overrides for every variant (and the data)")
-    a = p.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(args)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     jsonl = work / "conversations.jsonl"
@@ -117,17 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         print(f"{name}: {r['steps']} steps, walk AL(7) {r['eval_walk_al']['7']}, eval loss {r['eval_loss']:.4f}, "
               f"acc by depth {r['eval_acc'][:4]}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {"what": "P-EAGLE variants, same data and steps, real SmolLM2-135M-Instruct target on a CPU "
                    "(benchmarks/cpu_ablation.py)",
-           "commit": commit, "command": "python benchmarks/cpu_ablation.py " + " ".join(argv or sys.argv[1:]),
+           **provenance(args), "command": " ".join(["python", "benchmarks/cpu_ablation.py", *args]),
            "recipe": str(RECIPE.relative_to(ROOT)), "data_overrides": base, "threads": os.environ.get("OMP_NUM_THREADS"),
            "data": {k: meta["splits"][k] for k in meta["splits"]}, "prepare_and_cache_s": round(prep_s, 1),
            "variants": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1, default=str))
-    os.replace(tmp, a.out)
+    write_json_atomic(Path(a.out), out, default=str)
     return 0
 
 

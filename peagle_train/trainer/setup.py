@@ -19,9 +19,14 @@ def resolve_attention(kind: str, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "sdpa"
 
 
-def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head) -> Drafter:
-    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows; the
-    draft method (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`)."""
+def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head, target_model=None) -> Drafter:
+    """A drafter of the recipe's shape, initialised from the target's embeddings and head rows, and with
+    ``drafter.init_layers: target`` its layers from the target's last ones (:func:`init_layers_from_target`;
+    ``target_model``: the loaded target, read where its weights are not on disk); the draft method
+    (``train.method``) sets its own fields (:meth:`~peagle_train.methods.base.DraftMethod.drafter_fields`).
+
+    Raises:
+        ConfigError: ``drafter.init_layers: target`` with target layers that cannot start this drafter."""
     shape = cfg.drafter.shape_fields()
     dcfg = make_drafter_config(target_config, aux_layer_ids=aux_layer_ids, draft_vocab_size=int(draft_ids.numel()),
                                K=cfg.train.K, **shape, **get_method(cfg.train.method).drafter_fields(cfg))
@@ -31,17 +36,17 @@ def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed
         drafter.init_from_target(embed.float(), head.float(), draft_ids)
     else:
         drafter.set_draft_vocab(draft_ids)
+    if cfg.drafter.init_layers == "target":
+        init_layers_from_target(drafter, cfg, target_config, target_model)
     return drafter
 
 
-def init_layers_from_target(drafter: Drafter, cfg: RunConfig, target_config, model=None) -> list[int]:
+def init_layers_from_target(drafter: Drafter, cfg: RunConfig, target_config, model=None) -> None:
     """``drafter.init_layers: target``: start drafter layer ``i`` from the target's decoder layer ``L - n + i``
     (its last ``n = drafter.num_layers``), ``fc`` and ``norm`` as
     :meth:`~peagle_train.model.drafter.Drafter.init_layers_from_target` says. Weights are read from the
-    target's files, or from ``model`` (the loaded target) for a random-weight target.
-
-    Returns:
-        the target layer ids used (e.g. ``[26, 27, 28, 29]`` for SmolLM2-135M's 30 layers and 4 drafter layers).
+    target's files, or from ``model`` (the loaded target) for a random-weight target. SmolLM2-135M (30 layers)
+    and a 4-layer drafter: target layers 26, 27, 28, 29.
 
     Raises:
         ConfigError: the target's tensors cannot start this drafter (naming the recipe, the layer and the key).
@@ -56,7 +61,6 @@ def init_layers_from_target(drafter: Drafter, cfg: RunConfig, target_config, mod
         drafter.init_layers_from_target(layers, norm)
     except ValueError as e:
         raise ConfigError(f"{cfg.source_file}: drafter.init_layers: target: {e}") from None
-    return ids
 
 
 def adamw_implementation(device_type: str, strategy: str) -> dict:

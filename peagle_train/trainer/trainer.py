@@ -68,8 +68,7 @@ from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.trainer.checkpoints import Checkpoints
 from peagle_train.trainer.evaluation import InTrainingEval
 from peagle_train.trainer.profiling import StepProfiler
-from peagle_train.trainer.setup import (adamw_implementation, build_drafter, epoch_order, init_layers_from_target,
-                                       resolve_attention, step_generator)
+from peagle_train.trainer.setup import adamw_implementation, build_drafter, epoch_order, resolve_attention, step_generator
 
 
 def ranks_max(acc, device, value: float) -> float:
@@ -129,10 +128,8 @@ class Trainer(InTrainingEval, Checkpoints):
         self.device = self.acc.device
         if self.tc.features == "online":
             self._place_target()
-        drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head)
-        if cfg.drafter.init_layers == "target":  # before any checkpoint or portable state is loaded over it
-            loaded = getattr(getattr(self.features, "target", None), "model", None)  # online: the target in memory
-            init_layers_from_target(drafter, cfg, target_config, loaded)
+        loaded = getattr(getattr(self.features, "target", None), "model", None)  # online: the target in memory
+        drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head, loaded)
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
         set_dynamic_shapes(self.tc.dynamic_shapes)  # before anything is compiled
         self.attention = resolve_attention(self.tc.attention, self.device)
