@@ -40,7 +40,8 @@ from data_prep.sources import load_conversations  # noqa: E402
 from data_prep.template import tokenize_conversation  # noqa: E402
 from peagle_train.features.cache import CachedFeatures, cache_size_report, write_cache  # noqa: E402
 from peagle_train.features.target import load_target  # noqa: E402
-from peagle_train.recipe import load_config
+from peagle_train.core.atomic import write_json_atomic  # noqa: E402
+from peagle_train.recipe import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         rcfg = RegenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, do_sample=False)
         new, rep = regenerate(target.model, target.tokenizer, convs, rcfg, args.max_prompt_tokens, progress=True)
         saved = {"conversations": new, "report": rep}
-        regen_path.write_text(json.dumps(saved))
+        write_json_atomic(regen_path, saved)
     regen, regen_report = saved["conversations"], saved["report"]
 
     rows, dropped = [], 0
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json_atomic(out, report)
     _print_table(report)
     print(f"\nwrote {out}")
     return report

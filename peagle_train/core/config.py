@@ -130,6 +130,10 @@ class TrainConfig(Section):
                        "across ranks; 1 elsewhere.")
     loss: Literal["kl", "ce"] = "kl"
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
+    depth_weights: list[float] | None = Field(
+        None, description="P-EAGLE: the training loss weight of each depth 0..K-1 (K numbers >= 0, one > 0). None = "
+        "every supervised element weighs 1 (spec §3: count-normalised, no per-depth decay). The normaliser stays the "
+        "supervised count; the in-training eval loss stays unweighted, so it compares across settings.")
     features: Literal["online", "cache"] = "cache"
     attention: Literal["auto", "flex", "flex_joint", "sdpa"] = Field(
         "auto", description="auto = flex on CUDA, dense-mask SDPA on CPU (flex has no CPU backward). flex: the "
@@ -262,6 +266,12 @@ class TrainConfig(Section):
             raise ValueError(f"train.K must be >= 1 (got {self.K})")
         if self.cod_r_min > self.cod_r:
             raise ValueError("train.cod_r_min must not exceed train.cod_r")
+        if self.depth_weights is not None:
+            w = self.depth_weights
+            if len(w) != self.K:
+                raise ValueError(f"train.depth_weights has {len(w)} numbers; it needs one per depth, train.K = {self.K}")
+            if any(not (x >= 0.0 and x < float("inf")) for x in w) or not any(x > 0.0 for x in w):
+                raise ValueError(f"train.depth_weights {w}: every weight must be finite and >= 0, and one > 0")
         if isinstance(self.partitions, int) and self.partitions < 1:
             raise ValueError(f"train.partitions must be >= 1 or 'auto' (got {self.partitions})")
         if self.target_sharding == "shard" and self.features != "online":

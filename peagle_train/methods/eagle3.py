@@ -135,6 +135,8 @@ class Eagle3(DraftMethod):
     def validate_recipe(self, cfg) -> None:
         if cfg.train.partitions != 1:
             raise ValueError("train.partitions other than 1 is only defined for method 'peagle'")
+        if cfg.train.depth_weights is not None:
+            raise ValueError("train.depth_weights is P-EAGLE's; EAGLE-3 weighs its TTT steps by train.ttt_decay**step")
 
     def describes(self, config) -> bool:
         return config_field(config, "parallel_drafting") is not True

@@ -34,11 +34,17 @@ class PEagleObjective(nn.Module):
             :func:`~peagle_train.kernels.loss.chunked_loss`).
         compile: ``train.compile`` — compile the drafter's decoder layers (:meth:`Drafter.set_compile`)
             and the loss chunk body (:func:`~peagle_train.kernels.loss.compiled_chunk_loss`); same math.
+        depth_weights: ``train.depth_weights``, ``K`` floats: in training mode an element at depth ``d``
+            weighs ``depth_weights[d]`` times its unit weight (the normaliser is unchanged, so sequence
+            partitions still add up, spec §3); ``None`` or ``eval()`` mode: the spec's unweighted loss.
+
+    Raises:
+        ValueError: ``depth_weights`` not one per parallel depth of ``drafter``.
     """
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
-                 chain_kernel: str = "auto", fused_loss: bool = True):
+                 chain_kernel: str = "auto", fused_loss: bool = True, depth_weights=None):
         super().__init__()
         self.fused_loss = fused_loss
         self.drafter = drafter
@@ -46,6 +52,12 @@ class PEagleObjective(nn.Module):
         self.compile = compile
         drafter.set_compile(compile)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
+        if depth_weights is not None:
+            K = getattr(drafter.config, "num_parallel_depths", 1)
+            if len(depth_weights) != K:
+                raise ValueError(f"depth_weights has {len(depth_weights)} numbers, the drafter drafts K = {K} depths")
+            depth_weights = torch.tensor(depth_weights, dtype=torch.float64)
+        self.register_buffer("depth_weights", depth_weights, persistent=False)  # [K] float64 or None
         self.loss_kind, self.chunk_size, self.attention = loss, chunk_size, attention
         # compiled FlexAttention specialises on the sequence length: bucket it
         self.pad_multiple = pad_multiple if pad_multiple is not None else default_pad_multiple(attention)
@@ -73,8 +85,11 @@ class PEagleObjective(nn.Module):
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
+        weight = loss_weights(grid.loss_weight, h)
+        if self.depth_weights is not None and self.training:
+            weight = weight * self.depth_weights.to(weight.dtype)[grid.depth]
         loss, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, grid.label_index,
-                                  loss_weights(grid.loss_weight, h) / normaliser, target, self.loss_kind, self.chunk_size,
+                                  weight / normaliser, target, self.loss_kind, self.chunk_size,
                                   compile=self.compile, fused=self.fused_loss)
         return loss, pred[:E]
 
@@ -112,7 +127,8 @@ class PEagle(DraftMethod):
     def build_objective(self, drafter, target_head, cfg, *, attention, chain_kernel, max_micro_tokens):
         tc = cfg.train
         return PEagleObjective(drafter, target_head, loss=tc.loss, chunk_size=tc.loss_chunk_size, attention=attention,
-                               compile=tc.compile, chain_kernel=chain_kernel, fused_loss=tc.fused_loss)
+                               compile=tc.compile, chain_kernel=chain_kernel, fused_loss=tc.fused_loss,
+                               depth_weights=tc.depth_weights)
 
     def check_target(self, config, vocab_size: int) -> None:
         m = config_field(config, "mask_token_id")

@@ -696,3 +696,34 @@ def test_cpu_ablation_smoke(tmp_path, capsys):
     assert v["target"]["eval_loss"] < v["random"]["eval_loss"]
     printed = capsys.readouterr().out
     assert "random: 2 steps" in printed and "target: 2 steps" in printed
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_cache_report_cpu_smoke(tmp_path, capsys):
+    """``benchmarks/cache_report.py`` on the real SmolLM2 and three ShareGPT conversations: regenerated,
+    cached in bf16 and fp8, read back against the float32 reference. fp8 takes about half the bytes of
+    bf16 and errs more; both keep the argmax; the regeneration is reused when run again."""
+    from conftest import need_smollm2
+
+    need_smollm2()
+    import cache_report
+
+    out = tmp_path / "r.json"
+    args = ["--conversations", "3", "--max-new-tokens", "4", "--batch-size", "2", "--shard-size", "2",
+            "--verify", "1", "--workdir", str(tmp_path / "w"), "--out", str(out)]
+    cache_report.main(args)
+    r = json.loads(out.read_text())
+    assert r["regeneration"]["conversations_out"] == 3 and r["tokenized"]["sequences"] == 3
+    bf16, fp8 = r["caches"]["bfloat16"], r["caches"]["fp8"]
+    assert bf16["size"]["tokens"] == fp8["size"]["tokens"] == r["tokenized"]["tokens"]
+    assert 0.4 < fp8["size"]["bytes_per_token"] / bf16["size"]["bytes_per_token"] < 0.6
+    e16, e8 = bf16["readback_vs_fp32"], fp8["readback_vs_fp32"]
+    assert 0 < e16["aux"]["rel_mean"] < 0.005 and e16["aux"]["rel_mean"] < e8["aux"]["rel_mean"] < 0.05
+    assert e16["argmax_agreement"] > 0.9 and e8["argmax_agreement"] > 0.9
+    assert [v["sequence"] for v in fp8["verify_against"]] == [0]
+    assert f"wrote {out}" in capsys.readouterr().out
+    regen = list((tmp_path / "w").glob("regen-*.json"))
+    assert len(regen) == 1
+    stamp = regen[0].stat().st_mtime_ns
+    cache_report.main(args)
+    assert regen[0].stat().st_mtime_ns == stamp  # reused, not regenerated

@@ -797,3 +797,37 @@ def test_feature_forwards_run_the_feature_attention_kernel(run_dir, monkeypatch)
     assert built == ["eager"]
     assert target_mod.feature_target(cfg.target.model_copy(update={"feature_attn_implementation": None})
                                      ).attn_implementation == "sdpa"
+
+
+def test_depth_weights_reach_the_trainers_loss(run_dir):
+    """train.depth_weights [1, 0, 0, 0]: depths >= 1 carry no loss, so three steps leave ``mask_hidden`` and
+    the mask token's embedding exactly as they started while the rest trains; with the default weights
+    ``mask_hidden`` moves. The in-training eval loss stays the unweighted one."""
+    data, feats, tconf = _cached_inputs(run_dir)
+    moved = {}
+    for name, w in (("depth0", [1.0, 0.0, 0.0, 0.0]), ("default", None)):
+        tr = Trainer(_cfg(run_dir, max_steps=3, depth_weights=w), data, feats, tconf, [1, 3, 4])
+        drafter = tr.acc.unwrap_model(tr.model).drafter
+        mh, emb, fc = (drafter.mask_hidden.detach().clone(), drafter.embed_tokens.weight[63].detach().clone(),
+                       drafter.fc.weight.detach().clone())
+        eval0 = tr.evaluate()["eval_loss"]
+        if name == "default":
+            assert eval0 == eval_weighted  # same start (seeded), eval loss unweighted in both runs
+        eval_weighted = eval0
+        for _ in range(3):
+            tr.train_step()
+        tr._stop_prefetch()
+        assert not torch.equal(drafter.fc.weight.detach(), fc)
+        moved[name] = (not torch.equal(drafter.mask_hidden.detach(), mh),
+                       not torch.equal(drafter.embed_tokens.weight[63].detach(), emb))
+    assert moved == {"depth0": (False, False), "default": (True, True)}
+
+
+@pytest.mark.parametrize("bad, match", [([1.0, 1.0], "one per depth"), ([1.0, -1.0, 1.0, 1.0], ">= 0"),
+                                        ([0.0, 0.0, 0.0, 0.0], "one > 0")])
+def test_depth_weights_are_checked(tmp_path, bad, match):
+    with pytest.raises(Exception, match=match):
+        _cfg(tmp_path, depth_weights=bad)
+    with pytest.raises(Exception, match="ttt_decay"):
+        from peagle_train.methods import get_method
+        get_method("eagle3").validate_recipe(_cfg(tmp_path, method="eagle3", depth_weights=[1.0] * 4))

@@ -210,3 +210,44 @@ def test_owned_supervised_elements_cover_the_grid_once(problem):
             count[seg.index[seg.owned]] += 1
         assert (count[sup] == 1).all()
         assert int(sum(((seg.apply(g).loss_weight > 0).sum()) for seg in plan_partitions(g, N, S))) == int(sup.sum())
+
+
+def test_partitioned_gradients_equal_unpartitioned_with_depth_weights(problem):
+    """``train.depth_weights`` scale each element's loss by its depth's weight and keep the normaliser, so
+    segments still add up to the unpartitioned loss and gradient (float64, S = 3); the weighted loss is
+    the manual Σ w[depth]·KL over the grid; ``eval()`` mode gives the unweighted loss."""
+    P = problem
+    g, N = P["g"], P["N"]
+    norm = float(supervised_count(g))
+    w = [1.0, 0.5, 2.0, 0.25]
+    obj = PEagleObjective(P["drafter"], P["head"], loss="kl", chunk_size=13, attention="sdpa", depth_weights=w)
+    plain = PEagleObjective(P["drafter"], P["head"], loss="kl", chunk_size=13, attention="sdpa")
+    obj.zero_grad(set_to_none=True)
+    full, _ = obj(g, P["aux"], P["last"], P["argmax"], norm)
+    full.backward()
+    ref = _grads(obj)
+    obj.zero_grad(set_to_none=True)
+    seg_sum = 0.0
+    for seg in plan_partitions(g, N, 3):
+        loss_s, _ = obj(seg.apply(g), P["aux"], P["last"], P["argmax"], norm)
+        loss_s.backward()
+        seg_sum += float(loss_s.detach())
+    part = _grads(obj)
+    assert abs(seg_sum - float(full)) < 1e-12
+    for n in ref:
+        assert (part[n] - ref[n]).abs().max().item() < 1e-10, n
+    with torch.no_grad():  # per-depth losses of the unweighted objective, one depth's weight at a time
+        by_depth = []
+        for d in range(4):
+            one = PEagleObjective(P["drafter"], P["head"], loss="kl", chunk_size=13, attention="sdpa",
+                                  depth_weights=[float(j == d) for j in range(4)])
+            by_depth.append(float(one(g, P["aux"], P["last"], P["argmax"], norm)[0]))
+        unweighted = float(plain(g, P["aux"], P["last"], P["argmax"], norm)[0])
+        assert all(x > 0 for x in by_depth)
+        assert abs(sum(by_depth) - unweighted) < 1e-12 * unweighted
+        assert abs(sum(wd * x for wd, x in zip(w, by_depth)) - float(full)) < 1e-12 * float(full)
+        obj.eval()
+        assert float(obj(g, P["aux"], P["last"], P["argmax"], norm)[0]) == unweighted
+        obj.train()
+    with pytest.raises(ValueError, match="K = 4"):
+        PEagleObjective(P["drafter"], P["head"], attention="sdpa", depth_weights=[1.0, 1.0])
