@@ -38,7 +38,9 @@ OVR=(target.gguf_package=null target.gguf_file=null target.gguf_sha256=null
      target.random_init_from_config=pkg:peagle_train/smollm2-135m-instruct.json target.tokenizer=.gpu/tok
      regen.enabled=false)
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-cli() { if [ -x .venv/bin/peagle-train ]; then .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
+# PEAGLE_CLI: another executable with the same arguments (tests/integration/test_throughput_script.py)
+cli() { if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; elif [ -x .venv/bin/peagle-train ]; then
+  .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
 py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
 
 case "${1:?step}" in

@@ -1,0 +1,99 @@
+"""``benchmarks/throughput_experiment.sh``: ``strategies`` (the same 50 steps plain, under ZeRO-2 and under
+FSDP2 through ``accelerate launch``, then ``trainer_throughput.py --reference plain``) and ``summary``.
+
+The trainer is replaced by a fake (``PEAGLE_CLI`` for the plain run, an ``accelerate`` executable first on
+``PATH`` for the launched ones) that records its arguments and writes the step history the real trainer
+writes, so the shell wiring (run folders, overrides and their order, launcher configs, the reference
+comparison) runs in seconds on CPU; the GPU runs of these steps are what docs/benchmarks.md reports.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "throughput_experiment.sh"
+
+#: a trainer: records argv, then writes train_metrics.json with ``steps`` records; the step time and the
+#: loss depend on the launcher (ZeRO-2 10 % slower, FSDP2 5 %), as the comparison must show
+FAKE = r'''#!{python}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+launcher = None
+if Path(sys.argv[0]).name == "accelerate":
+    launcher = args[args.index("--config_file") + 1]
+    args = args[args.index("peagle_train.cli") + 1:]
+over = {{}}
+for a in args[2:]:
+    if "=" in a:
+        k, v = a.split("=", 1)
+        over[k] = v  # the last one wins, as the recipe loader does
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"args": args, "launcher": launcher}}) + "\n")
+out = Path(over["output_dir"])
+assert (out / "data").is_dir(), "the run folder lacks the prepared data"
+slow = {{None: 1.0, "launch/accelerate/deepspeed_zero2.yaml": 1.10, "launch/accelerate/fsdp2.yaml": 1.05}}[launcher]
+steps = int(over["train.max_steps"])
+hist = [{{"step": s, "loss": 5.0 - s / 100 + (0.001 if launcher else 0.0), "elapsed_s": round(0.2 * s * slow, 6),
+         "tokens": 1000}} for s in range(1, steps + 1)]
+(out / "train_metrics.json").write_text(json.dumps({{"history": hist, "steps": steps}}))
+'''
+
+
+def _setup(tmp_path: Path) -> dict:
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    work = tmp_path / "work"
+    (work / "prep" / "data").mkdir(parents=True)
+    (work / "prep" / "data" / "meta.json").write_text("{}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("fake_cli", "accelerate"):
+        f = bin_dir / name
+        f.write_text(FAKE.format(python=sys.executable))
+        f.chmod(0o755)
+    return os.environ | {"WORK": str(work), "PEAGLE_CLI": str(bin_dir / "fake_cli"), "FAKE_LOG": str(tmp_path / "calls"),
+                         "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_strategies_runs_plain_zero2_and_fsdp2_and_compares_them_with_plain(tmp_path):
+    env = _setup(tmp_path)
+    out = tmp_path / "strategies.json"
+    r = subprocess.run(["bash", str(SCRIPT), "strategies", str(out), "train.micro_batch_size=64", "train.compile=true"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x) for x in (tmp_path / "calls").read_text().splitlines()]
+    assert [c["launcher"] for c in calls] == [None, "launch/accelerate/deepspeed_zero2.yaml",
+                                              "launch/accelerate/fsdp2.yaml"]
+    for c, name in zip(calls, ("plain", "zero2", "fsdp2")):
+        a = c["args"]
+        assert a[:2] == ["train", "recipes/smollm2-135m-peagle-gpu.yaml"] and a[-1] == "--quiet"
+        assert f"output_dir={tmp_path}/work/runs/{name}" in a
+        # 50 steps on a step schedule, and the caller's overrides after the script's own
+        assert a.index("train.max_steps=50") < a.index("train.micro_batch_size=64") < a.index("train.compile=true")
+        assert "train.max_minutes=null" in a and "train.schedule=steps" in a
+        assert "target.random_init_from_config=pkg:peagle_train/smollm2-135m-instruct.json" in a
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"plain", "zero2", "fsdp2"}
+    assert rows["zero2"]["vs_reference"]["tokens_per_s_ratio"] == pytest.approx(1 / 1.10, rel=1e-3)
+    assert rows["fsdp2"]["vs_reference"]["tokens_per_s_ratio"] == pytest.approx(1 / 1.05, rel=1e-3)
+    assert rows["plain"]["step_ms"] == pytest.approx(200.0)
+
+
+def test_summary_names_a_run_that_wrote_nothing(tmp_path):
+    env = _setup(tmp_path)
+    (tmp_path / "work" / "runs" / "empty").mkdir(parents=True)
+    out = tmp_path / "summary.json"
+    r = subprocess.run(["bash", str(SCRIPT), "summary", str(out), "empty"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["name"] == "empty" and "train_metrics.json: not found" in row["error"]
+    assert "run `peagle-train train` on this folder first" in r.stdout
