@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from train_step import provenance  # benchmarks/ is on the path: this script's folder
+from variants import parse_variant
 
 from peagle_train.core.atomic import write_json_atomic
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON written here")
     p.add_argument("--variants", nargs="+", default=["random=", "target=drafter.init_layers=target"],
-                   help="NAME=override,override (NAME= alone: the base settings)")
+                   help="NAME=override,override (NAME= alone: the base settings; a list value such as "
+                        "train.depth_weights=[2,1,1,1,1,1,1,1] is one override, benchmarks/variants.py)")
     p.add_argument("--shards", default=str(SHARDS), help="regeneration shards (train-*.json) or a ferry pack of them")
     p.add_argument("--conversations", type=int, default=600)
     p.add_argument("--max-length", type=int, default=768,
@@ -109,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     prep_s = time.perf_counter() - t0
     results = {}
     for v in a.variants:
-        name, _, ovr = v.partition("=")
-        ovr_list = [o for o in ovr.split(",") if o]
+        name, ovr_list = parse_variant(v)
         run = work / f"v_{name}"
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir()

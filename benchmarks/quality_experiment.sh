@@ -289,7 +289,8 @@ PY
          smollm2-135m-peagle-gpu-acceptance_by_position.png smollm2-135m-eagle3-gpu-acceptance_by_position.png \
          comparison.md comparison.png ;;
   ablate)  # P-EAGLE variants on the same prepared data (after prepare or restore), in waves
-    # ABLATE: space-separated "name=override,override" entries (name= alone: the recipe as is; a variant with a
+    # ABLATE: space-separated "name=override,override" entries (benchmarks/variants.py; a list value such as
+    # train.depth_weights=[2,1,1,1,1,1,1,1] is one override; name= alone: the recipe as is; a variant with a
     # data.* override, e.g. loop=data.loop_tail=unsupervise, is prepared again from the regeneration shards);
     # ABLATE_MINUTES: each variant's train.max_minutes; ABLATE_PER_GPU: variants sharing one GPU at a
     # time (default 1: each variant has a GPU to itself for its minutes, so variants of different
@@ -308,8 +309,11 @@ PY
     default+=" data_half=train.train_sequences=$((n / 2)) data_quarter=train.train_sequences=$((n / 4))"
     variants=${ABLATE:-$default}
     i=0
-    for v in $variants; do  # unquoted on purpose: one word per variant
-      name=${v%%=*}; IFS=, read -r -a vo <<< "${v#*=}"
+    read -r -a vlist <<< "$variants"  # one word per variant, no glob expansion ([...] list values)
+    for v in "${vlist[@]}"; do
+      name=${v%%=*}; vo=()  # overrides split at the commas outside brackets (a list value is one override)
+      ovr_lines=$(python3 benchmarks/variants.py "$v") || { echo "ablation $name: skipped (see above)"; continue; }
+      [ -z "$ovr_lines" ] || mapfile -t vo <<< "$ovr_lines"
       d="$WORK/ablate/$name"
       spec="minutes=$minutes overrides=${v#*=}"
       if [ -f "$d/train_metrics.json" ]; then

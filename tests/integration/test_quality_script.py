@@ -658,3 +658,26 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
     assert {c["gpu"] for c in calls} == {"0"}
     r = _step(env | {"EVAL_WORKERS": "0"}, "eval")
     assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
+
+
+def test_ablate_passes_a_list_value_as_one_override(tmp_path):
+    """``ABLATE`` entries split at the commas outside brackets (``benchmarks/variants.py``): a per-depth weight
+    list reaches the trainer as one override beside the next one; a variant that does not parse is skipped
+    with its reason and the others still run."""
+    from variants import parse_variant, split_overrides
+
+    env = _setup(tmp_path)
+    r = _run(env, ABLATE="dw=train.depth_weights=[2,1,1,1,1,1,1,1],train.cod_r=0.9 bad=train.x=[1 base=",
+             ABLATE_PER_GPU="3")
+    assert r.returncode == 0, r.stderr
+    args = {Path(dict(a.split("=", 1) for a in c["args"] if "=" in a)["output_dir"]).name: c["args"]
+            for c in _calls(tmp_path)}
+    assert sorted(args) == ["base", "dw"]
+    assert args["dw"][-3:] == ["train.max_minutes=0.5", "train.depth_weights=[2,1,1,1,1,1,1,1]", "train.cod_r=0.9"]
+    assert args["base"][-1] == "train.max_minutes=0.5"
+    assert "unbalanced brackets" in r.stderr and "ablation bad: skipped" in r.stdout
+    assert split_overrides("a=1,b=[1,2],c={x: 1, y: 2},") == ["a=1", "b=[1,2]", "c={x: 1, y: 2}"]
+    assert parse_variant("base=") == ("base", [])
+    for bad in ("noequals", "=a=1", "x=a=[1", "x=a=1]"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
