@@ -66,10 +66,12 @@ def conversations(shards: Path, work: Path, n: int) -> list:
 
 def summary(run: Path) -> dict:
     """The variant's steps, seconds, final eval and its eval curve (``train_metrics.json``): at every eval
-    step the eval loss, ``eval_walk_al`` at K = 7 and the accuracy and conditional accuracy by depth."""
+    step the eval loss, ``eval_walk_al`` and ``eval_sim_al`` at K = 7 and the accuracy and conditional
+    accuracy by depth."""
     m = json.loads((run / "train_metrics.json").read_text())
     final = m["final"]
     curve = [{"step": h["step"], "eval_loss": h["eval_loss"], "walk_al_k7": h["eval_walk_al"].get("7"),
+              "sim_al_k7": (h.get("eval_sim_al") or {}).get("7"),
               "eval_acc": h.get("eval_acc"), "eval_cond_acc": h.get("eval_cond_acc")}
              for h in m["history"] if "eval_loss" in h]
     return {"steps": m["steps"], "train_seconds": round(m["train_seconds"], 1), "eval_loss": final["eval_loss"],

@@ -695,6 +695,7 @@ def test_cpu_ablation_smoke(tmp_path, capsys):
     assert [c["step"] for c in v["random"]["eval_curve"]] == [1]  # the last step's eval is the final one
     point = v["random"]["eval_curve"][0]  # accuracy by depth at each eval step: how depths learn over steps
     assert len(point["eval_acc"]) == len(point["eval_cond_acc"]) == 8 and point["eval_cond_acc"][0] == point["eval_acc"][0]
+    assert point["sim_al_k7"] >= 1.0 and point["walk_al_k7"] >= 1.0
     assert v["target"]["eval_loss"] < v["random"]["eval_loss"]
     printed = capsys.readouterr().out
     assert "random: 2 steps" in printed and "target: 2 steps" in printed
