@@ -71,8 +71,7 @@ def summary(run: Path) -> dict:
     m = json.loads((run / "train_metrics.json").read_text())
     final = m["final"]
     curve = [{"step": h["step"], "eval_loss": h["eval_loss"], "walk_al_k7": h["eval_walk_al"].get("7"),
-              "sim_al_k7": (h.get("eval_sim_al") or {}).get("7"),
-              "eval_acc": h.get("eval_acc"), "eval_cond_acc": h.get("eval_cond_acc")}
+              "sim_al_k7": h["eval_sim_al"].get("7"), "eval_acc": h["eval_acc"], "eval_cond_acc": h["eval_cond_acc"]}
              for h in m["history"] if "eval_loss" in h]
     return {"steps": m["steps"], "train_seconds": round(m["train_seconds"], 1), "eval_loss": final["eval_loss"],
             "eval_walk_al": final["eval_walk_al"], "eval_walk_al_heldout": final.get("eval_walk_al_heldout"),
