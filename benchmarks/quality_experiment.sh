@@ -102,6 +102,21 @@ PY
   echo "restore: $(train_sequences) train sequences"
 }
 
+summarize_metrics() {  # RUN_DIR OUT.json: train_metrics.json without the per-step history, + loss/eval curves
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+out = sys.argv[1]
+m = json.load(open(f"{out}/train_metrics.json"))
+h = m["history"]
+curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "eval_loss": r["eval_loss"],
+          "walk_al_k7": r["eval_walk_al"].get("7", r["eval_walk_al"].get(7)),
+          "sim_al_k7": r["eval_sim_al"].get("7", r["eval_sim_al"].get(7))} for r in h if "eval_loss" in r]
+json.dump({k: v for k, v in m.items() if k != "history"} | {"loss_curve": [(r["step"], r["loss"]) for r in h[::10]],
+          "eval_curve": curve, "last": h[-1] if h else None}, open(sys.argv[2], "w"), indent=1)
+print(sys.argv[1], "steps", m["steps"], "train_s", round(m["train_seconds"]), "final", json.dumps(m["final"])[:400])
+PY
+}
+
 case "${1:?step}" in
   part1)  # first half of the GGUF and the ShareGPT prompts (one carry is limited in size: the rest in setup)
     cp .gguf1/gguf.partaa .gguf1/sharegpt_prompts.json.xz "$WORK/" ;;
@@ -229,18 +244,7 @@ PY
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml)
       tail -n 3 "$WORK/$name-train.err" | cut -c1-300
-      python3 - "$(legdir "$R")" "$RESULTS/$name-train-metrics.json" <<'PY'
-import json, sys
-out = sys.argv[1]
-m = json.load(open(f"{out}/train_metrics.json"))
-h = m["history"]
-curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "eval_loss": r["eval_loss"],
-          "walk_al_k7": r["eval_walk_al"].get("7", r["eval_walk_al"].get(7)),
-          "sim_al_k7": r["eval_sim_al"].get("7", r["eval_sim_al"].get(7))} for r in h if "eval_loss" in r]
-json.dump({k: v for k, v in m.items() if k != "history"} | {"loss_curve": [(r["step"], r["loss"]) for r in h[::10]],
-          "eval_curve": curve, "last": h[-1] if h else None}, open(sys.argv[2], "w"), indent=1)
-print(sys.argv[1], "steps", m["steps"], "train_s", round(m["train_seconds"]), "final", json.dumps(m["final"])[:400])
-PY
+      summarize_metrics "$(legdir "$R")" "$RESULTS/$name-train-metrics.json"
     done
     ship smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   eval)  # EVAL_WORKERS=N (default 1): N eval processes per drafter, each every N-th prompt, all at once (both
@@ -368,9 +372,13 @@ PY
     for R in "$P" "$E"; do
       name=$(basename "$R" .yaml); d=$(legdir "$R")
       python3 benchmarks/run_curve.py "$d" "$RESULTS/$name-curve.json" || true
-      [ -f "$d/train_metrics.json" ] && echo "$name: the run is finished and exported ($d/export)"
+      if [ -f "$d/train_metrics.json" ]; then  # finished: its end-of-run eval too (eval_walk_al_heldout)
+        summarize_metrics "$d" "$RESULTS/$name-train-metrics.json"
+        echo "$name: the run is finished and exported ($d/export)"
+      fi
     done
-    ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json ;;
+    ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json \
+         smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 14 MiB pieces) to $OUT, at most
     # 8 files and 62 MiB a batch (what one device call brings back); prints how many batches there are. On the
     # CPU side, gather the batches in one folder, then `ferry-groups` it for the next machine

@@ -1,8 +1,11 @@
 """benchmarks/quality_report.py: the P-EAGLE vs EAGLE-3 comparison tables from the experiment's files."""
 import json
+from pathlib import Path
 
 import pytest
 import quality_report  # benchmarks/ is on sys.path (conftest)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _eval(al7: float, draft_ms: list[float]) -> dict:
@@ -33,3 +36,36 @@ def test_comparison_tables(tmp_path):
 def test_missing_reports_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="eval step"):
         quality_report.build(tmp_path)
+
+
+def test_must_show_record_of_the_committed_run3(tmp_path):
+    """benchmarks/must_show_quality.py on run3's raw files: the issue's shape, figures read from the right rows,
+    and checks that fail where run3 fell short (5 prompts, AL 1.41, no fourth draft accepted)."""
+    import must_show_quality as ms
+
+    run3 = ROOT / "docs" / "data" / "quality" / "run3"
+    out = tmp_path / "quality.json"
+    assert ms.main([str(run3), str(out), "--commit", "abc", "--sources-prefix", "docs/data/quality/run3"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["commit"] == "abc" and rec["prompts_per_set"] == 5 and rec["lossless"] is True
+    assert rec["al"]["mt_bench"]["peagle"]["7"] == pytest.approx(1.4116, abs=1e-4)
+    assert rec["al"]["humaneval"]["eagle3"]["7"] == pytest.approx(1.1932, abs=1e-4)
+    assert rec["acc_by_position"]["mt_bench"]["peagle"][:4] == pytest.approx([0.3311, 0.1959, 0.2414, 0.0], abs=1e-4)
+    assert rec["train_tokens"] == 3653597 and rec["gpu_minutes"]["peagle"] == pytest.approx(214.96 / 60, abs=1e-3)
+    assert rec["sim_vs_measured_rel_err"] == pytest.approx(abs(1.4744 - 1.4953) / 1.4953, abs=1e-3)
+    assert rec["draft_cost_k7_over_k1"] == pytest.approx(1.1165, abs=1e-4)
+    c = rec["checks"]
+    assert c["draft_cost_k7_over_k1_le_1.3"]["holds"] and c["sim_vs_measured_within_5pct"]["holds"]
+    assert not c["prompts_per_set_ge_20"]["holds"] and not c["al7_mt_bench_ge_2.0"]["holds"]
+    assert not c["acc4_humaneval_gt_0"]["holds"] and c["al7_minus_al3_mt_bench_ge_0.15"]["value"] == 0.0
+    assert rec["all_hold"] is False
+    assert rec["sources"]["train_tokens"] == "docs/data/quality/run3/data_meta.json"
+    for s in rec["sources"].values():  # every cited file exists in the repository
+        assert all((ROOT / p.strip()).is_file() for p in s.split(",")), s
+
+
+def test_must_show_record_names_a_missing_report(tmp_path):
+    import must_show_quality as ms
+
+    with pytest.raises(FileNotFoundError, match="peagle-gpu-eval.json: missing"):
+        ms.build(tmp_path, "abc", "x")

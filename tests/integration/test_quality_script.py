@@ -230,7 +230,8 @@ for p in parts:
 st.write_text(json.dumps({{"parts": parts, "history": history}}))
 (out / "logs" / "state_out.json").write_text(json.dumps({{"path": str(st), "step": len(history), "parts": parts}}))
 if len(history) >= 10:  # the run's time is spent: it ends
-    (out / "train_metrics.json").write_text(json.dumps({{"steps": len(history), "history": history}}))
+    (out / "train_metrics.json").write_text(json.dumps({{"steps": len(history), "history": history,
+        "train_seconds": 6.0 * len(history), "final": {{"eval_loss": 3.9, "eval_walk_al_heldout": {{"7": 2.05}}}}}}))
 print(json.dumps({{"stopped_at": len(history)}}))
 '''
 
@@ -308,6 +309,11 @@ def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
     curve = json.loads((tmp_path / "two" / "results" / "smollm2-135m-eagle3-gpu-curve.json").read_text())
     assert (curve["steps"], curve["gpu_minutes"], curve["tokens_seen"], curve["finished"]) == (10, 1.0, 1000, True)
     assert [c["step"] for c in curve["curve"]] == [5, 10] and curve["curve"][-1]["walk_al"] == 2.0
+    # the finished run's summary, its end-of-run eval included (what must_show_quality.py reads)
+    m = json.loads((tmp_path / "two" / "results" / "smollm2-135m-peagle-gpu-train-metrics.json").read_text())
+    assert m["final"]["eval_walk_al_heldout"]["7"] == 2.05 and "history" not in m
+    assert [c["step"] for c in m["eval_curve"]] == [5, 10] and m["eval_curve"][-1]["walk_al_k7"] == 2.0
+    assert not (tmp_path / "one" / "results" / "smollm2-135m-peagle-gpu-train-metrics.json").exists()  # unfinished
 
 
 def test_ferry_plan_limits(tmp_path):

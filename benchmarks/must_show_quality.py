@@ -1,0 +1,153 @@
+"""Issue 20's must-show record of the quality experiment: ``docs/data/must_show/quality.json``.
+
+Reads the result folder of ``benchmarks/quality_experiment.sh`` (``$WORK/results``, or a committed copy
+such as ``docs/data/quality/run3``)::
+
+    smollm2-135m-{peagle,eagle3}-gpu-eval.json            eval stage reports (reference decoding loop)
+    smollm2-135m-{peagle,eagle3}-gpu-train-metrics.json   or ...-curve.json (a run trained in legs)
+    data_meta.json                                        the prepared data's meta.json
+
+and writes the issue's record: AL at K = 1, 3, 5, 7 on MT-Bench and HumanEval for both drafters, the
+accepted fraction by position at K = 7, GPU-minutes and training tokens, the heldout simulated-vs-measured gap
+at K = 7, the lossless flag, P-EAGLE's drafting cost K = 7 / K = 1, the raw file of each figure
+(``sources``), and ``checks``: each must-show criterion of issue 20 with its figure and whether it holds.
+The record is written whatever the checks say; ``all_hold`` says whether the issue's numbers hold.
+
+Usage::
+
+    python benchmarks/must_show_quality.py RESULTS_DIR OUT.json [--commit SHA] [--sources-prefix PATH]
+
+``--sources-prefix``: the repository path RESULTS_DIR is committed under, e.g. ``docs/data/quality/run4``
+(default: RESULTS_DIR as given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+NAMES = {"peagle": "smollm2-135m-peagle-gpu", "eagle3": "smollm2-135m-eagle3-gpu"}
+SETS = ("mt_bench", "humaneval")
+AL_FLOOR = {"mt_bench": 2.0, "humaneval": 2.2}  # issue 20: P-EAGLE AL(K = 7) with the reference loop
+RATIO_FLOOR = 1.2          # P-EAGLE / EAGLE-3 at K = 7, both sets
+DEEP_GAIN_FLOOR = 0.15     # AL(7) - AL(3), both sets
+SIM_GAP_MAX = 0.05         # |simulated - measured| / measured, heldout, K = 7
+COST_RATIO_MAX = 1.3       # drafting ms per round, K = 7 / K = 1
+MIN_PROMPTS = 20
+
+
+def _read(path: Path) -> dict:
+    """The JSON object in ``path``. Raises FileNotFoundError naming the file and the step that writes it."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; the quality experiment's eval/train steps write it "
+                                "(benchmarks/quality_experiment.sh)")
+    return json.loads(path.read_text())
+
+
+def _row(ev: dict, dataset: str, K: int) -> dict:
+    """The ``by_K`` row of ``K`` in ``ev["datasets"][dataset]``. Raises KeyError naming what is missing."""
+    if dataset not in ev["datasets"]:
+        raise KeyError(f"eval report of {ev.get('method')} has no dataset {dataset!r} (eval.datasets)")
+    for r in ev["datasets"][dataset]["by_K"]:
+        if r["K"] == K:
+            return r
+    raise KeyError(f"eval report of {ev.get('method')} has no K = {K} on {dataset} (eval.k_values)")
+
+
+def _train_figures(results: Path, name: str) -> tuple[float, int | None, str]:
+    """``(GPU-minutes of training, tokens seen or None, source file)`` of one drafter.
+
+    A run trained in legs has ``NAME-curve.json`` (benchmarks/run_curve.py: ``gpu_minutes`` and
+    ``tokens_seen``, summed over the legs); a run of one ``train`` step has ``NAME-train-metrics.json`` (``train_seconds``).
+    """
+    curve = results / f"{name}-curve.json"
+    if curve.exists():
+        c = json.loads(curve.read_text())
+        return float(c["gpu_minutes"]), c["tokens_seen"], curve.name
+    m = _read(results / f"{name}-train-metrics.json")
+    return float(m["train_seconds"]) / 60.0, m.get("tokens_seen"), f"{name}-train-metrics.json"
+
+
+def build(results: Path, commit: str, prefix: str) -> dict:
+    """The must-show record of the experiment in ``results`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError: an eval report or the train figures of a drafter, or data_meta.json, is missing.
+        KeyError: an eval report lacks MT-Bench, HumanEval, heldout or one of K = 1, 3, 5, 7.
+    """
+    ev = {m: _read(results / f"{n}-eval.json") for m, n in NAMES.items()}
+    meta = _read(results / "data_meta.json")
+    src = {}
+    al: dict = {}
+    acc: dict = {}
+    for d in SETS:
+        al[d] = {m: {str(K): _row(ev[m], d, K)["acceptance_length"] for K in (1, 3, 5, 7)} for m in ev}
+        acc[d] = {m: _row(ev[m], d, 7)["per_position_acceptance"] for m in ev}
+        src[f"al.{d}"] = src[f"acc_by_position.{d}"] = f"{prefix}/{NAMES['peagle']}-eval.json, " \
+                                                         f"{prefix}/{NAMES['eagle3']}-eval.json"
+    gpu_min, tokens = {}, {}
+    for m, n in NAMES.items():
+        gpu_min[m], tokens[m], f = _train_figures(results, n)
+        src[f"gpu_minutes.{m}"] = f"{prefix}/{f}"
+    prompts = min(ev[m]["datasets"][d]["num_prompts"] for m in ev for d in SETS)
+    # simulated (end of training, heldout prompts, same horizon) vs the loop's measurement, K = 7
+    pe = ev["peagle"]
+    measured = _row(pe, "heldout", 7)["acceptance_length"]
+    metrics = results / f"{NAMES['peagle']}-train-metrics.json"
+    sim = None
+    if metrics.exists():
+        fin = json.loads(metrics.read_text()).get("final", {})
+        walk = fin.get("eval_walk_al_heldout") or {}
+        sim = walk.get("7", walk.get(7))
+    src["sim_vs_measured_rel_err"] = f"{prefix}/{metrics.name}, {prefix}/{NAMES['peagle']}-eval.json"
+    gap = None if sim is None else abs(sim - measured) / measured
+    cost = _row(pe, "mt_bench", 7)["draft_ms_per_round"] / _row(pe, "mt_bench", 1)["draft_ms_per_round"]
+    lossless = all(e["lossless"]["passed"] for e in ev.values())
+    train_tokens = meta["splits"]["train"]["tokens"]
+    src["train_tokens"] = f"{prefix}/data_meta.json"
+    src["lossless"] = src["draft_cost_k7_over_k1"] = f"{prefix}/{NAMES['peagle']}-eval.json"
+
+    def deep(d):  # accepted fraction at the fourth drafted position, P-EAGLE, K = 7
+        a = acc[d]["peagle"]
+        return a[3] if len(a) > 3 and a[3] is not None else 0.0
+
+    checks = {
+        "prompts_per_set_ge_20": {"value": prompts, "holds": prompts >= MIN_PROMPTS},
+        "lossless": {"value": lossless, "holds": lossless},
+        "draft_cost_k7_over_k1_le_1.3": {"value": cost, "holds": cost <= COST_RATIO_MAX},
+        "sim_vs_measured_within_5pct": {"value": gap, "holds": gap is not None and gap <= SIM_GAP_MAX},
+    }
+    for d in SETS:
+        p7, e7, p3 = al[d]["peagle"]["7"], al[d]["eagle3"]["7"], al[d]["peagle"]["3"]
+        checks[f"al7_{d}_ge_{AL_FLOOR[d]}"] = {"value": p7, "holds": p7 >= AL_FLOOR[d]}
+        checks[f"ratio_k7_{d}_ge_1.2"] = {"value": p7 / e7, "holds": p7 / e7 >= RATIO_FLOOR}
+        checks[f"al7_minus_al3_{d}_ge_0.15"] = {"value": p7 - p3, "holds": p7 - p3 >= DEEP_GAIN_FLOOR}
+        checks[f"acc4_{d}_gt_0"] = {"value": deep(d), "holds": deep(d) > 0}
+    return {"commit": commit, "gpu_minutes": gpu_min, "train_tokens": train_tokens,
+            "tokens_seen": tokens, "prompts_per_set": prompts, "max_new_tokens": pe["max_new_tokens"],
+            "al": al, "acc_by_position": acc, "sim_vs_measured_rel_err": gap, "lossless": lossless,
+            "draft_cost_k7_over_k1": cost, "device": pe["hardware"].get("device_name"),
+            "checks": checks, "all_hold": all(c["holds"] for c in checks.values()), "sources": src}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--commit", default=os.environ.get("PEAGLE_COMMIT", "unknown"))
+    ap.add_argument("--sources-prefix", default=None)
+    a = ap.parse_args(argv)
+    rec = build(a.results, a.commit, a.sources_prefix or str(a.results).rstrip("/"))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1) + "\n")
+    os.replace(tmp, a.out)
+    for k, c in rec["checks"].items():
+        print(f"{'holds' if c['holds'] else 'SHORT'}  {k}: {c['value']}")
+    print("all hold" if rec["all_hold"] else "not all hold")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
