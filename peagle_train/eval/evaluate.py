@@ -18,7 +18,11 @@ Aggregation (pooled over all sequences of a dataset):
 * drafting ms per round: the steady-state rounds (the first proposal of each sequence also runs
   the drafter over the whole prompt and is reported separately as ``draft_prefill_ms``);
 * tokens/s: returned tokens / wall seconds including the prefill; speedup = speculative tokens/s
-  over target-alone tokens/s on the same sequences.
+  over target-alone tokens/s on the same sequences;
+* ``target_alone.copyable``: the share of the target's own new tokens that a lookup in their context
+  predicts (``data_prep.loops.copyable_flags``, n = 4: the 4 tokens before were followed by the token
+  earlier in the prompt or answer). A small target's greedy answers fall into loops, where every depth
+  is easy to draft, so an AL measured on such text is not one measured on fresh text (issue 20).
 
 Outputs in ``out_dir`` (see :mod:`peagle_train.eval.report`): ``eval.json``, ``eval.md``,
 ``acceptance_by_position.png``, ``al_speedup_vs_k.png``.
@@ -30,11 +34,12 @@ import json
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from data_prep.loops import copyable_flags
 from peagle_train.core.atomic import write_json_atomic
 from peagle_train.core.config import ConfigError, EvalConfig
 from peagle_train.decoding.speculative import (
@@ -258,11 +263,13 @@ class _RawSet:
     bad_k: dict[int, int]
     found: list[dict]
     sequences: int
+    copyable: list[int] = field(default_factory=lambda: [0, 0])  # [copyable, all] target-alone new tokens
 
     def to_dict(self) -> dict:
         return {"num_prompts": self.num_prompts, "sequences": self.sequences, "base": self.base.to_dict(),
                 "per_k": {str(k): [st.to_dict() for st in v] for k, v in self.per_k.items()},
-                "bad_k": {str(k): v for k, v in self.bad_k.items()}, "found": self.found}
+                "bad_k": {str(k): v for k, v in self.bad_k.items()}, "found": self.found,
+                "copyable": list(self.copyable)}
 
     @staticmethod
     def from_dict(d: dict) -> "_RawSet":
@@ -272,7 +279,8 @@ class _RawSet:
         b = d["base"]
         return _RawSet(d["num_prompts"], TargetStats(b["prefill_s"], b["total_s"], b["new_tokens"]),
                        {int(k): [stat(x) for x in v] for k, v in d["per_k"].items()},
-                       {int(k): v for k, v in d["bad_k"].items()}, list(d["found"]), d["sequences"])
+                       {int(k): v for k, v in d["bad_k"].items()}, list(d["found"]), d["sequences"],
+                       list(d["copyable"]))
 
     def add(self, other: "_RawSet") -> "_RawSet":
         """Both shares of the same set together (sums and concatenations; mismatches in prompt order)."""
@@ -281,13 +289,14 @@ class _RawSet:
         return _RawSet(self.num_prompts, base, {k: self.per_k[k] + other.per_k[k] for k in self.per_k},
                        {k: self.bad_k[k] + other.bad_k[k] for k in self.bad_k},
                        sorted(self.found + other.found, key=lambda m: (m["prompt"], m["turn"], m["K"])),
-                       self.sequences + other.sequences)
+                       self.sequences + other.sequences, [a + b for a, b in zip(self.copyable, other.copyable)])
 
 
 def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg: EvalConfig, ks: list[int], eos,
                 encode, decode, warm: list, progress: bool) -> _RawSet:
     """Target alone, then the loop at every ``K``, over the prompts ``mine`` (indices into ``prompts``) of set ``name``."""
     base = TargetStats()
+    copyable = [0, 0]  # the target's new tokens a lookup in their context predicts (data_prep.loops), all of them
     # target alone first: each sequence's prompt ids and greedy reference (turn 2's history needs turn 1's)
     seqs: list[tuple[int, int, list[int], list[int]]] = []  # (prompt, turn, ids, reference)
     steps = {pi: [prompts[pi]] if isinstance(prompts[pi], TokenPrompt) else prompts[pi][: 2 if cfg.both_turns else 1]
@@ -309,6 +318,9 @@ def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg:
             base.new_tokens += bst.new_tokens
             base.total_s += bst.total_s
             seqs.append((pi, ti, ids, ref))
+            flags = copyable_flags(ids + ref, [0] * len(ids) + [1] * len(ref))
+            copyable[0] += sum(c for _, c in flags)
+            copyable[1] += len(flags)
             _advance(bar, base.new_tokens, base.total_s)
             if not isinstance(user, TokenPrompt):
                 answer = [t for t in ref if eos is None or t not in eos]
@@ -335,7 +347,7 @@ def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg:
                 })
         bar.close()
     return _RawSet(len(prompts), base, per_k, bad_k, sorted(found, key=lambda m: (m["prompt"], m["turn"], m["K"])),
-                   len(seqs))
+                   len(seqs), copyable)
 
 
 def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | Path, workers: int) -> dict:
@@ -348,7 +360,9 @@ def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | P
             "num_prompts": r.num_prompts,
             "num_sequences": r.sequences,
             "target_alone": {"new_tokens": r.base.new_tokens, "seconds": r.base.total_s,
-                             "tokens_per_s": r.base.tokens_per_s},
+                             "tokens_per_s": r.base.tokens_per_s,
+                             # share of the target's own output a lookup in its context predicts (repetition)
+                             "copyable": r.copyable[0] / r.copyable[1] if r.copyable[1] else None},
             "by_K": [_pool(r.per_k[k], r.base.new_tokens, r.base.total_s, k, r.bad_k[k]) for k in ks],
         }
     checked = sum(r.sequences for r in raw.values()) * len(ks)

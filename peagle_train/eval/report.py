@@ -47,7 +47,8 @@ def render_markdown(results: dict) -> str:
     for name, d in results["datasets"].items():
         ta = d["target_alone"]
         lines += ["", f"## {name}", "", f"Target alone: {_fmt(ta['tokens_per_s'], 1)} tokens/s "
-                  f"({ta['new_tokens']} tokens in {_fmt(ta['seconds'])} s).", ""]
+                  f"({ta['new_tokens']} tokens in {_fmt(ta['seconds'])} s); "
+                  f"copyable by a 4-token lookup in their context: {_fmt(ta.get('copyable'))}.", ""]
         head = ["K", "AL"] + [f"acc@{i}" for i in range(1, ks[-1] + 1)] + [
             "draft ms/round", "verify ms/round", "tokens/s", "speedup", "mismatches"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
