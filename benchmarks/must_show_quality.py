@@ -127,7 +127,10 @@ def build(results: Path, commit: str, prefix: str) -> dict:
     return {"commit": commit, "gpu_minutes": gpu_min, "train_tokens": train_tokens,
             "tokens_seen": tokens, "prompts_per_set": prompts, "max_new_tokens": pe["max_new_tokens"],
             "al": al, "acc_by_position": acc, "sim_vs_measured_rel_err": gap, "lossless": lossless,
-            "draft_cost_k7_over_k1": cost, "device": pe["hardware"].get("device_name"),
+            "draft_cost_k7_over_k1": cost,
+            # share of the target's own eval output a lookup in its context predicts (loops; None in reports older than the field)
+            "target_copyable": {d: pe["datasets"][d]["target_alone"].get("copyable") for d in pe["datasets"]},
+            "device": pe["hardware"].get("device_name"),
             "checks": checks, "all_hold": all(c["holds"] for c in checks.values()), "sources": src}
 
 
