@@ -69,3 +69,22 @@ def test_must_show_record_names_a_missing_report(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="peagle-gpu-eval.json: missing"):
         ms.build(tmp_path, "abc", "x")
+
+
+def test_eval_repetition_counts_the_targets_copyable_answers():
+    """benchmarks/eval_repetition.py: the target's answers (a looping one and a fresh one) counted by the rule of
+    data_prep.loops, the prompt as context; EOS not counted; turn 2 asked after the target's own turn-1 answer."""
+    import eval_repetition as er
+
+    seen = []
+
+    def encode(history):
+        seen.append([m["role"] for m in history])
+        return [1, 2, 3] if len(history) == 1 else [1, 2, 3, 9, 9, 4]
+
+    answers = iter([[5, 6, 7, 8] * 4 + [0], list(range(20, 36))])  # loop then EOS (0); 16 fresh tokens at the cap
+    rep = er.answers_report([["q1", "q2"]], encode, lambda ids: next(answers), lambda ids: "answer", [0], True)
+    assert seen == [["user"], ["user", "assistant", "user"]]
+    assert rep["sequences"] == 2 and rep["supervised_tokens"] == 32 and rep["ended_at_eos"] == 1
+    assert rep["copyable"] == pytest.approx(8 / 32) and rep["mean_answer_tokens"] == 16.0
+    assert rep["by_position"]["[0, 64)"] == {"tokens": 32, "copyable": 0.25}

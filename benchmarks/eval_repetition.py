@@ -1,0 +1,108 @@
+"""How much of the target's own greedy output on the eval prompts a lookup in its context predicts.
+
+    python benchmarks/eval_repetition.py RECIPE [--sets mt_bench humaneval] [--prompts 20] [--max-new-tokens 256]
+                                         [--both-turns] [--override KEY=VALUE ...] [--out REPORT.json]
+
+The acceptance length of a drafter is measured on what the target generates. A small target's greedy
+answers fall into loops, and a loop's continuation can be copied from the context at every depth, so the
+share of such text in the evaluation sets a large part of the acceptance length, whatever the drafter
+learned elsewhere (issue 20). This script decodes the eval prompts with the target alone, greedily, as the
+eval stage's reference does (``peagle_train.decoding.speculative.target_generate``, the recipe's chat template,
+EOS ends an answer), and reports per set the copyable share of the answers by their position
+(``benchmarks/repetition_report.py``'s buckets and rule: ``data_prep.loops.copyable_flags``, n = 4, the prompt
+counting as context), the mean answer length and how many answers ended at EOS. It needs no drafter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from repetition_report import split_report  # noqa: E402
+
+
+def answers_report(prompts: list[list[str]], encode: Callable[[list[dict]], list[int]],
+                   generate: Callable[[list[int]], list[int]], decode: Callable[[list[int]], str],
+                   eos: list[int] | None, both_turns: bool) -> dict:
+    """The repetition report (:func:`repetition_report.split_report`) of the target's answers to ``prompts``.
+
+    Args:
+        prompts: per prompt its user turns (``data_prep.eval_prompts.load_eval_prompts``).
+        encode: chat history (``[{"role", "content"}]``) -> prompt token ids.
+        generate: prompt ids -> the target's greedy new token ids (EOS included when it ended there).
+        decode: ids -> text (a turn-1 answer in turn 2's history, as the eval stage asks turn 2).
+        eos: end-of-turn token ids (None: none); an answer's EOS is not counted as a token.
+        both_turns: also each prompt's second user turn, after the target's own first answer.
+
+    Returns:
+        ``split_report``'s dict over all answers (each answer supervised, its prompt as unsupervised context) plus
+        ``mean_answer_tokens`` and ``ended_at_eos`` (answers that stopped at EOS before the cap).
+    """
+    ids_all, masks, lens, ended = [], [], [], 0
+    for turns in prompts:
+        history: list[dict] = []
+        for user in turns[: 2 if both_turns else 1]:
+            history.append({"role": "user", "content": user})
+            ids = list(encode(history))
+            ref = list(generate(ids))
+            stop = bool(eos) and bool(ref) and ref[-1] in eos
+            ended += stop
+            answer = ref[:-1] if stop else ref
+            ids_all.append(ids + answer)
+            masks.append([0] * len(ids) + [1] * len(answer))
+            lens.append(len(answer))
+            history.append({"role": "assistant", "content": decode(answer)})
+    rep = split_report({"input_ids": ids_all, "loss_mask": masks})
+    return rep | {"mean_answer_tokens": round(sum(lens) / max(1, len(lens)), 1), "ended_at_eos": ended}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("recipe")
+    ap.add_argument("--sets", nargs="+", default=["mt_bench", "humaneval"])
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--both-turns", action="store_true", help="MT-Bench's second turns too (after the target's answer)")
+    ap.add_argument("--override", nargs="*", default=[], help="recipe overrides, e.g. target.dtype=float32")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    from data_prep.eval_prompts import load_eval_prompts
+    from data_prep.template import build_prompt_ids
+    from peagle_train.decoding.speculative import target_generate
+    from peagle_train.eval.evaluate import eos_ids
+    from peagle_train.features.target import load_target
+    from peagle_train.recipe import load_config
+
+    cfg = load_config(a.recipe, a.override)
+    target = load_target(cfg.target)
+    eos = eos_ids(target)
+    res = {"command": "python benchmarks/eval_repetition.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "commit": os.environ.get("PEAGLE_COMMIT"), "recipe": a.recipe, "target": cfg.target.name,
+           "device": str(target.device), "max_new_tokens": a.max_new_tokens, "prompts": a.prompts, "sets": {}}
+    t0 = time.perf_counter()
+    for name in a.sets:
+        res["sets"][name] = answers_report(
+            load_eval_prompts(name, a.prompts), lambda h: build_prompt_ids(target.tokenizer, h),
+            lambda ids: target_generate(target, ids, a.max_new_tokens, eos_token_id=eos)[0],
+            lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True), eos,
+            a.both_turns and name == "mt_bench")
+        r = res["sets"][name]
+        print(f"{name}: {r['sequences']} answers, {r['supervised_tokens']} tokens, copyable {r['copyable']:.3f}, "
+              + ", ".join(f"{k} {v['copyable']}" for k, v in r["by_position"].items()), flush=True)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = a.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1) + "\n")
+        os.replace(tmp, a.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()
