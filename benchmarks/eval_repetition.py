@@ -1,7 +1,9 @@
 """How much of the target's own greedy output on the eval prompts a lookup in its context predicts.
 
-    python benchmarks/eval_repetition.py RECIPE [--sets mt_bench humaneval] [--prompts 20] [--max-new-tokens 256]
-                                         [--both-turns] [--override KEY=VALUE ...] [--out REPORT.json]
+    python benchmarks/eval_repetition.py RECIPE [--sets mt_bench humaneval] [--prompts N] [--max-new-tokens N]
+                                         [--both-turns | --no-both-turns] [--override KEY=VALUE ...] [--out REPORT.json]
+
+(defaults: the recipe's ``eval.num_prompts``, ``eval.max_new_tokens`` and ``eval.both_turns``)
 
 The acceptance length of a drafter is measured on what the target generates. A small target's greedy
 answers fall into loops, and a loop's continuation can be copied from the context at every depth, so the
@@ -63,12 +65,17 @@ def answers_report(prompts: list[list[str]], encode: Callable[[list[dict]], list
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The command line (module docstring): prints one line per set, writes ``--out`` atomically, returns the report.
+
+    Raises: ConfigError / TargetLoadError from the recipe or its target; FileNotFoundError from an eval set's loader.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("--sets", nargs="+", default=["mt_bench", "humaneval"])
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--both-turns", action="store_true", help="MT-Bench's second turns too (after the target's answer)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per set (default: the recipe's eval.num_prompts)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's eval.max_new_tokens")
+    ap.add_argument("--both-turns", action=argparse.BooleanOptionalAction, default=None,
+                    help="MT-Bench's second turns too, after the target's answer (default: the recipe's eval.both_turns)")
     ap.add_argument("--override", nargs="*", default=[], help="recipe overrides, e.g. target.dtype=float32")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -80,6 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     from peagle_train.recipe import load_config
 
     cfg = load_config(a.recipe, a.override)
+    a.prompts = cfg.eval.num_prompts if a.prompts is None else a.prompts
+    a.max_new_tokens = cfg.eval.max_new_tokens if a.max_new_tokens is None else a.max_new_tokens
+    a.both_turns = cfg.eval.both_turns if a.both_turns is None else a.both_turns
     target = load_target(cfg.target)
     eos = eos_ids(target)
     res = {"command": "python benchmarks/eval_repetition.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -59,14 +59,21 @@ def _train_figures(results: Path, name: str) -> tuple[float, int | None, str]:
     """``(GPU-minutes of training, tokens seen or None, source file)`` of one drafter.
 
     A run trained in legs has ``NAME-curve.json`` (benchmarks/run_curve.py: ``gpu_minutes`` and
-    ``tokens_seen``, summed over the legs); a run of one ``train`` step has ``NAME-train-metrics.json`` (``train_seconds``).
+    ``tokens_seen``, summed over the legs); a run of one ``train`` step has ``NAME-train-metrics.json`` (its last
+    step's ``elapsed_s``, else ``train_seconds``).
+
+    Raises:
+        FileNotFoundError: neither file is there. KeyError: a curve without ``gpu_minutes`` / ``tokens_seen``, or a
+            summary without ``train_seconds``.
     """
     curve = results / f"{name}-curve.json"
     if curve.exists():
         c = json.loads(curve.read_text())
         return float(c["gpu_minutes"]), c["tokens_seen"], curve.name
     m = _read(results / f"{name}-train-metrics.json")
-    return float(m["train_seconds"]) / 60.0, m.get("tokens_seen"), f"{name}-train-metrics.json"
+    # the last step's elapsed_s spans every leg of a resumed run; train_seconds only the last launch's
+    secs = (m.get("last") or {}).get("elapsed_s") or m["train_seconds"]
+    return float(secs) / 60.0, m.get("tokens_seen"), f"{name}-train-metrics.json"
 
 
 def build(results: Path, commit: str, prefix: str) -> dict:
@@ -74,7 +81,8 @@ def build(results: Path, commit: str, prefix: str) -> dict:
 
     Raises:
         FileNotFoundError: an eval report or the train figures of a drafter, or data_meta.json, is missing.
-        KeyError: an eval report lacks MT-Bench, HumanEval, heldout or one of K = 1, 3, 5, 7.
+        KeyError: an eval report lacks MT-Bench, HumanEval, heldout or one of K = 1, 3, 5, 7, or a key the eval stage
+            writes (``lossless``, ``hardware``, ``max_new_tokens``); data_meta.json lacks ``splits.train.tokens``.
     """
     ev = {m: _read(results / f"{n}-eval.json") for m, n in NAMES.items()}
     meta = _read(results / "data_meta.json")
@@ -100,13 +108,16 @@ def build(results: Path, commit: str, prefix: str) -> dict:
         fin = json.loads(metrics.read_text()).get("final", {})
         walk = fin.get("eval_walk_al_heldout") or {}
         sim = walk.get("7", walk.get(7))
-    src["sim_vs_measured_rel_err"] = f"{prefix}/{metrics.name}, {prefix}/{NAMES['peagle']}-eval.json"
+    if metrics.exists():
+        src["sim_vs_measured_rel_err"] = f"{prefix}/{metrics.name}, {prefix}/{NAMES['peagle']}-eval.json"
     gap = None if sim is None else abs(sim - measured) / measured
     cost = _row(pe, "mt_bench", 7)["draft_ms_per_round"] / _row(pe, "mt_bench", 1)["draft_ms_per_round"]
+    workers = pe.get("workers") or 1  # eval processes that shared the device: their timings are not one loop's
     lossless = all(e["lossless"]["passed"] for e in ev.values())
     train_tokens = meta["splits"]["train"]["tokens"]
     src["train_tokens"] = f"{prefix}/data_meta.json"
-    src["lossless"] = src["draft_cost_k7_over_k1"] = f"{prefix}/{NAMES['peagle']}-eval.json"
+    for k in ("lossless", "draft_cost_k7_over_k1", "target_copyable", "max_new_tokens", "device"):
+        src[k] = f"{prefix}/{NAMES['peagle']}-eval.json"
 
     def deep(d):  # accepted fraction at the fourth drafted position, P-EAGLE, K = 7
         a = acc[d]["peagle"]
@@ -115,7 +126,9 @@ def build(results: Path, commit: str, prefix: str) -> dict:
     checks = {
         "prompts_per_set_ge_20": {"value": prompts, "holds": prompts >= MIN_PROMPTS},
         "lossless": {"value": lossless, "holds": lossless},
-        "draft_cost_k7_over_k1_le_1.3": {"value": cost, "holds": cost <= COST_RATIO_MAX},
+        # timed by one eval process only (EVAL_WORKERS=1): with several sharing the GPU the ratio is not the loop's
+        "draft_cost_k7_over_k1_le_1.3": {"value": cost, "eval_workers": workers,
+                                         "holds": workers == 1 and cost <= COST_RATIO_MAX},
         "sim_vs_measured_within_5pct": {"value": gap, "holds": gap is not None and gap <= SIM_GAP_MAX},
     }
     for d in SETS:
@@ -127,7 +140,7 @@ def build(results: Path, commit: str, prefix: str) -> dict:
     return {"commit": commit, "gpu_minutes": gpu_min, "train_tokens": train_tokens,
             "tokens_seen": tokens, "prompts_per_set": prompts, "max_new_tokens": pe["max_new_tokens"],
             "al": al, "acc_by_position": acc, "sim_vs_measured_rel_err": gap, "lossless": lossless,
-            "draft_cost_k7_over_k1": cost,
+            "draft_cost_k7_over_k1": cost, "eval_workers": workers,
             # share of the target's own eval output a lookup in its context predicts (loops; None in reports older than the field)
             "target_copyable": {d: pe["datasets"][d]["target_alone"].get("copyable") for d in pe["datasets"]},
             "device": pe["hardware"].get("device_name"),
@@ -135,6 +148,7 @@ def build(results: Path, commit: str, prefix: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring): writes OUT.json atomically, prints each check; returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=Path)
     ap.add_argument("out", type=Path)

@@ -373,7 +373,7 @@ PY
       name=$(basename "$R" .yaml); d=$(legdir "$R")
       python3 benchmarks/run_curve.py "$d" "$RESULTS/$name-curve.json" || true
       if [ -f "$d/train_metrics.json" ]; then  # finished: its end-of-run eval too (eval_walk_al_heldout)
-        summarize_metrics "$d" "$RESULTS/$name-train-metrics.json"
+        summarize_metrics "$d" "$RESULTS/$name-train-metrics.json" || echo "$name: train-metrics summary failed" >&2
         echo "$name: the run is finished and exported ($d/export)"
       fi
     done

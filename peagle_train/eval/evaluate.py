@@ -263,16 +263,18 @@ class _RawSet:
     bad_k: dict[int, int]
     found: list[dict]
     sequences: int
-    copyable: list[int] = field(default_factory=lambda: [0, 0])  # [copyable, all] target-alone new tokens
+    # [copyable, all] of the target-alone answer tokens (EOS not counted); None: a part written before the field
+    copyable: list[int] | None = field(default_factory=lambda: [0, 0])
 
     def to_dict(self) -> dict:
         return {"num_prompts": self.num_prompts, "sequences": self.sequences, "base": self.base.to_dict(),
                 "per_k": {str(k): [st.to_dict() for st in v] for k, v in self.per_k.items()},
                 "bad_k": {str(k): v for k, v in self.bad_k.items()}, "found": self.found,
-                "copyable": list(self.copyable)}
+                "copyable": None if self.copyable is None else list(self.copyable)}
 
     @staticmethod
     def from_dict(d: dict) -> "_RawSet":
+        """The set of :meth:`to_dict`'s dict (a worker part); a part without ``copyable`` gives None there."""
         stat = lambda x: SpecStats(K=x["K"], accepted=x["accepted"], draft_s=x["draft_s"],  # noqa: E731
                                    verify_s=x["verify_s"], prefill_s=x["prefill_s"], total_s=x["total_s"],
                                    new_tokens=x["new_tokens"])
@@ -280,7 +282,7 @@ class _RawSet:
         return _RawSet(d["num_prompts"], TargetStats(b["prefill_s"], b["total_s"], b["new_tokens"]),
                        {int(k): [stat(x) for x in v] for k, v in d["per_k"].items()},
                        {int(k): v for k, v in d["bad_k"].items()}, list(d["found"]), d["sequences"],
-                       list(d["copyable"]))
+                       list(d["copyable"]) if d.get("copyable") is not None else None)
 
     def add(self, other: "_RawSet") -> "_RawSet":
         """Both shares of the same set together (sums and concatenations; mismatches in prompt order)."""
@@ -289,7 +291,9 @@ class _RawSet:
         return _RawSet(self.num_prompts, base, {k: self.per_k[k] + other.per_k[k] for k in self.per_k},
                        {k: self.bad_k[k] + other.bad_k[k] for k in self.bad_k},
                        sorted(self.found + other.found, key=lambda m: (m["prompt"], m["turn"], m["K"])),
-                       self.sequences + other.sequences, [a + b for a, b in zip(self.copyable, other.copyable)])
+                       self.sequences + other.sequences,
+                       None if self.copyable is None or other.copyable is None  # a share of some workers only: none
+                       else [a + b for a, b in zip(self.copyable, other.copyable)])
 
 
 def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg: EvalConfig, ks: list[int], eos,
@@ -318,7 +322,8 @@ def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg:
             base.new_tokens += bst.new_tokens
             base.total_s += bst.total_s
             seqs.append((pi, ti, ids, ref))
-            flags = copyable_flags(ids + ref, [0] * len(ids) + [1] * len(ref))
+            answer = ref[:-1] if eos and ref and ref[-1] in eos else ref  # EOS is not answer text
+            flags = copyable_flags(ids + answer, [0] * len(ids) + [1] * len(answer))
             copyable[0] += sum(c for _, c in flags)
             copyable[1] += len(flags)
             _advance(bar, base.new_tokens, base.total_s)
@@ -362,7 +367,7 @@ def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | P
             "target_alone": {"new_tokens": r.base.new_tokens, "seconds": r.base.total_s,
                              "tokens_per_s": r.base.tokens_per_s,
                              # share of the target's own output a lookup in its context predicts (repetition)
-                             "copyable": r.copyable[0] / r.copyable[1] if r.copyable[1] else None},
+                             "copyable": r.copyable[0] / r.copyable[1] if r.copyable and r.copyable[1] else None},
             "by_K": [_pool(r.per_k[k], r.base.new_tokens, r.base.total_s, k, r.bad_k[k]) for k in ks],
         }
     checked = sum(r.sequences for r in raw.values()) * len(ks)

@@ -319,24 +319,37 @@ def test_k_values_evaluates_only_those_served_k(tmp_path):
             EvalConfig(k_max=3, k_values=bad)
 
 
-def test_eval_reports_the_copyable_share_of_the_targets_output(monkeypatch):
+def test_eval_reports_the_copyable_share_of_the_targets_output(monkeypatch, tmp_path):
     """``target_alone.copyable``: the share of the target's new tokens a 4-token lookup in their context predicts,
     summed over sequences (and over eval workers' shares)."""
     import peagle_train.eval.evaluate as ev
     from peagle_train.peagle.spec_stats import SpecStats, TargetStats
 
-    refs = {(1, 2): [5, 6, 7, 8] * 4,   # a 4-token loop: tokens 9.. are copyable (the first 4 after a repeat: 8 of 16)
-            (3, 4): list(range(20, 36))}  # 16 fresh tokens: none
+    refs = {(1, 2): [5, 6, 7, 8] * 4 + [0],  # a 4-token loop, then EOS (0, not counted): answer tokens 9-16 are
+            (3, 4): list(range(20, 36))}     # copyable (8 of 16; the first repeat is not); 16 fresh tokens: none
     monkeypatch.setattr(ev, "target_generate", lambda t, ids, n, eos_token_id=None: (
-        refs[tuple(ids)][:n], TargetStats(0.0, 1.0, min(n, 16))))
+        refs[tuple(ids)], TargetStats(0.0, 1.0, 16)))
     monkeypatch.setattr(ev, "speculative_generate", lambda t, d, ids, k, n, eos_token_id=None: (
-        refs[tuple(ids)][:n], SpecStats(K=k, accepted=[0], draft_s=[0.0], verify_s=[0.0], total_s=1.0, new_tokens=16)))
+        refs[tuple(ids)], SpecStats(K=k, accepted=[0], draft_s=[0.0], verify_s=[0.0], total_s=1.0, new_tokens=16)))
     cfg = EvalConfig(datasets=["humaneval"], num_prompts=2, max_new_tokens=16, k_max=1, both_turns=False)
     prompts = [ev.TokenPrompt([1, 2]), ev.TokenPrompt([3, 4])]
-    one = ev._decode_set(None, None, "humaneval", prompts, [0, 1], cfg, [1], None, None, None, [True], False)
+    one = ev._decode_set(None, None, "humaneval", prompts, [0, 1], cfg, [1], [0], None, None, [True], False)
     assert one.copyable == [8, 32]
     # the copyable count of data_prep.loops on the answer after its prompt: 4 tokens of context, then the loop
-    shares = [ev._decode_set(None, None, "humaneval", prompts, [i], cfg, [1], None, None, None, [True], False)
+    shares = [ev._decode_set(None, None, "humaneval", prompts, [i], cfg, [1], [0], None, None, [True], False)
               for i in (0, 1)]
     merged = ev._RawSet.from_dict(shares[0].to_dict()).add(ev._RawSet.from_dict(shares[1].to_dict()))
     assert merged.copyable == [8, 32] and [s.copyable for s in shares] == [[8, 16], [0, 16]]
+    head = {"target": "t", "drafter": "d", "method": "peagle", "trained_K": 1, "k_values": [1], "max_new_tokens": 16,
+            "both_turns": False, "decoding": "greedy",
+            "hardware": {"device": "cpu", "device_name": "cpu", "cpu_cores": 2, "torch": "x", "transformers": "x"}}
+    rep = ev._report(head, {"humaneval": merged}, [1], tmp_path, workers=2)
+    assert rep["datasets"]["humaneval"]["target_alone"]["copyable"] == 0.25
+    assert "copyable by a 4-token lookup in their context: 0.25" in (tmp_path / "eval.md").read_text()
+    # a worker part written before the field: the merged share is unknown (None), not a share of some workers
+    old = shares[1].to_dict()
+    del old["copyable"]
+    partial = ev._RawSet.from_dict(shares[0].to_dict()).add(ev._RawSet.from_dict(old))
+    assert partial.copyable is None
+    rep = ev._report(head, {"humaneval": partial}, [1], tmp_path / "old", workers=2)
+    assert rep["datasets"]["humaneval"]["target_alone"]["copyable"] is None
