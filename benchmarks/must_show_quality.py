@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-NAMES = {"peagle": "smollm2-135m-peagle-gpu", "eagle3": "smollm2-135m-eagle3-gpu"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_report import NAMES  # noqa: E402  (the experiment's result file names, one definition)
 SETS = ("mt_bench", "humaneval")
 AL_FLOOR = {"mt_bench": 2.0, "humaneval": 2.2}  # issue 20: P-EAGLE AL(K = 7) with the reference loop
 RATIO_FLOOR = 1.2          # P-EAGLE / EAGLE-3 at K = 7, both sets
@@ -155,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=os.environ.get("PEAGLE_COMMIT", "unknown"))
     ap.add_argument("--sources-prefix", default=None)
     a = ap.parse_args(argv)
-    rec = build(a.results, a.commit, a.sources_prefix or str(a.results).rstrip("/"))
+    try:
+        rec = build(a.results, a.commit, a.sources_prefix or str(a.results).rstrip("/"))
+    except (FileNotFoundError, KeyError) as e:  # the message names the file, set or K; nothing is written
+        sys.exit(f"must_show_quality: {e.args[0] if e.args else e}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec, indent=1) + "\n")
