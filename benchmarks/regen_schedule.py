@@ -1,7 +1,8 @@
 """How the static engine in segments spends its batch places on a recorded regeneration: the engine's own
 scheduling code replayed on the answers a target already gave, without the target.
 
-    python benchmarks/regen_schedule.py RECIPE --shards DIR [--limit-shards N] [--override KEY=VALUE ...]
+    python benchmarks/regen_schedule.py RECIPE --shards DIR [--limit-shards N] [--conversations N] [--group G]
+                                        [--override KEY=VALUE ...]
                                         [--variants NAME=regen.KEY=VALUE[,regen.KEY=VALUE] ...] [--out OUT.json]
 
 ``DIR`` holds regeneration shards (``train-*.json``, as ``peagle-train prepare`` writes them under
@@ -301,6 +302,9 @@ def parse_args(argv):
     p.add_argument("--shards", required=True, type=Path, help="shard folder or ferry pack (module docstring)")
     p.add_argument("--limit-shards", type=int, default=None)
     p.add_argument("--conversations", type=int, default=None, help="the first N conversations of each shard")
+    p.add_argument("--group", type=int, default=1, metavar="G",
+                   help="replay G consecutive shards as one regenerate call: the schedule of regen.shards_per_call G "
+                        "(the batch refilled from the next shard's conversations)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run")
     p.add_argument("--variants", nargs="*", default=[], metavar="NAME=regen.KEY=VALUE[,regen.KEY=VALUE]",
                    help="regen settings replayed beside the recipe's own (base)")
@@ -317,12 +321,17 @@ def main(argv=None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.group < 1:
+        raise SystemExit(f"regen_schedule: --group {args.group}: give 1 or more shards per regenerate call")
     variants = {"base": {}, **parse_variants(args.variants)}
     cfg = load_config(args.recipe, list(args.override))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.target, materialise_target(cfg.target)))
     shards = [(n, c[:args.conversations]) for n, c in load_shards(args.shards, args.limit_shards)]
+    shards = [("+".join(n for n, _ in shards[i:i + args.group]), [c for _, cs in shards[i:i + args.group] for c in cs])
+              for i in range(0, len(shards), args.group)]
     result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_schedule.py", *argv]),
                        "recipe": args.recipe, "overrides": args.override, "shards": [n for n, _ in shards],
+                       "group": args.group,
                        "what": "the static engine's schedule replayed on recorded answers (module docstring): "
                                "decoding steps, batch places, prefilled tokens; no timing"}, "variants": {}}
     for name, upd in variants.items():

@@ -133,6 +133,12 @@ class RegenConfig(Section):
         "by transformers from the memory left."
     )
     shard_size: int = Field(256, ge=1, description="Conversations per resumable regeneration shard.")
+    shards_per_call: int = Field(
+        1, ge=1, description="backend hf: this many consecutive shards still to generate are answered by one "
+        "engine run, so that its batch stays full across their boundaries (a shard's conversations alone drain it "
+        "as they end), and each is written to its own file when the run ends; a run killed before that loses "
+        "those shards' work. Shard files and their resumption are as with 1."
+    )
     train_shards: int | None = Field(
         None, ge=1, description="Regenerate, and prepare the train split from, only the first this many shards of "
         "the train split (shards of shard_size conversations, in the split's order); the eval split is whole. "
@@ -174,6 +180,9 @@ class RegenConfig(Section):
                 raise ValueError(f"regen.{key} works between the segments of the HF static engine: set regen.backend: "
                                  "hf, regen.engine: static (or auto on CUDA without flash attention) and "
                                  "regen.segment_tokens")
+        if self.shards_per_call > 1 and self.backend != "hf":
+            raise ValueError("regen.shards_per_call is a setting of regen.backend: hf (a vLLM server keeps its own "
+                             "batch full)")
         if self.train_shards is not None and not self.enabled:
             raise ValueError("regen.train_shards limits the regenerated train shards: it needs regen.enabled: true")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):

@@ -351,7 +351,8 @@ def regenerate(
     cfg: RegenConfig,
     max_prompt_tokens: int,
     progress: bool = True,
-) -> tuple[list[list[Message]], dict]:
+    parts: list[int] | None = None,
+) -> tuple[list[list[Message]], dict] | list[tuple[list[list[Message]], dict]]:
     """Replace every assistant turn by the target's own response to the regenerated history.
 
     Args:
@@ -370,6 +371,9 @@ def regenerate(
         max_prompt_tokens: a prompt (tokens, including the assistant header) longer than
             this ends its conversation (counted, not raised).
         progress: show a tqdm bar (turns, with generated tokens/s).
+        parts: HF backend only: sizes of consecutive slices of ``conversations`` (``regen.shards_per_call``
+            shards of a prepare) answered by one engine run and reported apart
+            (:func:`data_prep.rounds.run_rounds`).
 
     Returns:
         ``(conversations, report)``: the surviving conversations in input order, each turn's
@@ -381,6 +385,10 @@ def regenerate(
         ``max_new_tokens``, ``unfinished_reasoning`` -- stopped inside the reasoning, turn not
         kept), ``generated_tokens`` (including each end-of-turn token),
         ``generate_seconds``, ``tokens_per_s``, the ``engine`` that ran and the ``sampling`` settings.
+        With ``parts``: one such pair per slice; each report counts its slice (``generate_seconds`` is its share
+        of the run's, in proportion to generated tokens) and has ``group``: the whole run's ``parts``,
+        ``conversations``, ``generate_seconds``, ``generated_tokens`` and ``engine_profile``, and its ``part``
+        index; no report of its own has ``engine_profile``.
 
     ``cfg.backend == "vllm"`` dispatches to :func:`data_prep.regenerate_vllm.regenerate_vllm`
     (OpenAI-compatible server at ``regen.server_url``, or offline ``vllm.LLM``), which
@@ -392,20 +400,35 @@ def regenerate(
         RuntimeError: continuous batching failed on a request (:mod:`data_prep.regenerate_cb`).
     """
     if cfg.backend == "vllm":
-
+        if parts is not None:
+            raise ValueError("regenerate: parts (regen.shards_per_call) is a setting of regen.backend: hf")
         return regenerate_vllm(model, tokenizer, conversations, cfg, max_prompt_tokens, progress)
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
     complete, engine = hf_engine(model, tokenizer, cfg)
-    kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
-    report = regen_report(cfg, {"backend": "hf", "engine": engine}, **stats, max_prompt_tokens=max_prompt_tokens,
-                          eos_ids=_eos_ids(model, tokenizer))
-    report["turns"] = "streamed" if complete.streaming else "rounds"
-    if cfg.stop_loops:
-        report["looped_responses"] = len(complete.looped)  # also in unfinished_responses
+    got = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress, parts=parts)
+    eos_ids = _eos_ids(model, tokenizer)
+
+    def report_of(stats: dict) -> dict:
+        # looped_responses (regen.stop_loops): also in unfinished_responses
+        report = regen_report(cfg, {"backend": "hf", "engine": engine},
+                              **{**stats, "looped": stats["looped"] if cfg.stop_loops else None},
+                              max_prompt_tokens=max_prompt_tokens, eos_ids=eos_ids)
+        report["turns"] = "streamed" if complete.streaming else "rounds"
+        return report
+
+    if parts is None:
+        kept, stats = got
+        report = report_of(stats)
+        if complete.profile is not None:
+            report["engine_profile"] = dict(complete.profile)
+        return kept, report
+    seconds = sum(stats["seconds"] for _, stats in got)
+    group = {"parts": len(parts), "conversations": len(conversations), "generate_seconds": round(seconds, 3),
+             "generated_tokens": sum(stats["generated_tokens"] for _, stats in got)}
     if complete.profile is not None:
-        report["engine_profile"] = dict(complete.profile)
-    return kept, report
+        group["engine_profile"] = dict(complete.profile)
+    return [(kept, {**report_of(stats), "group": {**group, "part": i}}) for i, (kept, stats) in enumerate(got)]
 
 
 def resolve_engine(model, cfg: RegenConfig) -> str:
@@ -496,12 +519,12 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     harmony = harmony_splitter(tokenizer)  # GPT-OSS: channels split on the special ids, not on decoded text
 
-    def answer(i: int, new: list[int], finished: bool) -> tuple[int, Completion]:
+    def answer(i: int, new: list[int], finished: bool, looped: bool = False) -> tuple[int, Completion]:
         split = harmony(new) if harmony is not None else None
         if split is not None:  # run_rounds ends a turn cut in its reasoning, or with no answer, as for <think>
             reasoning, text = split
-            return i, Completion(text, reasoning, len(new), finished, new)
-        return i, Completion(decode(new), None, len(new), finished, new)
+            return i, Completion(text, reasoning, len(new), finished, new, looped)
+        return i, Completion(decode(new), None, len(new), finished, new, looped)
 
     if engine == "continuous":
         def complete(jobs: list[Job]):
@@ -541,7 +564,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
                                                         cfg.stop_loops, looped, cfg.refill_at):
-                yield answer(i, new, finished)
+                yield answer(i, new, finished, bool(looped) and looped[-1] == i)  # stopped in a loop just now
             return
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]

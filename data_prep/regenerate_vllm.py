@@ -272,5 +272,5 @@ def regenerate_vllm(
         engine.close()
     head = {"backend": "vllm", "engine": "server" if cfg.server_url else "offline", "server_url": cfg.server_url,
             "model": engine.model, "concurrency": cfg.concurrency if cfg.server_url else None}
-    report = regen_report(cfg, head, **stats, max_prompt_tokens=max_prompt_tokens, eos_ids=None)
+    report = regen_report(cfg, head, **{**stats, "looped": None}, max_prompt_tokens=max_prompt_tokens, eos_ids=None)
     return kept, report

@@ -34,7 +34,8 @@ class Completion:
     reasoning text if the engine separated it (else None); ``tokens``: generated tokens (HF: up
     to and including the first end-of-turn token; a vLLM server's ``usage.completion_tokens`` or vLLM's output ids);
     ``finished``: stopped by end-of-turn, not by ``max_new_tokens``; ``token_ids``: the generated ids
-    (the HF engines; None where the engine gives none).
+    (the HF engines; None where the engine gives none); ``looped``: stopped by ``regen.stop_loops`` (unfinished,
+    its answer ending in a repetition loop; the HF static engine in segments).
     """
 
     text: str
@@ -42,6 +43,7 @@ class Completion:
     tokens: int
     finished: bool
     token_ids: list[int] | None = None
+    looped: bool = False
 
 
 def run_rounds(
@@ -51,7 +53,8 @@ def run_rounds(
     max_prompt_tokens: int,
     progress: bool,
     desc: str = "regenerate",
-) -> tuple[list[list[Message]], dict]:
+    parts: list[int] | None = None,
+) -> tuple[list[list[Message]], dict] | list[tuple[list[list[Message]], dict]]:
     """Regenerate turn by turn over all conversations (module docstring), with any engine.
 
     Args:
@@ -66,13 +69,19 @@ def run_rounds(
             (:func:`stream_turns`).
         tokenizer: target tokenizer (prompt-length check, :func:`build_prompt_ids`).
         conversations, max_prompt_tokens, progress: as :func:`regenerate`.
+        parts: sizes of consecutive slices of ``conversations`` (summing to their number) to report apart: one
+            engine run answers them all (its batch full across the slices), the result is one pair per slice.
 
     Returns:
         ``(kept conversations, stats)``; ``stats`` holds the keyword arguments of
         :func:`regen_report` that the loop knows (``n_in``, ``n_out``, ``cut``,
-        ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine).
+        ``turns_requested``, ``counts``, ``generated_tokens``, ``seconds`` — time inside the engine,
+        ``looped`` — answers the engine stopped in a loop, :attr:`Completion.looped`).
         Both kinds of engine give the same conversations and stats (but ``seconds``) for the same
         completions: each turn's prompt is its own conversation's regenerated history.
+        With ``parts``: a list of such pairs, one per slice, each counting its own conversations and turns;
+        the engine's time is shared out in proportion to the slices' generated tokens (by conversations when
+        none was generated), so the slices' ``seconds`` add up to the run's.
 
     Each completion becomes ``{"role": "assistant", "content": answer, "reasoning"?: reasoning}``.
     A completion with ``reasoning=None`` is split with the template's reasoning markers
@@ -85,22 +94,28 @@ def run_rounds(
     ``unfinished_responses``). A finished response with an empty answer is ``empty_responses``.
 
     Raises:
-        ValueError: a conversation not in normal form (names its index).
+        ValueError: a conversation not in normal form (names its index); ``parts`` that do not add up to the
+            number of conversations.
     """
     from tqdm.auto import tqdm
 
+    sizes = parts
+    if sizes is not None and (sum(sizes) != len(conversations) or any(n < 0 for n in sizes)):
+        raise ValueError(f"run_rounds: parts {sizes} must be sizes >= 0 adding up to the {len(conversations)} "
+                         "conversations")
     parts = [split_turns(c, k) for k, c in enumerate(conversations)]
     out: list[list[Message]] = [list(head) for head, _ in parts]
     alive = [True] * len(parts)
     markers = reasoning_markers(tokenizer)
-    counts = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, unfinished_reasoning=0,
-                  turns_generated=0)
+    zero = dict(prompts_too_long=0, empty_responses=0, unfinished_responses=0, unfinished_reasoning=0,
+                turns_generated=0, looped=0, generated_tokens=0)
+    per = [dict(zero) for _ in parts]  # each conversation's counts (a part's are the sum of its own)
     totals = {"generated_tokens": 0, "seconds": 0.0}
     total_turns = sum(len(users) for _, users in parts)
     bar = tqdm(total=total_turns, unit="turn", desc=desc, disable=not progress)
 
     def end(k: int, counter: str) -> None:
-        counts[counter] += 1
+        per[k][counter] += 1
         alive[k] = False
         bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)  # its remaining turns
 
@@ -121,7 +136,9 @@ def run_rounds(
     def record(k: int, r: int, c: Completion) -> bool:
         """Keep (or end the conversation on) the answer ``c`` to turn ``r`` of ``k``; True when kept."""
         totals["generated_tokens"] += c.tokens
-        counts["unfinished_responses"] += not c.finished
+        per[k]["generated_tokens"] += c.tokens
+        per[k]["unfinished_responses"] += not c.finished
+        per[k]["looped"] += c.looped
         reasoning, text, closed = c.reasoning, c.text, True
         if reasoning is None and markers is not None:
             reasoning, text, closed = split_reasoning(c.text, markers)
@@ -135,7 +152,7 @@ def run_rounds(
         if reasoning:
             turn["reasoning"] = reasoning
         out[k] += [{"role": "user", "content": parts[k][1][r]}, turn]
-        counts["turns_generated"] += 1
+        per[k]["turns_generated"] += 1
         bar.update(1)
         bar.set_postfix(tok_s=f"{totals['generated_tokens'] / max(totals['seconds'], 1e-9):.1f}", refresh=False)
         return True
@@ -165,10 +182,23 @@ def run_rounds(
     bar.close()
 
     n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
-    kept = [o for o, n in zip(out, n_turns) if n > 0]
-    return kept, dict(n_in=len(conversations), n_out=len(kept), turns_requested=total_turns, counts=counts,
-                      cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts)),
-                      generated_tokens=totals["generated_tokens"], seconds=totals["seconds"])
+
+    def stats(lo: int, hi: int, seconds: float) -> tuple[list[list[Message]], dict]:
+        """The kept conversations and stats of conversations ``[lo, hi)``."""
+        tot = {key: sum(p[key] for p in per[lo:hi]) for key in zero}
+        kept = [o for o, n in zip(out[lo:hi], n_turns[lo:hi]) if n > 0]
+        return kept, dict(n_in=hi - lo, n_out=len(kept), turns_requested=sum(len(u) for _, u in parts[lo:hi]),
+                          counts={key: tot[key] for key in zero if key not in ("looped", "generated_tokens")},
+                          cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns[lo:hi], parts[lo:hi])),
+                          generated_tokens=tot["generated_tokens"], seconds=seconds, looped=tot["looped"])
+
+    if sizes is None:
+        return stats(0, len(parts), totals["seconds"])
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    made = [sum(p["generated_tokens"] for p in per[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    weight = made if sum(made) else list(sizes)
+    return [stats(lo, hi, totals["seconds"] * w / max(sum(weight), 1))
+            for lo, hi, w in zip(bounds, bounds[1:], weight)]
 
 
 def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callable[[int, int, Completion], bool],
@@ -287,11 +317,12 @@ def split_turns(conv: list[Message], k: int) -> tuple[list[Message], list[str]]:
 
 def regen_report(cfg: RegenConfig, head: dict, *, n_in: int, n_out: int, cut: int, turns_requested: int,
                  counts: dict, generated_tokens: int, seconds: float, max_prompt_tokens: int,
-                 eos_ids: list[int] | None) -> dict:
+                 eos_ids: list[int] | None, looped: int | None = None) -> dict:
     """The regeneration report shared by every backend (summed per shard by ``stages._regenerate_sharded``).
 
     ``head`` holds backend-specific keys placed first; ``seconds`` is generation wall time (s);
-    ``tokens_per_s`` is ``generated_tokens / seconds``.
+    ``tokens_per_s`` is ``generated_tokens / seconds``; ``looped`` (``regen.stop_loops`` runs only, else None
+    and left out): ``looped_responses``, the answers stopped in a repetition loop (also counted as unfinished).
     """
     return {
         **head,
@@ -314,6 +345,7 @@ def regen_report(cfg: RegenConfig, head: dict, *, n_in: int, n_out: int, cut: in
             "batch_size": cfg.batch_size,
             "seed": cfg.seed,
         },
+        **({} if looped is None else {"looped_responses": looped}),
     }
 
 

@@ -331,56 +331,74 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     against free memory (:func:`data_prep.regenerate.check_regen_memory`): reduced with a printed message,
     or refused (ConfigError) when not one sequence fits. A run killed mid-shard loses only that shard's
     work: a shard file is complete or absent (``write_json_atomic``), so a re-run redoes exactly the
-    missing shards, each conversation once.
+    missing shards, each conversation once. Every shard already on disk is checked against the conversations
+    it was made from before any is generated.
+
+    ``regen.shards_per_call = k``: the shards still to generate (this worker's) are answered ``k`` consecutive
+    ones at a time by one engine run (:func:`data_prep.regenerate.regenerate` with ``parts``), so the engine's
+    batch is refilled from the next shard's conversations while one shard's drain; each shard's conversations
+    and report are still its own, written to its own file when the run ends (a kill before that loses up to
+    ``k`` shards' work, never a conversation twice). Its report's ``group`` names the run's shards and totals.
 
     ``regen.train_shards = n`` (train split only): shards ``n`` and later are neither generated nor
     returned, so prepare tokenises the first ``n * regen.shard_size`` train conversations."""
     from data_prep.regenerate import check_regen_memory, regenerate
 
     root.mkdir(parents=True, exist_ok=True)
-    out, reports = [], []
     size = cfg.regen.shard_size
-    regen_cfg = None  # cfg.regen once checked against memory
     mine: dict[str, list[int]] = {"written": [], "reused": []}
     limit = cfg.regen.train_shards if split == "train" else None
-    for i, start in enumerate(range(0, len(convs), size)):
-        if limit is not None and i >= limit:
-            break
-        path = root / f"{split}-{i:05d}.json"
-        if worker is not None:
-            if i % worker[1] != worker[0]:
-                continue
-            if path.exists():
-                mine["reused"].append(i)
-                continue
-            mine["written"].append(i)
-        digest = _sha256_json(convs[start:start + size])
-        if path.exists():
-            saved = json.loads(path.read_text())
-            if saved.get("inputs_sha256", digest) != digest:
+    shards = [i for i in range(-(-len(convs) // size)) if limit is None or i < limit]
+    if worker is not None:
+        shards = [i for i in shards if i % worker[1] == worker[0]]
+
+    def path(i: int) -> Path:
+        return root / f"{split}-{i:05d}.json"
+
+    def part(i: int) -> list:
+        return convs[i * size:(i + 1) * size]
+
+    saved: dict[int, dict] = {}
+    for i in shards:  # every shard on disk checked before any is generated
+        if path(i).exists():
+            mine["reused"].append(i)
+            saved[i] = json.loads(path(i).read_text())
+            if saved[i].get("inputs_sha256", _sha256_json(part(i))) != _sha256_json(part(i)):
                 raise ConfigError(
-                    f"{path}: this regeneration shard was made from other conversations than the recipe now selects "
+                    f"{path(i)}: this regeneration shard was made from other conversations than the recipe now selects "
                     "(data section or source file changed); delete the data/regen folder or choose another output_dir")
+    todo = [i for i in shards if i not in saved]
+    mine["written"] = list(todo)
+    k = cfg.regen.shards_per_call
+    regen_cfg = None  # cfg.regen once checked against memory
+    for g in range(0, len(todo), k):  # regen.shards_per_call shards still to generate in one engine run
+        group = todo[g:g + k]
+        if regen_cfg is None:
+            regen_cfg = cfg.regen
+            if cfg.regen.backend == "hf":
+                try:
+                    regen_cfg, note = check_regen_memory(target.model, cfg.regen, cfg.data.max_prompt_tokens)
+                except ValueError as e:
+                    raise ConfigError(f"{cfg.source_file}: {e}") from None
+                if note:
+                    print(f"prepare: {note}")
+        if len(group) == 1:
+            results = [regenerate(target.model, target.tokenizer, part(group[0]), regen_cfg,
+                                  cfg.data.max_prompt_tokens, progress=progress)]
         else:
-            if regen_cfg is None:
-                regen_cfg = cfg.regen
-                if cfg.regen.backend == "hf":
-                    try:
-                        regen_cfg, note = check_regen_memory(target.model, cfg.regen, cfg.data.max_prompt_tokens)
-                    except ValueError as e:
-                        raise ConfigError(f"{cfg.source_file}: {e}") from None
-                    if note:
-                        print(f"prepare: {note}")
-            new, rep = regenerate(target.model, target.tokenizer, convs[start:start + size], regen_cfg,
-                                  cfg.data.max_prompt_tokens, progress=progress)
-            saved = {"conversations": new, "report": rep, "inputs_sha256": digest}
-            write_json_atomic(path, saved, indent=None)
-        if worker is not None:
-            continue
-        out += saved["conversations"]
-        reports.append(saved["report"])
+            results = regenerate(target.model, target.tokenizer, [c for i in group for c in part(i)], regen_cfg,
+                                 cfg.data.max_prompt_tokens, progress=progress, parts=[len(part(i)) for i in group])
+        for i, (new, rep) in zip(group, results):
+            if len(group) > 1:
+                rep["group"]["shards"] = list(group)
+            saved[i] = {"conversations": new, "report": rep, "inputs_sha256": _sha256_json(part(i))}
+            write_json_atomic(path(i), saved[i], indent=None)
     if worker is not None:
         return mine
+    out, reports = [], []
+    for i in shards:
+        out += saved[i]["conversations"]
+        reports.append(saved[i]["report"])
     # unfinished_reasoning: responses cut inside their reasoning (data_prep.rounds); 0 in shards written before it
     summed = {k: sum(r.get(k, 0) for r in reports) for k in ("conversations_in", "conversations_out", "generated_tokens",
                                                             "prompts_too_long", "unfinished_responses", "looped_responses",

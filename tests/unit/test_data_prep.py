@@ -726,3 +726,94 @@ def test_train_shards_regenerates_and_returns_only_the_first_shards(tok, tiny_mo
     assert two == full[:4] and rep2["shards"] == 2
     with pytest.raises(ValueError, match="train_shards.*regen.enabled"):
         RegenConfig(enabled=False, train_shards=1)
+
+
+def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, tiny_model, tmp_path, monkeypatch):
+    """``regen.shards_per_call: 2``: shards still to generate are answered two at a time by one engine run (its
+    batch refilled from the next shard's conversations), each written to its own file with its own conversations
+    and counts: the same conversations and summed counts as one run per shard, a ``group`` with the run's totals.
+    A run that fails inside a group leaves the earlier groups' files; the re-run generates only what is missing."""
+    from types import SimpleNamespace
+
+    import data_prep.regenerate as regen_mod
+    from data_prep import regen_memory
+    from peagle_train import stages
+    from peagle_train.core.config import TargetConfig
+    from peagle_train.recipe import RunConfig
+
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
+    monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)
+
+    def cfg(k):
+        return RunConfig(target=TargetConfig(name="tiny", path="unused"),
+                         regen=RegenConfig(engine="static", max_new_tokens=20, batch_size=4, segment_tokens=8,
+                                           shard_size=2, shards_per_call=k))
+
+    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
+    one, rep1 = stages._regenerate_sharded(target, REGEN_CONVS, cfg(1), tmp_path / "one", "train", False)
+    runs, real = [], regen_mod.regenerate
+
+    def counted(*args, **kwargs):
+        runs.append(kwargs.get("parts"))
+        if len(runs) == 2 and fail:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen_mod, "regenerate", counted)
+    fail = True
+    with pytest.raises(RuntimeError, match="killed"):
+        stages._regenerate_sharded(target, REGEN_CONVS, cfg(2), tmp_path / "two", "train", False)
+    assert runs == [[2, 2], None]  # shards 0 and 1 in one run, then shard 2 alone
+    assert sorted(p.name for p in (tmp_path / "two").glob("*.json")) == ["train-00000.json", "train-00001.json"]
+    fail, runs[:] = False, []
+    two, rep2 = stages._regenerate_sharded(target, REGEN_CONVS, cfg(2), tmp_path / "two", "train", False)
+    assert runs == [None]  # only the missing shard
+    assert two == one
+    same = ("conversations_in", "conversations_out", "generated_tokens", "unfinished_responses", "prompts_too_long")
+    assert {k: rep2[k] for k in same} == {k: rep1[k] for k in same}
+    import json
+
+    shard = [json.loads((tmp_path / "two" / f"train-0000{i}.json").read_text()) for i in range(3)]
+    for i in range(2):
+        mine = json.loads((tmp_path / "one" / f"train-0000{i}.json").read_text())
+        assert shard[i]["conversations"] == mine["conversations"]
+        assert shard[i]["inputs_sha256"] == mine["inputs_sha256"]
+        r, r1 = shard[i]["report"], mine["report"]
+        assert {k: r[k] for k in (*same, "turns_generated", "conversations_cut")} == \
+               {k: r1[k] for k in (*same, "turns_generated", "conversations_cut")}
+        g = r["group"]
+        assert (g["shards"], g["part"], g["parts"], g["conversations"]) == ([0, 1], i, 2, 4)
+        assert "engine_profile" in g and "engine_profile" not in r
+    g = shard[0]["report"]["group"]
+    assert g["generated_tokens"] == sum(shard[i]["report"]["generated_tokens"] for i in range(2))
+    assert abs(g["generate_seconds"] - sum(shard[i]["report"]["generate_seconds"] for i in range(2))) < 2e-3
+    assert "group" not in shard[2]["report"]
+    with pytest.raises(ValueError, match="shards_per_call.*backend: hf"):
+        RegenConfig(backend="vllm", server_url="http://x", shards_per_call=2)
+
+
+def test_run_rounds_reports_parts_apart(tok):
+    """``run_rounds(parts=...)``: one engine run, one (kept, stats) per slice; the slices' counts add up to the
+    whole run's, the engine's seconds are shared by generated tokens."""
+    from data_prep.rounds import Completion, run_rounds
+
+    convs = [conv("a", "x"), conv("b", "x", "c", "x"), conv("d", "x"), conv("e", "x", "f", "x", "g", "x")]
+    answers = {0: Completion("A", None, 3, True), 1: Completion("B", None, 5, False, looped=True),
+               2: Completion("", None, 1, True), 3: Completion("C", None, 2, True)}
+
+    def engine(jobs):
+        return [(i, answers[j[0]]) for i, j in enumerate(jobs)]
+
+    whole_kept, whole = run_rounds(engine, tok, convs, 512, False)
+    parts = run_rounds(engine, tok, convs, 512, False, parts=[1, 3, 0])
+    assert [p[0] for p in parts] == [whole_kept[:1], whole_kept[1:], []]
+    assert [p[1]["n_in"] for p in parts] == [1, 3, 0] and sum(p[1]["n_out"] for p in parts) == whole["n_out"]
+    for key in ("generated_tokens", "turns_requested", "cut", "looped"):
+        assert sum(p[1][key] for p in parts) == whole[key], key
+    for key in whole["counts"]:
+        assert sum(p[1]["counts"][key] for p in parts) == whole["counts"][key], key
+    assert whole["looped"] == 2 and whole["counts"]["empty_responses"] == 1  # conversation 1 answered twice
+    made, secs = [p[1]["generated_tokens"] for p in parts], [p[1]["seconds"] for p in parts]
+    assert made == [3, 5 + 5 + 1 + 3 * 2, 0] and secs[2] == 0 and secs[1] == pytest.approx(secs[0] * 17 / 3)
+    with pytest.raises(ValueError, match="parts"):
+        run_rounds(engine, tok, convs, 512, False, parts=[1, 1])
