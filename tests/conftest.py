@@ -193,6 +193,29 @@ def tiny_llama_config():
     return _tiny_llama_config
 
 
+def tiny_generator(seed: int, lengths: tuple[int, ...]):
+    """``(model, prompts)`` for generation tests: a tiny random Llama (:func:`_tiny_llama_config`, SDPA, float32,
+    torch seed 0) in eval mode and one random prompt of ids in ``[3, 128)`` per length (generator ``seed``)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = _tiny_llama_config()
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    return model, [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def varied_eos(free: list[tuple[list[int], bool]]) -> int:
+    """An end-of-turn id for a tiny random model: the token its free-running answers ``free`` (``(new ids,
+    finished)`` per row, none ending) emit at the most distinct depths, so rows end at different steps."""
+    depth: dict[int, set[int]] = {}
+    for new, _ in free:
+        for t, tok in enumerate(new):
+            depth.setdefault(tok, set()).add(t)
+    return max(depth, key=lambda tok: len(depth[tok]))
+
+
 @pytest.fixture(scope="session")
 def tiny_drafter():
     """Factory ``tiny_drafter(target_config=None, *, draft_vocab_size=None, parallel_drafting=True,

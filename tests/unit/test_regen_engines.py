@@ -250,26 +250,16 @@ def test_segmented_static_generation_equals_one_call_to_the_cap(tiny_llama_confi
     above float32 rounding): the end-of-turn
     token counted, a row cut by the cap with exactly ``cap`` tokens, an end-of-turn token after the cap not
     counted, every job once; with ``regen.refill_at`` too, where calls end early (fewer row-steps decoded)."""
-    import torch
-    from transformers import LlamaForCausalLM
+    from conftest import tiny_generator, varied_eos
 
     from data_prep import regen_memory
     from data_prep.regenerate import _generate_batch, _generate_segmented
 
-    torch.manual_seed(0)
-    config = tiny_llama_config()
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3, 11)]
+    model, prompts = tiny_generator(1, (5, 9, 2, 14, 7, 3, 11))
     cap, kw = 13, {"do_sample": False}
     free = _generate_batch(model, prompts, 0, [1], {**kw, "max_new_tokens": cap})  # no row ends (id 1 unused)
     # an end-of-turn id that some rows reach at different depths, one of them only after the cap
-    counts = {}
-    for new, _ in free:
-        for t, tok in enumerate(new):
-            counts.setdefault(tok, set()).add(t)
-    eos = max(counts, key=lambda tok: len(counts[tok]))
+    eos = varied_eos(free)
     ref = _generate_batch(model, prompts, 0, [eos], {**kw, "max_new_tokens": cap})
     assert any(f for _, f in ref) and not all(f for _, f in ref)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -361,16 +351,11 @@ def test_a_batch_that_runs_out_of_memory_in_generate_goes_on_in_halves(tiny_llam
     ``_FittingRows`` halves its row limit (for the rest of the run), says so and what to set, and the outputs
     equal one batch's; a single row that does not fit is an error naming what to lower."""
     import torch
-    from transformers import LlamaForCausalLM
+    from conftest import tiny_generator
 
     from data_prep.regenerate import _FittingRows, _generate_batch, _generate_segmented
 
-    torch.manual_seed(0)
-    config = tiny_llama_config()
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3, 11, 4)]
+    model, prompts = tiny_generator(2, (5, 9, 2, 14, 7, 3, 11, 4))
     kw = {"do_sample": False, "max_new_tokens": 6}
     want = _generate_batch(model, prompts, 0, [1], kw)
     generate, calls = model.generate, []
@@ -431,19 +416,13 @@ def test_stop_loops_cuts_looping_rows_between_segments(tiny_llama_config, monkey
     """``regen.stop_loops``: a row whose answer ends in a repetition loop at a segment's end leaves there as
     unfinished and is listed in ``looped``; every answer is a prefix of the greedy answer without it (the same
     answer where no loop was seen); the setting is refused where there are no segments."""
-    import torch
-    from transformers import LlamaForCausalLM
+    from conftest import tiny_generator
 
     from data_prep import regen_memory
     from data_prep.loops import ends_in_loop
     from data_prep.regenerate import _generate_segmented
 
-    torch.manual_seed(0)
-    config = tiny_llama_config()
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3)]
+    model, prompts = tiny_generator(3, (5, 9, 2, 14, 7, 3))
     monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 4)
     cap, segment, kw = 200, 40, {"do_sample": False}
     full = {i: (new, fin) for i, new, fin in _generate_segmented(model, prompts, list(range(6)), 0, [1], kw, 1, 4,

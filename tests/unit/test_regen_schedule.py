@@ -26,25 +26,15 @@ def test_loop_period_and_extension():
 def test_replay_target_ends_a_call_where_generate_would(tiny_llama_config, monkeypatch):
     """A real model's segmented run and the replay of its answers: per call the same (rows, padded length,
     decoded steps), the same answers, for plain segments and for ``refill_at`` (the real stopping criterion)."""
-    import torch
-    from transformers import LlamaForCausalLM
+    from conftest import tiny_generator, varied_eos
 
     from data_prep import regen_memory
     from data_prep.regenerate import _generate_batch, _generate_segmented
 
-    torch.manual_seed(0)
-    config = tiny_llama_config()
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7, 3, 11, 6)]
+    model, prompts = tiny_generator(1, (5, 9, 2, 14, 7, 3, 11, 6))
     cap, kw = 13, {"do_sample": False}
     free = _generate_batch(model, prompts, 0, [1], {**kw, "max_new_tokens": cap})  # id 1 unused: no row ends
-    depth = {}
-    for new, _ in free:
-        for t, tok in enumerate(new):
-            depth.setdefault(tok, set()).add(t)
-    eos = max(depth, key=lambda tok: len(depth[tok]))  # an end-of-turn id rows reach at different depths
+    eos = varied_eos(free)  # an end-of-turn id rows reach at different depths
     ref = _generate_batch(model, prompts, 0, [eos], {**kw, "max_new_tokens": cap})
     assert any(f for _, f in ref) and not all(f for _, f in ref)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
