@@ -103,9 +103,10 @@ class UserTurnKey:
 
 
 def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: int) -> tuple[dict, dict]:
-    """``({prompt key: answer ids}, counts)`` for every assistant turn of ``conversations`` (normal form, as a
-    regeneration shard holds them): the key of the prompt ``data_prep.rounds.run_rounds`` builds for the turn
-    (its history as recorded, :class:`UserTurnKey`), the answer tokenised again, with ``eos`` appended when it
+    """``({prompt key: [answer ids, ...]}, counts)`` for every assistant turn of ``conversations`` (normal form, as
+    a regeneration shard holds them): the key of the prompt ``data_prep.rounds.run_rounds`` builds for the turn
+    (its history as recorded, :class:`UserTurnKey`; conversations with the same system and user turns share a key,
+    their answers listed in order), the answer tokenised again, with ``eos`` appended when it
     finished (not :func:`~data_prep.loops.ends_in_loop`, fewer than ``cap`` tokens) and otherwise continued to
     ``cap`` tokens (:func:`extend_answer`). ``counts``: ``answers``, ``tokens`` (recorded, no eos),
     ``looped`` and ``at_cap`` (recorded answers of either kind).
@@ -131,7 +132,8 @@ def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: 
             looped, at_cap = ends_in_loop(ids), len(ids) >= cap
             counts.update(answers=counts["answers"] + 1, tokens=counts["tokens"] + len(ids),
                           looped=counts["looped"] + looped, at_cap=counts["at_cap"] + (at_cap and not looped))
-            table[key(build_prompt_ids(tokenizer, msgs))] = ids + [eos] if not (looped or at_cap) else ids
+            table.setdefault(key(build_prompt_ids(tokenizer, msgs)), []).append(
+                ids + [eos] if not (looped or at_cap) else ids)
             history = msgs + [{"role": "assistant", "content": rest[2 * r + 1]["content"]}]
     return table, counts
 
@@ -142,7 +144,8 @@ class ReplayTarget:
 
     A row's answer is found by its ids: a row that goes on from an earlier call is ``its input + the tokens
     returned then`` (remembered by hash), a new row by its prompt's :class:`UserTurnKey` in ``answers``
-    (:func:`recorded_answers`). Per call: each row emits its answer's tokens, then ``pad_token_id`` after its
+    (:func:`recorded_answers`: the key's next recorded answer; rows alike within one call, such as the padding
+    copies of the first row, share one). Per call: each row emits its answer's tokens, then ``pad_token_id`` after its
     end-of-turn token; the call ends at the first step where every row has ended or a ``stopping_criteria``
     entry (``regen.refill_at``'s :class:`~data_prep.regenerate._EndsWhenShareDone`) says stop, or after
     ``max_new_tokens``, as ``transformers``' ``generate`` ends. The criteria are called once per step with that
@@ -168,15 +171,17 @@ class ReplayTarget:
         return self
 
     def _answer(self, row: list[int]) -> tuple[list[int], int]:
+        """``(answer, tokens of it given so far)`` for a row: one that goes on, or a new prompt, which takes the
+        next of its key's recorded answers (the last one stays for any later prompt with that key)."""
         got = self._going.get(hash(tuple(row)))
         if got is not None:
             return got
-        k = self.key(row)
-        if k not in self.answers:
+        listed = self.answers.get(self.key(row))
+        if not listed:
             raise KeyError(f"regen_schedule: no recorded answer for a prompt of {len(row)} tokens; the shards were "
                            "regenerated with other data settings (data.max_turns, data.max_prompt_tokens, the "
                            "template) than this recipe's")
-        return self.answers[k], 0
+        return (listed.pop(0) if len(listed) > 1 else listed[0]), 0
 
     def generate(self, input_ids, attention_mask, pad_token_id, eos_token_id, max_new_tokens, stopping_criteria=None,
                  **_):
@@ -187,8 +192,10 @@ class ReplayTarget:
         lens = attention_mask.sum(1).tolist()
         rows = [input_ids[b, L - n:].tolist() for b, n in enumerate(lens)]
         new, ends = [], []  # per row: (answer, offset, its next tokens), the step its call may end at
+        same: dict[int, tuple[list[int], int]] = {}  # rows alike in this call (padding copies): one answer
         for row in rows:
-            ans, off = self._answer(row)
+            h = hash(tuple(row))
+            ans, off = same[h] if h in same else same.setdefault(h, self._answer(row))
             if len(ans) < off + max_new_tokens and not (ans and ans[-1] in eos):
                 ans = extend_answer(ans, off + max_new_tokens)  # a loop or a cap-cut answer goes on
             c = ans[off:off + max_new_tokens]

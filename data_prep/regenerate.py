@@ -352,6 +352,7 @@ def regenerate(
     max_prompt_tokens: int,
     progress: bool = True,
     parts: list[int] | None = None,
+    on_part=None,
 ) -> tuple[list[list[Message]], dict] | list[tuple[list[list[Message]], dict]]:
     """Replace every assistant turn by the target's own response to the regenerated history.
 
@@ -374,6 +375,8 @@ def regenerate(
         parts: HF backend only: sizes of consecutive slices of ``conversations`` (``regen.shards_per_call``
             shards of a prepare) answered by one engine run and reported apart
             (:func:`data_prep.rounds.run_rounds`).
+        on_part: with ``parts``: ``on_part(i, conversations, report)`` as soon as slice ``i`` has ended (its
+            result, as in the returned list), while the run goes on with the other slices.
 
     Returns:
         ``(conversations, report)``: the surviving conversations in input order, each turn's
@@ -385,10 +388,11 @@ def regenerate(
         ``max_new_tokens``, ``unfinished_reasoning`` -- stopped inside the reasoning, turn not
         kept), ``generated_tokens`` (including each end-of-turn token),
         ``generate_seconds``, ``tokens_per_s``, the ``engine`` that ran and the ``sampling`` settings.
-        With ``parts``: one such pair per slice; each report counts its slice (``generate_seconds`` is its share
-        of the run's, in proportion to generated tokens) and has ``group``: the whole run's ``parts``,
-        ``conversations``, ``generate_seconds``, ``generated_tokens`` and ``engine_profile``, and its ``part``
-        index; no report of its own has ``engine_profile``.
+        With ``parts``: one such pair per slice; each report counts its slice (``generate_seconds``: the engine
+        time from the previous slice's end to its own, so the slices' add up to the run's) and has ``group``:
+        the run's ``parts`` and ``conversations``, its ``part`` index and ``engine_profile_so_far`` (the run's
+        engine profile when the slice ended; the last slice's is the whole run's). No report of a slice has
+        ``engine_profile`` of its own.
 
     ``cfg.backend == "vllm"`` dispatches to :func:`data_prep.regenerate_vllm.regenerate_vllm`
     (OpenAI-compatible server at ``regen.server_url``, or offline ``vllm.LLM``), which
@@ -396,7 +400,8 @@ def regenerate(
 
     Raises:
         ValueError: ``cfg.enabled`` is false; a conversation not in normal form; ``engine: continuous``
-            where continuous batching cannot run the model or its generation settings.
+            where continuous batching cannot run the model or its generation settings; ``parts`` with
+            ``regen.backend: vllm``, or ``parts`` that do not add up to the conversations.
         RuntimeError: continuous batching failed on a request (:mod:`data_prep.regenerate_cb`).
     """
     if cfg.backend == "vllm":
@@ -406,7 +411,6 @@ def regenerate(
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
     complete, engine = hf_engine(model, tokenizer, cfg)
-    got = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress, parts=parts)
     eos_ids = _eos_ids(model, tokenizer)
 
     def report_of(stats: dict) -> dict:
@@ -418,17 +422,23 @@ def regenerate(
         return report
 
     if parts is None:
-        kept, stats = got
+        kept, stats = run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress)
         report = report_of(stats)
         if complete.profile is not None:
             report["engine_profile"] = dict(complete.profile)
         return kept, report
-    seconds = sum(stats["seconds"] for _, stats in got)
-    group = {"parts": len(parts), "conversations": len(conversations), "generate_seconds": round(seconds, 3),
-             "generated_tokens": sum(stats["generated_tokens"] for _, stats in got)}
-    if complete.profile is not None:
-        group["engine_profile"] = dict(complete.profile)
-    return [(kept, {**report_of(stats), "group": {**group, "part": i}}) for i, (kept, stats) in enumerate(got)]
+    results: dict[int, tuple] = {}
+
+    def part_done(i: int, kept: list, stats: dict) -> None:
+        group = {"parts": len(parts), "part": i, "conversations": len(conversations)}
+        if complete.profile is not None:  # the run's engine profile so far (the last part's: the whole run's)
+            group["engine_profile_so_far"] = dict(complete.profile)
+        results[i] = (kept, {**report_of(stats), "group": group})
+        if on_part is not None:
+            on_part(i, *results[i])
+
+    run_rounds(complete, tokenizer, conversations, max_prompt_tokens, progress, parts=parts, on_part=part_done)
+    return [results[i] for i in range(len(parts))]
 
 
 def resolve_engine(model, cfg: RegenConfig) -> str:

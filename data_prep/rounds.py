@@ -54,6 +54,7 @@ def run_rounds(
     progress: bool,
     desc: str = "regenerate",
     parts: list[int] | None = None,
+    on_part: Callable[[int, list[list[Message]], dict], None] | None = None,
 ) -> tuple[list[list[Message]], dict] | list[tuple[list[list[Message]], dict]]:
     """Regenerate turn by turn over all conversations (module docstring), with any engine.
 
@@ -71,6 +72,9 @@ def run_rounds(
         conversations, max_prompt_tokens, progress: as :func:`regenerate`.
         parts: sizes of consecutive slices of ``conversations`` (summing to their number) to report apart: one
             engine run answers them all (its batch full across the slices), the result is one pair per slice.
+        on_part: with ``parts``: called as ``on_part(i, kept, stats)`` as soon as every conversation of slice ``i``
+            has ended (its last turn answered, or ended early), while the engine goes on with the others, so a
+            caller can save a finished slice before the run ends; the same pair is in the result.
 
     Returns:
         ``(kept conversations, stats)``; ``stats`` holds the keyword arguments of
@@ -80,8 +84,8 @@ def run_rounds(
         Both kinds of engine give the same conversations and stats (but ``seconds``) for the same
         completions: each turn's prompt is its own conversation's regenerated history.
         With ``parts``: a list of such pairs, one per slice, each counting its own conversations and turns;
-        the engine's time is shared out in proportion to the slices' generated tokens (by conversations when
-        none was generated), so the slices' ``seconds`` add up to the run's.
+        a slice's ``seconds`` is the engine time from the previous slice's end (or the start) to its own end, so
+        the slices' ``seconds`` add up to the run's (slices end in any order; an empty slice ends at the start).
 
     Each completion becomes ``{"role": "assistant", "content": answer, "reasoning"?: reasoning}``.
     A completion with ``reasoning=None`` is split with the template's reasoning markers
@@ -103,6 +107,8 @@ def run_rounds(
     if sizes is not None and (sum(sizes) != len(conversations) or any(n < 0 for n in sizes)):
         raise ValueError(f"run_rounds: parts {sizes} must be sizes >= 0 adding up to the {len(conversations)} "
                          "conversations")
+    if on_part is not None and sizes is None:
+        raise ValueError("run_rounds: on_part reports slices: give parts too")
     parts = [split_turns(c, k) for k, c in enumerate(conversations)]
     out: list[list[Message]] = [list(head) for head, _ in parts]
     alive = [True] * len(parts)
@@ -114,10 +120,50 @@ def run_rounds(
     total_turns = sum(len(users) for _, users in parts)
     bar = tqdm(total=total_turns, unit="turn", desc=desc, disable=not progress)
 
+    # slices (``parts``): which slice each conversation is in, how many of its conversations are still going
+    slice_of = [i for i, n in enumerate(sizes or [len(parts)]) for _ in range(n)]
+    going = list(sizes or [len(parts)])
+    done: dict[int, tuple[list[list[Message]], dict]] = {}  # finished slices' results
+    clock = {"last": 0.0}  # engine seconds at the last slice's end
+    settled = [False] * len(parts)
+
+    def stats(lo: int, hi: int, seconds: float) -> tuple[list[list[Message]], dict]:
+        """The kept conversations and stats of conversations ``[lo, hi)``."""
+        n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out[lo:hi], parts[lo:hi])]
+        tot = {key: sum(p[key] for p in per[lo:hi]) for key in zero}
+        kept = [o for o, n in zip(out[lo:hi], n_turns) if n > 0]
+        return kept, dict(n_in=hi - lo, n_out=len(kept), turns_requested=sum(len(u) for _, u in parts[lo:hi]),
+                          counts={key: tot[key] for key in zero if key not in ("looped", "generated_tokens")},
+                          cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns, parts[lo:hi])),
+                          generated_tokens=tot["generated_tokens"], seconds=seconds, looped=tot["looped"])
+
+    def finish(i: int) -> None:
+        """Slice ``i`` has ended: its result, with the engine time since the last slice's end, to ``on_part``."""
+        lo = sum(sizes[:i])
+        done[i] = stats(lo, lo + sizes[i], totals["seconds"] - clock["last"])
+        clock["last"] = totals["seconds"]
+        if on_part is not None:
+            on_part(i, *done[i])
+
+    def settle(k: int) -> None:
+        """Conversation ``k`` has ended: its slice ends with its last conversation (reported at once)."""
+        if settled[k]:
+            return
+        settled[k] = True
+        i = slice_of[k]
+        going[i] -= 1
+        if going[i] == 0 and sizes is not None:
+            finish(i)
+
+    for i, n in enumerate(sizes or []):
+        if n == 0:
+            finish(i)  # an empty slice has ended before the engine starts
+
     def end(k: int, counter: str) -> None:
         per[k][counter] += 1
         alive[k] = False
         bar.update(len(parts[k][1]) - (len(out[k]) - len(parts[k][0])) // 2)  # its remaining turns
+        settle(k)
 
     def job(k: int, r: int) -> Job | None:
         """Turn ``r`` of conversation ``k`` on its regenerated history; None (counted) when too long."""
@@ -155,6 +201,8 @@ def run_rounds(
         per[k]["turns_generated"] += 1
         bar.update(1)
         bar.set_postfix(tok_s=f"{totals['generated_tokens'] / max(totals['seconds'], 1e-9):.1f}", refresh=False)
+        if r + 1 == len(parts[k][1]):
+            settle(k)  # its last turn
         return True
 
     def timed(call: Callable[[], Iterable[tuple[int, Completion]]]):
@@ -181,24 +229,12 @@ def run_rounds(
                     record(jobs[i][0], r, c)
     bar.close()
 
-    n_turns = [(len(o) - len(h)) // 2 for o, (h, _) in zip(out, parts)]
-
-    def stats(lo: int, hi: int, seconds: float) -> tuple[list[list[Message]], dict]:
-        """The kept conversations and stats of conversations ``[lo, hi)``."""
-        tot = {key: sum(p[key] for p in per[lo:hi]) for key in zero}
-        kept = [o for o, n in zip(out[lo:hi], n_turns[lo:hi]) if n > 0]
-        return kept, dict(n_in=hi - lo, n_out=len(kept), turns_requested=sum(len(u) for _, u in parts[lo:hi]),
-                          counts={key: tot[key] for key in zero if key not in ("looped", "generated_tokens")},
-                          cut=sum(0 < n < len(u) for n, (_, u) in zip(n_turns[lo:hi], parts[lo:hi])),
-                          generated_tokens=tot["generated_tokens"], seconds=seconds, looped=tot["looped"])
-
     if sizes is None:
         return stats(0, len(parts), totals["seconds"])
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    made = [sum(p["generated_tokens"] for p in per[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
-    weight = made if sum(made) else list(sizes)
-    return [stats(lo, hi, totals["seconds"] * w / max(sum(weight), 1))
-            for lo, hi, w in zip(bounds, bounds[1:], weight)]
+    for i in range(len(sizes)):  # an engine that stopped early: the slices not ended yet, with what they have
+        if i not in done:
+            finish(i)
+    return [done[i] for i in range(len(sizes))]
 
 
 def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callable[[int, int, Completion], bool],

@@ -36,6 +36,8 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       # regeneration on the default one and the feature forwards on flex_attention (docs/real_shapes.md)
                       "target.attn_implementation", "target.feature_attn_implementation",
                       "regen.decode_kernel",  # the same for regeneration's decoding attention (tests: token-identical)
+                      # how many shards one engine run answers: the same answers (greedy, exact arithmetic; test)
+                      "regen.shards_per_call",
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}
 #: how eval runs the target, not what was prepared or trained: eval may change them in a finished run's folder
@@ -337,8 +339,9 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     ``regen.shards_per_call = k``: the shards still to generate (this worker's) are answered ``k`` consecutive
     ones at a time by one engine run (:func:`data_prep.regenerate.regenerate` with ``parts``), so the engine's
     batch is refilled from the next shard's conversations while one shard's drain; each shard's conversations
-    and report are still its own, written to its own file when the run ends (a kill before that loses up to
-    ``k`` shards' work, never a conversation twice). Its report's ``group`` names the run's shards and totals.
+    and report are still its own, written to its own file as soon as its last conversation has ended (a kill
+    loses the work on the shards not written yet, never a conversation twice). Its report's ``group`` names the
+    run's shards. A worker also checks the shards on disk that it reuses.
 
     ``regen.train_shards = n`` (train split only): shards ``n`` and later are neither generated nor
     returned, so prepare tokenises the first ``n * regen.shard_size`` train conversations."""
@@ -358,16 +361,18 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     def part(i: int) -> list:
         return convs[i * size:(i + 1) * size]
 
-    saved: dict[int, dict] = {}
+    saved: dict[int, dict] = {}  # the shards' contents (a worker keeps none: it returns only indices)
     for i in shards:  # every shard on disk checked before any is generated
         if path(i).exists():
             mine["reused"].append(i)
-            saved[i] = json.loads(path(i).read_text())
-            if saved[i].get("inputs_sha256", _sha256_json(part(i))) != _sha256_json(part(i)):
+            shard = json.loads(path(i).read_text())
+            if shard.get("inputs_sha256", _sha256_json(part(i))) != _sha256_json(part(i)):
                 raise ConfigError(
                     f"{path(i)}: this regeneration shard was made from other conversations than the recipe now selects "
                     "(data section or source file changed); delete the data/regen folder or choose another output_dir")
-    todo = [i for i in shards if i not in saved]
+            if worker is None:
+                saved[i] = shard
+    todo = [i for i in shards if i not in mine["reused"]]
     mine["written"] = list(todo)
     k = cfg.regen.shards_per_call
     regen_cfg = None  # cfg.regen once checked against memory
@@ -382,17 +387,23 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
                     raise ConfigError(f"{cfg.source_file}: {e}") from None
                 if note:
                     print(f"prepare: {note}")
-        if len(group) == 1:
-            results = [regenerate(target.model, target.tokenizer, part(group[0]), regen_cfg,
-                                  cfg.data.max_prompt_tokens, progress=progress)]
-        else:
-            results = regenerate(target.model, target.tokenizer, [c for i in group for c in part(i)], regen_cfg,
-                                 cfg.data.max_prompt_tokens, progress=progress, parts=[len(part(i)) for i in group])
-        for i, (new, rep) in zip(group, results):
+
+        def write(j: int, new: list, rep: dict, group=group) -> None:  # shard group[j], as soon as it is done
+            i = group[j]
             if len(group) > 1:
                 rep["group"]["shards"] = list(group)
-            saved[i] = {"conversations": new, "report": rep, "inputs_sha256": _sha256_json(part(i))}
-            write_json_atomic(path(i), saved[i], indent=None)
+            shard = {"conversations": new, "report": rep, "inputs_sha256": _sha256_json(part(i))}
+            write_json_atomic(path(i), shard, indent=None)
+            if worker is None:
+                saved[i] = shard
+
+        if len(group) == 1:
+            write(0, *regenerate(target.model, target.tokenizer, part(group[0]), regen_cfg,
+                                 cfg.data.max_prompt_tokens, progress=progress))
+        else:
+            regenerate(target.model, target.tokenizer, [c for i in group for c in part(i)], regen_cfg,
+                       cfg.data.max_prompt_tokens, progress=progress, parts=[len(part(i)) for i in group],
+                       on_part=write)
     if worker is not None:
         return mine
     out, reports = [], []

@@ -47,7 +47,7 @@ def test_replay_target_ends_a_call_where_generate_would(tiny_llama_config, monke
         return out
 
     model.generate = recording
-    answers = {tuple(p): new for p, (new, _) in zip(prompts, ref)}  # a finished answer ends with eos
+    answers = {tuple(p): [new] for p, (new, _) in zip(prompts, ref)}  # a finished answer ends with eos
     ran_short = False
     for segment, batch, refill in ((3, 4, None), (5, 2, None), (40, 4, 0.5), (6, 8, 0.25), (4, 4, 1.0)):
         shapes.clear()
@@ -61,6 +61,23 @@ def test_replay_target_ends_a_call_where_generate_would(tiny_llama_config, monke
         assert all(real_tokens <= B * L for B, L, real_tokens, _ in replay.calls)
         ran_short |= any(T < min(segment, cap) for *_, T in shapes)
     assert ran_short  # some calls ended before their token count (all rows done, or the refill share)
+
+
+def test_replay_target_gives_prompts_with_one_key_their_recorded_answers_in_order():
+    """Two conversations with the same user turns (one key) get their own recorded answers, one after the other;
+    rows alike in one call (padding copies) share one answer."""
+    import torch
+
+    replay = rs.ReplayTarget({(5, 6): [[7, 2], [8, 9, 2]]}, tuple, [2], 8)
+
+    def call(rows):
+        ids = torch.tensor(rows)
+        return replay.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=[2],
+                               max_new_tokens=4)[:, 2:].tolist()
+
+    assert call([[5, 6], [5, 6]]) == [[7, 2], [7, 2]]  # a row and its padding copy: one answer
+    assert call([[5, 6]]) == [[8, 9, 2]]  # the next prompt with that key: the next answer
+    assert call([[5, 6]]) == [[8, 9, 2]]  # the last stays
 
 
 def test_replay_target_names_a_prompt_it_has_no_answer_for():

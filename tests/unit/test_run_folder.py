@@ -93,3 +93,17 @@ def test_eval_may_run_the_target_otherwise_in_a_finished_run(tmp_path):
         claim_output_dir(cfg("target.dtype=bfloat16"))  # not for training
     with pytest.raises(ConfigError, match=r"differs in: train\.lr\)"):
         claim_output_dir(cfg("target.dtype=bfloat16", "train.lr=1e-3"), runtime_keys=EVAL_RUNTIME_KEYS)
+
+
+def test_shards_per_call_is_not_the_runs_identity(tmp_path):
+    """``regen.shards_per_call`` says how many shards one engine run answers, not what they hold: a folder stamped
+    before the key existed, or with another value, takes the recipe (a half-done prepare resumes with any value)."""
+    out = tmp_path / "run"
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *o])  # noqa: E731
+    claim_output_dir(cfg())
+    (out / "train_metrics.json").write_text("{}")
+    _old_stamp(out, "regen.shards_per_call")
+    assert claim_output_dir(cfg("regen.shards_per_call=3")) == out
+    assert claim_output_dir(cfg("regen.shards_per_call=2")) == out
+    with pytest.raises(ConfigError, match=r"differs in: regen\.shard_size\)"):  # the shards themselves still count
+        claim_output_dir(cfg("regen.shard_size=7"))
