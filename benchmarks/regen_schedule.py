@@ -18,8 +18,16 @@ token, the criterion, or the call's token count).
 What it measures is the schedule, which does not depend on the GPU: the decoding steps of all calls, the
 batch places those steps hold (``row_steps``, padding copies included), the share of them that produced a
 token, and the prompt tokens the calls prefill again (a row that goes on is re-prefilled with its prompt and
-its tokens so far at every call, left-padded to the call's length). It does not time anything: a GPU run
-turns steps and prefilled tokens into seconds.
+its tokens so far at every call, left-padded to the call's length). It does not time anything. With
+``--calibrate`` the recorded run's own shard times (its reports' ``generate_seconds``) are fitted to its replayed
+schedule, seconds ~ a * row-steps + b * padded prefill tokens (:func:`fit_seconds`, the first shard's compiles
+left out), and every variant's time on that machine is predicted from its schedule (:func:`predict`): a model
+fitted on a few shards, for choosing what to measure next, not a measurement.
+
+    python benchmarks/regen_schedule.py recipes/smollm2-135m-peagle-gpu.yaml --shards docs/data/quality/regen_92788d0 \
+        --override target.dtype=bfloat16 --calibrate docs/data/regen_prepare_92788d0_streamed_shards.json \
+        --variants b512=regen.batch_size=512 --out OUT.json
+    python benchmarks/regen_schedule.py ... --group 3 --fit-from OUT.json --out OUT3.json
 
 Recorded answers are the shards' texts, tokenised again (``tokenizer.encode``): a few answers may differ by a
 token from the ids the target produced. An answer counts as finished (its end-of-turn token appended) unless it
@@ -279,6 +287,37 @@ def summarize(shards: list[dict]) -> dict:
     return tot
 
 
+def fit_seconds(shards: list[dict], seconds: list[float]) -> dict:
+    """Least-squares fit of a recorded run's shard times to its replayed schedule: ``seconds[i] ~ a * row_steps +
+    b * prefill_padded_tokens`` of shard ``i`` (:func:`replay_shard`; the decoding work grows with the rows a step
+    holds, the prefill with the padded tokens it computes). Returns ``{"per_row_step_s": a, "per_prefill_token_s":
+    b, "max_residual_s", "shards"}``.
+
+    Raises:
+        ValueError: fewer than 3 shards, or lists of different lengths.
+    """
+    import numpy as np
+
+    if len(shards) != len(seconds) or len(shards) < 3:
+        raise ValueError(f"fit_seconds: {len(shards)} replayed shards and {len(seconds)} recorded times; give 3 or more "
+                         "of each, in the same order")
+    A = np.array([[s["row_steps"], s["prefill_padded_tokens"]] for s in shards], dtype=float)
+    y = np.array(seconds, dtype=float)
+    coef = np.linalg.lstsq(A, y, rcond=None)[0]
+    return {"per_row_step_s": float(coef[0]), "per_prefill_token_s": float(coef[1]),
+            "max_residual_s": round(float(np.abs(y - A @ coef).max()), 2), "shards": len(shards)}
+
+
+def predict(total: dict, fit: dict) -> dict:
+    """``{"predicted_seconds", "predicted_tokens_per_s", "prefill_share"}`` of a replayed schedule's ``total``
+    (:func:`summarize`) under a :func:`fit_seconds` fit."""
+    decode = fit["per_row_step_s"] * total["row_steps"]
+    prefill = fit["per_prefill_token_s"] * total["prefill_padded_tokens"]
+    return {"predicted_seconds": round(decode + prefill, 1),
+            "predicted_tokens_per_s": round(total["generated_tokens"] / (decode + prefill)),
+            "prefill_share": round(prefill / (decode + prefill), 3)}
+
+
 def load_shards(src: Path, limit: int | None = None) -> list[tuple[str, list]]:
     """``[(shard name, conversations)]`` from ``src``: a ``benchmarks/ferry.py`` pack (``pack-manifest.json``:
     unpacked to a temporary folder with every sha256 checked) or a folder of ``train-*.json`` shards; the first
@@ -315,6 +354,14 @@ def parse_args(argv):
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run")
     p.add_argument("--variants", nargs="*", default=[], metavar="NAME=regen.KEY=VALUE[,regen.KEY=VALUE]",
                    help="regen settings replayed beside the recipe's own (base)")
+    p.add_argument("--calibrate", type=Path, default=None, metavar="SHARD_REPORTS.json",
+                   help="the recorded run's shard reports ({'shards': [{'report': {'generate_seconds': ...}}]}, as "
+                        "docs/data/regen_prepare_*_shards.json): fit its shard times to the base replay "
+                        "(fit_seconds; --group 1) and predict each variant's time")
+    p.add_argument("--calibrate-skip", type=int, default=1, metavar="N",
+                   help="leave the first N shards out of the fit (the first compiles the decoding step)")
+    p.add_argument("--fit-from", type=Path, default=None, metavar="OUT.json",
+                   help="predict with the fit an earlier --calibrate run wrote")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -330,6 +377,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.group < 1:
         raise SystemExit(f"regen_schedule: --group {args.group}: give 1 or more shards per regenerate call")
+    if args.calibrate and args.group != 1:
+        raise SystemExit("regen_schedule: --calibrate fits shard by shard: run it with --group 1 (then --fit-from)")
+    fit = json.loads(args.fit_from.read_text()).get("fit") if args.fit_from else None
+    if args.fit_from and fit is None:
+        raise SystemExit(f"regen_schedule: {args.fit_from} has no 'fit' (write one with --calibrate)")
     variants = {"base": {}, **parse_variants(args.variants)}
     cfg = load_config(args.recipe, list(args.override))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.target, materialise_target(cfg.target)))
@@ -338,7 +390,7 @@ def main(argv=None) -> dict:
               for i in range(0, len(shards), args.group)]
     result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_schedule.py", *argv]),
                        "recipe": args.recipe, "overrides": args.override, "shards": [n for n, _ in shards],
-                       "group": args.group,
+                       "group": args.group, "fit_from": str(args.fit_from) if args.fit_from else None,
                        "what": "the static engine's schedule replayed on recorded answers (module docstring): "
                                "decoding steps, batch places, prefilled tokens; no timing"}, "variants": {}}
     for name, upd in variants.items():
@@ -348,6 +400,13 @@ def main(argv=None) -> dict:
         rec = {"settings": {k: getattr(rcfg, k) for k in ("engine", "batch_size", "max_new_tokens", "segment_tokens",
                                                            "refill_at", "stop_loops")},
                "total": summarize(per), "shards": per, "replay_seconds": round(time.perf_counter() - t0, 1)}
+        if name == "base" and args.calibrate:
+            recorded = [sh["report"]["generate_seconds"] for sh in json.loads(args.calibrate.read_text())["shards"]]
+            k = args.calibrate_skip
+            fit = {**fit_seconds(per[k:], recorded[k:len(per)]), "from": str(args.calibrate), "skipped_shards": k}
+            result["fit"] = fit
+        if fit is not None:
+            rec["total"].update(predict(rec["total"], fit))
         result["variants"][name] = rec
         print(name, json.dumps(rec["settings"]), json.dumps(rec["total"]), flush=True)
     if args.out:

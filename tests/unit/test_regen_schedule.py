@@ -158,3 +158,15 @@ def test_load_shards_reads_a_ferry_pack_and_checks_it(tmp_path):
         rs.load_shards(dest)
     with pytest.raises(ValueError, match="no train-"):
         rs.load_shards(tmp_path)
+
+
+def test_fit_recovers_known_costs_and_predicts():
+    shards = [{"row_steps": r, "prefill_padded_tokens": p} for r, p in ((100, 1000), (300, 1500), (200, 4000), (50, 700))]
+    seconds = [2e-3 * s["row_steps"] + 1e-4 * s["prefill_padded_tokens"] for s in shards]
+    fit = rs.fit_seconds(shards, seconds)
+    assert fit["per_row_step_s"] == pytest.approx(2e-3) and fit["per_prefill_token_s"] == pytest.approx(1e-4)
+    assert fit["max_residual_s"] == 0 and fit["shards"] == 4
+    got = rs.predict({"row_steps": 1000, "prefill_padded_tokens": 10000, "generated_tokens": 600}, fit)
+    assert got == {"predicted_seconds": 3.0, "predicted_tokens_per_s": 200, "prefill_share": pytest.approx(1 / 3, abs=1e-3)}
+    with pytest.raises(ValueError, match="3 or more"):
+        rs.fit_seconds(shards[:2], seconds[:2])
