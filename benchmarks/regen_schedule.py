@@ -110,13 +110,14 @@ class UserTurnKey:
         return tuple(keep)
 
 
-def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: int) -> tuple[dict, dict]:
-    """``({prompt key: [answer ids, ...]}, counts)`` for every assistant turn of ``conversations`` (normal form, as
-    a regeneration shard holds them): the key of the prompt ``data_prep.rounds.run_rounds`` builds for the turn
-    (its history as recorded, :class:`UserTurnKey`; conversations with the same system and user turns share a key,
-    their answers listed in order), the answer tokenised again, with ``eos`` appended when it
-    finished (not :func:`~data_prep.loops.ends_in_loop`, fewer than ``cap`` tokens) and otherwise continued to
-    ``cap`` tokens (:func:`extend_answer`). ``counts``: ``answers``, ``tokens`` (recorded, no eos),
+def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: int) -> tuple[dict, dict, dict]:
+    """``({prompt key: [answer ids, ...]}, counts, {hash(prompt ids): [answer ids, ...]})`` for every assistant turn
+    of ``conversations`` (normal form, as a regeneration shard holds them). The prompt is the one
+    ``data_prep.rounds.run_rounds`` builds for the turn from its recorded history; the first table keys it by
+    :class:`UserTurnKey` (conversations with the same system and user turns share a key, their answers listed in
+    order), the last by its exact ids. The answer is tokenised again, with ``eos`` appended when it finished (not
+    :func:`~data_prep.loops.ends_in_loop`, fewer than ``cap`` tokens) and otherwise continued to ``cap`` tokens by
+    :class:`ReplayTarget` (:func:`extend_answer`). ``counts``: ``answers``, ``tokens`` (recorded, no eos),
     ``looped`` and ``at_cap`` (recorded answers of either kind).
 
     Raises:
@@ -127,7 +128,7 @@ def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: 
     from data_prep.template import build_prompt_ids
 
     key = UserTurnKey(tokenizer)
-    table, counts = {}, {"answers": 0, "tokens": 0, "looped": 0, "at_cap": 0}
+    table, exact, counts = {}, {}, {"answers": 0, "tokens": 0, "looped": 0, "at_cap": 0}
     for k, conv in enumerate(conversations):
         head, users = split_turns(conv, k)
         rest = conv[len(head):]
@@ -140,10 +141,12 @@ def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: 
             looped, at_cap = ends_in_loop(ids), len(ids) >= cap
             counts.update(answers=counts["answers"] + 1, tokens=counts["tokens"] + len(ids),
                           looped=counts["looped"] + looped, at_cap=counts["at_cap"] + (at_cap and not looped))
-            table.setdefault(key(build_prompt_ids(tokenizer, msgs)), []).append(
-                ids + [eos] if not (looped or at_cap) else ids)
+            prompt = build_prompt_ids(tokenizer, msgs)
+            answer = ids + [eos] if not (looped or at_cap) else ids
+            table.setdefault(key(prompt), []).append(answer)
+            exact.setdefault(hash(tuple(prompt)), []).append(answer)
             history = msgs + [{"role": "assistant", "content": rest[2 * r + 1]["content"]}]
-    return table, counts
+    return table, counts, exact
 
 
 class ReplayTarget:
@@ -151,9 +154,10 @@ class ReplayTarget:
     ``model.generate``): ``generate`` answers each row with the next tokens of its recorded answer.
 
     A row's answer is found by its ids: a row that goes on from an earlier call is ``its input + the tokens
-    returned then`` (remembered by hash), a new row by its prompt's :class:`UserTurnKey` in ``answers``
-    (:func:`recorded_answers`: the key's next recorded answer; rows alike within one call, such as the padding
-    copies of the first row, share one). Per call: each row emits its answer's tokens, then ``pad_token_id`` after its
+    returned then`` (remembered by hash); a new row is looked up by its exact prompt ids in ``exact`` (the
+    recorded history), else by its prompt's :class:`UserTurnKey` in ``answers`` (a history that the replay made
+    otherwise, e.g. a loop stopped at another length); either way the next of that prompt's recorded answers
+    (:func:`recorded_answers`); rows alike within one call, such as the padding copies of the first row, share one. Per call: each row emits its answer's tokens, then ``pad_token_id`` after its
     end-of-turn token; the call ends at the first step where every row has ended or a ``stopping_criteria``
     entry (``regen.refill_at``'s :class:`~data_prep.regenerate._EndsWhenShareDone`) says stop, or after
     ``max_new_tokens``, as ``transformers``' ``generate`` ends. The criteria are called once per step with that
@@ -165,10 +169,10 @@ class ReplayTarget:
         KeyError: a prompt with no recorded answer (a prompt the recorded run did not ask: other data settings).
     """
 
-    def __init__(self, answers: dict, key: UserTurnKey, eos_ids: list[int], cap: int):
+    def __init__(self, answers: dict, key: UserTurnKey, eos_ids: list[int], cap: int, exact: dict | None = None):
         import torch
 
-        self.answers, self.key, self.cap = answers, key, cap
+        self.answers, self.key, self.cap, self.exact = answers, key, cap, exact or {}
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.config = SimpleNamespace(_attn_implementation="eager", num_key_value_heads=None, num_attention_heads=None)
         self.generation_config = SimpleNamespace(eos_token_id=list(eos_ids))
@@ -181,10 +185,11 @@ class ReplayTarget:
     def _answer(self, row: list[int]) -> tuple[list[int], int]:
         """``(answer, tokens of it given so far)`` for a row: one that goes on, or a new prompt, which takes the
         next of its key's recorded answers (the last one stays for any later prompt with that key)."""
-        got = self._going.get(hash(tuple(row)))
+        h = hash(tuple(row))
+        got = self._going.get(h)
         if got is not None:
             return got
-        listed = self.answers.get(self.key(row))
+        listed = self.exact.get(h) or self.answers.get(self.key(row))  # the recorded history, else the user turns
         if not listed:
             raise KeyError(f"regen_schedule: no recorded answer for a prompt of {len(row)} tokens; the shards were "
                            "regenerated with other data settings (data.max_turns, data.max_prompt_tokens, the "
@@ -229,7 +234,8 @@ class ReplayTarget:
         return out
 
 
-def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prompt_tokens: int) -> dict:
+def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prompt_tokens: int,
+                 parts: list[int] | None = None) -> dict:
     """One shard's conversations regenerated by ``data_prep.regenerate.regenerate`` on a :class:`ReplayTarget`
     of their own recorded answers. Returns the regeneration report's counts (``turns_generated``,
     ``generated_tokens``, ``unfinished_responses``, ``looped_responses``, ``engine_profile``), the recorded
@@ -240,6 +246,9 @@ def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prom
     ``decode_kv_positions`` (cached positions the decoding steps attend to over the padded cache, L + t per row at
     step t) and ``decode_kv_positions_real`` (real length + t: what a kernel that skips the left padding reads,
     ``regen.decode_kernel: triton``); ``per_call``: ``[rows, L, real prompt tokens, steps]`` per call.
+    With ``parts`` (the shards' sizes; ``regen.shards_per_call``: one engine run, ``regenerate(parts=...)``) the
+    counts are summed over the parts and ``part_ends`` gives, per part, the calls made when it ended (when the
+    stage writes its shard).
 
     Raises:
         ValueError: ``regen.engine`` other than ``static`` or ``generate`` (the others do not call generate).
@@ -251,11 +260,18 @@ def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prom
                          "replay the static or generate engine")
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     key = UserTurnKey(tokenizer)
-    answers, recorded = recorded_answers(tokenizer, conversations, regen_cfg.max_new_tokens, eos)
-    model = ReplayTarget(answers, key, [eos], regen_cfg.max_new_tokens)
-    _, report = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False)
-    keys = ("turns_generated", "generated_tokens", "unfinished_responses", "looped_responses", "engine_profile")
-    out = {k: report[k] for k in keys if k in report}
+    answers, recorded, exact = recorded_answers(tokenizer, conversations, regen_cfg.max_new_tokens, eos)
+    model = ReplayTarget(answers, key, [eos], regen_cfg.max_new_tokens, exact=exact)
+    keys = ("turns_generated", "generated_tokens", "unfinished_responses", "looped_responses")
+    if parts is None:
+        _, report = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False)
+        out = {k: report[k] for k in (*keys, "engine_profile") if k in report}
+    else:
+        ends = {}
+        got = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False, parts=parts,
+                         on_part=lambda i, kept, rep: ends.setdefault(i, len(model.calls)))
+        out = {k: sum(rep[k] for _, rep in got) for k in keys if k in got[0][1]}
+        out["part_ends"] = [ends[i] for i in range(len(parts))]
     calls = model.calls
     out.update(recorded=recorded, calls=len(calls), decode_steps=sum(c[3] for c in calls),
                row_steps=sum(c[0] * c[3] for c in calls),
@@ -306,6 +322,30 @@ def fit_seconds(shards: list[dict], seconds: list[float]) -> dict:
     coef = np.linalg.lstsq(A, y, rcond=None)[0]
     return {"per_row_step_s": float(coef[0]), "per_prefill_token_s": float(coef[1]),
             "max_residual_s": round(float(np.abs(y - A @ coef).max()), 2), "shards": len(shards)}
+
+
+def recorded_pairs(reports: dict, names: list[str], replayed: list[dict], skip: int) -> tuple[list[dict], list[float]]:
+    """``(replayed shards, their recorded generate_seconds)`` for :func:`fit_seconds`: each replayed shard (named
+    ``names[i]``) paired with the recorded report of the shard of that name (``reports["shards"]``: entries with
+    ``"shard"`` and ``"report"``, as ``docs/data/regen_prepare_*_shards.json``), the first ``skip`` replayed shards
+    left out (the first compiles).
+
+    Raises:
+        SystemExit: a replayed shard with no recorded report, or a recorded shard written by several shards' engine
+            run (``regen.shards_per_call`` > 1: its time is not its own).
+    """
+    by_name = {sh["shard"]: sh["report"] for sh in reports["shards"]}
+    pairs, seconds = [], []
+    for name, rep in list(zip(names, replayed))[skip:]:
+        if name not in by_name:
+            raise SystemExit(f"regen_schedule: --calibrate has no recorded report for {name}")
+        if "group" in by_name[name]:
+            raise SystemExit(f"regen_schedule: {name} was written by an engine run over several shards "
+                             "(regen.shards_per_call): its generate_seconds is not its own time; calibrate on a run "
+                             "with one shard per engine run")
+        pairs.append(rep)
+        seconds.append(by_name[name]["generate_seconds"])
+    return pairs, seconds
 
 
 def predict(total: dict, fit: dict) -> dict:
@@ -377,8 +417,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.group < 1:
         raise SystemExit(f"regen_schedule: --group {args.group}: give 1 or more shards per regenerate call")
-    if args.calibrate and args.group != 1:
-        raise SystemExit("regen_schedule: --calibrate fits shard by shard: run it with --group 1 (then --fit-from)")
+    if args.calibrate and (args.group != 1 or args.conversations is not None):
+        raise SystemExit("regen_schedule: --calibrate fits the recorded shards' times to whole shards replayed one by "
+                         "one: run it without --group and --conversations (then --fit-from for the other runs)")
     fit = json.loads(args.fit_from.read_text()).get("fit") if args.fit_from else None
     if args.fit_from and fit is None:
         raise SystemExit(f"regen_schedule: {args.fit_from} has no 'fit' (write one with --calibrate)")
@@ -386,24 +427,25 @@ def main(argv=None) -> dict:
     cfg = load_config(args.recipe, list(args.override))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.target, materialise_target(cfg.target)))
     shards = [(n, c[:args.conversations]) for n, c in load_shards(args.shards, args.limit_shards)]
-    shards = [("+".join(n for n, _ in shards[i:i + args.group]), [c for _, cs in shards[i:i + args.group] for c in cs])
-              for i in range(0, len(shards), args.group)]
+    groups = [shards[i:i + args.group] for i in range(0, len(shards), args.group)]
     result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_schedule.py", *argv]),
-                       "recipe": args.recipe, "overrides": args.override, "shards": [n for n, _ in shards],
+                       "recipe": args.recipe, "overrides": args.override,
+                       "shards": ["+".join(n for n, _ in g) for g in groups],
                        "group": args.group, "fit_from": str(args.fit_from) if args.fit_from else None,
                        "what": "the static engine's schedule replayed on recorded answers (module docstring): "
                                "decoding steps, batch places, prefilled tokens; no timing"}, "variants": {}}
     for name, upd in variants.items():
         rcfg = cfg.regen.model_copy(update=upd)
         t0 = time.perf_counter()
-        per = [replay_shard(tokenizer, convs, rcfg, cfg.data.max_prompt_tokens) for _, convs in shards]
+        per = [replay_shard(tokenizer, [c for _, cs in g for c in cs], rcfg, cfg.data.max_prompt_tokens,
+                            parts=[len(cs) for _, cs in g] if args.group > 1 else None) for g in groups]
         rec = {"settings": {k: getattr(rcfg, k) for k in ("engine", "batch_size", "max_new_tokens", "segment_tokens",
                                                            "refill_at", "stop_loops")},
                "total": summarize(per), "shards": per, "replay_seconds": round(time.perf_counter() - t0, 1)}
         if name == "base" and args.calibrate:
-            recorded = [sh["report"]["generate_seconds"] for sh in json.loads(args.calibrate.read_text())["shards"]]
-            k = args.calibrate_skip
-            fit = {**fit_seconds(per[k:], recorded[k:len(per)]), "from": str(args.calibrate), "skipped_shards": k}
+            fit = {**fit_seconds(*recorded_pairs(json.loads(args.calibrate.read_text()), [n for n, _ in shards], per,
+                                                 args.calibrate_skip)),
+                   "from": str(args.calibrate), "skipped_shards": args.calibrate_skip}
             result["fit"] = fit
         if fit is not None:
             rec["total"].update(predict(rec["total"], fit))

@@ -85,7 +85,8 @@ def run_rounds(
         completions: each turn's prompt is its own conversation's regenerated history.
         With ``parts``: a list of such pairs, one per slice, each counting its own conversations and turns;
         a slice's ``seconds`` is the engine time from the previous slice's end (or the start) to its own end, so
-        the slices' ``seconds`` add up to the run's (slices end in any order; an empty slice ends at the start).
+        the slices' ``seconds`` add up to the run's until the last slice ended (the engine's closing after that is
+        in none; slices end in any order, an empty one at the start).
 
     Each completion becomes ``{"role": "assistant", "content": answer, "reasoning"?: reasoning}``.
     A completion with ``reasoning=None`` is split with the template's reasoning markers
@@ -219,7 +220,8 @@ def run_rounds(
             yield nxt
 
     if getattr(complete, "streaming", False):
-        stream_turns(complete, job, record, [len(users) for _, users in parts], timed)
+        stream_turns(complete, job, record, [len(users) for _, users in parts], timed,
+                     first=slice_of if sizes is not None else None)
     else:
         for r in range(max((len(u) for _, u in parts), default=0)):
             jobs = [j for k, (_, users) in enumerate(parts) if alive[k] and r < len(users)
@@ -238,7 +240,7 @@ def run_rounds(
 
 
 def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callable[[int, int, Completion], bool],
-                 turns: list[int], timed=lambda call: call()) -> None:
+                 turns: list[int], timed=lambda call: call(), first: list[int] | None = None) -> None:
     """Drive a streaming engine (:func:`run_rounds`): every conversation's first turn is waiting at the start,
     the conversations with the most turns first (then the longest prompt, then the conversation index), and
     each answered turn that ``record`` keeps puts the conversation's next turn at the *front* of the waiting
@@ -261,11 +263,17 @@ def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callab
         turns: the number of user turns of each conversation.
         timed: ``timed(call)`` iterates the answers of ``call()``, the engine's start (run_rounds counts the
             time spent inside the engine).
+        first: per conversation, a rank that orders the first turns before everything else (``run_rounds``' slice
+            index with ``parts``): slice 0's conversations start first, so the slices end one after another and
+            each can be saved while the next ones run, the next slice's first turns filling the places the
+            earlier ones leave.
     """
     from collections import deque
 
     jobs: list[Job] = [j for k, n in enumerate(turns) if n > 0 for j in [job(k, 0)] if j is not None]
-    waiting = deque(sorted(range(len(jobs)), key=lambda i: (-turns[jobs[i][0]], -len(jobs[i][3]), jobs[i][0])))
+    rank = first or [0] * len(turns)
+    waiting = deque(sorted(range(len(jobs)), key=lambda i: (rank[jobs[i][0]], -turns[jobs[i][0]], -len(jobs[i][3]),
+                                                            jobs[i][0])))
     for i, c in timed(lambda: complete(jobs, waiting)):
         k, r = jobs[i][0], jobs[i][1]
         if record(k, r, c) and r + 1 < turns[k]:

@@ -36,7 +36,9 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       # regeneration on the default one and the feature forwards on flex_attention (docs/real_shapes.md)
                       "target.attn_implementation", "target.feature_attn_implementation",
                       "regen.decode_kernel",  # the same for regeneration's decoding attention (tests: token-identical)
-                      # how many shards one engine run answers: the same answers (greedy, exact arithmetic; test)
+                      # how many shards one engine run answers: a resumed prepare regroups the shards left anyway
+                      # (greedy answers equal in exact arithmetic, test; on a GPU bf16 near-ties may differ, as
+                      # between any two batch compositions)
                       "regen.shards_per_call",
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib"}

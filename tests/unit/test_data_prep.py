@@ -747,18 +747,23 @@ def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, ti
 
     def cfg(k):
         return RunConfig(target=TargetConfig(name="tiny", path="unused"),
-                         regen=RegenConfig(engine="static", max_new_tokens=20, batch_size=4, segment_tokens=8,
+                         regen=RegenConfig(engine="static", max_new_tokens=20, batch_size=2, segment_tokens=8,
                                            shard_size=2, shards_per_call=k))
 
     target = SimpleNamespace(model=tiny_model, tokenizer=tok)
     one, rep1 = stages._regenerate_sharded(target, REGEN_CONVS, cfg(1), tmp_path / "one", "train", False)
     runs, real_regen, real_write = [], regen_mod.regenerate, stages.write_json_atomic
 
+    returned = []
+
     def counted(*args, **kwargs):
         runs.append(kwargs.get("parts"))
-        return real_regen(*args, **kwargs)
+        out = real_regen(*args, **kwargs)
+        returned.append(True)
+        return out
 
     def killed_at_second_write(path, obj, **kw):
+        assert not returned  # written while the engine run goes on, not after it
         if len(list(path.parent.glob("*.json"))) == 1:
             raise KeyboardInterrupt("killed")  # the second shard of the group is done: the run dies here
         real_write(path, obj, **kw)
@@ -769,9 +774,10 @@ def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, ti
         stages._regenerate_sharded(target, REGEN_CONVS, cfg(2), tmp_path / "two", "train", False)
     assert runs == [[2, 2]]  # shards 0 and 1 in one run
     first = [p.name for p in (tmp_path / "two").glob("*.json")]
-    assert len(first) == 1 and first[0] in ("train-00000.json", "train-00001.json")  # written before the run ended
+    assert first == ["train-00000.json"]  # the group's first shard starts first, ends first, is written at once
     monkeypatch.setattr(stages, "write_json_atomic", real_write)
     runs.clear()
+    returned.clear()
     two, rep2 = stages._regenerate_sharded(target, REGEN_CONVS, cfg(2), tmp_path / "two", "train", False)
     assert runs == [[2, 1]]  # the rest: the other shard of the first group and shard 2, in one run
     assert two == one
@@ -800,7 +806,7 @@ def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, ti
     assert sorted(p.name for p in (tmp_path / "w").glob("*.json")) == ["train-00000.json", "train-00002.json"]
 
 
-def test_run_rounds_reports_parts_apart(tok):
+def test_run_rounds_reports_parts_apart(tok, monkeypatch):
     """``run_rounds(parts=..., on_part=...)``: one engine run, one (kept, stats) per slice, each given to
     ``on_part`` as soon as the slice's conversations have ended; the slices' counts add up to the whole run's."""
     from data_prep.rounds import Completion, run_rounds
@@ -809,16 +815,40 @@ def test_run_rounds_reports_parts_apart(tok):
     answers = {0: Completion("A", None, 3, True), 1: Completion("B", None, 5, False, looped=True),
                2: Completion("", None, 1, True), 3: Completion("C", None, 2, True)}
 
+    calls = []
+
     def engine(jobs):
+        calls.append(len(jobs))
         return [(i, answers[j[0]]) for i, j in enumerate(jobs)]
 
     whole_kept, whole = run_rounds(engine, tok, convs, 512, False)
-    ended = []
+    ended, calls[:] = [], []
     parts = run_rounds(engine, tok, convs, 512, False, parts=[1, 3, 0],
-                       on_part=lambda i, kept, stats: ended.append((i, kept, stats)))
-    # each slice reported once, as soon as it ended: the empty one at the start, slice 0 with conversation 0's
-    # only turn (round 0), slice 1 with conversation 3's third turn (round 2); the same pairs as returned
-    assert [i for i, _, _ in ended] == [2, 0, 1] and [(k, s) for _, k, s in sorted(ended, key=lambda e: e[0])] == parts
+                       on_part=lambda i, kept, stats: ended.append((i, len(calls), kept, stats)))
+    # each slice reported once, as soon as it ended: the empty one before the first engine call, slice 0 with
+    # conversation 0's only turn (round 0, call 1), slice 1 with conversation 3's third turn (round 2, call 3)
+    assert [(i, n) for i, n, _, _ in ended] == [(2, 0), (0, 1), (1, 3)]
+    assert [(k, s) for _, _, k, s in sorted(ended, key=lambda e: e[0])] == parts  # the same pairs as returned
+
+    # a streaming engine (one job at a time from the left of the queue): slice 0's conversations start first,
+    # so slice 0 ends (and is reported) before slice 1's first turn is answered
+    order = []
+
+    def streaming(jobs, waiting):
+        while waiting:
+            i = waiting.popleft()
+            order.append(jobs[i][0])
+            yield i, answers[0]
+
+    streaming.streaming = True
+    four = [conv("a", "x"), conv("b", "x", "c", "x"), conv("d", "x", "e", "x", "f", "x"), conv("g", "x")]
+    got, clock = [], iter(range(10 ** 6))
+    monkeypatch.setattr("data_prep.rounds.time.perf_counter", lambda: float(next(clock)))  # 1 s per reading
+    res = run_rounds(streaming, tok, four, 512, False, parts=[2, 2],
+                     on_part=lambda i, kept, st: got.append((i, len(order))))
+    assert order == [1, 1, 0, 2, 2, 2, 3] and got == [(0, 3), (1, 7)]  # most turns first within a slice
+    # engine time: 1 s to start it, 1 s per answer; each slice has the time from the last slice's end to its own
+    assert [st["seconds"] for _, st in res] == [1.0 + 3, 4.0]
     assert [p[0] for p in parts] == [whole_kept[:1], whole_kept[1:], []]
     assert [p[1]["n_in"] for p in parts] == [1, 3, 0] and sum(p[1]["n_out"] for p in parts) == whole["n_out"]
     for key in ("generated_tokens", "turns_requested", "cut", "looped"):
@@ -826,8 +856,8 @@ def test_run_rounds_reports_parts_apart(tok):
     for key in whole["counts"]:
         assert sum(p[1]["counts"][key] for p in parts) == whole["counts"][key], key
     assert whole["looped"] == 2 and whole["counts"]["empty_responses"] == 1  # conversation 1 answered twice
-    made, secs = [p[1]["generated_tokens"] for p in parts], [p[1]["seconds"] for p in parts]
-    assert made == [3, 5 + 5 + 1 + 3 * 2, 0] and secs[2] == 0 and min(secs) >= 0  # engine time between the ends
+    made = [p[1]["generated_tokens"] for p in parts]
+    assert made == [3, 5 + 5 + 1 + 3 * 2, 0] and parts[2][1]["seconds"] == 0
     with pytest.raises(ValueError, match="parts"):
         run_rounds(engine, tok, convs, 512, False, parts=[1, 1])
     with pytest.raises(ValueError, match="on_part.*parts"):

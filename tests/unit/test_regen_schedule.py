@@ -134,6 +134,10 @@ def test_replayed_shard_gives_the_recorded_turns_through_regenerate(tok):
     assert out["generated_tokens"] >= sum(lens) - looped + 4 + 128  # 4 finished answers with eos, one segment
     assert out["calls"] == len(out["per_call"]) and out["decode_steps"] == sum(c[3] for c in out["per_call"])
     assert out["row_steps"] >= out["generated_tokens"] and out["prefill_padded_tokens"] >= out["prefill_prompt_tokens"]
+    grouped = rs.replay_shard(tok, convs, cfg, max_prompt_tokens=2048, parts=[2, 1])  # regen.shards_per_call
+    assert {k: grouped[k] for k in ("turns_generated", "generated_tokens", "looped_responses")} == \
+           {k: out[k] for k in ("turns_generated", "generated_tokens", "looped_responses")}
+    assert len(grouped["part_ends"]) == 2 and max(grouped["part_ends"]) == grouped["calls"]
     total = rs.summarize([out, out])
     assert total["generated_tokens"] == 2 * out["generated_tokens"]
     assert total["place_share"] == round(out["generated_tokens"] / out["row_steps"], 4)
@@ -170,3 +174,15 @@ def test_fit_recovers_known_costs_and_predicts():
     assert got == {"predicted_seconds": 3.0, "predicted_tokens_per_s": 200, "prefill_share": pytest.approx(1 / 3, abs=1e-3)}
     with pytest.raises(ValueError, match="3 or more"):
         rs.fit_seconds(shards[:2], seconds[:2])
+
+
+def test_calibration_pairs_shards_by_name_and_refuses_a_grouped_run():
+    reports = {"shards": [{"shard": "train-00001.json", "report": {"generate_seconds": 9.0}},
+                          {"shard": "train-00000.json", "report": {"generate_seconds": 99.0}},
+                          {"shard": "train-00002.json", "report": {"generate_seconds": 7.0, "group": {"parts": 2}}}]}
+    a, b = {"row_steps": 1}, {"row_steps": 2}
+    assert rs.recorded_pairs(reports, ["train-00000.json", "train-00001.json"], [a, b], skip=1) == ([b], [9.0])
+    with pytest.raises(SystemExit, match="no recorded report for train-00003.json"):
+        rs.recorded_pairs(reports, ["train-00003.json"], [a], skip=0)
+    with pytest.raises(SystemExit, match="several shards"):
+        rs.recorded_pairs(reports, ["train-00002.json"], [a], skip=0)
