@@ -220,8 +220,7 @@ def run_rounds(
             yield nxt
 
     if getattr(complete, "streaming", False):
-        stream_turns(complete, job, record, [len(users) for _, users in parts], timed,
-                     first=slice_of if sizes is not None else None)
+        stream_turns(complete, job, record, [len(users) for _, users in parts], timed)
     else:
         for r in range(max((len(u) for _, u in parts), default=0)):
             jobs = [j for k, (_, users) in enumerate(parts) if alive[k] and r < len(users)
@@ -240,7 +239,7 @@ def run_rounds(
 
 
 def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callable[[int, int, Completion], bool],
-                 turns: list[int], timed=lambda call: call(), first: list[int] | None = None) -> None:
+                 turns: list[int], timed=lambda call: call()) -> None:
     """Drive a streaming engine (:func:`run_rounds`): every conversation's first turn is waiting at the start,
     the conversations with the most turns first (then the longest prompt, then the conversation index), and
     each answered turn that ``record`` keeps puts the conversation's next turn at the *front* of the waiting
@@ -263,17 +262,11 @@ def stream_turns(complete, job: Callable[[int, int], Job | None], record: Callab
         turns: the number of user turns of each conversation.
         timed: ``timed(call)`` iterates the answers of ``call()``, the engine's start (run_rounds counts the
             time spent inside the engine).
-        first: per conversation, a rank that orders the first turns before everything else (``run_rounds``' slice
-            index with ``parts``): slice 0's conversations start first, so the slices end one after another and
-            each can be saved while the next ones run, the next slice's first turns filling the places the
-            earlier ones leave.
     """
     from collections import deque
 
     jobs: list[Job] = [j for k, n in enumerate(turns) if n > 0 for j in [job(k, 0)] if j is not None]
-    rank = first or [0] * len(turns)
-    waiting = deque(sorted(range(len(jobs)), key=lambda i: (rank[jobs[i][0]], -turns[jobs[i][0]], -len(jobs[i][3]),
-                                                            jobs[i][0])))
+    waiting = deque(sorted(range(len(jobs)), key=lambda i: (-turns[jobs[i][0]], -len(jobs[i][3]), jobs[i][0])))
     for i, c in timed(lambda: complete(jobs, waiting)):
         k, r = jobs[i][0], jobs[i][1]
         if record(k, r, c) and r + 1 < turns[k]:
