@@ -136,9 +136,8 @@ class RegenConfig(Section):
     shards_per_call: int = Field(
         1, ge=1, description="backend hf: this many consecutive shards still to generate are answered by one "
         "engine run, so that the batch stays full across their ends (a shard's conversations alone drain it as they "
-        "end); each shard is written to its own file as soon as its last conversation has ended, which is mostly "
-        "near the run's end (the deepest conversations set its length): a kill loses up to this many shards' work. "
-        "Shard files and their resumption are as with 1."
+        "end); each shard is written to its own file as soon as its last (deepest) conversation has ended, so a kill "
+        "loses the shards not ended yet, up to this many. Shard files and their resumption are as with 1."
     )
     train_shards: int | None = Field(
         None, ge=1, description="Regenerate, and prepare the train split from, only the first this many shards of "
