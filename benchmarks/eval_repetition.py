@@ -17,7 +17,6 @@ counting as context), the mean answer length and how many answers ended at EOS. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -81,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     from data_prep.eval_prompts import load_eval_prompts
     from data_prep.template import build_prompt_ids
+    from peagle_train.core.atomic import write_json_atomic
     from peagle_train.decoding.speculative import target_generate
     from peagle_train.eval.evaluate import eos_ids
     from peagle_train.features.target import load_target
@@ -108,9 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["seconds"] = round(time.perf_counter() - t0, 1)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1) + "\n")
-        os.replace(tmp, a.out)
+        write_json_atomic(a.out, res)
     return res
 
 

@@ -28,7 +28,9 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peagle_train.core.atomic import write_json_atomic  # noqa: E402  (standard library only)
 from quality_report import NAMES  # noqa: E402  (the experiment's result file names, one definition)
 SETS = ("mt_bench", "humaneval")
 AL_FLOOR = {"mt_bench": 2.0, "humaneval": 2.2}  # issue 20: P-EAGLE AL(K = 7) with the reference loop
@@ -162,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, KeyError) as e:  # the message names the file, set or K; nothing is written
         sys.exit(f"must_show_quality: {e.args[0] if e.args else e}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec, indent=1) + "\n")
-    os.replace(tmp, a.out)
+    write_json_atomic(a.out, rec)
     for k, c in rec["checks"].items():
         print(f"{'holds' if c['holds'] else 'SHORT'}  {k}: {c['value']}")
     print("all hold" if rec["all_hold"] else "not all hold")

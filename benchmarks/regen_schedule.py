@@ -110,12 +110,13 @@ class UserTurnKey:
         return tuple(keep)
 
 
-def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: int) -> tuple[dict, dict, dict]:
+def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: int,
+                     key: "UserTurnKey | None" = None) -> tuple[dict, dict, dict]:
     """``({prompt key: [answer ids, ...]}, counts, {hash(prompt ids): [answer ids, ...]})`` for every assistant turn
     of ``conversations`` (normal form, as a regeneration shard holds them). The prompt is the one
     ``data_prep.rounds.run_rounds`` builds for the turn from its recorded history; the first table keys it by
-    :class:`UserTurnKey` (conversations with the same system and user turns share a key, their answers listed in
-    order), the last by its exact ids. The answer is tokenised again, with ``eos`` appended when it finished (not
+    ``key`` (a :class:`UserTurnKey` of ``tokenizer`` when None; conversations with the same system and user turns
+    share a key, their answers listed in order), the last by its exact ids. The answer is tokenised again, with ``eos`` appended when it finished (not
     :func:`~data_prep.loops.ends_in_loop`, fewer than ``cap`` tokens) and otherwise continued to ``cap`` tokens by
     :class:`ReplayTarget` (:func:`extend_answer`). ``counts``: ``answers``, ``tokens`` (recorded, no eos),
     ``looped`` and ``at_cap`` (recorded answers of either kind).
@@ -127,7 +128,7 @@ def recorded_answers(tokenizer, conversations: list[list[dict]], cap: int, eos: 
     from data_prep.rounds import split_turns
     from data_prep.template import build_prompt_ids
 
-    key = UserTurnKey(tokenizer)
+    key = key or UserTurnKey(tokenizer)
     table, exact, counts = {}, {}, {"answers": 0, "tokens": 0, "looped": 0, "at_cap": 0}
     for k, conv in enumerate(conversations):
         head, users = split_turns(conv, k)
@@ -157,8 +158,8 @@ class ReplayTarget:
     returned then`` (remembered by hash); a new row is looked up by its exact prompt ids in ``exact`` (the
     recorded history), else by its prompt's :class:`UserTurnKey` in ``answers`` (a history that the replay made
     otherwise, e.g. a loop stopped at another length); either way the next of that prompt's recorded answers
-    (:func:`recorded_answers`); rows alike within one call, such as the padding copies of the first row, share one. Per call: each row emits its answer's tokens, then ``pad_token_id`` after its
-    end-of-turn token; the call ends at the first step where every row has ended or a ``stopping_criteria``
+    (:func:`recorded_answers`); rows alike within one call, such as the padding copies of the first row, share one.
+    Per call: each row emits its answer's tokens, then ``pad_token_id`` after its end-of-turn token; the call ends at the first step where every row has ended or a ``stopping_criteria``
     entry (``regen.refill_at``'s :class:`~data_prep.regenerate._EndsWhenShareDone`) says stop, or after
     ``max_new_tokens``, as ``transformers``' ``generate`` ends. The criteria are called once per step with that
     step's tokens ``[B, 1]`` (they read the last column).
@@ -260,7 +261,7 @@ def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prom
                          "replay the static or generate engine")
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     key = UserTurnKey(tokenizer)
-    answers, recorded, exact = recorded_answers(tokenizer, conversations, regen_cfg.max_new_tokens, eos)
+    answers, recorded, exact = recorded_answers(tokenizer, conversations, regen_cfg.max_new_tokens, eos, key)
     model = ReplayTarget(answers, key, [eos], regen_cfg.max_new_tokens, exact=exact)
     keys = ("turns_generated", "generated_tokens", "unfinished_responses", "looped_responses")
     if parts is None:
@@ -407,6 +408,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> dict:
+    from peagle_train.core.atomic import write_json_atomic
     from peagle_train.features.target import materialise_target, tokenizer_source
     from peagle_train.recipe import load_config
     from regen_throughput import parse_variants
@@ -452,11 +454,8 @@ def main(argv=None) -> dict:
         result["variants"][name] = rec
         print(name, json.dumps(rec["settings"]), json.dumps(rec["total"]), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.out, result)
     return result
 
 

@@ -389,8 +389,9 @@ def regenerate(
         kept), ``generated_tokens`` (including each end-of-turn token),
         ``generate_seconds``, ``tokens_per_s``, the ``engine`` that ran and the ``sampling`` settings.
         With ``parts``: one such pair per slice; each report counts its slice (``generate_seconds``: the engine
-        time from the previous slice's end to its own, so the slices' add up to the run's until the last one ended) and has ``group``:
-        the run's ``parts`` and ``conversations``, its ``part`` index and ``engine_profile_so_far`` (the run's
+        time from the previous slice's end to its own, so the slices' add up to the run's until the last one
+        ended) and has ``group``: the run's ``parts`` and ``conversations``, its ``part`` index and
+        ``engine_profile_so_far`` (the run's
         engine profile when the slice ended; the last slice's is the whole run's). No report of a slice has
         ``engine_profile`` of its own.
 
