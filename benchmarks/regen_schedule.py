@@ -428,7 +428,10 @@ def main(argv=None) -> dict:
     variants = {"base": {}, **parse_variants(args.variants)}
     cfg = load_config(args.recipe, list(args.override))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.target, materialise_target(cfg.target)))
-    shards = [(n, c[:args.conversations]) for n, c in load_shards(args.shards, args.limit_shards)]
+    try:
+        shards = [(n, c[:args.conversations]) for n, c in load_shards(args.shards, args.limit_shards)]
+    except ValueError as e:  # no shard there, or a damaged pack: the message names the folder or piece
+        raise SystemExit(str(e)) from None
     groups = [shards[i:i + args.group] for i in range(0, len(shards), args.group)]
     result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_schedule.py", *argv]),
                        "recipe": args.recipe, "overrides": args.override,
@@ -439,8 +442,11 @@ def main(argv=None) -> dict:
     for name, upd in variants.items():
         rcfg = cfg.regen.model_copy(update=upd)
         t0 = time.perf_counter()
-        per = [replay_shard(tokenizer, [c for _, cs in g for c in cs], rcfg, cfg.data.max_prompt_tokens,
-                            parts=[len(cs) for _, cs in g] if args.group > 1 else None) for g in groups]
+        try:
+            per = [replay_shard(tokenizer, [c for _, cs in g for c in cs], rcfg, cfg.data.max_prompt_tokens,
+                                parts=[len(cs) for _, cs in g] if args.group > 1 else None) for g in groups]
+        except (KeyError, ValueError) as e:  # a prompt the recorded run did not ask; an engine without generate
+            raise SystemExit(f"{e.args[0] if e.args else e} (variant {name})") from None
         rec = {"settings": {k: getattr(rcfg, k) for k in ("engine", "batch_size", "max_new_tokens", "segment_tokens",
                                                            "refill_at", "stop_loops")},
                "total": summarize(per), "shards": per, "replay_seconds": round(time.perf_counter() - t0, 1)}
