@@ -16,6 +16,7 @@
 #   bash benchmarks/quality_experiment.sh wait SECONDS     # then calls back to back: what they made so far to $OUT
 #   bash benchmarks/quality_experiment.sh restore    # instead of prepare: unpack .prepared/prepared.tar.xz (the
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
+#   bash benchmarks/quality_experiment.sh pack       # $WORK/peagle's prepared data -> $RESULTS/prepared.tar.xz (+ .sha256)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
 #                                                    # (EVAL_WORKERS=N: N processes per drafter, then a merge)
@@ -88,12 +89,13 @@ train_sequences() {  # training sequences of the prepared data on this disk
     "$WORK/peagle/data/meta.json"
 }
 restore_prepared() {  # checksum first; refuses to overwrite prepared data already on this disk
-  [ -f .prepared/prepared.tar.xz ] || { echo "restore: carry .prepared/ with prepared.tar.xz (+ .sha256)" >&2; exit 2; }
-  (cd .prepared && sha256sum -c prepared.tar.xz.sha256) || { echo "restore: checksum mismatch" >&2; exit 2; }
+  local src=${PREPARED_IN:-.prepared}  # the folder carried with prepared.tar.xz and its .sha256
+  [ -f "$src/prepared.tar.xz" ] || { echo "restore: carry $src/ with prepared.tar.xz (+ .sha256)" >&2; exit 2; }
+  (cd "$src" && sha256sum -c prepared.tar.xz.sha256) || { echo "restore: checksum mismatch" >&2; exit 2; }
   if [ -f "$WORK/peagle/data/meta.json" ]; then echo "restore: $WORK/peagle/data exists; keeping it"; else
-    python3 - "$WORK" <<'PY'
+    python3 - "$WORK" "$src/prepared.tar.xz" <<'PY'
 import sys, tarfile
-with tarfile.open(".prepared/prepared.tar.xz", "r:xz") as t:
+with tarfile.open(sys.argv[2], "r:xz") as t:
     t.extractall(sys.argv[1], filter="data")
 PY
   fi
@@ -225,8 +227,13 @@ PY
     ls "$src"/pack-* > /dev/null 2>&1 || { echo "regen-in: no pack-* file in $src: carry the files of regen-out" >&2; exit 2; }
     mkdir -p "$WORK/regen-carried" && cp "$src"/pack-* "$WORK/regen-carried/"
     python3 benchmarks/ferry.py unpack "$WORK/regen-carried" "$WORK/peagle/data/regen" ;;
-  restore)  # prepared data from an earlier prepare: .prepared/prepared.tar.xz + .sha256 (carry .prepared)
+  restore)  # prepared data from an earlier prepare or pack: .prepared/prepared.tar.xz + .sha256 (carry .prepared;
+    # PREPARED_IN: another folder)
     restore_prepared ;;
+  pack)  # $WORK/peagle's prepared data (a finished prepare, on any machine: e.g. on the CPU side from the carried
+    # train shards, the eval split regenerated there) into $RESULTS/prepared.tar.xz + .sha256, for `restore`
+    [ -f "$WORK/peagle/data/meta.json" ] || { echo "pack: no prepared data in $WORK/peagle/data: run prepare first" >&2; exit 2; }
+    pack_prepared ;;
   train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other
     ngpu=$(ngpus)
     i=0

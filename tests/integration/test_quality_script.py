@@ -687,3 +687,37 @@ def test_ablate_passes_a_list_value_as_one_override(tmp_path):
     for bad in ("noequals", "=a=1", "x=a=[1", "x=a=1]"):
         with pytest.raises(ValueError):
             parse_variant(bad)
+
+
+def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tmp_path):
+    """``pack`` turns a finished prepare (here: one made on the CPU side) into ``prepared.tar.xz`` and its sha256;
+    ``restore`` on another machine (``PREPARED_IN``) checks the sum and unpacks the same bytes into both run folders;
+    a damaged pack is refused before anything is written, and a folder with no prepared data is named."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    env = _setup(tmp_path)  # $WORK/peagle/data with meta.json, train/eval safetensors, eval_prompts.json
+    data = Path(env["WORK"]) / "peagle" / "data"
+    (data / "regen").mkdir()
+    (data / "regen" / "train-00000.json").write_text('{"conversations": []}')
+    (data / "train.safetensors").write_bytes(os.urandom(5000))
+    (Path(env["WORK"]) / "peagle" / "run_config.yaml").write_text("output_dir: x\n")
+    r = _step(env | {"RESULTS": str(tmp_path / "carried")}, "pack")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in (tmp_path / "carried").iterdir()) == ["prepared.tar.xz", "prepared.tar.xz.sha256"]
+
+    fresh = env | {"WORK": str(tmp_path / "fresh"), "PREPARED_IN": str(tmp_path / "carried")}
+    r = _step(fresh, "restore")
+    assert r.returncode == 0 and "restore: 100 train sequences" in r.stdout, r.stdout + r.stderr
+    for run in ("peagle", "eagle3"):
+        got = tmp_path / "fresh" / run / "data"
+        assert (got / "train.safetensors").read_bytes() == (data / "train.safetensors").read_bytes()
+    assert (tmp_path / "fresh" / "peagle" / "data" / "regen" / "train-00000.json").exists()
+
+    blob = bytearray((tmp_path / "carried" / "prepared.tar.xz").read_bytes())
+    blob[100] ^= 0xFF
+    (tmp_path / "carried" / "prepared.tar.xz").write_bytes(bytes(blob))
+    r = _step(fresh | {"WORK": str(tmp_path / "third")}, "restore")
+    assert r.returncode == 2 and "checksum mismatch" in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "third" / "peagle").exists()
+    r = _step(fresh | {"WORK": str(tmp_path / "empty")}, "pack")
+    assert r.returncode == 2 and "no prepared data" in r.stderr, r.stdout + r.stderr
