@@ -219,14 +219,20 @@ PY
       python3 benchmarks/ferry.py pack "$WORK/peagle/data/regen" "$WORK/regen-pack"
     fi
     python3 benchmarks/ferry.py out "$WORK/regen-pack" "$2" "${OUT:?set OUT}" ;;  # (FERRY_MAX_FILES: fewer than 8)
-  regen-in)  # on a fresh machine, before prepare: the carried pieces (REGEN_IN, default .regen/) into
-    # $WORK/peagle/data/regen, every piece and shard checked against the manifest; shards already there are kept.
-    # Pieces too large for one carry may come in several calls: each call's are gathered in $WORK/regen-carried
-    # and the shards are written once every piece the manifest lists is there
-    src=${REGEN_IN:-.regen}
-    ls "$src"/pack-* > /dev/null 2>&1 || { echo "regen-in: no pack-* file in $src: carry the files of regen-out" >&2; exit 2; }
-    mkdir -p "$WORK/regen-carried" && cp "$src"/pack-* "$WORK/regen-carried/"
-    python3 benchmarks/ferry.py unpack "$WORK/regen-carried" "$WORK/peagle/data/regen" ;;
+  regen-in)  # on a fresh machine, before prepare: the carried pieces (REGEN_IN, default .regen/; several folders
+    # separated by spaces, e.g. the committed train shards and the eval split's) into $WORK/peagle/data/regen, every
+    # piece and shard checked against its folder's manifest; shards already there are kept. Pieces too large for
+    # one carry may come in several calls: each call's are gathered in $WORK/regen-carried/NAME (NAME: the folder's
+    # name) and the shards are written once every piece the manifest lists is there
+    read -r -a srcs <<< "${REGEN_IN:-.regen}"
+    for src in "${srcs[@]}"; do
+      ls "$src"/pack-* > /dev/null 2>&1 || { echo "regen-in: no pack-* file in $src: carry the files of regen-out" >&2; exit 2; }
+    done
+    for src in "${srcs[@]}"; do
+      c="$WORK/regen-carried/$(basename "$src")"
+      mkdir -p "$c" && cp "$src"/pack-* "$c/"
+      python3 benchmarks/ferry.py unpack "$c" "$WORK/peagle/data/regen"
+    done ;;
   restore)  # prepared data from an earlier prepare or pack: .prepared/prepared.tar.xz + .sha256 (carry .prepared;
     # PREPARED_IN: another folder)
     restore_prepared ;;

@@ -721,3 +721,30 @@ def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tm
     assert not (tmp_path / "third" / "peagle").exists()
     r = _step(fresh | {"WORK": str(tmp_path / "empty")}, "pack")
     assert r.returncode == 2 and "no prepared data" in r.stderr, r.stdout + r.stderr
+
+
+def test_regen_in_takes_several_carried_folders(tmp_path):
+    """``REGEN_IN`` may name several folders (the committed train shards and the eval split's): each folder's pieces
+    are checked against its own manifest and all its shards written where prepare resumes; a folder without pieces
+    is named before anything is written."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    import ferry
+
+    for name, shards in (("train_pack", ("train-00000.json", "train-00001.json")), ("eval_pack", ("eval-00000.json",))):
+        src = tmp_path / f"{name}_src"
+        src.mkdir()
+        for s in shards:
+            (src / s).write_text(json.dumps({"conversations": [[s]]}))
+        ferry.pack(src, tmp_path / name)
+    env = os.environ | {"WORK": str(tmp_path / "work"), "REGEN_IN": f"{tmp_path / 'train_pack'} {tmp_path / 'eval_pack'}"}
+    env.pop("OUT", None)
+    r = _step(env, "regen-in")
+    assert r.returncode == 0, r.stdout + r.stderr
+    regen = tmp_path / "work" / "peagle" / "data" / "regen"
+    assert sorted(p.name for p in regen.iterdir()) == ["eval-00000.json", "train-00000.json", "train-00001.json"]
+    assert json.loads((regen / "eval-00000.json").read_text()) == {"conversations": [["eval-00000.json"]]}
+    r = _step(env | {"WORK": str(tmp_path / "w2"), "REGEN_IN": f"{tmp_path / 'train_pack'} {tmp_path / 'none'}"},
+              "regen-in")
+    assert r.returncode == 2 and "no pack-* file in" in r.stderr and "none" in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "w2" / "peagle").exists()
