@@ -169,7 +169,7 @@ PY
     t0=$(date +%s)
     BUDGET=${BUDGET:-540}
     ngpu=$(ngpus)
-    nw=$(( ngpu * ${WORKERS_PER_GPU:-1} ))
+    nw=$(( ngpu * ${WORKERS_PER_GPU:-1} )); [ "$nw" -ge 1 ] || nw=1  # a machine without a GPU: one process
     unfinished=0
     if [ "$nw" -gt 1 ]; then
       pids=()

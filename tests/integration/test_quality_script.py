@@ -450,7 +450,8 @@ def test_unfinished_regeneration_comes_back_and_a_fresh_machine_continues_from_i
     that machine already has; a damaged or missing piece is refused, naming it, and nothing is written."""
     fake = _fake_prepare(tmp_path)
     back = tmp_path / "back"
-    one = os.environ | {"WORK": str(tmp_path / "one"), "PEAGLE_CLI": str(fake), "NGPU": "1", "BUDGET": "60",
+    # NGPU 0: a machine without a GPU (the CPU side) runs one prepare process, counted as one worker
+    one = os.environ | {"WORK": str(tmp_path / "one"), "PEAGLE_CLI": str(fake), "NGPU": "0", "BUDGET": "60",
                         "OUT": str(back), "FAKE_LOG": str(tmp_path / "calls.jsonl")}
     r = _step(one, "prepare")
     assert r.returncode == 0, r.stdout + r.stderr
