@@ -367,8 +367,8 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     for i in shards:  # every shard on disk checked before any is generated
         if path(i).exists():
             mine["reused"].append(i)
-            shard = json.loads(path(i).read_text())
-            if shard.get("inputs_sha256", _sha256_json(part(i))) != _sha256_json(part(i)):
+            shard, want = json.loads(path(i).read_text()), _sha256_json(part(i))
+            if shard.get("inputs_sha256", want) != want:
                 raise ConfigError(
                     f"{path(i)}: this regeneration shard was made from other conversations than the recipe now selects "
                     "(data section or source file changed); delete the data/regen folder or choose another output_dir")
