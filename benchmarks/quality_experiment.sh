@@ -22,6 +22,8 @@
 #                                                    # (EVAL_WORKERS=N: N processes per drafter, then a merge)
 #   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
+#   DRAFTERS=peagle bash benchmarks/quality_experiment.sh leg 6   # train / leg / eval for P-EAGLE alone (default:
+#                                                    # DRAFTERS="peagle eagle3"), when a lease is too short for both
 #   bash benchmarks/quality_experiment.sh leg MIN    # instead of train: both drafters MIN more minutes of one long run
 #                                                    # (portable state in $WORK/state, docs/resume.md), curve JSONs
 #   bash benchmarks/quality_experiment.sh state-out I   # batch I of that state to $OUT (one call's 64 MiB)
@@ -52,6 +54,13 @@ OVR+=(${EXTRA_OVERRIDES:-})  # e.g. EXTRA_OVERRIDES="data.num_conversations=8 re
 ngpus() { echo "${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}"; }
 P=recipes/smollm2-135m-peagle-gpu.yaml
 E=recipes/smollm2-135m-eagle3-gpu.yaml
+# DRAFTERS: which drafters `train`, `leg` and `eval` run (default both; e.g. DRAFTERS=peagle when a lease is short)
+RECIPES=()
+for d in ${DRAFTERS:-peagle eagle3}; do
+  case $d in peagle) RECIPES+=("$P") ;; eagle3) RECIPES+=("$E") ;;
+    *) echo "DRAFTERS: unknown drafter '$d' (peagle, eagle3)" >&2; exit 2 ;; esac
+done
+[ "${#RECIPES[@]}" -gt 0 ] || { echo "DRAFTERS names no drafter (peagle, eagle3)" >&2; exit 2; }
 # PEAGLE_CLI: another executable with the same arguments (tests/integration/test_quality_script.py); an array, so
 # that `timeout` can run it too
 CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")
@@ -243,7 +252,7 @@ PY
   train)  # both drafters at once when two GPUs are visible (same minutes each), else one after the other
     ngpu=$(ngpus)
     i=0
-    for R in "$P" "$E"; do
+    for R in "${RECIPES[@]}"; do
       name=$(basename "$R" .yaml)
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       d=$(legdir "$R")  # under $WORK, where prepare (or restore) put the data
@@ -254,7 +263,7 @@ PY
       [ "$ngpu" -gt 1 ] || wait
     done
     wait
-    for R in "$P" "$E"; do
+    for R in "${RECIPES[@]}"; do
       name=$(basename "$R" .yaml)
       tail -n 3 "$WORK/$name-train.err" | cut -c1-300
       summarize_metrics "$(legdir "$R")" "$RESULTS/$name-train-metrics.json"
@@ -266,7 +275,7 @@ PY
     nw=${EVAL_WORKERS:-1}
     [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
     i=0
-    for R in "$P" "$E"; do
+    for R in "${RECIPES[@]}"; do
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       name=$(basename "$R" .yaml)
       # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key)
@@ -293,7 +302,7 @@ PY
       [ "$ngpu" -gt 1 ] || wait
     done
     wait
-    for R in "$P" "$E"; do
+    for R in "${RECIPES[@]}"; do
       name=$(basename "$R" .yaml)
       out=$(legdir "$R")
       for f in eval.json eval.md acceptance_by_position.png al_speedup_vs_k.png; do
@@ -369,7 +378,7 @@ PY
     mkdir -p "$WORK/state"
     ngpu=$(ngpus)
     i=0
-    for R in "$P" "$E"; do
+    for R in "${RECIPES[@]}"; do
       name=$(basename "$R" .yaml); st="$WORK/state/$name.pst"
       d=$(legdir "$R"); [ -d "$d/data" ] || share_prepared "$d"
       in=(); [ -f "$st" ] && in=("train.state_in=$st")
@@ -382,7 +391,7 @@ PY
       [ "$ngpu" -gt 1 ] || wait
     done
     wait
-    for R in "$P" "$E"; do
+    for R in "${RECIPES[@]}"; do
       name=$(basename "$R" .yaml); d=$(legdir "$R")
       python3 benchmarks/run_curve.py "$d" "$RESULTS/$name-curve.json" || true
       if [ -f "$d/train_metrics.json" ]; then  # finished: its end-of-run eval too (eval_walk_al_heldout)

@@ -667,6 +667,27 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
     assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
 
 
+def test_drafters_picks_which_drafters_train_leg_and_eval_run(tmp_path):
+    """``DRAFTERS=peagle``: ``train``, ``leg`` and ``eval`` run the P-EAGLE recipe alone (a short lease); an unknown
+    name or an empty list is refused before anything runs."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_train_eval.py"
+    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = _setup(tmp_path) | {"NGPU": "1", "DRAFTERS": "peagle", "PEAGLE_CLI": str(fake)}
+    for step in (["train"], ["leg", "0.1"], ["eval"]):
+        r = _step(env, *step)
+        assert r.returncode == 0, r.stdout + r.stderr
+    calls = [c["args"] for c in _calls(tmp_path)]
+    assert calls and all("smollm2-135m-peagle-gpu.yaml" in c[1] for c in calls), calls
+    assert [c[0] for c in calls if c[0] in ("train", "eval")] == ["train", "train", "eval"]
+    for bad in ("medusa", " "):
+        r = _step(env | {"DRAFTERS": bad}, "eval")
+        assert r.returncode == 2 and "DRAFTERS" in r.stderr, r.stderr
+    assert len(_calls(tmp_path)) == len(calls)
+
+
 def test_ablate_passes_a_list_value_as_one_override(tmp_path):
     """``ABLATE`` entries split at the commas outside brackets (``benchmarks/variants.py``): a per-depth weight
     list reaches the trainer as one override beside the next one; a variant that does not parse is skipped
