@@ -175,7 +175,7 @@ PY
     # stops by $BUDGET s. Several workers on one GPU fill the GPU's idle time while one worker's host waits
     # (docs/benchmarks.md, "Decoding attention kernels for regeneration"). regen_rate.json: the generated tokens
     # of the shards written in this call over its wall time
-    t0=$(date +%s)
+    t0=$(date +%s.%N)  # sub-second: a shard regen-in unpacked in the same second is not this call's (regen_rate.py)
     BUDGET=${BUDGET:-540}
     ngpu=$(ngpus)
     nw=$(( ngpu * ${WORKERS_PER_GPU:-1} )); [ "$nw" -ge 1 ] || nw=1  # a machine without a GPU: one process
@@ -195,7 +195,7 @@ PY
       # a worker ran out of budget: one process would only continue its shards slowly; the next call resumes on all
       echo "regeneration not finished in BUDGET=$BUDGET s: re-run this step (finished shards are kept)"
     else
-      left=$(( BUDGET - ($(date +%s) - t0) ))
+      left=$(( BUDGET - ($(date +%s) - ${t0%.*}) ))
       timeout $(( left > 30 ? left : 30 )) "${CLI[@]}" prepare "$P" "${OVR[@]}" "output_dir=$WORK/peagle" --quiet \
         | tail -n 40 > "$RESULTS/prepare_meta.txt" || echo "prepare not finished: re-run this step (shards are kept)"
     fi
@@ -210,7 +210,7 @@ PY
       # regen_rate.json), so that a fresh machine continues from them (`regen-in`) instead of regenerating them
       FERRY_MAX_FILES=7 bash "$0" regen-out 0
     fi
-    echo "prepare: $(( $(date +%s) - t0 )) s" ;;
+    echo "prepare: $(( $(date +%s) - ${t0%.*} )) s" ;;
   regen-bench)  # OUT.json [regen_throughput.py flags]: after setup, regeneration tokens/s of the REAL SmolLM2 (answers end at
     # <|im_end|>) on 512 staged ShareGPT first turns (one batch), each timed engine run after an untimed warm-up on
     # the same batch (compiled code then cached: the steady rate of a long prepare),

@@ -539,6 +539,23 @@ def test_regen_rate_names_a_damaged_shard(tmp_path):
     assert regen_rate.regen_rate(tmp_path / "absent", 0.0, 1, now=10.0)["shards_written"] == 0
 
 
+def test_regen_rate_does_not_count_a_shard_carried_in_the_same_second(tmp_path):
+    """A shard ``regen-in`` unpacked 0.3 s before prepare started (the same whole second) is not counted as
+    generated in the call: the 2026-12-05 lease's regen_rate.json counted the carried eval split (113,406 tokens)
+    that way while prepare ran ``date +%s``; the step now passes the start with its fraction."""
+    import regen_rate
+
+    shard = tmp_path / "eval-00000.json"
+    shard.write_text(json.dumps({"report": {"generated_tokens": 113406}}))
+    t = float(int(shard.stat().st_mtime)) + 0.5  # a start half a second into the second
+    os.utime(shard, (t - 0.3, t - 0.3))
+    assert regen_rate.regen_rate(tmp_path, t, 1, now=t + 10)["shards_written"] == 0
+    assert regen_rate.regen_rate(tmp_path, float(int(t)), 1, now=t + 10)["generated_tokens"] == 113406
+    out = tmp_path / "rate.json"
+    regen_rate.main([str(tmp_path), f"{t:.9f}", "1", str(out)])  # the step's `date +%s.%N` form parses
+    assert json.loads(out.read_text())["shards_written"] == 0
+
+
 def test_lease_runs_the_steps_in_the_background_and_wait_brings_back_what_they_made(tmp_path):
     """``lease prepare nonsense`` runs both steps in the background from a copy of the repository (a failed step is
     logged, the plan goes on); ``wait`` follows the log and sends back the log, the small results and, with
