@@ -399,7 +399,10 @@ PY
         echo "$name: the run is finished and exported ($d/export)"
       fi
     done
-    ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json \
+    curves=(); for R in "${RECIPES[@]}"; do c="$RESULTS/$(basename "$R" .yaml)-curve.json"; [ -f "$c" ] && curves+=("$c"); done
+    [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$RESULTS/learning_curve.png" "${curves[@]}" \
+      || echo "learning_curve.png: plot failed" >&2
+    ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json learning_curve.png \
          smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 14 MiB pieces) to $OUT, at most
     # 8 files and 62 MiB a batch (what one device call brings back); prints how many batches there are. On the

@@ -340,6 +340,32 @@ def test_ferry_plan_limits(tmp_path):
     assert not (tmp_path / "dest").exists()
 
 
+def test_plot_curves_draws_both_drafters_and_names_a_bad_file(tmp_path):
+    """``plot_curves.py`` writes one PNG from two run_curve JSONs (labels from the file names or ``--label``);
+    a file without curve rows or a label count that does not match is refused, naming it."""
+    import plot_curves  # benchmarks/ is on sys.path (conftest)
+
+    def curve(name: str, al: list[float]) -> Path:
+        rows = [{"step": 100 * (i + 1), "gpu_minutes": 1.5 * (i + 1), "tokens_seen": 4_000_000 * (i + 1),
+                 "eval_loss": 5.0 - i, "walk_al": a, "sim_al": a + 0.05 if i else None} for i, a in enumerate(al)]
+        p = tmp_path / f"{name}-curve.json"
+        p.write_text(json.dumps({"K": 7, "curve": rows}))
+        return p
+
+    pe, e3 = curve("smollm2-135m-peagle-gpu", [1.37, 1.46, 1.69]), curve("smollm2-135m-eagle3-gpu", [1.3, 1.4])
+    out = plot_curves.main([str(tmp_path / "lc.png"), str(pe), str(e3)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    plot_curves.main([str(tmp_path / "lc2.png"), str(pe), "--label", "P-EAGLE"])
+    assert (tmp_path / "lc2.png").is_file()
+    bad = tmp_path / "bad-curve.json"
+    bad.write_text(json.dumps({"K": 7, "curve": []}))
+    with pytest.raises(SystemExit, match="bad-curve.json: no curve rows"):
+        plot_curves.main([str(tmp_path / "x.png"), str(pe), str(bad)])
+    with pytest.raises(SystemExit, match="1 --label for 2 curves"):
+        plot_curves.main([str(tmp_path / "x.png"), str(pe), str(e3), "--label", "P-EAGLE"])
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_run_curve_without_a_step_log_names_the_folder(tmp_path):
     import run_curve  # benchmarks/ is on sys.path (conftest)
 
