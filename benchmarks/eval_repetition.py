@@ -2,6 +2,7 @@
 
     python benchmarks/eval_repetition.py RECIPE [--sets mt_bench humaneval] [--prompts N] [--max-new-tokens N]
                                          [--both-turns | --no-both-turns] [--override KEY=VALUE ...] [--out REPORT.json]
+                                         [--answers-out ANSWERS.json]
 
 (defaults: the recipe's ``eval.num_prompts``, ``eval.max_new_tokens`` and ``eval.both_turns``)
 
@@ -30,7 +31,7 @@ from repetition_report import split_report  # noqa: E402
 
 def answers_report(prompts: list[list[str]], encode: Callable[[list[dict]], list[int]],
                    generate: Callable[[list[int]], list[int]], decode: Callable[[list[int]], str],
-                   eos: list[int] | None, both_turns: bool) -> dict:
+                   eos: list[int] | None, both_turns: bool, keep: list | None = None) -> dict:
     """The repetition report (:func:`repetition_report.split_report`) of the target's answers to ``prompts``.
 
     Args:
@@ -40,18 +41,22 @@ def answers_report(prompts: list[list[str]], encode: Callable[[list[dict]], list
         decode: ids -> text (a turn-1 answer in turn 2's history, as the eval stage asks turn 2).
         eos: end-of-turn token ids (None: none); an answer's EOS is not counted as a token.
         both_turns: also each prompt's second user turn, after the target's own first answer.
+        keep: when given, one ``{"prompt", "turn", "prompt_ids", "answer_ids"}`` per answer is appended to it, in
+            decoding order (prompt index, then turn, both from 0; ``answer_ids`` with its EOS when it ended there).
 
     Returns:
         ``split_report``'s dict over all answers (each answer supervised, its prompt as unsupervised context) plus
         ``mean_answer_tokens`` and ``ended_at_eos`` (answers that stopped at EOS before the cap).
     """
     ids_all, masks, lens, ended = [], [], [], 0
-    for turns in prompts:
+    for pi, turns in enumerate(prompts):
         history: list[dict] = []
-        for user in turns[: 2 if both_turns else 1]:
+        for ti, user in enumerate(turns[: 2 if both_turns else 1]):
             history.append({"role": "user", "content": user})
             ids = list(encode(history))
             ref = list(generate(ids))
+            if keep is not None:
+                keep.append({"prompt": pi, "turn": ti, "prompt_ids": ids, "answer_ids": ref})
             stop = bool(eos) and bool(ref) and ref[-1] in eos
             ended += stop
             answer = ref[:-1] if stop else ref
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="MT-Bench's second turns too, after the target's answer (default: the recipe's eval.both_turns)")
     ap.add_argument("--override", nargs="*", default=[], help="recipe overrides, e.g. target.dtype=float32")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--answers-out", type=Path, default=None,
+                    help="also the token ids of every prompt and answer, per set (benchmarks/acceptance_by_copyable.py)")
     a = ap.parse_args(argv)
     from data_prep.eval_prompts import load_eval_prompts
     from data_prep.template import build_prompt_ids
@@ -96,12 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
            "commit": os.environ.get("PEAGLE_COMMIT"), "recipe": a.recipe, "target": cfg.target.name,
            "device": str(target.device), "max_new_tokens": a.max_new_tokens, "prompts": a.prompts, "sets": {}}
     t0 = time.perf_counter()
+    answers: dict[str, list] = {}
     for name in a.sets:
         res["sets"][name] = answers_report(
             load_eval_prompts(name, a.prompts), lambda h: build_prompt_ids(target.tokenizer, h),
             lambda ids: target_generate(target, ids, a.max_new_tokens, eos_token_id=eos)[0],
             lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True), eos,
-            a.both_turns and name == "mt_bench")
+            a.both_turns and name == "mt_bench", answers.setdefault(name, []))
         r = res["sets"][name]
         print(f"{name}: {r['sequences']} answers, {r['supervised_tokens']} tokens, copyable {r['copyable']:.3f}, "
               + ", ".join(f"{k} {v['copyable']}" for k, v in r["by_position"].items()), flush=True)
@@ -109,6 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(a.out, res)
+    if a.answers_out:
+        a.answers_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(a.answers_out, {k: res[k] for k in ("command", "commit", "target", "device", "max_new_tokens")}
+                          | {"eos": list(eos) if eos else None, "sets": answers})
     return res
 
 

@@ -99,3 +99,62 @@ def test_eval_repetition_counts_the_targets_copyable_answers():
     assert rep["sequences"] == 2 and rep["supervised_tokens"] == 32 and rep["ended_at_eos"] == 1
     assert rep["copyable"] == pytest.approx(8 / 32) and rep["mean_answer_tokens"] == 16.0
     assert rep["by_position"]["[0, 64)"] == {"tokens": 32, "copyable": 0.25}
+
+
+def test_eval_repetition_keeps_the_answer_ids_in_decoding_order():
+    """``answers_report(..., keep=[])`` records each answer's prompt and token ids (EOS included), prompt index and
+    turn from 0, in the order the eval stage decodes them (benchmarks/acceptance_by_copyable.py relies on it)."""
+    import eval_repetition as er
+
+    answers = iter([[5, 0], [6, 7], [8, 0]])
+    kept: list = []
+    er.answers_report([["a1", "a2"], ["b1", "b2"]], lambda h: [len(h)], lambda ids: next(answers),
+                      lambda ids: "x", [0], False, kept)
+    assert kept == [{"prompt": 0, "turn": 0, "prompt_ids": [1], "answer_ids": [5, 0]},
+                    {"prompt": 1, "turn": 0, "prompt_ids": [1], "answer_ids": [6, 7]}]
+
+
+def test_acceptance_by_copyable_classes_each_round_by_the_token_it_drafts(tmp_path):
+    """Rounds are placed on the answer from their accepted counts (the prefill gives position 0) and classed by the
+    copyable flag of the token they draft first; workers' prompts are matched by ``i % N == r``; a sequence of
+    another length is skipped and counted; a missing rank or a sequence count that does not match is refused."""
+    import acceptance_by_copyable as abc
+
+    assert abc.round_starts([0, 2, 1]) == [1, 2, 5]
+    loop = [5, 6, 7, 8] * 3 + [0]  # positions 8..11 copyable (5,6,7,8 seen after 5,6,7,8), EOS at 12 is not
+    fresh = list(range(20, 33))     # 13 fresh tokens
+    answers = {"eos": [0], "sets": {"mt_bench": [
+        {"prompt": 0, "turn": 0, "prompt_ids": [1, 2], "answer_ids": loop},
+        {"prompt": 1, "turn": 0, "prompt_ids": [1, 2], "answer_ids": fresh},
+        {"prompt": 2, "turn": 0, "prompt_ids": [1, 2], "answer_ids": fresh[:5]}]}}
+    assert abc.classify([1, 2], loop, [0]) == [False] * 8 + [True] * 4 + [False]
+    # loop: round starts 1,2,3,4,5,6,7 (a=0 each), then 8 (a=3 -> next 12), 12 (a=0): copyable round at 8 only
+    spec = lambda acc, n: {"accepted": acc, "new_tokens": n}  # noqa: E731
+    w0 = {"datasets": {"mt_bench": {"sequences": 2, "per_k": {"3": [spec([0] * 7 + [3, 0], 13), spec([0] * 4, 5)]}}}}
+    # worker 1: prompt 1, fresh: starts 1, 3 (a=1 each) ... every round fresh
+    w1 = {"datasets": {"mt_bench": {"sequences": 1, "per_k": {"3": [spec([1] * 6, 13)]}}}}
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "worker-0-of-2.json").write_text(json.dumps(w0))
+    (parts / "worker-1-of-2.json").write_text(json.dumps(w1))
+    (tmp_path / "answers.json").write_text(json.dumps(answers))
+    res = abc.main([str(parts), str(tmp_path / "answers.json"), "--out", str(tmp_path / "r.json")])
+    s = res["sets"]["mt_bench"]
+    # prompt 2's answer has 5 tokens and its eval sequence 5: used; all 3 sequences are used
+    assert (s["sequences"], s["skipped"]) == (3, 0)
+    row = s["per_k"]["3"]
+    assert row["copyable"] == {"rounds": 1, "acc1": 1.0, "mean_accepted": 3.0}
+    # fresh rounds: loop seq 8 (7 before + the one at 12), prompt 2: 4 (starts 1..4), prompt 1: 6 (starts 1,3,..,11)
+    assert row["fresh"]["rounds"] == 18 and row["fresh"]["acc1"] == pytest.approx(6 / 18, abs=1e-4)
+    assert json.loads((tmp_path / "r.json").read_text())["sets"]["mt_bench"]["per_k"]["3"] == row
+    w1["datasets"]["mt_bench"]["per_k"]["3"][0]["new_tokens"] = 12  # decoded differently there: left out
+    (parts / "worker-1-of-2.json").write_text(json.dumps(w1))
+    assert abc.main([str(parts), str(tmp_path / "answers.json")])["sets"]["mt_bench"]["skipped"] == 1
+    w1["datasets"]["mt_bench"]["sequences"] = 2
+    (parts / "worker-1-of-2.json").write_text(json.dumps(w1))
+    with pytest.raises(SystemExit, match="worker 1/2: 2 sequences in the eval, 1 in the answers file"):
+        abc.main([str(parts), str(tmp_path / "answers.json")])
+    (parts / "worker-1-of-2.json").unlink()
+    (parts / "worker-0-of-3.json").write_text(json.dumps(w0))
+    with pytest.raises(SystemExit, match="several worker counts or a missing rank"):
+        abc.main([str(parts), str(tmp_path / "answers.json")])
