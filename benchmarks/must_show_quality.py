@@ -6,6 +6,8 @@ such as ``docs/data/quality/run3``)::
     smollm2-135m-{peagle,eagle3}-gpu-eval.json            eval stage reports (reference decoding loop)
     smollm2-135m-{peagle,eagle3}-gpu-train-metrics.json   or ...-curve.json (a run trained in legs)
     data_meta.json                                        the prepared data's meta.json
+    smollm2-135m-peagle-gpu-cost-eval.json                optional: the eval step's one-process pass (K = 1, 7 on
+                                                          MT-Bench) after EVAL_WORKERS > 1; the drafting cost from it
 
 and writes the issue's record: AL at K = 1, 3, 5, 7 on MT-Bench and HumanEval for both drafters, the
 accepted fraction by position at K = 7, GPU-minutes and training tokens, the heldout simulated-vs-measured gap
@@ -115,13 +117,18 @@ def build(results: Path, commit: str, prefix: str) -> dict:
     if metrics.exists():
         src["sim_vs_measured_rel_err"] = f"{prefix}/{metrics.name}, {prefix}/{NAMES['peagle']}-eval.json"
     gap = None if sim is None else abs(sim - measured) / measured
-    cost = _row(pe, "mt_bench", 7)["draft_ms_per_round"] / _row(pe, "mt_bench", 1)["draft_ms_per_round"]
-    workers = pe.get("workers") or 1  # eval processes that shared the device: their timings are not one loop's
+    # the drafting cost from one eval process alone: NAME-cost-eval.json (quality_experiment.sh eval's cost pass after
+    # EVAL_WORKERS > 1 processes took turns on the GPU), else the main eval when it ran alone
+    cost_file = results / f"{NAMES['peagle']}-cost-eval.json"
+    timed = _read(cost_file) if cost_file.exists() else pe
+    cost = _row(timed, "mt_bench", 7)["draft_ms_per_round"] / _row(timed, "mt_bench", 1)["draft_ms_per_round"]
+    workers = timed.get("workers") or 1  # eval processes that shared the device: their timings are not one loop's
     lossless = all(e["lossless"]["passed"] for e in ev.values())
     train_tokens = meta["splits"]["train"]["tokens"]
     src["train_tokens"] = f"{prefix}/data_meta.json"
-    for k in ("lossless", "draft_cost_k7_over_k1", "target_copyable", "max_new_tokens", "device"):
+    for k in ("lossless", "target_copyable", "max_new_tokens", "device"):
         src[k] = f"{prefix}/{NAMES['peagle']}-eval.json"
+    src["draft_cost_k7_over_k1"] = f"{prefix}/{cost_file.name if timed is not pe else NAMES['peagle'] + '-eval.json'}"
 
     def deep(d):  # accepted fraction at the fourth drafted position, P-EAGLE, K = 7
         a = acc[d]["peagle"]

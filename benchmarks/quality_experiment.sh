@@ -308,12 +308,24 @@ PY
       for f in eval.json eval.md acceptance_by_position.png al_speedup_vs_k.png; do
         [ -f "$out/eval/$f" ] && cp "$out/eval/$f" "$RESULTS/$name-$f"
       done
+      # several processes took turns on the GPU: their times per round are not one loop's. The drafting cost
+      # comes from one process alone (each drafter in turn): K = 1 and 7 on the first COST_PROMPTS MT-Bench
+      # prompts, both turns -> $RESULTS/NAME-cost-eval.json (benchmarks/must_show_quality.py reads it)
+      if [ "$nw" -gt 1 ] && [ -f "$out/eval/eval.json" ]; then
+        rm -rf "$out/eval-all" && mv "$out/eval" "$out/eval-all"
+        CUDA_VISIBLE_DEVICES=0 cli eval "$R" "${OVR[@]}" "output_dir=$out" "target.dtype=${EVAL_DTYPE:-float32}" \
+            "eval.datasets=[mt_bench]" "eval.num_prompts=${COST_PROMPTS:-4}" "eval.k_values=[1,7]" --quiet \
+            > /dev/null 2> "$WORK/$name-cost.err" \
+          && cp "$out/eval/eval.json" "$RESULTS/$name-cost-eval.json" \
+          || echo "cost pass of $name failed: $(tail -n 2 "$WORK/$name-cost.err" | cut -c1-300)"
+        rm -rf "$out/eval-cost" && { [ ! -d "$out/eval" ] || mv "$out/eval" "$out/eval-cost"; } && mv "$out/eval-all" "$out/eval"
+      fi
     done
     python3 benchmarks/quality_report.py "$RESULTS" > /dev/null || true
     ship smollm2-135m-peagle-gpu-eval.json smollm2-135m-eagle3-gpu-eval.json \
+         smollm2-135m-peagle-gpu-cost-eval.json smollm2-135m-eagle3-gpu-cost-eval.json \
          smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json \
-         smollm2-135m-peagle-gpu-acceptance_by_position.png smollm2-135m-eagle3-gpu-acceptance_by_position.png \
-         comparison.md comparison.png ;;
+         comparison.md comparison.png ;;  # (8 files: the PNGs by position come back in wait's results.tar.xz)
   ablate)  # P-EAGLE variants on the same prepared data (after prepare or restore), in waves
     # ABLATE: space-separated "name=override,override" entries (benchmarks/variants.py; a list value such as
     # train.depth_weights=[2,1,1,1,1,1,1,1] is one override; name= alone: the recipe as is; a variant with a

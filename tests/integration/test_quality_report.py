@@ -67,6 +67,18 @@ def test_must_show_record_of_the_committed_run3(tmp_path):
         (tmp_path / "r8" / f).write_text((run3 / f).read_text())
     c8 = ms.build(tmp_path / "r8", "abc", "x")["checks"]["draft_cost_k7_over_k1_le_1.3"]
     assert c8["eval_workers"] == 8 and not c8["holds"]
+    # the eval step's single-process cost pass (NAME-cost-eval.json, K = 1 and 7 on MT-Bench) is read instead
+    pe3 = json.loads((run3 / "smollm2-135m-peagle-gpu-eval.json").read_text())
+    rows = [r for r in pe3["datasets"]["mt_bench"]["by_K"] if r["K"] in (1, 7)]
+    rows[0] = rows[0] | {"draft_ms_per_round": 4.0}
+    rows[1] = rows[1] | {"draft_ms_per_round": 4.8}
+    (tmp_path / "r8" / "smollm2-135m-peagle-gpu-cost-eval.json").write_text(
+        json.dumps(pe3 | {"workers": 1, "datasets": {"mt_bench": pe3["datasets"]["mt_bench"] | {"by_K": rows}}}))
+    r8 = ms.build(tmp_path / "r8", "abc", "x")
+    c8 = r8["checks"]["draft_cost_k7_over_k1_le_1.3"]
+    assert c8["eval_workers"] == 1 and c8["value"] == pytest.approx(1.2) and c8["holds"]
+    assert r8["sources"]["draft_cost_k7_over_k1"] == "x/smollm2-135m-peagle-gpu-cost-eval.json"
+    assert r8["al"]["mt_bench"]["peagle"]["7"] == pytest.approx(1.4116, abs=1e-4)  # the AL still from the main eval
     assert not c["prompts_per_set_ge_20"]["holds"] and not c["al7_mt_bench_ge_2.0"]["holds"]
     assert not c["acc4_humaneval_gt_0"]["holds"] and c["al7_minus_al3_mt_bench_ge_0.15"]["value"] == 0.0
     assert rec["all_hold"] is False

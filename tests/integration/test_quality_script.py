@@ -652,7 +652,8 @@ if args[0] == "train":
                                                           "final": {{"eval_walk_al": {{"7": 1.2}}}}}}))
 elif args[0] == "eval":
     (out / "eval").mkdir(parents=True, exist_ok=True)
-    (out / "eval" / "eval.json").write_text(json.dumps({{"dtype": over["target.dtype"], "output_dir": str(out)}}))
+    extra = {{"datasets": over["eval.datasets"], "k_values": over["eval.k_values"]}} if "eval.datasets" in over else {{}}
+    (out / "eval" / "eval.json").write_text(json.dumps({{"dtype": over["target.dtype"], "output_dir": str(out), **extra}}))
 '''
 
 
@@ -687,7 +688,8 @@ def test_train_and_eval_use_the_run_folders_under_work_and_eval_runs_the_target_
 
 def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
     """``EVAL_WORKERS=3``: three eval processes per drafter (``--eval-worker r/3``, both drafters' at once on one
-    GPU), then one ``--eval-merge 3`` per drafter after its workers; a bad count is refused."""
+    GPU), then one ``--eval-merge 3`` per drafter after its workers, then one process alone per drafter for the
+    drafting cost (``NAME-cost-eval.json``); a bad count is refused."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     fake = tmp_path / "fake_cli.py"
@@ -703,8 +705,20 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
         mine = [c["args"] for c in calls if f"output_dir={tmp_path / 'w' / name}" in c["args"]]
         workers = sorted(a[a.index("--eval-worker") + 1] for a in mine if "--eval-worker" in a)
         assert workers == ["0/3", "1/3", "2/3"], mine
-        assert "--eval-merge" in mine[-1] and mine[-1][mine[-1].index("--eval-merge") + 1] == "3"
-        assert sum("--eval-merge" in a for a in mine) == 1
+        merge = [a for a in mine if "--eval-merge" in a]
+        assert len(merge) == 1 and merge[0][merge[0].index("--eval-merge") + 1] == "3"
+        assert mine.index(merge[0]) > max(i for i, a in enumerate(mine) if "--eval-worker" in a)
+        # then one process alone times the drafting cost (K = 1, 7 on 4 MT-Bench prompts): its own report, and
+        # the merged report stays where it was
+        cost = [a for a in mine if "eval.k_values=[1,7]" in a]
+        assert len(cost) == 1 and "eval.num_prompts=4" in cost[0] and "--eval-worker" not in cost[0]
+        assert mine.index(cost[0]) > mine.index(merge[0])
+        res = tmp_path / "w" / "results"
+        assert json.loads((res / f"smollm2-135m-{name}-gpu-cost-eval.json").read_text())["datasets"] == "[mt_bench]"
+        assert "datasets" not in json.loads((res / f"smollm2-135m-{name}-gpu-eval.json").read_text())
+        run = tmp_path / "w" / name
+        assert "datasets" not in json.loads((run / "eval" / "eval.json").read_text())
+        assert (run / "eval-cost" / "eval.json").is_file() and not (run / "eval-all").exists()
     assert {c["gpu"] for c in calls} == {"0"}
     r = _step(env | {"EVAL_WORKERS": "0"}, "eval")
     assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
