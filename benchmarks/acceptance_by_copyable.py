@@ -12,7 +12,8 @@ the target's greedy output (its lossless check), so round ``r`` of a sequence dr
 ``p_r`` is *copyable*: its 4 tokens before occurred earlier in the prompt or answer, followed by it
 (``data_prep.loops.copyable_flags``, the rule ``peagle-train eval`` reports as ``target_alone.copyable``). Per
 set and ``K`` the report gives, for copyable and for fresh rounds, their count, the share accepting the first
-draft (``acc1``) and the mean accepted drafts.
+draft (``acc1``) and the mean accepted drafts; and ``lookup_al``: the acceptance length prompt-lookup drafting
+(:func:`lookup_draft`, no weights) would reach on the same answers with the same K.
 
 What it asks (issue 20): does the drafter continue the loops a small target falls into, which a lookup
 drafter would accept at every depth, or does it fail there as on fresh text? A sequence whose answer here has
@@ -69,6 +70,36 @@ def classify(prompt_ids: list[int], answer_ids: list[int], eos: list[int] | None
     return flags + [False] * (len(answer_ids) - len(text))
 
 
+def lookup_draft(context: list[int], K: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+    """Prompt-lookup (n-gram) drafting: for ``n`` from ``n_max`` down to ``n_min``, the most recent earlier
+    occurrence of the last ``n`` tokens of ``context``; the up to ``K`` tokens that followed it there (none found:
+    an empty draft). A drafter with no weights, the baseline a trained drafter has to beat on looping text.
+
+    Example: context ``[1, 2, 3, 1, 2]``, K 2: ``[1, 2]`` occurred at 0, followed by ``[3, 1]``."""
+    L = len(context)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        tail = context[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + K]
+    return []
+
+
+def lookup_walk(prompt_ids: list[int], answer_ids: list[int], K: int) -> list[int]:
+    """Accepted drafts per round when :func:`lookup_draft` drafts for the target's greedy ``answer_ids``: the rounds
+    of the reference loop (the first answer token from the prefill, each round the longest prefix of the draft equal
+    to the answer there, then the target's own token), as ``peagle-train eval`` counts them."""
+    acc, p = [], 1
+    while p < len(answer_ids):
+        d = lookup_draft(list(prompt_ids) + list(answer_ids[:p]), K)
+        a = 0
+        while a < len(d) and p + a < len(answer_ids) and d[a] == answer_ids[p + a]:
+            a += 1
+        acc.append(a)
+        p += a + 1
+    return acc
+
+
 def _empty() -> dict:
     return {"rounds": 0, "acc1": 0, "accepted": 0}
 
@@ -113,7 +144,10 @@ def acceptance_by_copyable(parts: list[tuple[int, int, dict]], answers: dict) ->
                         c["acc1"] += a >= 1
                         c["accepted"] += a
         for k, row in res.items():
-            for c in row.values():
+            walks = [lookup_walk(sq["prompt_ids"], sq["answer_ids"], int(k)) for sq in seqs]
+            rounds = sum(map(len, walks))
+            row["lookup_al"] = round(sum(a + 1 for w in walks for a in w) / rounds, 4) if rounds else None
+            for c in (row["copyable"], row["fresh"]):
                 n = c.pop("rounds")
                 acc1, acc = c.pop("acc1"), c.pop("accepted")
                 c.update(rounds=n, acc1=round(acc1 / n, 4) if n else None,
@@ -138,7 +172,7 @@ def main(argv=None) -> dict:
         for k, row in s["per_k"].items():
             print(f"{name} K={k}: copyable rounds {row['copyable']['rounds']} acc1 {row['copyable']['acc1']} "
                   f"mean accepted {row['copyable']['mean_accepted']}; fresh rounds {row['fresh']['rounds']} "
-                  f"acc1 {row['fresh']['acc1']} mean accepted {row['fresh']['mean_accepted']} "
+                  f"acc1 {row['fresh']['acc1']} mean accepted {row['fresh']['mean_accepted']}; lookup AL {row['lookup_al']} "
                   f"({s['sequences']} sequences, {s['skipped']} skipped)")
     if a.out:
         from peagle_train.core.atomic import write_json_atomic
