@@ -159,6 +159,13 @@ def test_acceptance_by_copyable_classes_each_round_by_the_token_it_drafts(tmp_pa
     # fresh rounds: loop seq 8 (7 before + the one at 12), prompt 2: 4 (starts 1..4), prompt 1: 6 (starts 1,3,..,11)
     assert row["fresh"]["rounds"] == 18 and row["fresh"]["acc1"] == pytest.approx(6 / 18, abs=1e-4)
     assert json.loads((tmp_path / "r.json").read_text())["sets"]["mt_bench"]["per_k"]["3"] == row
+    # the weightless prompt-lookup drafter on the same answers, K = 3: the loop answer [5,6,7,8]*3 + EOS walks
+    # 1 (draft [] -> 0), 2, 3, 4 (0 each; no earlier 6/7/8), 5: [5,6,7,8] seen before -> drafts 6,7,8: 3
+    # accepted -> 9: drafts 6,7,8 -> 3 -> 13 = end; fresh answers accept nothing
+    assert abc.lookup_draft([1, 2, 3, 1, 2], 2) == [3, 1] and abc.lookup_draft([4, 5], 3) == []
+    assert abc.lookup_walk([1, 2], loop, 3) == [0, 0, 0, 0, 3, 3]
+    walks = [[0, 0, 0, 0, 3, 3], [0] * 12, [0] * 4]
+    assert row["lookup_al"] == pytest.approx(sum(a + 1 for w in walks for a in w) / 22, abs=1e-4)
     w1["datasets"]["mt_bench"]["per_k"]["3"][0]["new_tokens"] = 12  # decoded differently there: left out
     (parts / "worker-1-of-2.json").write_text(json.dumps(w1))
     assert abc.main([str(parts), str(tmp_path / "answers.json")])["sets"]["mt_bench"]["skipped"] == 1
