@@ -158,6 +158,7 @@ class Trainer(InTrainingEval, Checkpoints):
         self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
         after_prepare(self.acc, self.model)
         self._ranks: dict[int, int] | None = None  # heldout rank per eval sequence (_heldout_rank), built on first use
+        self._copyable_cache: dict = {}  # eval sequence -> [n] bool copyable tokens (InTrainingEval._copyable)
         self._eval_items: list[int] | None = None
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)

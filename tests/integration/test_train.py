@@ -90,6 +90,9 @@ def test_cache_train_learns_and_saves(run_dir):
     for key in ("eval_walk_al", "eval_walk_al_heldout"):  # loop-equivalent simulated AL, K = 1..train.K
         assert sorted(final[key], key=int) == [str(k) for k in range(1, cfg.train.K + 1)]
         assert all(1.0 <= v <= int(k) + 1 for k, v in final[key].items()), final[key]
+    # the first drafted position's accuracy on copyable and on fresh labels, and the copyable share (issue 20)
+    s, cp, fr = final["eval_copyable_share"], final["eval_acc1_copyable"], final["eval_acc1_fresh"]
+    assert 0.0 <= s <= 1.0 and 0.0 <= fr <= 1.0 and (cp != cp if s == 0 else 0.0 <= cp <= 1.0)
 
 
 def test_cache_detects_corruption(run_dir):
