@@ -636,9 +636,11 @@ class Trainer(InTrainingEval, Checkpoints):
                 step_log.flush()
             if self.tc.save_every and self.step % self.tc.save_every == 0:
                 self.save_checkpoint()
-            # (a time limit met on the run's last step lets the run finish: evaluate and save now, not next launch)
+            # (a time limit met on the run's last step lets the run finish: evaluate and save now, not next launch;
+            # so does one met when the run's time budget, train.max_minutes, is spent too: the budget ends the run)
             if (stop_at is not None and self.step >= stop_at) or (
-                    self._launch_over(t_launch, stop_after_minutes) and self.step < self.total_steps):
+                    self._launch_over(t_launch, stop_after_minutes) and self.step < self.total_steps
+                    and not (self.tc.max_minutes is not None and self._time_fraction(t_start) >= 1.0)):
                 if stop_at is None or self.step < stop_at:
                     self.acc.print(f"train: stopped after {stop_after_minutes} minutes of this launch at step "
                                    f"{self.step} of {self.total_steps}; the next launch continues the run")

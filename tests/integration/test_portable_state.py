@@ -189,6 +189,29 @@ def test_cli_chain_of_two_launches(runs, capsys):
     assert f"resumed from portable state {s2} (step 4" in capsys.readouterr().out
 
 
+def test_a_launch_limit_met_with_the_time_budget_spent_finishes_the_run(runs, monkeypatch, capsys):
+    """``--stop-after`` met on the step that also spends ``train.max_minutes``: the budget wins, the run finishes
+    (train_metrics.json, the drafter saved for export) instead of stopping unfinished for a launch that would train
+    nothing (quality_experiment.sh ``leg M`` with ``train.max_minutes=M`` lost its export that way)."""
+    from peagle_train.trainer.trainer import Trainer
+
+    run_dir, _, _ = runs
+    out = _fresh(run_dir, "budget_and_launch")
+    calls = []
+
+    def fraction(self, t_start):  # the budget is spent once the first step has run
+        calls.append(self.step)
+        return 0.0 if self.step == 0 else 1.5
+
+    monkeypatch.setattr(Trainer, "_time_fraction", fraction)
+    cfg = _cfg_at(run_dir, out).model_copy(deep=True)
+    cfg.train.max_minutes = 5.0
+    run_train(cfg, progress=False, stop_after_minutes=1e-6)
+    assert "stopped after" not in capsys.readouterr().out
+    assert (out / "train_metrics.json").is_file() and (out / "drafter").is_dir()
+    assert json.loads((out / "train_metrics.json").read_text())["steps"] == 1 and 1 in calls
+
+
 def test_cli_stop_after_minutes(runs, capsys):
     """`peagle-train train ... --stop-after MINUTES`: a launch that has trained that long checkpoints, writes
     train.state_out and exits (here: the first step outlasts 1e-6 minutes); the next launch, in a fresh folder,
