@@ -85,6 +85,13 @@ class InTrainingEval:
                 "eval_acc1_fresh": float(copy[2] / copy[3]) if copy[3] > 0 else float("nan"),
                 "eval_copyable_share": float(copy[1] / (copy[1] + copy[3])) if copy[1] + copy[3] > 0 else float("nan")}
 
+    def _right(self, packed, grid, pred) -> torch.Tensor:
+        """``[E]`` bool: the element's draft equals the target's greedy token and that token is in the draft vocab
+        (a target token outside it is a rejected draft, as in the decoding loop, not the end of the turn)."""
+        drafter = self.acc.unwrap_model(self.model).drafter
+        tgt = packed["argmax"][grid.label_index]
+        return (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
+
     def _copyable(self, i: int) -> torch.Tensor:
         """``[n]`` bool: eval sequence ``i``'s supervised tokens a lookup in the sequence before them predicts
         (:func:`data_prep.loops.copyable_flags`, n = 4: the 4 tokens before occurred earlier, followed by this token);
@@ -105,9 +112,7 @@ class InTrainingEval:
         distribution that predicts it, spec §2). Why it is asked (issue 20, docs/results.md, run 4): the decoding loop
         accepted the first draft on 46 % of MT-Bench's copyable rounds, where a lookup drafter is right by
         construction, so whether the drafter learns to copy from its context is tracked over training."""
-        drafter = self.acc.unwrap_model(self.model).drafter
-        tgt = packed["argmax"][grid.label_index]
-        right = ((drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]).cpu()
+        right = self._right(packed, grid, pred).cpu()
         first = ((grid.depth == 0) & (grid.loss_weight > 0)).cpu()
         cp = self._copyable(i)[(grid.label_index.cpu() + 1).clamp(max=len(self.eval_ids[i]) - 1)]
         out = torch.zeros(4, dtype=torch.float64)
@@ -128,10 +133,7 @@ class InTrainingEval:
         ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
         first ``eval.num_prompts`` sequences, as the eval stage's ``heldout`` set) its first
         ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
-        drafter = self.acc.unwrap_model(self.model).drafter
-        tgt = packed["argmax"][grid.label_index]
-        # a target token outside the draft vocab is a rejected draft, not the end of the turn
-        correct = (drafter.draft_to_target(pred) == tgt) & drafter.t2d[tgt]
+        correct = self._right(packed, grid, pred)
         sup = grid.loss_weight > 0
         n = len(self.eval_ids[i])
         ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)

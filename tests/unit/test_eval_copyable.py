@@ -21,6 +21,7 @@ def _trainer(ids, mask, drafter):
     acc = SimpleNamespace(unwrap_model=lambda m: SimpleNamespace(drafter=drafter))
     tr = SimpleNamespace(eval_ids=[ids], eval_masks=[mask], _copyable_cache={}, acc=acc, model=model)
     tr._copyable = lambda i: InTrainingEval._copyable(tr, i)
+    tr._right = lambda packed, grid, pred: InTrainingEval._right(tr, packed, grid, pred)
     return tr
 
 
