@@ -71,9 +71,11 @@ def variant_row(folder: Path) -> dict:
         ``K``, ``al_at_K`` (= min(7, K)), ``steps``, ``train_s``, ``steps_per_s``, ``walk_al``,
         ``walk_al_heldout``, ``sim_al`` (at ``al_at_K``), ``eval_loss``, ``eval_acc`` (per depth,
         final), the timing of :func:`_step_times` and ``eval_curve``
-        (``[{"step", "elapsed_s", "lr", "walk_al"}]``, ``walk_al`` at ``al_at_K``; ``lr`` is the
-        learning rate logged at that step, which differs between variants at equal steps under
-        ``train.schedule: time``).
+        (``[{"step", "elapsed_s", "lr", "walk_al", "acc1_copyable", "acc1_fresh"}]``, ``walk_al`` at
+        ``al_at_K``; ``lr`` is the learning rate logged at that step, which differs between variants at
+        equal steps under ``train.schedule: time``; the first drafted position's accuracy on copyable and
+        fresh labels of the eval split, None where the trainer did not log them), and the final
+        ``acc1_copyable``, ``acc1_fresh`` and ``copyable_share``.
     """
     f = folder / "train_metrics.json"
     if not f.exists():
@@ -93,14 +95,17 @@ def variant_row(folder: Path) -> dict:
     spec = (folder / "variant.txt").read_text().strip() if (folder / "variant.txt").exists() else ""
     history = m.get("history", [])  # one record per step; an eval step's record also holds the eval
     curve = [{"step": h["step"], "elapsed_s": round(h["elapsed_s"], 1) if h.get("elapsed_s") is not None else None,
-              "lr": h.get("lr"), "walk_al": _at(h.get("eval_walk_al"), k)}
+              "lr": h.get("lr"), "walk_al": _at(h.get("eval_walk_al"), k),
+              "acc1_copyable": h.get("eval_acc1_copyable"), "acc1_fresh": h.get("eval_acc1_fresh")}
              for h in history if "eval_walk_al" in h]
     return {"variant": folder.name, "settings": spec, "K": m["K"], "al_at_K": k, "steps": m["steps"],
             "train_s": round(m["train_seconds"], 1), "steps_per_s": round(m["steps"] / m["train_seconds"], 2),
             **_step_times(history),
             "walk_al": _at(fin.get("eval_walk_al"), k), "walk_al_heldout": _at(fin.get("eval_walk_al_heldout"), k),
             "sim_al": _at(fin.get("eval_sim_al"), k), "eval_loss": fin.get("eval_loss"),
-            "eval_acc": fin.get("eval_acc"), "eval_curve": curve}
+            "eval_acc": fin.get("eval_acc"), "acc1_copyable": fin.get("eval_acc1_copyable"),
+            "acc1_fresh": fin.get("eval_acc1_fresh"), "copyable_share": fin.get("eval_copyable_share"),
+            "eval_curve": curve}
 
 
 def summarize(root: Path) -> list[dict]:
@@ -131,15 +136,17 @@ def markdown(rows: list[dict]) -> str:
     f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
     g = lambda x: "-" if x is None else f"{x}"  # noqa: E731
     out = ["| variant | settings | K (AL at) | steps | median step ms | first step s | slow s | walk AL heldout "
-           "| walk AL | sim AL | eval acc depth 1..4 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| walk AL | sim AL | eval acc depth 1..4 | acc@1 copyable / fresh |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['variant']} | not finished: {r['error'][-120:]!r} |" + " |" * 9)
+            out.append(f"| {r['variant']} | not finished: {r['error'][-120:]!r} |" + " |" * 10)
             continue
         acc = " / ".join("-" if a is None else f"{a:.2f}" for a in (r["eval_acc"] or [])[:4])
         out.append(f"| {r['variant']} | {r['settings']} | {r['K']} ({r['al_at_K']}) | {r['steps']} | "
                    f"{g(r['median_step_ms'])} | {g(r['first_step_s'])} | {g(r['slow_s'])} | "
-                   f"{f(r['walk_al_heldout'])} | {f(r['walk_al'])} | {f(r['sim_al'])} | {acc} |")
+                   f"{f(r['walk_al_heldout'])} | {f(r['walk_al'])} | {f(r['sim_al'])} | {acc} | "
+                   f"{f(r.get('acc1_copyable'))} / {f(r.get('acc1_fresh'))} |")
     steps = shared_eval_steps(rows)
     if steps:
         out += ["", "`eval_walk_al` at the eval steps (learning rate there, in units of 1e-4). Under "

@@ -39,7 +39,8 @@ if out.name == "{fail}":
 time.sleep(0.3)
 K = int(over.get("train.K", 8))
 per_k = lambda step: {{str(k): 1.0 + step * k for k in range(1, K + 1)}}  # walk / heldout / sim differ
-evals = {{s: {{"eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000 for k in range(1, K + 1)}}}}
+evals = {{s: {{"eval_loss": 5.0, "eval_walk_al": {{str(k): 1.0 + s / 100 + k / 1000 for k in range(1, K + 1)}},
+             "eval_acc1_copyable": 0.3 + s / 100, "eval_acc1_fresh": 0.2 + s / 100}}
          for s in ((5, 10) if K == 8 else (5, 8))}}
 # as Trainer.fit logs: one record per step, an eval step's record also holding the eval; a 2 s stall
 # (a compile) before step 7
@@ -49,7 +50,8 @@ steps = [{{"step": s, "loss": 9.0 - s / 10, "lr": 1e-4 * (11 - s), "elapsed_s": 
     "method": "peagle", "K": K, "steps": 10, "train_seconds": 1.5,
     "history": steps,
     "final": {{"eval_loss": 4.0, "eval_walk_al": per_k(0.01), "eval_walk_al_heldout": per_k(0.02),
-              "eval_sim_al": per_k(0.03), "eval_acc": [0.4, 0.2, 0.1, 0.05]}}}}))
+              "eval_sim_al": per_k(0.03), "eval_acc": [0.4, 0.2, 0.1, 0.05],
+              "eval_acc1_copyable": 0.45, "eval_acc1_fresh": 0.25, "eval_copyable_share": 0.6}}}}))
 print(json.dumps({{"steps": 10}}))
 '''
 
@@ -111,14 +113,18 @@ def test_ablate_default_variants_waves_and_summary(tmp_path):
     assert (rows["base"]["median_step_ms"], rows["base"]["slow_s"], rows["base"]["first_step_s"]) == (50.0, 2.0, 1.1)
     # eval curves at the served K; the equal-steps table holds the steps every variant reached
     assert rows["base"]["eval_curve"] == [
-        {"step": 5, "elapsed_s": 1.2, "lr": pytest.approx(6e-4), "walk_al": pytest.approx(1.057)},
-        {"step": 10, "elapsed_s": 3.5, "lr": pytest.approx(1e-4), "walk_al": pytest.approx(1.107)}]
+        {"step": 5, "elapsed_s": 1.2, "lr": pytest.approx(6e-4), "walk_al": pytest.approx(1.057),
+         "acc1_copyable": pytest.approx(0.35), "acc1_fresh": pytest.approx(0.25)},
+        {"step": 10, "elapsed_s": 3.5, "lr": pytest.approx(1e-4), "walk_al": pytest.approx(1.107),
+         "acc1_copyable": pytest.approx(0.4), "acc1_fresh": pytest.approx(0.3)}]
     assert rows["K4"]["eval_curve"][-1] == {"step": 8, "elapsed_s": 3.4, "lr": pytest.approx(3e-4),
-                                            "walk_al": pytest.approx(1.084)}
+                                            "walk_al": pytest.approx(1.084), "acc1_copyable": pytest.approx(0.38),
+                                            "acc1_fresh": pytest.approx(0.28)}
+    assert (rows["base"]["acc1_copyable"], rows["base"]["acc1_fresh"], rows["base"]["copyable_share"]) == (0.45, 0.25, 0.6)
     assert rows["base"]["eval_acc"] == [0.4, 0.2, 0.1, 0.05] and rows["base"]["steps_per_s"] == pytest.approx(6.67)
     md = (tmp_path / "work" / "results" / "ablation.md").read_text()
     assert ("| base | minutes=0.5 overrides= | 8 (7) | 10 | 50.0 | 1.1 | 2.0 | 1.140 | 1.070 | 1.210 | "
-            "0.40 / 0.20 / 0.10 / 0.05 |") in md
+            "0.40 / 0.20 / 0.10 / 0.05 | 0.450 / 0.250 |") in md
     # step 10 is reached by the four K = 8 variants, step 8 by K4 alone (not shown), step 5 by all
     assert "| variant | step 5 | step 10 |\n" in md and "| K4 | 1.054 (6.0) | - |" in md
     assert "| base | 1.057 (6.0) | 1.107 (1.0) |" in md and "step 8" not in md
@@ -186,7 +192,9 @@ def test_ablation_report_bad_files_become_error_rows(tmp_path):
     v4 = rows["v4"]
     assert v4["walk_al"] == 1.25 and v4["walk_al_heldout"] is None and v4["al_at_K"] == 2
     assert (v4["first_step_s"], v4["median_step_ms"], v4["slow_s"]) == (None, None, None)
-    assert v4["eval_curve"] == [{"step": 2, "elapsed_s": None, "lr": None, "walk_al": 1.2}]
+    assert v4["eval_curve"] == [{"step": 2, "elapsed_s": None, "lr": None, "walk_al": 1.2, "acc1_copyable": None,
+                                 "acc1_fresh": None}]
+    assert v4["acc1_copyable"] is None and v4["copyable_share"] is None  # a run from before the copy metrics
     assert ablation_report._at({2: 1.5}, 2) == 1.5 and ablation_report._at(None, 2) is None
     md = ablation_report.markdown(list(rows.values()))
     assert "| v4 | 1.200 |" in md and "| v1 | not finished:" in md
