@@ -336,7 +336,8 @@ PY
     # a finished run of the same settings is kept, so a long list can be split over several calls; one
     # that finished with other settings is refused (use another name). Result: $RESULTS/ablation.json,
     # + ablation.md (benchmarks/ablation_report.py: one row per variant folder under $WORK/ablate with its
-    # settings, steps, simulated acceptance lengths and eval curve, or its error), no decoding loop, no export.
+    # settings, steps, simulated acceptance lengths and eval curve, or its error), ablate-NAME-curve.json per finished
+    # variant (run_curve.py) and ablation_curves.png (plot_curves.py); no decoding loop, no export.
     minutes=${ABLATE_MINUTES:-2}
     per_gpu=${ABLATE_PER_GPU:-1}
     [[ "$per_gpu" =~ ^[1-9][0-9]*$ ]] || { echo "ABLATE_PER_GPU must be a whole number >= 1, got '$per_gpu'" >&2; exit 2; }
@@ -379,7 +380,15 @@ PY
     done
     wait
     python3 benchmarks/ablation_report.py "$WORK/ablate" "$RESULTS/ablation.json" --minutes "$minutes" --per-gpu "$per_gpu"
-    ship ablation.json ablation.md ;;
+    # each finished variant's learning curve (run_curve.py: walk AL(7), tokens seen, copy accuracies) and one PNG
+    curves=()
+    for d in "$WORK"/ablate/*/; do
+      v=$(basename "$d"); [ -f "$d/train_metrics.json" ] || continue
+      python3 benchmarks/run_curve.py "$d" "$RESULTS/ablate-$v-curve.json" > /dev/null && curves+=("$RESULTS/ablate-$v-curve.json")
+    done
+    [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$RESULTS/ablation_curves.png" "${curves[@]}" \
+      || echo "ablation_curves.png: plot failed" >&2
+    ship ablation.json ablation.md ablation_curves.png ;;
   leg)  # MINUTES: each drafter trains MINUTES more of one long run, resumed from its portable state when there
     # is one ($WORK/state/NAME.pst, from an earlier leg on this machine or carried in by `state-in`), writing it
     # again at the end in pieces of 14 MiB (train.state_part_mib: what `state-out` and a carry can move). The run's whole

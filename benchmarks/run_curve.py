@@ -4,7 +4,8 @@ from a portable state, docs/resume.md), from its run folder.
     python benchmarks/run_curve.py RUN_DIR OUT.json [--K 7]
 
 Reads ``RUN_DIR/logs/steps.jsonl`` (the trainer writes the whole history there, the restored steps of
-earlier launches included) and ``RUN_DIR/logs/state_out.json`` (the last portable state written), and
+earlier launches included; where that log did not come back, the ``history`` of a finished run's
+``train_metrics.json``, which holds the same records) and ``RUN_DIR/logs/state_out.json`` (the last portable state written), and
 writes one JSON:
 
 * ``curve``: one row per in-training evaluation, and the end-of-run evaluation of a finished run
@@ -40,9 +41,16 @@ def minutes(record: dict) -> float:
 
 
 def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
-    """The curve of ``run_dir`` (see the module docstring). Raises FileNotFoundError without a step log."""
+    """The curve of ``run_dir`` (see the module docstring). Raises FileNotFoundError without a step log
+    and without a ``train_metrics.json`` that holds a ``history``."""
     log = run_dir / "logs" / "steps.jsonl"
-    history = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    metrics = run_dir / "train_metrics.json"
+    if log.is_file():
+        history = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    elif metrics.is_file() and "history" in (m := json.loads(metrics.read_text())):
+        history = m["history"]  # the same per-step records (Trainer.fit), e.g. an ablation variant's folder
+    else:
+        raise FileNotFoundError(2, "no step log", str(log))
 
     def row(h: dict, ev: dict, seen: int) -> dict:  # step record h, its evaluation ev
         return {"step": h["step"], "gpu_minutes": minutes(h), "tokens_seen": seen, "eval_loss": ev["eval_loss"],
@@ -56,8 +64,7 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
             curve.append(row(h, h, seen))
         if h["step"] % every == 0 or i == len(history) - 1:
             loss.append([h["step"], minutes(h), h["loss"]])
-    metrics = run_dir / "train_metrics.json"  # a finished run: its end-of-run evaluation is the curve's last row
-    if metrics.is_file() and history:
+    if metrics.is_file() and history:  # a finished run: its end-of-run evaluation is the curve's last row
         final = json.loads(metrics.read_text()).get("final") or {}
         if "eval_loss" in final and (not curve or curve[-1]["step"] != history[-1]["step"]):
             curve.append(row(history[-1], final, seen))

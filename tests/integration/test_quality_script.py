@@ -69,7 +69,9 @@ def _setup(tmp_path: Path, fail: str = "-") -> dict:
     fake.write_text(FAKE_CLI.format(python=sys.executable, fail=fail))
     fake.chmod(0o755)
     env = os.environ | {"WORK": str(work), "PEAGLE_CLI": str(fake), "FAKE_LOG": str(tmp_path / "calls.jsonl"),
-                        "NGPU": "2", "ABLATE_MINUTES": "0.5"}
+                        "NGPU": "2", "ABLATE_MINUTES": "0.5",
+                        # the script's python3 is the test's interpreter (run_curve.py, plot_curves.py' matplotlib)
+                        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("OUT", None)
     return env
 
@@ -129,6 +131,11 @@ def test_ablate_default_variants_waves_and_summary(tmp_path):
     assert "| variant | step 5 | step 10 |\n" in md and "| K4 | 1.054 (6.0) | - |" in md
     assert "| base | 1.057 (6.0) | 1.107 (1.0) |" in md and "step 8" not in md
     assert md in r.stdout
+    # each variant's learning curve (run_curve.py on its folder) and one PNG of all of them
+    base_curve = json.loads((tmp_path / "work" / "results" / "ablate-base-curve.json").read_text())
+    assert [(c["step"], c["acc1_copyable"]) for c in base_curve["curve"]] == [(5, pytest.approx(0.35)),
+                                                                             (10, pytest.approx(0.4))]
+    assert (tmp_path / "work" / "results" / "ablation_curves.png").stat().st_size > 0
 
 
 def test_ablate_resumes_and_reports_a_failed_variant(tmp_path):
@@ -380,6 +387,29 @@ def test_run_curve_without_a_step_log_names_the_folder(tmp_path):
 
     with pytest.raises(SystemExit, match=r"steps\.jsonl: no step log"):
         run_curve.main([str(tmp_path / "never_trained"), str(tmp_path / "curve.json")])
+
+
+def test_run_curve_reads_train_metrics_history_without_a_step_log(tmp_path):
+    """An ablation variant's folder brought back without logs/: the curve comes from train_metrics.json's history
+    (the same per-step records), its end-of-run eval the last row; a train_metrics.json without a history is
+    no step log either."""
+    import run_curve  # benchmarks/ is on sys.path (conftest)
+
+    run = tmp_path / "init_target"
+    run.mkdir()
+    hist = [{"step": s, "loss": 5.0 - s / 10, "tokens": 1000, "elapsed_s": 30.0 * s} for s in range(1, 5)]
+    hist[1].update(eval_loss=4.0, eval_walk_al={"7": 1.5}, eval_sim_al={"7": 1.6}, eval_acc1_copyable=0.6,
+                   eval_acc1_fresh=0.4)
+    (run / "train_metrics.json").write_text(json.dumps({"history": hist, "final": {
+        "eval_loss": 3.5, "eval_walk_al": {"7": 1.9}, "eval_sim_al": {"7": 2.1}}}))
+    res = run_curve.main([str(run), str(tmp_path / "curve.json"), "--every", "2"])
+    assert res["finished"] and res["steps"] == 4 and res["tokens_seen"] == 4000 and res["gpu_minutes"] == 2.0
+    assert [(r["step"], r["tokens_seen"], r["walk_al"], r["acc1_copyable"]) for r in res["curve"]] == [
+        (2, 2000, 1.5, 0.6), (4, 4000, 1.9, None)]
+    assert res["loss"] == [[2, 1.0, 4.8], [4, 2.0, 4.6]]
+    (run / "train_metrics.json").write_text(json.dumps({"final": {}}))
+    with pytest.raises(SystemExit, match=r"steps\.jsonl: no step log"):
+        run_curve.main([str(run), str(tmp_path / "curve.json")])
 
 
 def test_repetition_report_counts_copyable_tokens_by_answer_position(tmp_path):

@@ -657,6 +657,29 @@ def test_init_layers_target_starts_from_the_targets_last_layers(run_dir):
     assert not torch.equal(plain.acc.unwrap_model(plain.model).drafter.layers[1].mlp.down_proj.weight, start)
 
 
+def test_init_layers_target_starts_an_eagle3_drafter_from_the_targets_last_layer(run_dir):
+    """The EAGLE-3 GPU recipe's setting (drafter.init_layers: target, one layer): its only layer, the fusion
+    layer, starts as the target's last (5 of 6), its norm as the target's; TTT steps train it from there."""
+    from safetensors.torch import load_file
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    w = load_file(str(run_dir / "target" / "model.safetensors"))
+    cfg = _cfg(run_dir, method="eagle3", K=3, max_steps=2)
+    cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_layers": "target", "num_layers": 1})})
+    tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+    drafter = tr.acc.unwrap_model(tr.model).drafter
+    assert len(drafter.layers) == 1
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, w["model.layers.5.mlp.down_proj.weight"])
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight[:, 32:], w["model.layers.5.self_attn.q_proj.weight"])
+    assert not drafter.layers[0].self_attn.q_proj.weight[:, :32].any()  # the embedding half starts at zero
+    assert torch.equal(drafter.norm.weight, w["model.norm.weight"])
+    start = drafter.layers[0].mlp.down_proj.weight.detach().clone()
+    for _ in range(2):
+        tr.train_step()
+    tr._stop_prefetch()
+    assert not torch.equal(drafter.layers[0].mlp.down_proj.weight.detach(), start)
+
+
 def test_adamw_is_fused_on_cuda_for_plain_parameters_only(run_dir):
     """One fused AdamW kernel on CUDA for a single process or DDP; torch's default elsewhere (FSDP2's
     sharded and DeepSpeed's partitioned parameters; the CPU); the trainer builds what it says."""
