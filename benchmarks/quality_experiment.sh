@@ -270,16 +270,47 @@ PY
     done
     ship smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   eval)  # EVAL_WORKERS=N (default 1): N eval processes per drafter, each every N-th prompt, all at once (both
-    # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge)
+    # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge).
+    # EVAL_COMPILE: 0 (default) the target's forward eager; 1 compiled (eval.compile_target: one static KV cache,
+    # CUDA graphs); auto: first the one-process drafting-cost pass of each drafter both ways (NAME-cost-eval.json,
+    # NAME-cost-eval-compiled.json), then compiled only where benchmarks/compile_choice.py finds the same rounds
+    # and a faster loop (NAME-compile-choice.json says why)
     ngpu=$(ngpus)
     nw=${EVAL_WORKERS:-1}
     [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
+    comp=${EVAL_COMPILE:-0}
+    case $comp in 0|1|auto) ;; *) echo "EVAL_COMPILE must be 0, 1 or auto, got '$comp'" >&2; exit 2 ;; esac
+    cost_pass() {  # RECIPE COMPILE(true|false) SUFFIX: K = 1 and 7 on the first COST_PROMPTS MT-Bench prompts, both
+      # turns, one process alone -> $RESULTS/NAME-cost-evalSUFFIX.json (its folder kept as eval-costSUFFIX)
+      local R=$1 name out; name=$(basename "$1" .yaml); out=$(legdir "$1")
+      rm -rf "$out/eval-cost$3"; [ ! -d "$out/eval" ] || mv "$out/eval" "$out/eval-before-cost"
+      CUDA_VISIBLE_DEVICES=0 cli eval "$R" "${OVR[@]}" "output_dir=$out" "target.dtype=${EVAL_DTYPE:-float32}" \
+          "eval.datasets=[mt_bench]" "eval.num_prompts=${COST_PROMPTS:-4}" "eval.k_values=[1,7]" \
+          "eval.compile_target=$2" --quiet > /dev/null 2> "$WORK/$name-cost$3.err" \
+        && cp "$out/eval/eval.json" "$RESULTS/$name-cost-eval$3.json" \
+        || echo "cost pass of $name (compile_target=$2) failed: $(tail -n 2 "$WORK/$name-cost$3.err" | cut -c1-300)"
+      [ ! -d "$out/eval" ] || mv "$out/eval" "$out/eval-cost$3"
+      [ ! -d "$out/eval-before-cost" ] || mv "$out/eval-before-cost" "$out/eval"
+    }
+    declare -A compiled=()
+    for R in "${RECIPES[@]}"; do  # the automatic choice first, each drafter alone on the GPU
+      name=$(basename "$R" .yaml); compiled[$name]=$([ "$comp" = 1 ] && echo true || echo false)
+      [ "$comp" = auto ] || continue
+      cost_pass "$R" false "" && cost_pass "$R" true "-compiled"
+      if [ -f "$RESULTS/$name-cost-eval.json" ] && [ -f "$RESULTS/$name-cost-eval-compiled.json" ]; then
+        choice=$(python3 benchmarks/compile_choice.py "$RESULTS/$name-cost-eval.json" \
+          "$RESULTS/$name-cost-eval-compiled.json" --out "$RESULTS/$name-compile-choice.json")
+        compiled[$name]=$(head -n 1 <<< "$choice")
+        echo "eval of $name: compiled target forward: $(head -n 1 <<< "$choice") ($(sed -n 2p <<< "$choice"))"
+      fi
+    done
     i=0
     for R in "${RECIPES[@]}"; do
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       name=$(basename "$R" .yaml)
       # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key)
-      ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}" --quiet)
+      ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}"
+          "eval.compile_target=${compiled[$name]}" --quiet)
       if [ "$nw" -gt 1 ]; then
         ( pids=()
           for r in $(seq 0 $((nw - 1))); do
@@ -310,15 +341,10 @@ PY
       done
       # several processes took turns on the GPU: their times per round are not one loop's. The drafting cost
       # comes from one process alone (each drafter in turn): K = 1 and 7 on the first COST_PROMPTS MT-Bench
-      # prompts, both turns -> $RESULTS/NAME-cost-eval.json (benchmarks/must_show_quality.py reads it)
-      if [ "$nw" -gt 1 ] && [ -f "$out/eval/eval.json" ]; then
-        rm -rf "$out/eval-all" && mv "$out/eval" "$out/eval-all"
-        CUDA_VISIBLE_DEVICES=0 cli eval "$R" "${OVR[@]}" "output_dir=$out" "target.dtype=${EVAL_DTYPE:-float32}" \
-            "eval.datasets=[mt_bench]" "eval.num_prompts=${COST_PROMPTS:-4}" "eval.k_values=[1,7]" --quiet \
-            > /dev/null 2> "$WORK/$name-cost.err" \
-          && cp "$out/eval/eval.json" "$RESULTS/$name-cost-eval.json" \
-          || echo "cost pass of $name failed: $(tail -n 2 "$WORK/$name-cost.err" | cut -c1-300)"
-        rm -rf "$out/eval-cost" && { [ ! -d "$out/eval" ] || mv "$out/eval" "$out/eval-cost"; } && mv "$out/eval-all" "$out/eval"
+      # prompts, both turns -> $RESULTS/NAME-cost-eval.json (benchmarks/must_show_quality.py reads it); with
+      # EVAL_COMPILE=auto it was made before the workers, eager
+      if [ "$nw" -gt 1 ] && [ -f "$out/eval/eval.json" ] && [ "$comp" != auto ]; then
+        cost_pass "$R" "${compiled[$name]}" ""
       fi
     done
     python3 benchmarks/quality_report.py "$RESULTS" > /dev/null || true

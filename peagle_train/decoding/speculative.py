@@ -39,8 +39,6 @@ hidden, ``A*T`` concatenated aux width, ``n`` new context slots.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -48,6 +46,7 @@ import torch
 
 from peagle_train.core.dtypes import acc_dtype
 from peagle_train.decoding.rejection import AcceptRule, standard_accept_rule, verify_greedy, verify_sampling
+from peagle_train.decoding.target_runner import TargetRunner
 from peagle_train.features.target import Target
 from peagle_train.kernels.attention import AttnSpec
 from peagle_train.methods import get_method, method_of_config
@@ -191,38 +190,6 @@ def _finished(out: list[int], max_new_tokens: int, eos: set[int]) -> bool:
     return False
 
 
-def _new_cache():
-    """An empty ``DynamicCache`` that keeps every position of every layer, sliding-window layers included.
-
-    Built without the model's configuration on purpose: with it, transformers gives a sliding-window layer
-    (GPT-OSS) a ``DynamicSlidingWindowLayer`` that keeps only the last ``sliding_window - 1`` keys, refuses to
-    ``crop`` rejected drafts once the window is full unless it records past states, and, when it records
-    them, returns every recorded key while the attention mask covers ``sliding_window - 1 + q`` keys in
-    transformers 5.17 (``RuntimeError: The size of tensor a (377) must match the size of tensor b (131)`` at
-    the first verification after a prompt longer than the window, GPT-OSS-20B, window 128). A full layer
-    crops by a negative count in every 5.x release, and the sliding-window mask
-    (``create_sliding_window_causal_mask``) still limits each query to its window, so the attention is
-    the same; the price is the KV of the whole context in the sliding layers, small at evaluation lengths."""
-    from transformers import DynamicCache
-
-    return DynamicCache()
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_cls) -> str:
-    """``cache`` (newer transformers 5.x renamed it) or the older ``past_key_values``."""
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _run_target(target: Target, ids: torch.Tensor, cache, want_aux: bool):
-    """Target forward over ``ids [n]`` appending to ``cache``; returns (logits ``[n, V]``, aux ``[n, A*T]`` or None)."""
-    kw = {_cache_kwarg(type(target.model)): cache}
-    out = target.model(input_ids=ids[None], use_cache=True, output_hidden_states=want_aux, **kw)
-    aux = torch.cat([out.hidden_states[i][0] for i in target.aux_layer_ids], dim=-1) if want_aux else None
-    return out.logits[0], aux
-
-
 def _next_token(logits: torch.Tensor, sampling: bool, temperature: float, generator) -> int:
     if not sampling:
         return int(logits.argmax())
@@ -253,8 +220,9 @@ def target_generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     eos_token_id=None,
+    runner: TargetRunner | None = None,
 ) -> tuple[list[int], TargetStats]:
-    """Target-alone decoding with a ``DynamicCache``, one token per forward.
+    """Target-alone decoding, one token per forward (a ``DynamicCache`` unless ``runner`` says otherwise).
 
     The baseline for the lossless check and for tokens/s. Stopping rule shared with
     :func:`speculative_generate`: stop after ``max_new_tokens`` tokens or after the first
@@ -265,6 +233,8 @@ def target_generate(
         sampling: sample from ``softmax(logits / temperature)``; greedy argmax otherwise.
         generator: ``torch.Generator`` on the target's device (sampling only).
         eos_token_id: int, iterable of ints, or None.
+        runner: the target's forward and KV cache (:class:`TargetRunner`; None: a dynamic one). Pass the
+            same static runner to :func:`speculative_generate` so both time the same kind of forward.
 
     Returns:
         ``(new token ids list[int], TargetStats)``.
@@ -279,13 +249,14 @@ def target_generate(
     stats = TargetStats()
     _sync(dev)
     start = time.perf_counter()
-    cache = _new_cache()
-    logits, _ = _run_target(target, ids, cache, want_aux=False)
+    runner = runner or TargetRunner(target)
+    runner.start(ids.numel() + max_new_tokens)
+    logits, _ = runner.forward(ids, want_aux=False, prefill=True)
     out = [_next_token(logits[-1], sampling, temperature, generator)]
     _sync(dev)
     stats.prefill_s = time.perf_counter() - start
     while not _finished(out, max_new_tokens, eos):
-        logits, _ = _run_target(target, torch.tensor([out[-1]], device=dev), cache, want_aux=False)
+        logits, _ = runner.forward(torch.tensor([out[-1]], device=dev), want_aux=False)
         out.append(_next_token(logits[-1], sampling, temperature, generator))
     _sync(dev)
     stats.total_s = time.perf_counter() - start
@@ -307,14 +278,15 @@ def speculative_generate(
     eos_token_id=None,
     method: str | None = None,
     accept_rule: AcceptRule | None = None,
+    runner: TargetRunner | None = None,
 ) -> tuple[list[int], SpecStats]:
     """Speculative decoding of one request with the drafter's layout of spec §4.
 
     Each round the drafter proposes ``K`` tokens (:class:`DraftSession`), the target runs one
     forward over ``[b, d1..dK]`` (``K+1`` positions, ``output_hidden_states`` for the aux
     states of the newly accepted positions), acceptance is :func:`verify_greedy` or
-    :func:`verify_sampling`, and the target's ``DynamicCache`` is cropped to the committed
-    tokens. Greedy output is token-for-token the target's greedy output, up to floating-point
+    :func:`verify_sampling`, and the target's KV cache drops the rejected drafts
+    (:meth:`TargetRunner.drop`). Greedy output is token-for-token the target's greedy output, up to floating-point
     differences between a ``K+1``-token and a 1-token forward, which can flip a near-tied argmax
     in bf16/fp16 (run lossless checks in float32); sampled output has the target's distribution.
     vLLM's padding slots for rejected drafts are omitted: they write no KV and nothing attends them.
@@ -328,6 +300,7 @@ def speculative_generate(
         eos_token_id: int, iterable of ints, or None; output stops after the first EOS.
         method: a registered draft method name (``"peagle"`` / ``"eagle3"``) or None (from the drafter config).
         accept_rule: test hook for :func:`verify_sampling`; leave None.
+        runner: the target's forward and KV cache (:class:`TargetRunner`; None: a dynamic one, eager).
 
     Returns:
         ``(new token ids list[int], SpecStats)``; the last round may verify more tokens than are
@@ -344,8 +317,9 @@ def speculative_generate(
     stats = SpecStats(K=K)
     _sync(dev)
     start = time.perf_counter()
-    cache = _new_cache()
-    logits, aux = _run_target(target, ids, cache, want_aux=True)  # [N, V], [N, A*T]
+    runner = runner or TargetRunner(target)
+    runner.start(ids.numel() + max_new_tokens + K + 1)  # the last round may verify K + 1 past the cap
+    logits, aux = runner.forward(ids, want_aux=True, prefill=True)  # [N, V], [N, A*T]
     out = [_next_token(logits[-1], sampling, temperature, generator)]  # x[N], the first bonus
     _sync(dev)
     stats.prefill_s = time.perf_counter() - start
@@ -356,12 +330,12 @@ def speculative_generate(
         _sync(dev)
         t1 = time.perf_counter()
         verify_in = torch.cat([torch.tensor([out[-1]], device=dev), prop.draft_ids.to(dev)])  # [K+1]
-        logits, aux_v = _run_target(target, verify_in, cache, want_aux=True)  # [K+1, V], [K+1, A*T]
+        logits, aux_v = runner.forward(verify_in, want_aux=True)  # [K+1, V], [K+1, A*T]
         if sampling:
             a, nxt = verify_sampling(prop.draft_ids, prop.q, _probs(logits, temperature), generator, accept_rule)
         else:
             a, nxt = verify_greedy(prop.draft_ids, logits)
-        cache.crop(-(K - a))  # keep b, d1..da; drop rejected drafts
+        runner.drop(K - a)  # keep b, d1..da; drop rejected drafts
         new = verify_in[1 : a + 1].tolist() + [nxt]
         out.extend(new)
         ctx_tokens = torch.tensor(new, device=dev)  # x[j+1] for the new context positions
@@ -377,7 +351,7 @@ def speculative_generate(
 
 
 __all__ = [
-    "AcceptRule", "DraftSession", "Proposal", "SpecStats", "TargetStats", "acceptance_length",
+    "AcceptRule", "DraftSession", "Proposal", "SpecStats", "TargetRunner", "TargetStats", "acceptance_length",
     "per_position_acceptance", "speculative_generate", "standard_accept_rule", "target_generate",
     "verify_greedy", "verify_sampling",
 ]

@@ -50,6 +50,7 @@ from peagle_train.decoding.speculative import (
     speculative_generate,
     target_generate,
 )
+from peagle_train.decoding.target_runner import TargetRunner
 from peagle_train.eval.report import write_report
 from peagle_train.features.target import Target
 from peagle_train.methods import method_of_config
@@ -230,13 +231,16 @@ def run_eval(
     ks = cfg.served_ks()
     raw: dict[str, _RawSet] = {}
     warm = [False]
+    runner = TargetRunner(target, static=cfg.compile_target, compile=cfg.compile_target)
     for name in cfg.datasets:
         prompts = load_prompts(name, cfg.num_prompts)
         mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
-        raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm, progress)
+        raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm, progress,
+                                runner)
     head = {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
             "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,
-            "decoding": "greedy", "hardware": hardware_info(target.device)}
+            "decoding": "greedy", "hardware": hardware_info(target.device),
+            "target_runner": runner.kind, "target_runner_fallback": runner.fallback}
     if worker is not None:
         part = {**head, "worker": list(worker), "datasets": {n: r.to_dict() for n, r in raw.items()}}
         path = part_path(out_dir, *worker)
@@ -297,8 +301,9 @@ class _RawSet:
 
 
 def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg: EvalConfig, ks: list[int], eos,
-                encode, decode, warm: list, progress: bool) -> _RawSet:
-    """Target alone, then the loop at every ``K``, over the prompts ``mine`` (indices into ``prompts``) of set ``name``."""
+                encode, decode, warm: list, progress: bool, runner: TargetRunner) -> _RawSet:
+    """Target alone, then the loop at every ``K``, over the prompts ``mine`` (indices into ``prompts``) of set
+    ``name``, the target's forwards through ``runner``."""
     base = TargetStats()
     copyable = [0, 0]  # the target's new tokens a lookup in their context predicts (data_prep.loops), all of them
     # target alone first: each sequence's prompt ids and greedy reference (turn 2's history needs turn 1's)
@@ -314,11 +319,14 @@ def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg:
             else:
                 history.append({"role": "user", "content": user})
                 ids = list(encode(history))
-            if not warm[0]:  # lazy init (kernels, allocator) stays out of the timings
-                target_generate(target, ids, min(4, cfg.max_new_tokens), eos_token_id=eos)
-                speculative_generate(target, drafter, ids, ks[-1], min(4, cfg.max_new_tokens), eos_token_id=eos)
+            if not warm[0]:  # lazy init (kernels, allocator) and compiles stay out of the timings
+                target_generate(target, ids, min(4, cfg.max_new_tokens), eos_token_id=eos, runner=runner)
+                # a compiled target meets each query length (K + 1) at the first round of its K
+                for k in (ks if runner.compile else ks[-1:]):
+                    speculative_generate(target, drafter, ids, k, min(4, cfg.max_new_tokens), eos_token_id=eos,
+                                         runner=runner)
                 warm[0] = True
-            ref, bst = target_generate(target, ids, cfg.max_new_tokens, eos_token_id=eos)
+            ref, bst = target_generate(target, ids, cfg.max_new_tokens, eos_token_id=eos, runner=runner)
             base.new_tokens += bst.new_tokens
             base.total_s += bst.total_s
             seqs.append((pi, ti, ids, ref))
@@ -337,7 +345,8 @@ def _decode_set(target, drafter, name: str, prompts: list, mine: list[int], cfg:
     for k in ks:
         bar = _bar(len(seqs), f"eval[{name}] K={k}", progress)
         for pi, ti, ids, ref in seqs:
-            out, st = speculative_generate(target, drafter, ids, k, cfg.max_new_tokens, eos_token_id=eos)
+            out, st = speculative_generate(target, drafter, ids, k, cfg.max_new_tokens, eos_token_id=eos,
+                                           runner=runner)
             per_k[k].append(st)
             _advance(bar, sum(s.new_tokens for s in per_k[k]), sum(s.total_s for s in per_k[k]))
             if out != ref:
@@ -419,4 +428,8 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
         shares = [_RawSet.from_dict(p["datasets"][name]) for p in parts]
         raw[name] = functools.reduce(_RawSet.add, shares)
     head = {k: parts[0][k] for k in (*keys, "hardware")}
+    kinds = sorted({p.get("target_runner") or "dynamic" for p in parts})  # parts made before the key: dynamic
+    fallbacks = [f"worker {p['worker'][0]}: {p['target_runner_fallback']}" for p in parts if p.get("target_runner_fallback")]
+    head |= {"target_runner": kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds),
+             "target_runner_fallback": "; ".join(fallbacks) or None}
     return _report(head, raw, parts[0]["k_values"], out_dir, workers=world)

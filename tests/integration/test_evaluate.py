@@ -327,16 +327,16 @@ def test_eval_reports_the_copyable_share_of_the_targets_output(monkeypatch, tmp_
 
     refs = {(1, 2): [5, 6, 7, 8] * 4 + [0],  # a 4-token loop, then EOS (0, not counted): answer tokens 9-16 are
             (3, 4): list(range(20, 36))}     # copyable (8 of 16; the first repeat is not); 16 fresh tokens: none
-    monkeypatch.setattr(ev, "target_generate", lambda t, ids, n, eos_token_id=None: (
+    monkeypatch.setattr(ev, "target_generate", lambda t, ids, n, eos_token_id=None, runner=None: (
         refs[tuple(ids)], TargetStats(0.0, 1.0, 16)))
-    monkeypatch.setattr(ev, "speculative_generate", lambda t, d, ids, k, n, eos_token_id=None: (
+    monkeypatch.setattr(ev, "speculative_generate", lambda t, d, ids, k, n, eos_token_id=None, runner=None: (
         refs[tuple(ids)], SpecStats(K=k, accepted=[0], draft_s=[0.0], verify_s=[0.0], total_s=1.0, new_tokens=16)))
     cfg = EvalConfig(datasets=["humaneval"], num_prompts=2, max_new_tokens=16, k_max=1, both_turns=False)
     prompts = [ev.TokenPrompt([1, 2]), ev.TokenPrompt([3, 4])]
-    one = ev._decode_set(None, None, "humaneval", prompts, [0, 1], cfg, [1], [0], None, None, [True], False)
+    one = ev._decode_set(None, None, "humaneval", prompts, [0, 1], cfg, [1], [0], None, None, [True], False, None)
     assert one.copyable == [8, 32]
     # the copyable count of data_prep.loops on the answer after its prompt: 4 tokens of context, then the loop
-    shares = [ev._decode_set(None, None, "humaneval", prompts, [i], cfg, [1], [0], None, None, [True], False)
+    shares = [ev._decode_set(None, None, "humaneval", prompts, [i], cfg, [1], [0], None, None, [True], False, None)
               for i in (0, 1)]
     merged = ev._RawSet.from_dict(shares[0].to_dict()).add(ev._RawSet.from_dict(shares[1].to_dict()))
     assert merged.copyable == [8, 32] and [s.copyable for s in shares] == [[8, 16], [0, 16]]
@@ -353,3 +353,27 @@ def test_eval_reports_the_copyable_share_of_the_targets_output(monkeypatch, tmp_
     assert partial.copyable is None
     rep = ev._report(head, {"humaneval": partial}, [1], tmp_path / "old", workers=2)
     assert rep["datasets"]["humaneval"]["target_alone"]["copyable"] is None
+
+
+def test_eval_compile_target_decodes_as_the_default_and_says_which_forward_ran(tmp_path):
+    """eval.compile_target: the target's forwards through one static KV cache (compiled with CUDA graphs on a GPU,
+    eager on this CPU) give the default's acceptance lengths, per-position acceptance, tokens and lossless check;
+    eval.json names the kind of forward that ran, also after a merge of workers."""
+    from peagle_train.eval.evaluate import merge_eval
+
+    target, drafter = tiny_pair(K=3)
+    loader = lambda name, n: PROMPTS[:n]  # noqa: E731
+    base = dict(datasets=["mt_bench"], num_prompts=2, max_new_tokens=12, k_max=3, both_turns=True)
+    dyn = run_eval(target, drafter, EvalConfig(**base), tmp_path / "dyn", target_name="t", drafter_name="d",
+                   trained_K=3, load_prompts=loader, progress=False)
+    sta = run_eval(target, drafter, EvalConfig(**base, compile_target=True), tmp_path / "sta", target_name="t",
+                   drafter_name="d", trained_K=3, load_prompts=loader, progress=False)
+    assert (dyn["target_runner"], sta["target_runner"]) == ("dynamic", "static")
+    assert sta["target_runner_fallback"] is None and sta["lossless"] == dyn["lossless"]
+    same = ("K", "rounds", "acceptance_length", "per_position_acceptance", "new_tokens", "mismatches")
+    for x, y in zip(dyn["datasets"]["mt_bench"]["by_K"], sta["datasets"]["mt_bench"]["by_K"]):
+        assert {k: x[k] for k in same} == {k: y[k] for k in same}
+    for r in range(2):
+        run_eval(target, drafter, EvalConfig(**base, compile_target=True), tmp_path / "two", target_name="t",
+                 drafter_name="d", trained_K=3, load_prompts=loader, progress=False, worker=(r, 2))
+    assert merge_eval(tmp_path / "two", 2)["target_runner"] == "static"

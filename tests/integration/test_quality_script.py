@@ -692,7 +692,18 @@ if args[0] == "train":
 elif args[0] == "eval":
     (out / "eval").mkdir(parents=True, exist_ok=True)
     extra = {{"datasets": over["eval.datasets"], "k_values": over["eval.k_values"]}} if "eval.datasets" in over else {{}}
-    (out / "eval" / "eval.json").write_text(json.dumps({{"dtype": over["target.dtype"], "output_dir": str(out), **extra}}))
+    compiled = over.get("eval.compile_target") == "true"
+    if os.environ.get("FAKE_REAL_EVAL") and "eval.datasets" in over:  # a cost pass in eval.json's shape
+        # compiled: twice as fast, unless FAKE_NO_GRAPHS names this run's folder (its compile fell back to eager)
+        no_graphs = compiled and out.name == os.environ.get("FAKE_NO_GRAPHS")
+        sec = 1.0 if compiled else 2.0
+        extra = {{"datasets": {{"mt_bench": {{"target_alone": {{"seconds": sec}}, "by_K": [
+            {{"K": k, "rounds": 10, "acceptance_length": 1.5, "seconds": sec}} for k in (1, 7)]}}}},
+            "lossless": {{"passed": True}},
+            "target_runner": "static" if no_graphs else "static+cuda-graphs" if compiled else "dynamic",
+            "target_runner_fallback": "RuntimeError: no graphs" if no_graphs else None}}
+    (out / "eval" / "eval.json").write_text(json.dumps({{"dtype": over["target.dtype"], "output_dir": str(out),
+                                                        "compile_target": over.get("eval.compile_target"), **extra}}))
 '''
 
 
@@ -722,7 +733,7 @@ def test_train_and_eval_use_the_run_folders_under_work_and_eval_runs_the_target_
     results = work / "results"
     assert json.loads((results / "smollm2-135m-peagle-gpu-train-metrics.json").read_text())["steps"] == 10
     ev = json.loads((results / "smollm2-135m-eagle3-gpu-eval.json").read_text())
-    assert ev == {"dtype": "float32", "output_dir": str(work / "eagle3")}
+    assert ev == {"dtype": "float32", "output_dir": str(work / "eagle3"), "compile_target": "false"}
 
 
 def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
@@ -761,6 +772,68 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
     assert {c["gpu"] for c in calls} == {"0"}
     r = _step(env | {"EVAL_WORKERS": "0"}, "eval")
     assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
+
+
+def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(tmp_path):
+    """``EVAL_COMPILE=auto``: before any worker, each drafter's one-process cost pass runs eager then compiled
+    (``NAME-cost-eval.json``, ``NAME-cost-eval-compiled.json``); benchmarks/compile_choice.py decides, per drafter,
+    whether its workers run ``eval.compile_target=true`` (P-EAGLE here: same rounds, twice as fast) or not (EAGLE-3
+    here: its compiled run fell back to eager), and says why; no cost pass after the workers. ``EVAL_COMPILE=1``
+    compiles every run, a bad value is refused."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1", "FAKE_REAL_EVAL": "1",
+                        "FAKE_NO_GRAPHS": "eagle3", "FAKE_LOG": str(tmp_path / "calls.jsonl"), "EVAL_WORKERS": "2",
+                        "EVAL_COMPILE": "auto", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    r = _step(env, "eval")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "eval of smollm2-135m-peagle-gpu: compiled target forward: true (same rounds and acceptance, 2.0x" in r.stdout
+    assert "eval of smollm2-135m-eagle3-gpu: compiled target forward: false (the compiled run's target forward was " \
+           "'static' (RuntimeError: no graphs))" in r.stdout
+    calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    cost = [c for c in calls if "eval.k_values=[1,7]" in c]
+    first_worker = min(i for i, c in enumerate(calls) if "--eval-worker" in c)
+    assert len(cost) == 4 and all(calls.index(c) < first_worker for c in cost)  # both drafters, both ways, first
+    res = tmp_path / "w" / "results"
+    for name, flag in (("peagle", "true"), ("eagle3", "false")):
+        mine = [c for c in calls if f"output_dir={tmp_path / 'w' / name}" in c and "eval.k_values=[1,7]" not in c]
+        assert mine and all(f"eval.compile_target={flag}" in c for c in mine), (name, mine)
+        choice = json.loads((res / f"smollm2-135m-{name}-gpu-compile-choice.json").read_text())
+        assert choice["use_compiled"] is (flag == "true")
+        assert json.loads((res / f"smollm2-135m-{name}-gpu-cost-eval.json").read_text())["compile_target"] == "false"
+        assert json.loads((res / f"smollm2-135m-{name}-gpu-cost-eval-compiled.json").read_text())["compile_target"] == "true"
+        run = tmp_path / "w" / name
+        assert (run / "eval-cost" / "eval.json").is_file() and (run / "eval-cost-compiled" / "eval.json").is_file()
+        assert "datasets" not in json.loads((run / "eval" / "eval.json").read_text())  # the merged report
+    (tmp_path / "calls.jsonl").unlink()
+    r = _step(env | {"EVAL_COMPILE": "1", "EVAL_WORKERS": "1"}, "eval")
+    calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert r.returncode == 0 and len(calls) == 2 and all("eval.compile_target=true" in c for c in calls)
+    r = _step(env | {"EVAL_COMPILE": "yes"}, "eval")
+    assert r.returncode == 2 and "EVAL_COMPILE must be 0, 1 or auto" in r.stderr
+
+
+def test_compile_choice_refuses_other_rounds_slower_runs_and_bad_files(tmp_path):
+    import compile_choice  # benchmarks/ is on sys.path (conftest)
+
+    def rep(sec, rounds=10, runner="static+cuda-graphs", passed=True):
+        return {"lossless": {"passed": passed}, "target_runner": runner, "datasets": {"mt_bench": {
+            "target_alone": {"seconds": sec}, "by_K": [{"K": 7, "rounds": rounds, "acceptance_length": 1.5,
+                                                        "seconds": sec}]}}}
+    eager = rep(2.0, runner="dynamic")
+    assert compile_choice.choose(eager, rep(1.0))[0] is True
+    assert compile_choice.choose(eager, rep(1.0, rounds=11))[1] == "mt_bench K=7: the compiled run decoded other rounds"
+    assert compile_choice.choose(eager, rep(2.5))[1] == "not faster: 5.0 s compiled against 4.0 s eager"
+    assert compile_choice.choose(eager, rep(1.0, passed=False))[1] == "a run failed the lossless check"
+    assert not compile_choice.choose(eager, rep(1.0, runner="static"))[0]
+    (tmp_path / "a.json").write_text(json.dumps(eager))
+    (tmp_path / "b.json").write_text("{}")
+    with pytest.raises(SystemExit, match="b.json: not a peagle-train eval.json"):
+        compile_choice.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
 
 
 def test_drafters_picks_which_drafters_train_leg_and_eval_run(tmp_path):

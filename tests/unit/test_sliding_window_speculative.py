@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -68,19 +69,23 @@ def test_verification_after_a_long_prefill_equals_the_full_forward():
     the sliding window is still applied by the mask: a prefill longer than the window, then a verification
     of 4 tokens and a crop of 2 of them, then 3 more tokens give the logits of one forward over the whole
     sequence without a cache (float32: the experts' grouped matmul has no float64 kernel)."""
-    from peagle_train.decoding.speculative import _new_cache, _run_target
+    from peagle_train.decoding.target_runner import TargetRunner
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("gpt_oss", attn_implementation="eager", **TINY_GPT_OSS)
     model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     target = Target(model=model, tokenizer=None, aux_layer_ids=AUX, path="")
     ids = torch.randint(0, 62, (30,), generator=torch.Generator().manual_seed(4))  # window 8: 3 windows long
-    cache = _new_cache()
-    assert not any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", []))
-    pre, _ = _run_target(target, ids[:20], cache, want_aux=False)
-    ver, _ = _run_target(target, ids[20:24], cache, want_aux=False)  # no crop after the prefill
-    cache.crop(-2)  # two rejected drafts: ids[22:24] leave the cache
-    tail, _ = _run_target(target, ids[22:25], cache, want_aux=False)
+    runner = TargetRunner(target)
+    runner.start(30)
+    assert not any(getattr(layer, "is_sliding", False) for layer in getattr(runner._cache, "layers", []))
+    pre, _ = runner.forward(ids[:20], want_aux=False, prefill=True)
+    ver, _ = runner.forward(ids[20:24], want_aux=False)  # no crop after the prefill
+    runner.drop(2)  # two rejected drafts: ids[22:24] leave the cache
+    tail, _ = runner.forward(ids[22:25], want_aux=False)
+    assert runner.length == 25
+    with pytest.raises(ValueError, match="sliding-window targets"):
+        TargetRunner(target, static=True)  # a static cache would keep only the window: refused
     full = model(input_ids=ids[None, :25]).logits[0]
     torch.testing.assert_close(pre, full[:20], rtol=0, atol=1e-5)
     torch.testing.assert_close(ver, full[20:24], rtol=0, atol=1e-5)

@@ -17,6 +17,7 @@ Tiny random Llama targets and drafters on CPU:
 from __future__ import annotations
 
 import collections
+import itertools
 
 import pytest
 import torch
@@ -504,3 +505,73 @@ def test_walked_training_predictions_equal_the_decoding_loop(parallel, reduced_v
     assert total_rounds > 0
     assert (out_of_vocab > 0) == reduced_vocab  # Vd < V: the responses hold tokens the drafter cannot draft
     assert best >= (1 if reduced_vocab else 2)  # accepted drafts (multi-token with Vd = V): the walk is exercised
+
+
+# --------------------------------------------------------------------------- the static target runner (eval.compile_target)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
+def test_static_target_runner_decodes_as_the_dynamic_one(parallel):
+    """One static KV cache reused by every request (rejected drafts dropped by moving its write position back,
+    stale keys left in place) gives the dynamic cache's tokens and acceptances, target alone and speculative,
+    float64; the cache grows in blocks when a longer request comes (5, 12 then 30 prompt tokens, blocks of 16)."""
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    target = make_target(c_quantile=0.75)
+    target.model.double()
+    V = target.config.vocab_size
+    drafters = [make_drafter(target, parallel=parallel, bias_token=C, bias=2.0).double(),  # long acceptances
+                make_drafter(target, parallel=parallel, std=0.3, seed=2).double()]  # rejections
+    static = TargetRunner(target, static=True, compile=True, block=16)  # compile: CUDA only, eager on a CPU
+    assert not static.compile
+    sizes, hist = [], collections.Counter()
+    for length in (5, 12, 30):
+        p = torch.randint(0, V - 1, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        ref, _ = target_generate(target, p, 20)
+        assert target_generate(target, p, 20, runner=static)[0] == ref
+        for K, d in itertools.product((1, 3, 7), drafters):
+            out, st = speculative_generate(target, d, p, K, 20)
+            out_s, st_s = speculative_generate(target, d, p, K, 20, runner=static)
+            assert out == out_s == ref and st.accepted == st_s.accepted, (length, K)
+            hist.update(("none" if a == 0 else "all" if a == K else "some") for a in st.accepted)
+        sizes.append(static._max_len)
+    assert hist["none"] > 0 and hist["some"] > 0 and hist["all"] > 0, hist  # every drop: K, part of K, none
+    assert sizes == [48, 48, 64]  # 5+20+(7+1) = 33 -> 48, 12+20+8 = 40 fits, 30+20+8 = 58 -> 64
+
+
+def test_static_target_runner_refuses_what_it_cannot_hold():
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    target = make_target()
+    with pytest.raises(ValueError, match="compile needs static=True"):
+        TargetRunner(target, compile=True)
+    r = TargetRunner(target, static=True, block=8)
+    r.start(8)
+    r.forward(torch.arange(6), want_aux=False, prefill=True)
+    with pytest.raises(ValueError, match="6 \\+ 3 positions exceed the static cache's 8"):
+        r.forward(torch.arange(3), want_aux=False)
+    r.drop(2)
+    assert r.length == 4 and r.forward(torch.arange(3), want_aux=True)[1].shape == (3, 3 * 32)
+    assert r.kind == "static" and r.fallback is None
+
+
+def test_static_target_runner_falls_back_to_eager_when_the_compiled_forward_fails():
+    """A compiled forward that raises (a CUDA-graph or compile failure on the GPU) is given up for the eager
+    one from that round on, with the same logits, and the reason is kept for the report."""
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    target = make_target()
+    r = TargetRunner(target, static=True, block=16)
+    r.start(12)
+    r.forward(torch.arange(5), want_aux=False, prefill=True)
+
+    def broken(**kw):
+        kw["cache"if "cache" in kw else "past_key_values"].layers[0].cumulative_length.add_(3)  # half-done writes
+        raise RuntimeError("CUDA graph capture failed")
+
+    r._step = broken
+    assert r.kind == "static+cuda-graphs"
+    logits, _ = r.forward(torch.arange(5, 8), want_aux=False)
+    full = target.model(input_ids=torch.arange(8)[None]).logits[0]
+    torch.testing.assert_close(logits, full[5:8], rtol=1e-5, atol=1e-5)
+    assert r.kind == "static" and "CUDA graph capture failed" in r.fallback and r.length == 8

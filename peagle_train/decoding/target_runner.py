@@ -1,0 +1,175 @@
+"""The target's side of the reference decoding loop: its forward over new tokens, its KV cache, and
+dropping the KV of rejected drafts.
+
+Two kinds, the same results:
+
+* **dynamic** (the default): a fresh ``transformers`` ``DynamicCache`` per request, the target eager.
+  Cropping rejected drafts shortens the cache.
+* **static** (``eval.compile_target``): one ``StaticCache`` of ``max_len`` positions kept for every request
+  of the run, so that the target's forward has the same shapes in every round; on CUDA each query
+  length (1 for the target alone, ``K + 1`` for a verification) is compiled once by ``torch.compile`` with
+  mode ``"reduce-overhead"`` (CUDA graphs), the prompt's prefill stays eager. Rejected drafts are
+  dropped by moving the cache's write position back; their stale keys are overwritten by the next
+  forward before anything attends to them, and the causal mask (built from the positions) never lets
+  a query see a key past its own position. This is how vLLM and ``transformers``' compiled
+  ``generate`` run small models: a 135M target's eager forward is ~30 layers of launch overhead.
+
+Sliding-window targets (GPT-OSS) keep the dynamic kind (see :func:`_new_dynamic_cache`).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from peagle_train.features.target import Target
+
+
+@functools.lru_cache(maxsize=None)
+def cache_kwarg(model_cls) -> str:
+    """``cache`` (newer transformers 5.x renamed it) or the older ``past_key_values``."""
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_dynamic_cache():
+    """An empty ``DynamicCache`` that keeps every position of every layer, sliding-window layers included.
+
+    Built without the model's configuration on purpose: with it, transformers gives a sliding-window layer
+    (GPT-OSS) a ``DynamicSlidingWindowLayer`` that keeps only the last ``sliding_window - 1`` keys, refuses to
+    ``crop`` rejected drafts once the window is full unless it records past states, and, when it records
+    them, returns every recorded key while the attention mask covers ``sliding_window - 1 + q`` keys in
+    transformers 5.17 (``RuntimeError: The size of tensor a (377) must match the size of tensor b (131)`` at
+    the first verification after a prompt longer than the window, GPT-OSS-20B, window 128). A full layer
+    crops by a negative count in every 5.x release, and the sliding-window mask
+    (``create_sliding_window_causal_mask``) still limits each query to its window, so the attention is
+    the same; the price is the KV of the whole context in the sliding layers, small at evaluation lengths."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def has_sliding_window(config) -> bool:
+    """Whether a target config has sliding-window attention layers (``layer_types`` or ``sliding_window``)."""
+    types = getattr(config, "layer_types", None) or []
+    return any("sliding" in str(t) for t in types) or bool(getattr(config, "sliding_window", None)
+                                                            and getattr(config, "use_sliding_window", True))
+
+
+class TargetRunner:
+    """The target's forward and KV cache for one decoding loop at a time (see the module docstring).
+
+    Args:
+        target: the loaded target.
+        static: one ``StaticCache`` reused by every request (``False``: a ``DynamicCache`` per request).
+        compile: static only: compile the forward of each query length with CUDA graphs (CUDA devices only;
+            on a CPU the static forward runs eagerly, which the tests use to check it equals the dynamic one).
+        block: static only: the cache holds a multiple of this many positions, grown (and the compiled
+            forwards recompiled, once per new size) when a request needs more. The default holds every
+            evaluation prompt of this project in one size, so each query length compiles once per run.
+
+    Raises:
+        ValueError: ``static`` for a target with sliding-window layers; ``compile`` without ``static``.
+    """
+
+    #: compiled shapes allowed before torch.compile gives up (query lengths x cache sizes x aux on/off; torch's
+    #: default of 8 would run the rest eagerly without a word)
+    RECOMPILE_LIMIT = 64
+
+    def __init__(self, target: Target, *, static: bool = False, compile: bool = False, block: int = 4096):
+        if compile and not static:
+            raise ValueError("TargetRunner: compile needs static=True (CUDA graphs need a static KV cache)")
+        if static and has_sliding_window(target.config):
+            raise ValueError("TargetRunner: a static KV cache is not supported for sliding-window targets "
+                             "(GPT-OSS); set eval.compile_target: false")
+        self.target, self.static, self.block = target, static, block
+        self.compile = compile and static and target.device.type == "cuda"
+        self._kw = cache_kwarg(type(target.model))
+        self._cache = None
+        self._len = 0  # committed positions, counted on the host (no device sync per round)
+        self._max_len = 0
+        self._step = None  # the compiled forward (static + compile on CUDA)
+        self.fallback: str | None = None  # why the compiled forward was given up for the eager one, if it was
+
+    def start(self, need: int) -> None:
+        """Begin a request that will hold at most ``need`` positions (prompt + new tokens + one round's drafts)."""
+        self._len = 0
+        if not self.static:
+            self._cache = _new_dynamic_cache()
+            return
+        if need > self._max_len or self._cache is None:
+            from transformers import StaticCache
+
+            self._max_len = -(-need // self.block) * self.block
+            self._cache = StaticCache(config=self.target.config, max_cache_len=self._max_len)
+            if self.compile and self.fallback is None:  # a new cache size is a new shape: compile again
+                self._step = torch.compile(self.target.model, mode="reduce-overhead", dynamic=False)
+        else:
+            self._set_length(0)
+
+    @property
+    def length(self) -> int:
+        """Positions whose KV the cache holds (the request's committed tokens and its last round's drafts
+        until :meth:`drop`)."""
+        return self._len
+
+    def _set_length(self, n: int) -> None:
+        for layer in self._cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(n)  # in place: the compiled forward reads this tensor
+
+    def forward(self, ids: torch.Tensor, want_aux: bool, *, prefill: bool = False):
+        """The target over ``ids [n]`` int64 after the cached positions, appending their KV.
+
+        Args:
+            ids: ``[n]`` token ids on the target's device.
+            want_aux: also return the aux states (spec §1's tapped layers, concatenated).
+            prefill: the request's prompt (static kind: run eagerly, whatever ``n``).
+
+        Returns:
+            ``(logits [n, V], aux [n, A*T] or None)``, tensors the next forward does not overwrite.
+
+        Raises:
+            ValueError: the static cache would overflow (``start`` was told too few positions).
+        """
+        if self.static and self.length + ids.numel() > self._max_len:
+            raise ValueError(f"TargetRunner: {self.length} + {ids.numel()} positions exceed the static cache's "
+                             f"{self._max_len}; pass start() the request's whole length")
+        kw = dict(input_ids=ids[None], use_cache=True, output_hidden_states=want_aux, **{self._kw: self._cache})
+        out = None
+        if self._step is not None and not prefill:
+            try:
+                with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit,
+                                                                    self.RECOMPILE_LIMIT)):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    out = self._step(**kw)
+                logits = out.logits[0].clone()  # the next replay overwrites the graph's output buffers
+            except Exception as e:  # noqa: BLE001 -- a compile failure must not lose the evaluation: eager from here
+                self.fallback = f"{type(e).__name__}: {str(e)[:300]}"
+                self._step, out = None, None
+                self._set_length(self._len)  # the failed call may have moved the write position
+        if out is None:
+            out = self.target.model(**kw)
+            logits = out.logits[0]
+        self._len += ids.numel()
+        aux = torch.cat([out.hidden_states[i][0] for i in self.target.aux_layer_ids], dim=-1) if want_aux else None
+        return logits, aux
+
+    @property
+    def kind(self) -> str:
+        """``dynamic``, ``static`` or ``static+cuda-graphs`` (what the forwards of the next rounds use)."""
+        return "dynamic" if not self.static else "static+cuda-graphs" if self._step is not None else "static"
+
+    def drop(self, n: int) -> None:
+        """Forget the KV of the last ``n`` positions (rejected drafts); ``n = 0`` keeps everything."""
+        if n <= 0:
+            return
+        self._len -= n
+        if self.static:
+            self._set_length(self._len)
+        else:
+            self._cache.crop(-n)
+
+
+__all__ = ["TargetRunner", "cache_kwarg", "has_sliding_window"]
