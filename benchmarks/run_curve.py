@@ -14,7 +14,8 @@ writes one JSON:
   not counted), ``tokens_seen`` (target tokens trained up to and including that step, all ranks),
   ``eval_loss`` and, at ``--K``, ``walk_al`` (``eval_walk_al``: the reference loop's acceptance
   length replayed on the eval split) and ``sim_al`` (``eval_sim_al``); ``acc1_copyable`` / ``acc1_fresh``
-  (the first drafted position's accuracy on copyable / fresh labels; None in logs older than them);
+  (the first drafted position's accuracy on copyable / fresh labels; None in logs older than them) and
+  ``acc_copyable`` / ``acc_fresh`` (the same at every depth, lists);
 * ``loss``: ``[step, gpu_minutes, loss]`` every ``--every`` steps (default 10) and the last step;
 * ``steps``, ``gpu_minutes``, ``tokens_seen`` of the run so far, and ``state``: the state_out record.
 
@@ -55,7 +56,8 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
     def row(h: dict, ev: dict, seen: int) -> dict:  # step record h, its evaluation ev
         return {"step": h["step"], "gpu_minutes": minutes(h), "tokens_seen": seen, "eval_loss": ev["eval_loss"],
                 "walk_al": at_k(ev.get("eval_walk_al"), k), "sim_al": at_k(ev.get("eval_sim_al"), k),
-                "acc1_copyable": ev.get("eval_acc1_copyable"), "acc1_fresh": ev.get("eval_acc1_fresh")}
+                "acc1_copyable": ev.get("eval_acc1_copyable"), "acc1_fresh": ev.get("eval_acc1_fresh"),
+                "acc_copyable": ev.get("eval_acc_copyable"), "acc_fresh": ev.get("eval_acc_fresh")}
 
     seen, curve, loss = 0, [], []
     for i, h in enumerate(history):

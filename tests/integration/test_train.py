@@ -93,6 +93,9 @@ def test_cache_train_learns_and_saves(run_dir):
     # the first drafted position's accuracy on copyable and on fresh labels, and the copyable share (issue 20)
     s, cp, fr = final["eval_copyable_share"], final["eval_acc1_copyable"], final["eval_acc1_fresh"]
     assert 0.0 <= s <= 1.0 and 0.0 <= fr <= 1.0 and (cp != cp if s == 0 else 0.0 <= cp <= 1.0)
+    # the same split at every depth; depth 1's entries are the two above
+    assert len(final["eval_acc_copyable"]) == len(final["eval_acc_fresh"]) == cfg.train.K
+    assert final["eval_acc_fresh"][0] == fr and (final["eval_acc_copyable"][0] == cp or cp != cp)
 
 
 def test_cache_detects_corruption(run_dir):

@@ -1,5 +1,5 @@
-"""The in-training eval's first-depth accuracy split by copyable and fresh labels
-(``InTrainingEval._first_depth_by_copyable``, issue 20): hand-made grids, every number checked by hand."""
+"""The in-training eval's accuracy by depth split by copyable and fresh labels
+(``InTrainingEval._depth_by_copyable``, issue 20): hand-made grids, every number checked by hand."""
 from types import SimpleNamespace
 
 import torch
@@ -48,7 +48,9 @@ def test_first_depth_split_counts_right_and_all_per_class():
     argmax = torch.tensor(ids[1:] + [0])              # the target's greedy token at each row: the next token
     pred = torch.tensor([5, 8, 6, 8, 5])              # right, right but out of the draft vocab, wrong, -, -
     grid = SimpleNamespace(depth=depth, label_index=label_index, loss_weight=weight)
-    out = InTrainingEval._first_depth_by_copyable(tr, {"argmax": argmax}, grid, pred, 0)
-    # copyable: 1 element (label at 10), right; fresh: 2 supervised depth-1 elements (labels at 9 and 4), none right
+    out = InTrainingEval._depth_by_copyable(tr, {"argmax": argmax}, grid, pred, 0, 3)
+    # depth 1 -- copyable: 1 element (label at 10), right; fresh: 2 supervised elements (labels at 9 and 4), none right
     # (the one at 9 is the target's token but outside the draft vocab: the loop cannot propose it)
-    assert out.tolist() == [1.0, 1.0, 0.0, 2.0]
+    assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 2.0]
+    # depth 2: the fifth element, label at 10 (copyable), right; depth 3: nothing
+    assert out[:, 1].tolist() == [1.0, 1.0, 0.0, 0.0] and out[:, 2].tolist() == [0.0] * 4
