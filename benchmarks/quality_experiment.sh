@@ -14,6 +14,7 @@
 #                                                    # continues from those shards
 #   bash benchmarks/quality_experiment.sh lease STEP ...   # the steps in the background (e.g. prepare "leg 8" eval),
 #   bash benchmarks/quality_experiment.sh wait SECONDS     # then calls back to back: what they made so far to $OUT
+#                                                    # (regeneration shards only where this machine made some)
 #   bash benchmarks/quality_experiment.sh restore    # instead of prepare: unpack .prepared/prepared.tar.xz (the
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh pack       # $WORK/peagle's prepared data -> $RESULTS/prepared.tar.xz (+ .sha256)
@@ -66,6 +67,14 @@ done
 CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")
 cli() { "${CLI[@]}" "$@"; }
 have_shards() { ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; }  # regeneration shards on this disk
+CARRIED=$WORK/regen-carried.list  # shards that came in (regen-in, restore): `wait` does not send them back
+note_carried() { have_shards || return 0; (cat "$CARRIED" 2>/dev/null; cd "$WORK/peagle/data/regen" && ls -- *.json) \
+  | sort -u > "$CARRIED.tmp" && mv "$CARRIED.tmp" "$CARRIED"; }
+new_shards() {  # a shard this machine regenerated (not carried in): true
+  have_shards || return 1
+  local f; for f in "$WORK/peagle/data/regen"/*.json; do grep -qxF "$(basename "$f")" "$CARRIED" 2>/dev/null || return 0; done
+  return 1
+}
 PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors
           peagle/data/eval_prompts.json peagle/data/meta.json peagle/data/regen)  # regen: for data variants
 pack_prepared() {  # $RESULTS/prepared.tar.xz (+ .sha256) from $WORK/peagle's prepared data
@@ -110,6 +119,7 @@ PY
   fi
   share_prepared "$WORK/eagle3"
   cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
+  note_carried  # the pack's regeneration shards are in the repository already
   echo "restore: $(train_sequences) train sequences"
 }
 
@@ -241,7 +251,8 @@ PY
       c="$WORK/regen-carried/$(basename "$src")"
       mkdir -p "$c" && cp "$src"/pack-* "$c/"
       python3 benchmarks/ferry.py unpack "$c" "$WORK/peagle/data/regen"
-    done ;;
+    done
+    note_carried ;;
   restore)  # prepared data from an earlier prepare or pack: .prepared/prepared.tar.xz + .sha256 (carry .prepared;
     # PREPARED_IN: another folder)
     restore_prepared ;;
@@ -498,7 +509,9 @@ PY
       if [ "$(stat -c %s "$RESULTS/prepared.tar.xz")" -le "$RETURN_MAX" ]; then cp "$RESULTS"/prepared.tar.xz* "$OUT/"
       else echo "wait: prepared.tar.xz is over 16 MiB and stays here; the shards come back instead"; fi
     fi
-    if have_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi
+    # only when this machine regenerated some: carried shards are where they came from (packing them again took
+    # seconds of every call in run 5)
+    if new_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi
     [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;

@@ -905,6 +905,8 @@ def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tm
         got = tmp_path / "fresh" / run / "data"
         assert (got / "train.safetensors").read_bytes() == (data / "train.safetensors").read_bytes()
     assert (tmp_path / "fresh" / "peagle" / "data" / "regen" / "train-00000.json").exists()
+    # the restored shards count as carried: `wait` does not pack them again
+    assert (tmp_path / "fresh" / "regen-carried.list").read_text() == "train-00000.json\n"
 
     blob = bytearray((tmp_path / "carried" / "prepared.tar.xz").read_bytes())
     blob[100] ^= 0xFF
@@ -937,6 +939,16 @@ def test_regen_in_takes_several_carried_folders(tmp_path):
     regen = tmp_path / "work" / "peagle" / "data" / "regen"
     assert sorted(p.name for p in regen.iterdir()) == ["eval-00000.json", "train-00000.json", "train-00001.json"]
     assert json.loads((regen / "eval-00000.json").read_text()) == {"conversations": [["eval-00000.json"]]}
+    # `wait` does not send carried shards back; one this machine regenerated goes back (with them: one pack)
+    (tmp_path / "work" / "plan.log").write_text("plan: finished\n")
+    (tmp_path / "work" / "plan.done").write_text("")
+    back = tmp_path / "back"
+    r = _step(env | {"OUT": str(back)}, "wait", "1")
+    assert r.returncode == 0 and sorted(p.name for p in back.iterdir()) == ["plan.log", "results.tar.xz"], r.stdout
+    (regen / "train-00002.json").write_text(json.dumps({"conversations": [["made here"]]}))
+    shutil.rmtree(back)
+    r = _step(env | {"OUT": str(back)}, "wait", "1")
+    assert r.returncode == 0 and {"pack-000.tar", "pack-manifest.json"} <= {p.name for p in back.iterdir()}, r.stdout
     r = _step(env | {"WORK": str(tmp_path / "w2"), "REGEN_IN": f"{tmp_path / 'train_pack'} {tmp_path / 'none'}"},
               "regen-in")
     assert r.returncode == 2 and "no pack-* file in" in r.stderr and "none" in r.stderr, r.stdout + r.stderr
