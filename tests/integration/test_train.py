@@ -660,6 +660,31 @@ def test_init_layers_target_starts_from_the_targets_last_layers(run_dir):
     assert not torch.equal(plain.acc.unwrap_model(plain.model).drafter.layers[1].mlp.down_proj.weight, start)
 
 
+def test_init_layers_target_with_frozen_embeddings_and_head_trains_the_layers_only(run_dir):
+    """The next GPU ablation's variant (docs/results.md, run 5): drafter layers from the target, embeddings and
+    lm_head frozen. AdamW holds the layers, fc, norms, mask_hidden and the mask row, not the table or the head,
+    which stay the target's; the portable state counts those parameters only."""
+    from peagle_train.trainer.portable_state import recipe_state_size
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    cfg = _cfg(run_dir, max_steps=2)
+    cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(
+        update={"init_layers": "target", "embeddings": "frozen", "lm_head": "frozen"})})
+    tr = Trainer(cfg, data, feats, tconf, [1, 3, 4])
+    drafter = tr.acc.unwrap_model(tr.model).drafter
+    table, head = drafter.embed_tokens.weight.detach().clone(), drafter.lm_head.weight.detach().clone()
+    layer = drafter.layers[1].mlp.down_proj.weight.detach().clone()
+    for _ in range(2):
+        tr.train_step()
+    tr._stop_prefetch()
+    assert torch.equal(drafter.embed_tokens.weight, table) and torch.equal(drafter.lm_head.weight, head)
+    assert not torch.equal(drafter.layers[1].mlp.down_proj.weight.detach(), layer)
+    in_opt = {id(p) for g in tr.opt.param_groups for p in g["params"]}
+    assert id(drafter.embed_tokens.weight) not in in_opt and id(drafter.lm_head.weight) not in in_opt
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    assert recipe_state_size(cfg)["trainable"] == trainable
+
+
 def test_init_layers_target_starts_an_eagle3_drafter_from_the_targets_last_layer(run_dir):
     """The EAGLE-3 GPU recipe's setting (drafter.init_layers: target, one layer): its only layer, the fusion
     layer, starts as the target's last (5 of 6), its norm as the target's; TTT steps train it from there."""
