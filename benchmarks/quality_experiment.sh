@@ -67,6 +67,11 @@ done
 CLI=(python3 -m peagle_train.cli); [ -z "${PEAGLE_CLI:-}" ] || CLI=("$PEAGLE_CLI")
 cli() { "${CLI[@]}" "$@"; }
 have_shards() { ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; }  # regeneration shards on this disk
+draw_curves() {  # PNG CURVE.json ...: the run_curve JSONs that exist, in one PNG (plot_curves.py); none: nothing
+  local png=$1 c curves=(); shift
+  for c in "$@"; do [ -f "$c" ] && curves+=("$c"); done
+  [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$png" "${curves[@]}" || echo "$(basename "$png"): plot failed" >&2
+}
 CARRIED=$WORK/regen-carried.list  # shards that came in (regen-in, restore): `wait` does not send them back
 note_carried() { have_shards || return 0; (cat "$CARRIED" 2>/dev/null; cd "$WORK/peagle/data/regen" && ls -- *.json) \
   | sort -u > "$CARRIED.tmp" && mv "$CARRIED.tmp" "$CARRIED"; }
@@ -423,8 +428,7 @@ PY
       v=$(basename "$d"); [ -f "$d/train_metrics.json" ] || continue
       python3 benchmarks/run_curve.py "$d" "$RESULTS/ablate-$v-curve.json" > /dev/null && curves+=("$RESULTS/ablate-$v-curve.json")
     done
-    [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$RESULTS/ablation_curves.png" "${curves[@]}" \
-      || echo "ablation_curves.png: plot failed" >&2
+    draw_curves "$RESULTS/ablation_curves.png" "${curves[@]}"
     ship ablation.json ablation.md ablation_curves.png ;;
   leg)  # MINUTES: each drafter trains MINUTES more of one long run, resumed from its portable state when there
     # is one ($WORK/state/NAME.pst, from an earlier leg on this machine or carried in by `state-in`), writing it
@@ -457,9 +461,8 @@ PY
         echo "$name: the run is finished and exported ($d/export)"
       fi
     done
-    curves=(); for R in "${RECIPES[@]}"; do c="$RESULTS/$(basename "$R" .yaml)-curve.json"; [ -f "$c" ] && curves+=("$c"); done
-    [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$RESULTS/learning_curve.png" "${curves[@]}" \
-      || echo "learning_curve.png: plot failed" >&2
+    curves=(); for R in "${RECIPES[@]}"; do curves+=("$RESULTS/$(basename "$R" .yaml)-curve.json"); done
+    draw_curves "$RESULTS/learning_curve.png" "${curves[@]}"
     ship smollm2-135m-peagle-gpu-curve.json smollm2-135m-eagle3-gpu-curve.json learning_curve.png \
          smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   state-out)  # I: batch I (0, 1, ...) of the files under $WORK/state (manifests and 14 MiB pieces) to $OUT, at most

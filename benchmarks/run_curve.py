@@ -45,10 +45,11 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
     """The curve of ``run_dir`` (see the module docstring). Raises FileNotFoundError without a step log
     and without a ``train_metrics.json`` that holds a ``history``."""
     log = run_dir / "logs" / "steps.jsonl"
-    metrics = run_dir / "train_metrics.json"
+    metrics = run_dir / "train_metrics.json"  # a finished run's (read once: history fallback and final eval)
+    m = json.loads(metrics.read_text()) if metrics.is_file() else None
     if log.is_file():
         history = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-    elif metrics.is_file() and "history" in (m := json.loads(metrics.read_text())):
+    elif m is not None and "history" in m:
         history = m["history"]  # the same per-step records (Trainer.fit), e.g. an ablation variant's folder
     else:
         raise FileNotFoundError(2, "no step log", str(log))
@@ -66,15 +67,15 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
             curve.append(row(h, h, seen))
         if h["step"] % every == 0 or i == len(history) - 1:
             loss.append([h["step"], minutes(h), h["loss"]])
-    if metrics.is_file() and history:  # a finished run: its end-of-run evaluation is the curve's last row
-        final = json.loads(metrics.read_text()).get("final") or {}
+    if m is not None and history:  # a finished run: its end-of-run evaluation is the curve's last row
+        final = m.get("final") or {}
         if "eval_loss" in final and (not curve or curve[-1]["step"] != history[-1]["step"]):
             curve.append(row(history[-1], final, seen))
     state = run_dir / "logs" / "state_out.json"
     last = history[-1] if history else {}
     return {"run_dir": str(run_dir), "K": k, "steps": last.get("step", 0),
             "gpu_minutes": minutes(last), "tokens_seen": seen,
-            "finished": metrics.is_file(),
+            "finished": m is not None,
             "state": json.loads(state.read_text()) if state.is_file() else None, "curve": curve, "loss": loss}
 
 

@@ -69,8 +69,9 @@ class InTrainingEval:
                 loss_sum += float(loss)
                 count += supervised_count(grid)
                 stats = stats.add(self._stats(packed, grid, pred))
-                walk += self._walk(packed, grid, pred, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
-                copy += self._depth_by_copyable(packed, grid, pred, i, self.tc.K)
+                right = self._right(packed, grid, pred)  # once per sequence: the walk and the copy split read it
+                walk += self._walk(grid, right, i, matched=self._heldout_rank(i) < self.cfg.eval.num_prompts)
+                copy += self._depth_by_copyable(grid, right, i, self.tc.K)
         tot = self.acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device), "sum")
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
         walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
@@ -107,9 +108,9 @@ class InTrainingEval:
             self._copyable_cache[i] = flags
         return self._copyable_cache[i]
 
-    def _depth_by_copyable(self, packed, grid, pred, i: int, K: int) -> torch.Tensor:
+    def _depth_by_copyable(self, grid, right: torch.Tensor, i: int, K: int) -> torch.Tensor:
         """``[4, K]`` float64: at each drafted position (column d - 1 for depth d), the supervised elements whose
-        label is right and all of them, first where the label token is copyable (:meth:`_copyable`), then where it
+        label is right (``right``: ``[E]`` bool, :meth:`_right`) and all of them, first where the label token is copyable (:meth:`_copyable`), then where it
         is fresh (rows: right copyable, all copyable, right fresh, all fresh). Not conditional on the shallower
         depths: in a loop every depth's label is copyable, and a drafter that copies gets them all.
 
@@ -118,7 +119,7 @@ class InTrainingEval:
         accepted the first draft on 46 % of MT-Bench's copyable rounds, where a lookup drafter is right by
         construction, so whether the drafter learns to copy from its context, at the first and at deeper positions,
         is tracked over training."""
-        right = self._right(packed, grid, pred).cpu()
+        right = right.cpu()
         sup = (grid.loss_weight > 0).cpu()
         depth = grid.depth.cpu()
         cp = self._copyable(i)[(grid.label_index.cpu() + 1).clamp(max=len(self.eval_ids[i]) - 1)]
@@ -135,12 +136,11 @@ class InTrainingEval:
             self._ranks = {row: rank for rank, row in enumerate(heldout_rows(self.eval_masks))}
         return self._ranks.get(i, 1 << 62)
 
-    def _walk(self, packed, grid, pred, i: int, matched: bool) -> torch.Tensor:
+    def _walk(self, grid, correct: torch.Tensor, i: int, matched: bool) -> torch.Tensor:
         """``[2, 2, K]`` float64 (tokens, rounds) per served K of :func:`walk_accepted` on eval sequence
-        ``i``'s first assistant turn: row 0 the whole turn, row 1 (only when ``matched``: one of the
-        first ``eval.num_prompts`` sequences, as the eval stage's ``heldout`` set) its first
-        ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
-        correct = self._right(packed, grid, pred)
+        ``i``'s first assistant turn, from ``correct`` (``[E]`` bool per grid element, :meth:`_right`): row 0
+        the whole turn, row 1 (only when ``matched``: one of the first ``eval.num_prompts`` sequences, as the
+        eval stage's ``heldout`` set) its first ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
         sup = grid.loss_weight > 0
         n = len(self.eval_ids[i])
         ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)

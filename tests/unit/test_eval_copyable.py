@@ -21,7 +21,6 @@ def _trainer(ids, mask, drafter):
     acc = SimpleNamespace(unwrap_model=lambda m: SimpleNamespace(drafter=drafter))
     tr = SimpleNamespace(eval_ids=[ids], eval_masks=[mask], _copyable_cache={}, acc=acc, model=model)
     tr._copyable = lambda i: InTrainingEval._copyable(tr, i)
-    tr._right = lambda packed, grid, pred: InTrainingEval._right(tr, packed, grid, pred)
     return tr
 
 
@@ -48,7 +47,8 @@ def test_first_depth_split_counts_right_and_all_per_class():
     argmax = torch.tensor(ids[1:] + [0])              # the target's greedy token at each row: the next token
     pred = torch.tensor([5, 8, 6, 8, 5])              # right, right but out of the draft vocab, wrong, -, -
     grid = SimpleNamespace(depth=depth, label_index=label_index, loss_weight=weight)
-    out = InTrainingEval._depth_by_copyable(tr, {"argmax": argmax}, grid, pred, 0, 3)
+    right = InTrainingEval._right(tr, {"argmax": argmax}, grid, pred)
+    out = InTrainingEval._depth_by_copyable(tr, grid, right, 0, 3)
     # depth 1 -- copyable: 1 element (label at 10), right; fresh: 2 supervised elements (labels at 9 and 4), none right
     # (the one at 9 is the target's token but outside the draft vocab: the loop cannot propose it)
     assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 2.0]
