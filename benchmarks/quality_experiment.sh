@@ -300,7 +300,9 @@ PY
       # turns, one process alone -> $RESULTS/NAME-cost-evalSUFFIX.json (its folder kept as eval-costSUFFIX)
       local R=$1 name out; name=$(basename "$1" .yaml); out=$(legdir "$1")
       rm -rf "$out/eval-cost$3"; [ ! -d "$out/eval" ] || mv "$out/eval" "$out/eval-before-cost"
-      CUDA_VISIBLE_DEVICES=0 cli eval "$R" "${OVR[@]}" "output_dir=$out" "target.dtype=${EVAL_DTYPE:-float32}" \
+      # COST_TIMEOUT (seconds, default 300): a compile that does not end in time must not hold the lease
+      CUDA_VISIBLE_DEVICES=0 timeout "${COST_TIMEOUT:-300}" "${CLI[@]}" eval "$R" "${OVR[@]}" "output_dir=$out" \
+          "target.dtype=${EVAL_DTYPE:-float32}" \
           "eval.datasets=[mt_bench]" "eval.num_prompts=${COST_PROMPTS:-4}" "eval.k_values=[1,7]" \
           "eval.compile_target=$2" --quiet > /dev/null 2> "$WORK/$name-cost$3.err" \
         && cp "$out/eval/eval.json" "$RESULTS/$name-cost-eval$3.json" \
