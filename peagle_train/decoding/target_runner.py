@@ -15,15 +15,22 @@ Two kinds, the same results:
   ``generate`` run small models: a 135M target's eager forward is ~30 layers of launch overhead.
 
 Sliding-window targets (GPT-OSS) keep the dynamic kind (see :func:`_new_dynamic_cache`).
+
+Both kinds take the aux states by forward hooks on the tapped layers (:meth:`Target.tap_modules`), kept for the
+runner's life, not through ``output_hidden_states``: with it, transformers installs output-recording hooks at
+the first call that asks for hidden states (inside a compiled call, graph breaks: transformers 5.17 and 5.25)
+and returns every layer's output, and a forward with and one without aux states are two compiled graphs; with
+the hooks they are one.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 
-from peagle_train.features.target import Target
+from peagle_train.features.target import Target, keep_output
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,6 +98,21 @@ class TargetRunner:
         self._max_len = 0
         self._step = None  # the compiled forward (static + compile on CUDA)
         self.fallback: str | None = None  # why the compiled forward was given up for the eager one, if it was
+        # the tapped layers' outputs of the last forward, by aux layer id; the hooks hold the dict, not the
+        # runner, so a runner nobody closes is collected and its hooks removed (weakref.finalize)
+        self._got: dict = {}
+        handles = [m.register_forward_hook(keep_output(self._got, i)) for i, m in target.tap_modules().items()]
+        self._close = weakref.finalize(self, _remove_hooks, handles)
+
+    def close(self) -> None:
+        """Remove the runner's hooks from the target (also done when the runner is garbage-collected)."""
+        self._close()
+
+    def __enter__(self) -> "TargetRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def start(self, need: int) -> None:
         """Begin a request that will hold at most ``need`` positions (prompt + new tokens + one round's drafts)."""
@@ -136,7 +158,9 @@ class TargetRunner:
         if self.static and self.length + ids.numel() > self._max_len:
             raise ValueError(f"TargetRunner: {self.length} + {ids.numel()} positions exceed the static cache's "
                              f"{self._max_len}; pass start() the request's whole length")
-        kw = dict(input_ids=ids[None], use_cache=True, output_hidden_states=want_aux, **{self._kw: self._cache})
+        if not self._close.alive:
+            raise RuntimeError("TargetRunner: closed (its aux hooks are removed); make a new runner")
+        kw = dict(input_ids=ids[None], use_cache=True, **{self._kw: self._cache})
         out = None
         if self._step is not None and not prefill:
             try:
@@ -153,7 +177,9 @@ class TargetRunner:
             out = self.target.model(**kw)
             logits = out.logits[0]
         self._len += ids.numel()
-        aux = torch.cat([out.hidden_states[i][0] for i in self.target.aux_layer_ids], dim=-1) if want_aux else None
+        # cat copies out of the CUDA graph's buffers, which the next replay overwrites
+        aux = torch.cat([self._got[i][0] for i in self.target.aux_layer_ids], dim=-1) if want_aux else None
+        self._got.clear()
         return logits, aux
 
     @property
@@ -170,6 +196,11 @@ class TargetRunner:
             self._set_length(self._len)
         else:
             self._cache.crop(-n)
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 __all__ = ["TargetRunner", "cache_kwarg", "has_sliding_window"]

@@ -231,12 +231,12 @@ def run_eval(
     ks = cfg.served_ks()
     raw: dict[str, _RawSet] = {}
     warm = [False]
-    runner = TargetRunner(target, static=cfg.compile_target, compile=cfg.compile_target)
-    for name in cfg.datasets:
-        prompts = load_prompts(name, cfg.num_prompts)
-        mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
-        raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm, progress,
-                                runner)
+    with TargetRunner(target, static=cfg.compile_target, compile=cfg.compile_target) as runner:
+        for name in cfg.datasets:
+            prompts = load_prompts(name, cfg.num_prompts)
+            mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
+            raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm,
+                                    progress, runner)
     head = {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
             "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,
             "decoding": "greedy", "hardware": hardware_info(target.device),

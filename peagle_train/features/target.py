@@ -388,6 +388,16 @@ class Target:
                                        attn_implementation=getattr(self.config, "_attn_implementation", None),
                                        aux_layers=len(self.aux_layer_ids))
 
+    def tap_modules(self) -> dict[int, torch.nn.Module]:
+        """The module whose output is each tapped layer's hidden state: ``{i: module}`` for ``i`` in
+        ``aux_layer_ids``, where ``hidden_states[i]`` of transformers is the embeddings' output for ``i = 0``,
+        decoder layer ``i - 1``'s output for ``0 < i < L``, and the decoder's (normed) output for ``i = L``.
+        Forward hooks on these (:func:`keep_output`) give the aux states without ``output_hidden_states``."""
+        decoder = self.model.get_decoder()
+        layers = decoder.layers
+        return {i: (self.model.get_input_embeddings() if i == 0 else decoder if i == len(layers) else layers[i - 1])
+                for i in self.aux_layer_ids}
+
     def lm_head_weight(self) -> torch.Tensor:
         """Output head ``[V, T]`` (tied to the embeddings for SmolLM2)."""
         return self.model.get_output_embeddings().weight
@@ -412,18 +422,9 @@ class Target:
         # hidden_states[i] of transformers = the embeddings' output (i = 0), layer i-1's output, and for the
         # last index the decoder's normed output, which "last" is too.
         decoder = self.model.get_decoder()
-        layers, got = decoder.layers, {}
-
-        def keep(key):
-            def hook(module, args, output):
-                out = output.last_hidden_state if hasattr(output, "last_hidden_state") else output
-                got[key] = out[0] if isinstance(out, tuple) else out
-            return hook
-
-        taps = {i: (self.model.get_input_embeddings() if i == 0 else decoder if i == len(layers) else layers[i - 1])
-                for i in self.aux_layer_ids}
-        handles = [m.register_forward_hook(keep(i)) for i, m in taps.items()]
-        handles.append(decoder.register_forward_hook(keep("last")))
+        got: dict = {}
+        handles = [m.register_forward_hook(keep_output(got, i)) for i, m in self.tap_modules().items()]
+        handles.append(decoder.register_forward_hook(keep_output(got, "last")))
         try:
             with _padded_sdpa_backends(input_ids.device):
                 # an FSDP2-sharded head (train.target_sharding: shard) is gathered only inside the model's
@@ -461,6 +462,20 @@ class Target:
         for s in range(0, flat.shape[0], chunk):
             out[s:s + chunk] = head(flat[s:s + chunk]).argmax(-1)
         return out.view(last.shape[:-1])
+
+
+def keep_output(store: dict, key):
+    """A forward hook that puts its module's hidden state ``[B, N, T]`` in ``store[key]``: the output tensor
+    itself, the first element of a tuple output, or ``last_hidden_state`` of a model output (the decoder's).
+
+    Used on :meth:`Target.tap_modules` (and the decoder) instead of ``output_hidden_states``: transformers
+    then keeps no list of every layer's output and installs no output-recording hooks, whose registration
+    at every call torch.compile cannot trace (graph breaks: ``eval.compile_target``, ``train.compile_target``).
+    """
+    def hook(module, args, output):
+        out = output.last_hidden_state if hasattr(output, "last_hidden_state") else output
+        store[key] = out[0] if isinstance(out, tuple) else out
+    return hook
 
 
 def tokenizer_source(cfg: TargetConfig, path) -> str:

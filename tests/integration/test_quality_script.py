@@ -472,7 +472,7 @@ def test_stage_builds_the_carried_inputs(tmp_path):
     sha = hashlib.sha256(a.read_bytes() + b.read_bytes()).hexdigest()
     assert sha == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     plain = tmp_path / "sharegpt_prompts.json"
-    with lzma.open(tmp_path / ".gguf1" / "sharegpt_prompts.json.xz") as f:
+    with lzma.open(tmp_path / ".gguf3" / "sharegpt_prompts.json.xz") as f:
         plain.write_bytes(f.read())
     rows = json.loads(plain.read_text())
     gpt = [m["value"] for row in rows for m in row["conversations"] if m["from"] == "gpt"]

@@ -17,6 +17,7 @@ Tiny random Llama targets and drafters on CPU:
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 
 import pytest
@@ -575,3 +576,44 @@ def test_static_target_runner_falls_back_to_eager_when_the_compiled_forward_fail
     full = target.model(input_ids=torch.arange(8)[None]).logits[0]
     torch.testing.assert_close(logits, full[5:8], rtol=1e-5, atol=1e-5)
     assert r.kind == "static" and "CUDA graph capture failed" in r.fallback and r.length == 8
+
+
+def test_compiled_target_forward_has_no_graph_break_and_the_aux_states_of_output_hidden_states():
+    """The static runner's compiled forward (here torch.compile's ``eager`` backend, which runs Dynamo's
+    tracing without CUDA graphs) is one graph per query length, with or without aux states, and no graph
+    break: the aux states come from hooks on the tapped layers, not ``output_hidden_states`` (transformers
+    installs its output-recording hooks at the first call that asks for hidden states; inside a compiled
+    call that breaks the graph, 5.17 and 5.25). The aux states equal transformers' ``hidden_states`` at the
+    tapped ids, and a runner that is closed or collected leaves no hook on the target."""
+    from torch._dynamo.utils import counters
+
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    target = make_target()
+    ids = torch.arange(9)
+    full = target.model(input_ids=ids[None], output_hidden_states=True)
+    want = torch.cat([full.hidden_states[i][0] for i in target.aux_layer_ids], dim=-1)
+    hooked = lambda: sum(len(m._forward_hooks) for m in target.model.modules())  # noqa: E731
+    before = hooked()
+    torch._dynamo.reset()
+    counters.clear()
+    with TargetRunner(target, static=True, block=16) as r:
+        assert hooked() == before + len(target.aux_layer_ids)
+        r.start(12)
+        r.forward(ids[:5], want_aux=False, prefill=True)  # eager; the first aux states come from compiled calls
+        r._step = torch.compile(target.model, backend="eager", dynamic=False)
+        for a, b in ((5, 7), (7, 9)):  # the same query length twice: one graph, no recompile
+            logits, aux = r.forward(ids[a:b], want_aux=True)
+            torch.testing.assert_close(aux, want[a:b], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits, full.logits[0, a:b], rtol=1e-5, atol=1e-5)
+        assert r.forward(ids[:2], want_aux=False)[1] is None and r.kind == "static+cuda-graphs"
+        r.drop(r.length)  # the eager prefill's aux states too
+        torch.testing.assert_close(r.forward(ids[:5], want_aux=True, prefill=True)[1], want[:5], rtol=1e-5, atol=1e-5)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # aux on and off: one graph
+    assert hooked() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        r.forward(ids[:1], want_aux=False)
+    TargetRunner(target)  # collected at once: its hooks go with it
+    gc.collect()
+    assert hooked() == before
