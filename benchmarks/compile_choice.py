@@ -7,7 +7,8 @@ with ``EVAL_COMPILE=auto`` makes them: its one-process drafting-cost pass, run b
 Prints ``true`` or ``false`` on the first line and the reason on the second; ``--out`` writes both with the
 figures compared. ``true`` only when all of these hold:
 
-* the compiled run's forward really was compiled (``target_runner`` is ``static+cuda-graphs``: no fallback);
+* the compiled run's forward really was compiled (``target_runner`` is ``static+cuda-graphs``, or
+  ``static+compiled`` where inductor skipped the CUDA graphs: no fallback to eager);
 * both runs passed the lossless check, and every set and K has the same rounds and acceptance length (the
   compiled forward decodes the same tokens);
 * the compiled run decodes faster: its seconds over all sets and K (target alone included) are below the
@@ -43,11 +44,13 @@ def choose(eager: dict, compiled: dict) -> tuple[bool, str, dict]:
     """``(use_compiled, reason, figures)`` for two ``eval.json`` dicts (see the module docstring).
 
     ``figures``: ``eager_s`` / ``compiled_s`` (decoding seconds), ``speedup`` (eager / compiled),
-    ``target_runner`` and ``fallback`` of the compiled run."""
+    ``target_runner``, ``fallback`` and ``cudagraph_skips`` (inductor's reasons for running without CUDA
+    graphs) of the compiled run."""
     figures = {"eager_s": round(_seconds(eager), 3), "compiled_s": round(_seconds(compiled), 3),
-               "target_runner": compiled.get("target_runner"), "fallback": compiled.get("target_runner_fallback")}
+               "target_runner": compiled.get("target_runner"), "fallback": compiled.get("target_runner_fallback"),
+               "cudagraph_skips": compiled.get("target_runner_cudagraph_skips")}
     figures["speedup"] = round(figures["eager_s"] / figures["compiled_s"], 3) if figures["compiled_s"] > 0 else None
-    if compiled.get("target_runner") != "static+cuda-graphs":
+    if compiled.get("target_runner") not in ("static+cuda-graphs", "static+compiled"):
         return False, (f"the compiled run's target forward was {compiled.get('target_runner')!r}"
                        + (f" ({figures['fallback']})" if figures["fallback"] else "")), figures
     if not (eager["lossless"].get("passed") and compiled["lossless"].get("passed")):

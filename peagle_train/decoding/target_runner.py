@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import weakref
 
 import torch
@@ -102,7 +103,11 @@ class TargetRunner:
         # runner, so a runner nobody closes is collected and its hooks removed (weakref.finalize)
         self._got: dict = {}
         handles = [m.register_forward_hook(keep_output(self._got, i)) for i, m in target.tap_modules().items()]
-        self._close = weakref.finalize(self, _remove_hooks, handles)
+        #: why torch.compile ran a compiled forward without CUDA graphs, each reason once (inductor's
+        #: "skipping cudagraphs due to ..."); empty: every compiled forward so far replays a CUDA graph
+        self.cudagraph_skips: list[str] = []
+        self._skip_log = _SkipLog(self.cudagraph_skips)
+        self._close = weakref.finalize(self, _remove_hooks, handles, self._skip_log)
 
     def close(self) -> None:
         """Remove the runner's hooks from the target (also done when the runner is garbage-collected)."""
@@ -164,6 +169,7 @@ class TargetRunner:
         out = None
         if self._step is not None and not prefill:
             try:
+                self._skip_log.attach()
                 with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit,
                                                                     self.RECOMPILE_LIMIT)):
                     torch.compiler.cudagraph_mark_step_begin()
@@ -184,8 +190,13 @@ class TargetRunner:
 
     @property
     def kind(self) -> str:
-        """``dynamic``, ``static`` or ``static+cuda-graphs`` (what the forwards of the next rounds use)."""
-        return "dynamic" if not self.static else "static+cuda-graphs" if self._step is not None else "static"
+        """``dynamic``, ``static``, ``static+cuda-graphs``, or ``static+compiled`` when inductor ran a compiled
+        forward without CUDA graphs (:attr:`cudagraph_skips` says why): what the forwards of the next rounds use."""
+        if not self.static:
+            return "dynamic"
+        if self._step is None:
+            return "static"
+        return "static+compiled" if self.cudagraph_skips else "static+cuda-graphs"
 
     def drop(self, n: int) -> None:
         """Forget the KV of the last ``n`` positions (rejected drafts); ``n = 0`` keeps everything."""
@@ -198,9 +209,43 @@ class TargetRunner:
             self._cache.crop(-n)
 
 
-def _remove_hooks(handles) -> None:
+def _cudagraph_logger() -> logging.Logger:
+    """The logger inductor reports a skipped CUDA graph on (``log_cudagraph_skip_and_bump_counter``)."""
+    try:
+        from torch._inductor import cudagraph_utils
+
+        return cudagraph_utils.cudagraphs_log
+    except (ImportError, AttributeError):  # another torch: the artifact logger's name
+        return logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
+
+
+class _SkipLog(logging.Handler):
+    """Collects inductor's reasons for running a compiled graph without CUDA graphs into a list, each once."""
+
+    def __init__(self, into: list[str]):
+        super().__init__(logging.DEBUG)
+        self.into, self._on = into, False
+
+    def attach(self) -> None:
+        if not self._on:
+            _cudagraph_logger().addHandler(self)
+            self._on = True
+
+    def detach(self) -> None:
+        if self._on:
+            _cudagraph_logger().removeHandler(self)
+            self._on = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()[:300]
+        if msg not in self.into:
+            self.into.append(msg)
+
+
+def _remove_hooks(handles, skip_log: _SkipLog) -> None:
     for h in handles:
         h.remove()
+    skip_log.detach()
 
 
 __all__ = ["TargetRunner", "cache_kwarg", "has_sliding_window"]

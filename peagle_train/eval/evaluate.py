@@ -240,7 +240,8 @@ def run_eval(
     head = {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
             "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,
             "decoding": "greedy", "hardware": hardware_info(target.device),
-            "target_runner": runner.kind, "target_runner_fallback": runner.fallback}
+            "target_runner": runner.kind, "target_runner_fallback": runner.fallback,
+            "target_runner_cudagraph_skips": list(runner.cudagraph_skips)}
     if worker is not None:
         part = {**head, "worker": list(worker), "datasets": {n: r.to_dict() for n, r in raw.items()}}
         path = part_path(out_dir, *worker)
@@ -430,6 +431,7 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
     head = {k: parts[0][k] for k in (*keys, "hardware")}
     kinds = sorted({p.get("target_runner") or "dynamic" for p in parts})  # parts made before the key: dynamic
     fallbacks = [f"worker {p['worker'][0]}: {p['target_runner_fallback']}" for p in parts if p.get("target_runner_fallback")]
+    skips = list(dict.fromkeys(m for p in parts for m in p.get("target_runner_cudagraph_skips") or []))
     head |= {"target_runner": kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds),
-             "target_runner_fallback": "; ".join(fallbacks) or None}
+             "target_runner_fallback": "; ".join(fallbacks) or None, "target_runner_cudagraph_skips": skips}
     return _report(head, raw, parts[0]["k_values"], out_dir, workers=world)

@@ -376,4 +376,12 @@ def test_eval_compile_target_decodes_as_the_default_and_says_which_forward_ran(t
     for r in range(2):
         run_eval(target, drafter, EvalConfig(**base, compile_target=True), tmp_path / "two", target_name="t",
                  drafter_name="d", trained_K=3, load_prompts=loader, progress=False, worker=(r, 2))
-    assert merge_eval(tmp_path / "two", 2)["target_runner"] == "static"
+    merged = merge_eval(tmp_path / "two", 2)
+    assert merged["target_runner"] == "static" and merged["target_runner_cudagraph_skips"] == []
+    assert sta["target_runner_cudagraph_skips"] == [] == dyn["target_runner_cudagraph_skips"]
+    # a worker whose compiled forward ran without CUDA graphs: the merged report lists each reason once
+    for r in range(2):
+        p = tmp_path / "two" / "parts" / f"worker-{r}-of-2.json"
+        part = json.loads(p.read_text()) | {"target_runner_cudagraph_skips": ["skipping cudagraphs due to X"]}
+        p.write_text(json.dumps(part))
+    assert merge_eval(tmp_path / "two", 2)["target_runner_cudagraph_skips"] == ["skipping cudagraphs due to X"]

@@ -832,6 +832,9 @@ def test_compile_choice_refuses_other_rounds_slower_runs_and_bad_files(tmp_path)
     assert compile_choice.choose(eager, rep(2.5))[1] == "not faster: 5.0 s compiled against 4.0 s eager"
     assert compile_choice.choose(eager, rep(1.0, passed=False))[1] == "a run failed the lossless check"
     assert not compile_choice.choose(eager, rep(1.0, runner="static"))[0]
+    without_graphs = rep(1.0, runner="static+compiled") | {"target_runner_cudagraph_skips": ["mutated inputs"]}
+    use, _, figures = compile_choice.choose(eager, without_graphs)  # compiled without CUDA graphs: still faster
+    assert use is True and figures["cudagraph_skips"] == ["mutated inputs"]
     (tmp_path / "a.json").write_text(json.dumps(eager))
     (tmp_path / "b.json").write_text("{}")
     with pytest.raises(SystemExit, match="b.json: not a peagle-train eval.json"):

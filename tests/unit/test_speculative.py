@@ -617,3 +617,32 @@ def test_compiled_target_forward_has_no_graph_break_and_the_aux_states_of_output
     TargetRunner(target)  # collected at once: its hooks go with it
     gc.collect()
     assert hooked() == before
+
+
+def test_compiled_target_forward_reports_why_cuda_graphs_were_skipped():
+    """When inductor runs a compiled forward without CUDA graphs (it logs "skipping cudagraphs due to ...", e.g.
+    for mutated inputs), the runner keeps each reason once and names its kind ``static+compiled``, so the eval
+    report says the forward was not graph-replayed; closing the runner stops listening."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    target = make_target()
+    with TargetRunner(target, static=True, block=16) as r:
+        r.start(12)
+        r.forward(torch.arange(5), want_aux=False, prefill=True)
+        assert r.cudagraph_skips == []
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to an unrelated run")  # not listening yet
+
+        def compiled_without_graphs(**kw):
+            log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (2 instances)")
+            return target.model(**kw)
+
+        r._step = compiled_without_graphs
+        assert r.kind == "static+cuda-graphs"
+        for a in (5, 7):
+            logits, _ = r.forward(torch.arange(a, a + 2), want_aux=True)
+        assert r.cudagraph_skips == ["skipping cudagraphs due to mutated inputs (2 instances)"]
+        assert r.kind == "static+compiled" and r.fallback is None
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a later run")
+    assert r.cudagraph_skips == ["skipping cudagraphs due to mutated inputs (2 instances)"]
