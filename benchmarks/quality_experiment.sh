@@ -23,6 +23,8 @@
 #                                                    # (EVAL_WORKERS=N: N processes per drafter, then a merge)
 #   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
+#   bash benchmarks/quality_experiment.sh decode-profile   # the target's forward in the decoding loop per kind
+#                                                    # (eager, static, compiled), timed and profiled
 #   DRAFTERS=peagle bash benchmarks/quality_experiment.sh leg 6   # train / leg / eval for P-EAGLE alone (default:
 #                                                    # DRAFTERS="peagle eagle3"), when a lease is too short for both
 #   bash benchmarks/quality_experiment.sh leg MIN    # instead of train: both drafters MIN more minutes of one long run
@@ -523,6 +525,12 @@ PY
     # seconds of every call in run 5)
     if new_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi
     [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
+  decode-profile)  # after setup: the target's forward per query length through each TargetRunner kind, timed and
+    # profiled (benchmarks/decode_profile.py; DP_FLAGS: its flags) -> $RESULTS/decode_profile.json; about a minute
+    # shellcheck disable=SC2086
+    python3 benchmarks/decode_profile.py "$P" "${OVR[@]}" "target.dtype=${EVAL_DTYPE:-float32}" ${DP_FLAGS:-} \
+      --out "$RESULTS/decode_profile.json"
+    ship decode_profile.json ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -730,3 +730,29 @@ def test_cache_report_cpu_smoke(tmp_path, capsys):
     stamp = regen[0].stat().st_mtime_ns
     cache_report.main(args)
     assert regen[0].stat().st_mtime_ns == stamp  # reused, not regenerated
+
+
+def test_decode_profile_cpu_smoke(tmp_path, capsys):
+    """``benchmarks/decode_profile.py --smoke``: the target's forward per query length through each kind of
+    TargetRunner (dynamic, static, compiled: eager on a CPU), each call leaving the cache at its length, and a
+    profile of the last kind's calls; the runners leave no hook on the target and the command is recorded."""
+    import decode_profile
+
+    out = tmp_path / "dp.json"
+    result = decode_profile.main(["--smoke", "--lengths", "1", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    meta = result["meta"]
+    assert meta["command"] == f"python benchmarks/decode_profile.py --smoke --lengths 1 3 --out {out}"
+    assert meta["layers"] == 8 and meta["gpu"] is None and "commit" in meta
+    assert list(result["kinds"]) == ["dynamic", "static", "compiled"]
+    runners = [r["runner"] for r in result["kinds"].values()]
+    assert runners == ["dynamic", "static", "static"]  # compile: CUDA only
+    for r in result["kinds"].values():
+        assert set(r["per_length"]) == {"1", "3"} and all(x["median_ms"] > 0 for x in r["per_length"].values())
+        assert r["fallback"] is None and r["cudagraph_skips"] == []
+    prof = result["kinds"]["compiled"]["profile"]
+    assert prof["length"] == 3 and prof["calls"] == 2 and prof["device_ms_per_call"] is None
+    assert any(row["name"] == "aten::mm" for row in prof["by_self_cpu"])  # the layers' matmuls were seen
+    assert "profile" not in result["kinds"]["dynamic"]
+    with pytest.raises(SystemExit):
+        decode_profile.parse_args(["--smoke", "--lengths", "0"])

@@ -956,3 +956,20 @@ def test_regen_in_takes_several_carried_folders(tmp_path):
               "regen-in")
     assert r.returncode == 2 and "no pack-* file in" in r.stderr and "none" in r.stderr, r.stdout + r.stderr
     assert not (tmp_path / "w2" / "peagle").exists()
+
+
+def test_decode_profile_step_profiles_the_recipes_target_and_ships_the_json(tmp_path):
+    """``decode-profile``: benchmarks/decode_profile.py on the P-EAGLE recipe's target with the script's overrides
+    (here a tiny random Llama on the CPU instead of the GGUF), in float32 unless EVAL_DTYPE says otherwise, its
+    JSON in $RESULTS and $OUT."""
+    env = _setup(tmp_path) | {
+        "OUT": str(tmp_path / "out"),
+        "EXTRA_OVERRIDES": "target.gguf_file=null target.gguf_package=null target.gguf_sha256=null target.device=cpu "
+                           "target.random_init_from_config=pkg:peagle_train/llama-3.1-8b-tiny.json",
+        "DP_FLAGS": "--calls 2 --warmup 1 --prompt-tokens 8 --profile-calls 1 --kinds dynamic compiled"}
+    r = _step(env, "decode-profile")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = json.loads((tmp_path / "out" / "decode_profile.json").read_text())
+    assert got == json.loads((tmp_path / "work" / "results" / "decode_profile.json").read_text())
+    assert got["meta"]["recipe"] == "recipes/smollm2-135m-peagle-gpu.yaml" and got["meta"]["dtype"] == "float32"
+    assert list(got["kinds"]) == ["dynamic", "compiled"] and got["kinds"]["compiled"]["profile"]["calls"] == 1

@@ -1,0 +1,173 @@
+"""Where the time of one round of the reference decoding loop goes: the target's forward over ``L`` new tokens
+(1 for the target alone, ``K + 1`` for a verification) through each kind of
+:class:`peagle_train.decoding.target_runner.TargetRunner` the evaluation can use, timed with device syncs, and a
+profile of the compiled kind's calls (``torch.profiler``: CPU ops and, on a GPU, kernels).
+
+Why: run 6 (docs/results.md) measured 16 ms a token for the compiled SmolLM2-135M target alone and 18-21 ms a
+verification on an H100, where the GPU work of a 135M forward is near a millisecond; the full evaluation did
+not fit a lease. This says whether the compiled forward replays one CUDA graph (``cudagraph_skips``: inductor's
+reasons when it does not), how much of a call is the device's work (``device_ms_per_call`` from the profile)
+and what the host does in the rest.
+
+Each kind: a random prompt of ``--prompt-tokens`` is prefilled (eager, as the loop does), then per length ``L``
+``--warmup`` calls and ``--calls`` timed calls of ``forward(L tokens, want_aux=True)`` each followed by
+``drop(L)`` (the cache keeps its length, as a round that rejects every draft); the median and p10/p90 per call.
+
+GPU (the evaluation's target: the recipe's GGUF in float32)::
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode_profile.py recipes/smollm2-135m-peagle-gpu.yaml \\
+        target.dtype=float32 [target.gguf_file=... target.gguf_package=null] --out $OUT/decode_profile.json
+
+CPU smoke (CI, ``tests/integration/test_benchmarks.py``): ``--smoke --out x.json`` (the tiny Llama configuration,
+float32; the compiled kind runs eagerly on a CPU, as in the evaluation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMOKE = ["recipes/smollm2-135m.yaml", "target.gguf_package=null", "target.gguf_file=null", "target.gguf_sha256=null",
+         "target.device=cpu", "target.dtype=float32",
+         "target.random_init_from_config=pkg:peagle_train/llama-3.1-8b-tiny.json"]
+KINDS = {"dynamic": dict(static=False, compile=False), "static": dict(static=True, compile=False),
+         "compiled": dict(static=True, compile=True)}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", nargs="?", help="recipe YAML (then key=value overrides)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides key=value")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1, 8], help="new tokens per forward (1; K + 1)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="cached positions before the timed calls")
+    p.add_argument("--calls", type=int, default=30, help="timed calls per kind and length")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the compiles happen here)")
+    p.add_argument("--profile-calls", type=int, default=10, help="profiled calls of the compiled kind, longest L")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny Llama configuration, a few calls")
+    p.add_argument("--out", help="JSON file")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.recipe, a.overrides = SMOKE[0], SMOKE[1:] + a.overrides
+        a.prompt_tokens, a.calls, a.warmup, a.profile_calls = 16, 3, 1, 2
+    if a.recipe is None:
+        p.error("give a recipe (or --smoke)")
+    if min(a.lengths) < 1 or a.calls < 1 or a.prompt_tokens < 1:
+        p.error("--lengths, --calls and --prompt-tokens must be >= 1")
+    return a
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(runner, ids, lengths: list[int], calls: int, warmup: int) -> dict:
+    """Per length ``L``: ms per ``forward(ids[:L], want_aux=True)`` + ``drop(L)`` (median, p10, p90 of ``calls``
+    after ``warmup``), the cache at the same length each call. ``ids``: ``[>= max(lengths)]`` on the device."""
+    dev = ids.device
+    out = {}
+    for L in lengths:
+        new = ids[:L]
+        for _ in range(warmup):
+            runner.forward(new, want_aux=True)
+            runner.drop(L)
+        ms = []
+        for _ in range(calls):
+            _sync(dev)
+            t = time.perf_counter()
+            runner.forward(new, want_aux=True)
+            runner.drop(L)
+            _sync(dev)
+            ms.append((time.perf_counter() - t) * 1e3)
+        q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+        out[str(L)] = {"median_ms": statistics.median(ms), "p10_ms": q[0], "p90_ms": q[-1]}
+    return out
+
+
+def profile_calls(runner, ids, L: int, calls: int, top: int = 15) -> dict:
+    """``torch.profiler`` over ``calls`` forward + drop of ``L`` tokens: the ops by self CPU time and, on a GPU,
+    the kernels by self device time (top ``top`` each), and the device's busy time per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
+    _sync(ids.device)
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            runner.forward(ids[:L], want_aux=True)
+            runner.drop(L)
+        _sync(ids.device)
+    ev = prof.key_averages()
+
+    def dev_us(e):  # torch renamed cuda -> device time
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+    rows = lambda key: [{"name": e.key[:120], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,  # noqa: E731
+                         "self_device_ms": dev_us(e) / 1e3} for e in sorted(ev, key=key, reverse=True)[:top]]
+    device_ms = sum(dev_us(e) for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 \
+        if ids.device.type == "cuda" else None
+    return {"length": L, "calls": calls, "by_self_cpu": rows(lambda e: e.self_cpu_time_total),
+            "by_self_device": rows(dev_us) if ids.device.type == "cuda" else [],
+            "device_ms_per_call": device_ms / calls if device_ms is not None else None}
+
+
+def main(argv=None) -> dict:
+    import torch
+
+    from benchmarks.train_step import provenance
+    from peagle_train.decoding.target_runner import TargetRunner
+    from peagle_train.features.target import load_target
+    from peagle_train.recipe import load_config
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(args)
+    cfg = load_config(a.recipe, a.overrides)
+    t0 = time.perf_counter()
+    target = load_target(cfg.target, with_tokenizer=False)
+    load_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    V = target.config.vocab_size
+    prompt = torch.randint(0, V, (a.prompt_tokens,), generator=g).to(target.device)
+    new = torch.randint(0, V, (max(a.lengths),), generator=g).to(target.device)
+    import transformers
+
+    out = {"meta": {**provenance(args), "command": " ".join(["python", "benchmarks/decode_profile.py", *args]),
+                    "recipe": a.recipe, "overrides": a.overrides, "dtype": cfg.target.dtype,
+                    "device": str(target.device),
+                    "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "layers": target.config.num_hidden_layers, "prompt_tokens": a.prompt_tokens, "load_s": load_s,
+                    "timing": f"median of {a.calls} calls of forward(L, want_aux=True) + drop(L) after {a.warmup}, "
+                              "device synced around each"}, "kinds": {}}
+    with torch.no_grad():
+        for kind in a.kinds:
+            with TargetRunner(target, **KINDS[kind]) as runner:
+                runner.start(a.prompt_tokens + max(a.lengths))
+                runner.forward(prompt, want_aux=False, prefill=True)
+                t = time.perf_counter()
+                row = {"per_length": time_calls(runner, new, a.lengths, a.calls, a.warmup),
+                       "seconds_with_warmup": time.perf_counter() - t}
+                if kind == a.kinds[-1] and a.profile_calls > 0:
+                    row["profile"] = profile_calls(runner, new, max(a.lengths), a.profile_calls)
+                row |= {"runner": runner.kind, "fallback": runner.fallback, "cudagraph_skips": runner.cudagraph_skips}
+                out["kinds"][kind] = row
+            per = ", ".join(f"L={L}: {r['median_ms']:.2f} ms" for L, r in row["per_length"].items())
+            print(f"{kind:>9} ({row['runner']}): {per}" + (f"; cudagraph skips: {row['cudagraph_skips']}"
+                                                          if row["cudagraph_skips"] else ""), flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
