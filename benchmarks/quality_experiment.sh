@@ -505,7 +505,8 @@ PY
       plan "$WORK/repo" "$@" > "$WORK/plan.log" 2>&1 < /dev/null &
     echo "lease: ${*} started in the background, log $WORK/plan.log" ;;
   wait)  # SECONDS: follow `lease` until its steps finish or SECONDS pass (new log lines are printed); then to
-    # $OUT: plan.log, results.tar.xz (the small result files), prepared.tar.xz (+ .sha256) once prepare has
+    # $OUT: plan.log, results.tar.xz (the small result files; with an evaluation not yet merged, NAME-eval-partial/:
+    # its workers' parts so far and the report of the sets all of them finished), prepared.tar.xz (+ .sha256) once prepare has
     # tokenised and only if it fits one returned file (16 MiB: the tokens of a large prepare do not), and the
     # regeneration shards finished so far (batch 0 of regen-out, 4 files at most; xz-compressed text, ~20x
     # smaller than the shards: carry them in as .regen/ and `regen-in`, then prepare tokenises them again)
@@ -515,6 +516,23 @@ PY
       seen=$n; sleep "${WAIT_POLL:-10}"
     done
     [ -n "${OUT:-}" ] || { echo "wait: set OUT (the folder that comes back)" >&2; exit 2; }
+    for R in "${RECIPES[@]}"; do  # an evaluation still running or cut by the lease: the sets its workers finished
+      name=$(basename "$R" .yaml); d=$(legdir "$R")
+      [ ! -f "$d/eval/eval.json" ] || { rm -rf "$RESULTS/$name-eval-partial"; continue; }  # merged: the report is whole
+      ls "$d"/eval/parts/worker-*.json > /dev/null 2>&1 || continue
+      p="$RESULTS/$name-eval-partial"; rm -rf "$p"; mkdir -p "$p/parts"; cp "$d"/eval/parts/worker-*.json "$p/parts/"
+      python3 - "$p" <<'PY' || true
+import re, sys
+from pathlib import Path
+from peagle_train.eval.evaluate import merge_eval
+worlds = {int(re.search(r"-of-(\d+)\.json$", f.name).group(1)) for f in Path(sys.argv[1], "parts").glob("worker-*.json")}
+try:
+    rep = merge_eval(sys.argv[1], max(worlds), partial=True)
+    print(f"wait: {sys.argv[1]}: the sets every worker finished: {', '.join(rep['datasets'])}")
+except Exception as e:  # noqa: BLE001 -- workers with no set finished yet, or a lossless mismatch (reported in eval.json)
+    print(f"wait: {sys.argv[1]}: no partial report yet ({type(e).__name__}: {str(e)[:200]})")
+PY
+    done
     mkdir -p "$OUT" && cp "$WORK/plan.log" "$OUT/"
     tar -C "$RESULTS" -cJf "$OUT/results.tar.xz" --exclude='prepared.tar.xz*' .
     if [ -f "$RESULTS/prepared.tar.xz" ]; then

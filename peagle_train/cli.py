@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "eval/parts/ (run WORLD of them, e.g. at once on one GPU, then --eval-merge WORLD)")
             s.add_argument("--eval-merge", metavar="WORLD", type=int, default=None,
                            help="no decoding: the report of the WORLD worker parts in eval/parts/")
+            s.add_argument("--eval-partial", action="store_true",
+                           help="with --eval-merge: when some workers stopped early, the report of the sets every "
+                                "worker finished (eval.json's 'partial' names the others)")
         if name == "prepare":
             s.add_argument("--regen-worker", metavar="RANK/WORLD", default=None,
                            help="data-parallel regeneration: write only shards i %% WORLD == RANK, then exit "
@@ -101,7 +104,7 @@ def _stage(args) -> object:
         return str(stages.run_export(cfg, progress))
     if eval_worker is not None:
         return stages.run_eval(cfg, progress, worker=eval_worker)
-    return {**stages.run_eval(cfg, progress, merge=args.eval_merge), "report": report}
+    return {**stages.run_eval(cfg, progress, merge=args.eval_merge, partial=args.eval_partial), "report": report}
 
 
 def _rank_world(flag: str, value: str, example: str) -> tuple[int, int]:
@@ -123,12 +126,15 @@ def _eval_worker(args) -> tuple[int, int] | None:
     """``--eval-worker RANK/WORLD`` as ``(rank, world)`` (None without it), checked with ``--eval-merge``.
 
     Raises:
-        ConfigError: not ``RANK/WORLD`` with ``0 <= RANK < WORLD``; given with ``--eval-merge``; ``--eval-merge`` < 1.
+        ConfigError: not ``RANK/WORLD`` with ``0 <= RANK < WORLD``; given with ``--eval-merge``; ``--eval-merge`` < 1;
+            ``--eval-partial`` without ``--eval-merge``.
     """
     from peagle_train.core.config import ConfigError
 
     if args.eval_merge is not None and args.eval_merge < 1:
         raise ConfigError(f"--eval-merge {args.eval_merge}: give the number of workers (>= 1)")
+    if args.eval_partial and args.eval_merge is None:
+        raise ConfigError("--eval-partial goes with --eval-merge WORLD (it reports the sets every worker finished)")
     if args.eval_worker is None:
         return None
     if args.eval_merge is not None:

@@ -586,13 +586,14 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
 
 @stage_lines("eval")
 def run_eval(cfg: RunConfig, progress: bool = True, worker: tuple[int, int] | None = None,
-             merge: int | None = None) -> dict:
+             merge: int | None = None, partial: bool = False) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``.
 
     ``progress``: the stage lines (:func:`stage_lines`) and the evaluator's bars per dataset × K.
     ``worker = (rank, world)``: only every ``world``-th prompt of each set, raw statistics to
     ``eval/parts/`` (:func:`peagle_train.eval.evaluate.run_eval`), no report; ``merge = world``: no decoding,
-    the report of the ``world`` parts (:func:`peagle_train.eval.evaluate.merge_eval`) and the model card.
+    the report of the ``world`` parts (:func:`peagle_train.eval.evaluate.merge_eval`; ``partial``: of the sets
+    every worker finished) and the model card.
     Several workers share one GPU well: the batch-1 loop leaves it mostly idle."""
     from data_prep.eval_prompts import load_eval_prompts
     from peagle_train.eval import evaluate
@@ -604,7 +605,7 @@ def run_eval(cfg: RunConfig, progress: bool = True, worker: tuple[int, int] | No
     target_name = cfg.target.name + (" (RANDOM WEIGHTS: target.random_init_from_config)"
                                      if cfg.target.random_init_from_config else "")
     if merge is not None:
-        results = evaluate.merge_eval(out / "eval", merge)
+        results = evaluate.merge_eval(out / "eval", merge, partial=partial)
     else:
         target = load_target(cfg.target)
         drafter = load_exported(out / "export").to(target.device)

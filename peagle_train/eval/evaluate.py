@@ -231,24 +231,34 @@ def run_eval(
     ks = cfg.served_ks()
     raw: dict[str, _RawSet] = {}
     warm = [False]
+    def head(runner: TargetRunner) -> dict:
+        return {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
+                "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,
+                "decoding": "greedy", "hardware": hardware_info(target.device),
+                "target_runner": runner.kind, "target_runner_fallback": runner.fallback,
+                "target_runner_cudagraph_skips": list(runner.cudagraph_skips)}
+
+    def write_part(runner: TargetRunner) -> dict:
+        # written after every set: a worker stopped later (a job's time limit) leaves the sets it finished,
+        # "complete": false until the last one (merge_eval's partial merge reads them)
+        part = {**head(runner), "worker": list(worker), "datasets_planned": list(cfg.datasets),
+                "complete": len(raw) == len(cfg.datasets), "datasets": {n: r.to_dict() for n, r in raw.items()}}
+        path = part_path(out_dir, *worker)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, part, indent=None)  # each write whole or not at all
+        return part
+
     with TargetRunner(target, static=cfg.compile_target, compile=cfg.compile_target) as runner:
         for name in cfg.datasets:
             prompts = load_prompts(name, cfg.num_prompts)
             mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
             raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm,
                                     progress, runner)
-    head = {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
-            "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,
-            "decoding": "greedy", "hardware": hardware_info(target.device),
-            "target_runner": runner.kind, "target_runner_fallback": runner.fallback,
-            "target_runner_cudagraph_skips": list(runner.cudagraph_skips)}
+            if worker is not None:
+                part = write_part(runner)
     if worker is not None:
-        part = {**head, "worker": list(worker), "datasets": {n: r.to_dict() for n, r in raw.items()}}
-        path = part_path(out_dir, *worker)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, part, indent=None)  # a part is complete or absent
         return part
-    return _report(head, raw, ks, out_dir, workers=1)
+    return _report(head(runner), raw, ks, out_dir, workers=1)
 
 
 def part_path(out_dir: str | Path, rank: int, world: int) -> Path:
@@ -394,15 +404,20 @@ def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | P
     return results
 
 
-def merge_eval(out_dir: str | Path, world: int) -> dict:
+def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     """The report of ``world`` eval workers (:func:`run_eval` with ``worker``), from their parts in
     ``out_dir/parts/``: each set's sequences of all workers pooled as one process pools them (acceptance
     length, per-position acceptance, lossless check are the same; timings are those of the workers, which
     shared the device: ``workers`` in the report says how many).
 
+    ``partial``: also when some workers stopped before their last set (their parts say ``"complete": false``):
+    the report of the sets every worker finished, each set whole (all its prompts), with ``"partial":
+    {"sets_left_out": [...]}``; without it such parts are refused.
+
     Returns / Raises: as :func:`run_eval`; also FileNotFoundError naming the missing parts (run those workers),
-    ConfigError (a ValueError; the CLI's exit 2) naming a part that is not JSON or was made with other settings
-    (K values, datasets, tokens) than worker 0's.
+    ConfigError (a ValueError; the CLI's exit 2) naming a part that is not JSON, was made with other settings
+    (K values, datasets, tokens) than worker 0's, or is incomplete (without ``partial``; with it, when no set
+    was finished by every worker).
     """
     parts = []
     missing = []
@@ -419,13 +434,22 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
         raise FileNotFoundError(f"eval merge: {len(missing)} of {world} worker parts are missing ({', '.join(missing)}): "
                                 f"run `peagle-train eval RECIPE --eval-worker RANK/{world}` for each")
     keys = ("target", "drafter", "method", "trained_K", "k_values", "max_new_tokens", "both_turns", "decoding")
+    planned = lambda p: p.get("datasets_planned") or list(p["datasets"])  # noqa: E731 (parts before the key: whole)
     for p in parts[1:]:
-        diff = [k for k in keys if p[k] != parts[0][k]] + (["datasets"] if list(p["datasets"]) != list(parts[0]["datasets"]) else [])
+        diff = [k for k in keys if p[k] != parts[0][k]] + (["datasets"] if planned(p) != planned(parts[0]) else [])
         if diff:
             raise ConfigError(f"eval merge: worker {p['worker'][0]}/{world} was run with other settings than worker "
                              f"0/{world} ({', '.join(diff)}): run all workers with the same recipe")
+    stopped = [p for p in parts if p.get("complete") is False]
+    if stopped and not partial:
+        names = ", ".join(f"{p['worker'][0]} (finished: {', '.join(p['datasets']) or 'none'})" for p in stopped)
+        raise ConfigError(f"eval merge: {len(stopped)} of {world} workers stopped before their last set: {names}; "
+                          "run them again, or report the sets every worker finished with --eval-partial")
+    common = [n for n in planned(parts[0]) if all(n in p["datasets"] for p in parts)]
+    if not common:
+        raise ConfigError(f"eval merge: no set was finished by all {world} workers: run them again")
     raw = {}
-    for name in parts[0]["datasets"]:
+    for name in common:
         shares = [_RawSet.from_dict(p["datasets"][name]) for p in parts]
         raw[name] = functools.reduce(_RawSet.add, shares)
     head = {k: parts[0][k] for k in (*keys, "hardware")}
@@ -434,4 +458,7 @@ def merge_eval(out_dir: str | Path, world: int) -> dict:
     skips = list(dict.fromkeys(m for p in parts for m in p.get("target_runner_cudagraph_skips") or []))
     head |= {"target_runner": kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds),
              "target_runner_fallback": "; ".join(fallbacks) or None, "target_runner_cudagraph_skips": skips}
+    left_out = [n for n in planned(parts[0]) if n not in common]
+    if left_out:
+        head["partial"] = {"sets_left_out": left_out}
     return _report(head, raw, parts[0]["k_values"], out_dir, workers=world)

@@ -252,6 +252,7 @@ def test_eval_workers_merge_into_the_single_process_report(tmp_path):
         merge_eval(tmp_path / "two", 3)
     two = merge_eval(tmp_path / "two", 2)
     assert json.loads((tmp_path / "two" / "eval.json").read_text())["workers"] == 2 and one["workers"] == 1
+    assert "partial" not in two
     assert two["lossless"] == one["lossless"] and two["lossless"]["checked"] == 2 * 8 * 3
     for name in ("mt_bench", "humaneval"):
         a, b = one["datasets"][name], two["datasets"][name]
@@ -287,6 +288,48 @@ def test_eval_workers_merge_into_the_single_process_report(tmp_path):
     assert json.loads((tmp_path / "two" / "eval.json").read_text())["lossless"]["mismatches"] == [rec]
 
 
+def test_a_worker_stopped_early_leaves_the_sets_it_finished_and_a_partial_merge_reports_them(tmp_path):
+    """A worker writes its part after every set: one stopped during its second set (a job's time limit; here its
+    prompt loader fails) leaves the first, marked incomplete. The merge refuses incomplete parts by worker and
+    set; ``partial=True`` reports the sets every worker finished, each the same as one process's report of
+    that set, and names the others in ``partial``. A set no worker finished everywhere is refused."""
+    from peagle_train.eval.evaluate import merge_eval
+
+    target, drafter = tiny_pair(K=3)
+    prompts = PROMPTS + [["count to five."], ["say hi."]]
+    cfg = EvalConfig(datasets=["mt_bench", "humaneval"], num_prompts=4, max_new_tokens=10, k_max=3, both_turns=True)
+    one = run_eval(target, drafter, cfg, tmp_path / "one", target_name="t", drafter_name="d", trained_K=3,
+                   load_prompts=lambda name, n: prompts[:n], progress=False)
+
+    def stops_at_humaneval(name, n):
+        if name == "humaneval":
+            raise TimeoutError("the job's time is up")
+        return prompts[:n]
+
+    part = run_eval(target, drafter, cfg, tmp_path / "two", target_name="t", drafter_name="d", trained_K=3,
+                    load_prompts=lambda name, n: prompts[:n], progress=False, worker=(0, 2))
+    assert part["complete"] is True and part["datasets_planned"] == ["mt_bench", "humaneval"]
+    with pytest.raises(TimeoutError):
+        run_eval(target, drafter, cfg, tmp_path / "two", target_name="t", drafter_name="d", trained_K=3,
+                 load_prompts=stops_at_humaneval, progress=False, worker=(1, 2))
+    left = json.loads((tmp_path / "two" / "parts" / "worker-1-of-2.json").read_text())
+    assert left["complete"] is False and list(left["datasets"]) == ["mt_bench"]
+    with pytest.raises(ValueError, match=r"1 of 2 workers stopped before their last set: 1 \(finished: mt_bench\)"):
+        merge_eval(tmp_path / "two", 2)
+    got = merge_eval(tmp_path / "two", 2, partial=True)
+    assert list(got["datasets"]) == ["mt_bench"] and got["partial"] == {"sets_left_out": ["humaneval"]}
+    assert json.loads((tmp_path / "two" / "eval.json").read_text())["partial"] == {"sets_left_out": ["humaneval"]}
+    a, b = one["datasets"]["mt_bench"], got["datasets"]["mt_bench"]
+    assert (a["num_sequences"], a["target_alone"]["new_tokens"]) == (b["num_sequences"], b["target_alone"]["new_tokens"])
+    for x, y in zip(a["by_K"], b["by_K"]):
+        same = ("K", "rounds", "acceptance_length", "per_position_acceptance", "new_tokens", "mismatches")
+        assert {k: x[k] for k in same} == {k: y[k] for k in same}
+    left["datasets"] = {}
+    (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(json.dumps(left))
+    with pytest.raises(ValueError, match="no set was finished by all 2 workers"):
+        merge_eval(tmp_path / "two", 2, partial=True)
+
+
 def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
     """``peagle-train eval RECIPE --eval-worker R/W`` / ``--eval-merge W``: a malformed or out-of-range worker, both
     flags at once, or a merge of fewer than one worker exit 2 with the fix, before the target loads."""
@@ -299,7 +342,8 @@ def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
     for flags, said in ((["--eval-worker", "2/2"], "need 0 <= rank < world"),
                         (["--eval-worker", "one/2"], "expected RANK/WORLD"),
                         (["--eval-worker", "0/2", "--eval-merge", "2"], "not both"),
-                        (["--eval-merge", "0"], "give the number of workers")):
+                        (["--eval-merge", "0"], "give the number of workers"),
+                        (["--eval-partial"], "--eval-partial goes with --eval-merge")):
         assert main(["eval", recipe, out, *flags, "--quiet"]) == 2, flags
         assert said in capsys.readouterr().err, flags
     assert not (tmp_path / "run").exists()

@@ -973,3 +973,48 @@ def test_decode_profile_step_profiles_the_recipes_target_and_ships_the_json(tmp_
     assert got == json.loads((tmp_path / "work" / "results" / "decode_profile.json").read_text())
     assert got["meta"]["recipe"] == "recipes/smollm2-135m-peagle-gpu.yaml" and got["meta"]["dtype"] == "float32"
     assert list(got["kinds"]) == ["dynamic", "compiled"] and got["kinds"]["compiled"]["profile"]["calls"] == 1
+
+
+def test_wait_reports_the_sets_the_eval_workers_finished_when_the_evaluation_is_cut(tmp_path):
+    """``wait`` while an evaluation runs (or after a lease ended it): the workers' parts so far go into
+    $RESULTS/NAME-eval-partial/ with the report of the sets every worker finished, inside results.tar.xz; an
+    evaluation whose report exists is left alone."""
+    import importlib.util
+    import tarfile
+
+    from peagle_train.core.config import EvalConfig
+    from peagle_train.eval.evaluate import run_eval
+
+    spec = importlib.util.spec_from_file_location("te", Path(__file__).with_name("test_evaluate.py"))
+    te = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(te)
+    target, drafter = te.tiny_pair(K=3)
+    cfg = EvalConfig(datasets=["mt_bench", "humaneval"], num_prompts=2, max_new_tokens=6, k_max=3, both_turns=True)
+    env = _setup(tmp_path) | {"OUT": str(tmp_path / "out"), "DRAFTERS": "peagle"}
+    evals = tmp_path / "work" / "peagle" / "eval"
+    run_eval(target, drafter, cfg, evals, target_name="t", drafter_name="d", trained_K=3,
+             load_prompts=lambda name, n: te.PROMPTS[:n], progress=False, worker=(0, 2))
+
+    def cut(name, n):
+        if name == "humaneval":
+            raise TimeoutError("lease over")
+        return te.PROMPTS[:n]
+
+    with pytest.raises(TimeoutError):
+        run_eval(target, drafter, cfg, evals, target_name="t", drafter_name="d", trained_K=3, load_prompts=cut,
+                 progress=False, worker=(1, 2))
+    (tmp_path / "work" / "plan.done").write_text("")
+    (tmp_path / "work" / "plan.log").write_text("plan: eval\n")
+    r = _step(env, "wait", "1")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "the sets every worker finished: mt_bench" in r.stdout, r.stdout
+    with tarfile.open(tmp_path / "out" / "results.tar.xz") as t:
+        names = t.getnames()
+        rep = json.load(t.extractfile("./smollm2-135m-peagle-gpu-eval-partial/eval.json"))
+    assert "./smollm2-135m-peagle-gpu-eval-partial/parts/worker-1-of-2.json" in names
+    assert list(rep["datasets"]) == ["mt_bench"] and rep["partial"] == {"sets_left_out": ["humaneval"]}
+    (evals / "eval.json").write_text("{}")  # merged since: nothing partial is made
+    r = _step(env, "wait", "1")
+    assert r.returncode == 0 and "eval-partial" not in r.stdout
+    with tarfile.open(tmp_path / "out" / "results.tar.xz") as t:
+        assert not [n for n in t.getnames() if "eval-partial" in n]
