@@ -200,7 +200,8 @@ def run_eval(
         decode: ids -> text (turn-1 answer in turn 2's history).
         progress: tqdm bars per dataset × K.
         worker: ``(rank, world)``: decode only the prompts ``i`` with ``i % world == rank`` of each set and write
-            their raw statistics to ``out_dir/parts/worker-RANK-of-WORLD.json`` instead of the report; once all
+            their raw statistics to ``out_dir/parts/worker-RANK-of-WORLD.json`` instead of the report, after every
+            set (``"complete": false`` until the last: a worker stopped early leaves the sets it finished); once all
             ``world`` parts are there, :func:`merge_eval` writes the report they make together (the same
             acceptance lengths, per-position acceptance and lossless check as one process; timings then come
             from ``world`` processes sharing the device).
@@ -231,6 +232,9 @@ def run_eval(
     ks = cfg.served_ks()
     raw: dict[str, _RawSet] = {}
     warm = [False]
+    if worker is not None:  # a part left by an earlier run must not stand for this one if this worker stops early
+        part_path(out_dir, *worker).unlink(missing_ok=True)
+
     def head(runner: TargetRunner) -> dict:
         return {"target": target_name, "drafter": drafter_name, "method": method.name, "trained_K": trained_K,
                 "k_values": ks, "max_new_tokens": cfg.max_new_tokens, "both_turns": cfg.both_turns,

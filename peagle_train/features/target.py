@@ -469,9 +469,8 @@ def keep_output(store: dict, key):
     itself, the first element of a tuple output, or ``last_hidden_state`` of a model output (the decoder's).
 
     Used on :meth:`Target.tap_modules` (and the decoder) instead of ``output_hidden_states``: transformers
-    then keeps no list of every layer's output and installs no output-recording hooks, whose registration
-    at every call torch.compile cannot trace (graph breaks: ``eval.compile_target``, ``train.compile_target``).
-    """
+    then keeps no list of every layer's output and installs no output-recording hooks (installed inside a
+    compiled call, they break the graph: ``eval.compile_target``, ``train.compile_target``)."""
     def hook(module, args, output):
         out = output.last_hidden_state if hasattr(output, "last_hidden_state") else output
         store[key] = out[0] if isinstance(out, tuple) else out

@@ -328,6 +328,16 @@ def test_a_worker_stopped_early_leaves_the_sets_it_finished_and_a_partial_merge_
     (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(json.dumps(left))
     with pytest.raises(ValueError, match="no set was finished by all 2 workers"):
         merge_eval(tmp_path / "two", 2, partial=True)
+    # a worker stopped before its first set leaves no part, not an earlier run's
+    (tmp_path / "two" / "parts" / "worker-1-of-2.json").write_text(json.dumps(part))
+
+    def stops_at_once(name, n):
+        raise TimeoutError("the job's time is up")
+
+    with pytest.raises(TimeoutError):
+        run_eval(target, drafter, cfg, tmp_path / "two", target_name="t", drafter_name="d", trained_K=3,
+                 load_prompts=stops_at_once, progress=False, worker=(1, 2))
+    assert not (tmp_path / "two" / "parts" / "worker-1-of-2.json").exists()
 
 
 def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
