@@ -453,6 +453,9 @@ PY
       name=$(basename "$R" .yaml); st="$WORK/state/$name.pst"
       d=$(legdir "$R"); [ -d "$d/data" ] || share_prepared "$d"
       in=(); [ -f "$st" ] && in=("train.state_in=$st")
+      # COMPILE_CACHE=1: torch.compile's compiled code beside the state (train.compile_cache), ferried with it, so
+      # the next leg on a fresh machine hits the compiles this one paid
+      [ "${COMPILE_CACHE:-0}" != 1 ] || in+=("train.compile_cache=$WORK/state/$name.compile")
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       ( CUDA_VISIBLE_DEVICES=$gpu cli train "$R" "${OVR[@]}" "output_dir=$d" "train.state_out=$st" \
           train.state_part_mib=14 "${in[@]}" --stop-after "$m" --quiet > "$RESULTS/$name-leg.json" 2> "$WORK/$name-leg.err" \

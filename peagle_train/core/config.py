@@ -258,6 +258,13 @@ class TrainConfig(Section):
     state_part_mib: float | None = Field(
         None, gt=0, description="Split a train.state_out larger than this many MiB into FILE.<sha8>.partI pieces, FILE "
         "then being their JSON manifest (e.g. 16 for outputs of at most 16 MiB per file).")
+    compile_cache: str | None = Field(
+        None, description="A file for torch.compile's compiled code (Inductor graphs, AOTAutograd graphs, Triton "
+        "kernels and autotuning: torch.compiler.save_cache_artifacts), relative paths under output_dir: loaded "
+        "before the first step when it exists, written at the end of every launch, so a resumed or repeated run on "
+        "another machine with the same GPU kind, torch and Triton skips the compiles it already paid (about a "
+        "minute of a 5-minute SmolLM2 run on an H100, docs/results.md run 6). A cache made by another torch is "
+        "ignored with a warning. Changes nothing the run computes.")
     seed: int = 0
 
     @model_validator(mode="after")

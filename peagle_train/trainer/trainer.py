@@ -687,6 +687,7 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
         RuntimeError: processes that do not form one group.
     """
     from peagle_train.features.target import default_aux_layer_ids, feature_target, load_target, load_target_config
+    from peagle_train.trainer.compile_cache import compile_cache_path, load_compile_cache, save_compile_cache
 
     out = Path(cfg.output_dir)
     done = out / "train_metrics.json"
@@ -716,14 +717,20 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "resolved_config.yaml")
     trainer.resume()
+    cc_path = compile_cache_path(cfg.train.compile_cache, out)
+    cc = {"loaded": load_compile_cache(cc_path)}  # before the first step compiles anything
     t0 = time.perf_counter()
     final = trainer.fit(progress=progress, stop_at=stop_at, stop_after_minutes=stop_after_minutes)
+    if trainer.acc.is_main_process:  # every rank compiled the same code
+        cc["saved"] = save_compile_cache(cc_path)
     if final is None:
-        return {"stopped_at": trainer.step, "history": trainer.history, "predicted_peak": trainer.predicted_peak}
+        return {"stopped_at": trainer.step, "history": trainer.history, "predicted_peak": trainer.predicted_peak,
+                "compile_cache": cc}
     trainer.save_drafter()
     metrics = {"method": cfg.train.method, "K": cfg.train.K, "steps": trainer.step,
                "train_seconds": time.perf_counter() - t0, "draft_vocab_size": int(trainer.draft_ids.numel()),
-               "predicted_peak": trainer.predicted_peak, "final": final, "history": trainer.history}
+               "predicted_peak": trainer.predicted_peak, "final": final, "history": trainer.history,
+               "compile_cache": cc}
     if trainer.acc.is_main_process:  # written last and atomically: its presence marks a finished run
         write_json_atomic(done, metrics)
     trainer.acc.wait_for_everyone()

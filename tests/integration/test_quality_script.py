@@ -1018,3 +1018,21 @@ def test_wait_reports_the_sets_the_eval_workers_finished_when_the_evaluation_is_
     assert r.returncode == 0 and "eval-partial" not in r.stdout
     with tarfile.open(tmp_path / "out" / "results.tar.xz") as t:
         assert not [n for n in t.getnames() if "eval-partial" in n]
+
+
+def test_leg_with_compile_cache_keeps_the_compiled_code_beside_the_state(tmp_path):
+    """``COMPILE_CACHE=1 … leg``: each drafter's run reads and writes train.compile_cache in $WORK/state (what
+    state-out ferries to the next machine); without it no compile cache is asked for."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_LEGS.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = _machine(tmp_path, "one", fake)
+    r = _step(env | {"COMPILE_CACHE": "1"}, "leg", "0.5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for c, name in zip(_trains(tmp_path), ("smollm2-135m-peagle-gpu", "smollm2-135m-eagle3-gpu")):
+        assert c["train.compile_cache"] == str(tmp_path / "one" / "state" / f"{name}.compile")
+    (tmp_path / "calls.jsonl").unlink()
+    r = _step(env, "leg", "0.5")
+    assert r.returncode == 0 and all("train.compile_cache" not in c for c in _trains(tmp_path))

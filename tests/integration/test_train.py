@@ -885,3 +885,28 @@ def test_depth_weights_are_checked(tmp_path, bad, match):
     with pytest.raises(Exception, match="ttt_decay"):
         from peagle_train.methods import get_method
         get_method("eagle3").validate_recipe(_cfg(tmp_path, method="eagle3", depth_weights=[1.0] * 4))
+
+
+def test_compile_cache_is_written_at_the_end_of_a_launch_and_read_by_the_next(run_dir):
+    """train.compile_cache (relative: under output_dir): each launch gives torch the file before training and writes
+    what was compiled at its end (a stopped launch too); the records in the returned metrics say what was loaded
+    and saved. (That a fresh process then hits those compiles: tests/unit/test_compile_cache.py.)"""
+    import torch
+
+    cfg = _cfg(run_dir, max_steps=3, compile_cache="cc.bin")
+    run_cache(cfg, progress=False)
+    torch.compile(lambda x: x * 3 + 1)(torch.ones(3))  # something compiled in this process: the file is not empty
+    first = run_train(cfg, progress=False, stop_at=1)
+    path = Path(cfg.output_dir) / "cc.bin"
+    assert first["compile_cache"]["loaded"] is None and first["compile_cache"]["saved"]["bytes"] == path.stat().st_size
+    resumed = run_train(cfg, progress=False)
+    assert resumed["compile_cache"]["loaded"]["bytes"] == first["compile_cache"]["saved"]["bytes"]
+    assert resumed["compile_cache"]["loaded"]["artifacts"] == first["compile_cache"]["saved"]["artifacts"]
+    assert resumed["compile_cache"]["saved"]["bytes"] == path.stat().st_size > 0
+    assert json.loads((Path(cfg.output_dir) / "train_metrics.json").read_text())["compile_cache"]["saved"]["bytes"] > 0
+    # where the file lies is not the run's identity: a launch may name another (the folder's stamp, the state)
+    from peagle_train.stages import stamp_differences
+    from peagle_train.trainer.portable_state import LAUNCH_ONLY_TRAIN_KEYS
+
+    other = _cfg(run_dir, max_steps=3, compile_cache="/elsewhere/cc.bin")
+    assert stamp_differences(other, cfg.model_dump(mode="json")) == [] and "compile_cache" in LAUNCH_ONLY_TRAIN_KEYS
