@@ -275,12 +275,18 @@ def _trains(tmp_path: Path) -> list[dict]:
     return [dict(a.split("=", 1) for a in c if "=" in a) | {"_args": c} for c in calls if c[0] == "train"]
 
 
-def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
+def _legs_cli(tmp_path: Path) -> Path:
+    """The fake trainer of the leg tests (FAKE_LEGS), executable; skips without bash."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     fake = tmp_path / "fake_cli.py"
     fake.write_text(FAKE_LEGS.format(python=sys.executable))
     fake.chmod(0o755)
+    return fake
+
+
+def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
+    fake = _legs_cli(tmp_path)
     one = _machine(tmp_path, "one", fake)
     r = _step(one, "leg", "0.5")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -1023,12 +1029,7 @@ def test_wait_reports_the_sets_the_eval_workers_finished_when_the_evaluation_is_
 def test_leg_with_compile_cache_keeps_the_compiled_code_beside_the_state(tmp_path):
     """``COMPILE_CACHE=1 … leg``: each drafter's run reads and writes train.compile_cache in $WORK/state (what
     state-out ferries to the next machine); without it no compile cache is asked for."""
-    if shutil.which("bash") is None:
-        pytest.skip("no bash")
-    fake = tmp_path / "fake_cli.py"
-    fake.write_text(FAKE_LEGS.format(python=sys.executable))
-    fake.chmod(0o755)
-    env = _machine(tmp_path, "one", fake)
+    env = _machine(tmp_path, "one", _legs_cli(tmp_path))
     r = _step(env | {"COMPILE_CACHE": "1"}, "leg", "0.5")
     assert r.returncode == 0, r.stdout + r.stderr
     for c, name in zip(_trains(tmp_path), ("smollm2-135m-peagle-gpu", "smollm2-135m-eagle3-gpu")):
