@@ -124,9 +124,14 @@ class DraftSession:
         return self.drafter(tokens, hidden, positions, spec, past)
 
     def _pick(self, logits: torch.Tensor, sampling: bool, temperature: float, generator):
-        """``logits [Vd]`` → (target id 0-dim int64, q ``[V]`` or None)."""
+        """``logits [Vd]`` → (target id 0-dim int64, q ``[V]`` or None); ``logits [R, Vd]`` → (ids ``[R]``, q
+        ``[R, V]`` or None), greedy in one argmax (P-EAGLE's K drafts of a round at once), sampled row by row in
+        order (the generator draws as for R single rows)."""
         if not sampling:
-            return self._vocab_ids[logits.argmax()], None
+            return self._vocab_ids[logits.argmax(-1)], None
+        if logits.dim() == 2:
+            rows = [self._pick(row, sampling, temperature, generator) for row in logits]
+            return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
         probs = _probs(logits, temperature)  # [Vd]
         idx = torch.multinomial(probs, 1, generator=generator)[0]
         q = probs.new_zeros(self.drafter.t2d.numel()).scatter_(0, self._vocab_ids, probs)  # [V]

@@ -168,7 +168,9 @@ class DraftMethod:
                 ``kv``, ``num_cached``, ``forward(tokens, hidden, positions, past)``).
             ctx_tokens: ``[n]`` int64 new context tokens (the last is the bonus token).
             hidden: ``[n, H]`` their projected aux states. positions: ``[n]`` their positions.
-            pick: ``logits [Vd] -> (target id, q or None)``.
+            pick: ``logits [Vd] -> (target id, q or None)``; also ``logits [R, Vd] -> (ids [R], q [R, V] or
+                None)``, the same as R calls row by row (a method whose drafts of a round come from one forward
+                picks them in one call).
 
         Returns:
             ``(logits [K, Vd], picks)``; ``session.kv`` holds the committed context slots' KV.

@@ -171,4 +171,5 @@ class PEagle(DraftMethod):
         h, kv = session.forward(tokens, hidden, positions, session.kv)
         session.kv = [(k[:, :, : P + n], v[:, :, : P + n]) for k, v in kv]  # drop mask-slot KV
         logits = d.logits(h[n - 1:])  # [K, Vd]: bonus slot, then mask slots
-        return logits, [pick(logits[i]) for i in range(session.K)]
+        ids, q = pick(logits)  # all K rows at once (greedy: one argmax; a host-bound loop pays per launch)
+        return logits, [(ids[i], None if q is None else q[i]) for i in range(session.K)]

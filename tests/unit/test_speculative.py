@@ -646,3 +646,20 @@ def test_compiled_target_forward_reports_why_cuda_graphs_were_skipped():
         assert r.kind == "static+compiled" and r.fallback is None
     log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a later run")
     assert r.cudagraph_skips == ["skipping cudagraphs due to mutated inputs (2 instances)"]
+
+
+def test_picking_a_rounds_drafts_at_once_equals_picking_them_row_by_row():
+    """DraftSession._pick on ``[R, Vd]`` (P-EAGLE's K drafts of a round in one call): greedy ids are the row-wise
+    argmaxes in one op; sampled ids and q are those of R single-row calls drawing in order from the same generator."""
+    from peagle_train.decoding.speculative import DraftSession
+
+    target = make_target()
+    session = DraftSession(make_drafter(target, parallel=True), 3)
+    logits = torch.randn(3, session._vocab_ids.numel(), generator=torch.Generator().manual_seed(0))
+    ids, q = session._pick(logits, False, 1.0, None)
+    assert q is None and ids.tolist() == [int(session._pick(r, False, 1.0, None)[0]) for r in logits]
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    ids, q = session._pick(logits, True, 0.7, g1)
+    rows = [session._pick(r, True, 0.7, g2) for r in logits]
+    assert ids.tolist() == [int(r[0]) for r in rows] and torch.equal(q, torch.stack([r[1] for r in rows]))
+    assert q.shape == (3, session.drafter.t2d.numel())
