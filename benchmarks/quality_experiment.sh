@@ -294,14 +294,14 @@ PY
     ship smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   eval)  # EVAL_WORKERS=N (default 1): N eval processes per drafter, each every N-th prompt, all at once (both
     # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge).
-    # EVAL_COMPILE: 0 (default) the target's forward eager; 1 compiled (eval.compile_target: one static KV cache,
-    # CUDA graphs); auto: first the one-process drafting-cost pass of each drafter both ways (NAME-cost-eval.json,
+    # EVAL_COMPILE: 1 (default, as the GPU recipes) the target's forward compiled (eval.compile_target: one static KV
+    # cache, CUDA graphs; run 6: the same rounds, 1.9x faster); 0 eager; auto: first the one-process drafting-cost pass of each drafter both ways (NAME-cost-eval.json,
     # NAME-cost-eval-compiled.json), then compiled only where benchmarks/compile_choice.py finds the same rounds
     # and a faster loop (NAME-compile-choice.json says why)
     ngpu=$(ngpus)
     nw=${EVAL_WORKERS:-1}
     [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
-    comp=${EVAL_COMPILE:-0}
+    comp=${EVAL_COMPILE:-1}
     case $comp in 0|1|auto) ;; *) echo "EVAL_COMPILE must be 0, 1 or auto, got '$comp'" >&2; exit 2 ;; esac
     cost_pass() {  # RECIPE COMPILE(true|false) SUFFIX: K = 1 and 7 on the first COST_PROMPTS MT-Bench prompts, both
       # turns, one process alone -> $RESULTS/NAME-cost-evalSUFFIX.json (its folder kept as eval-costSUFFIX)

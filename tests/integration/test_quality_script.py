@@ -741,7 +741,7 @@ def test_train_and_eval_use_the_run_folders_under_work_and_eval_runs_the_target_
     results = work / "results"
     assert json.loads((results / "smollm2-135m-peagle-gpu-train-metrics.json").read_text())["steps"] == 10
     ev = json.loads((results / "smollm2-135m-eagle3-gpu-eval.json").read_text())
-    assert ev == {"dtype": "float32", "output_dir": str(work / "eagle3"), "compile_target": "false"}
+    assert ev == {"dtype": "float32", "output_dir": str(work / "eagle3"), "compile_target": "true"}  # EVAL_COMPILE=1
 
 
 def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
@@ -787,7 +787,8 @@ def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(
     (``NAME-cost-eval.json``, ``NAME-cost-eval-compiled.json``); benchmarks/compile_choice.py decides, per drafter,
     whether its workers run ``eval.compile_target=true`` (P-EAGLE here: same rounds, twice as fast) or not (EAGLE-3
     here: its compiled run fell back to eager), and says why; no cost pass after the workers. ``EVAL_COMPILE=1``
-    compiles every run, a bad value is refused."""
+    (the default, as the GPU recipes' ``eval.compile_target``) compiles every run, ``0`` none; a bad value is
+    refused."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     fake = tmp_path / "fake_cli.py"
@@ -817,10 +818,12 @@ def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(
         run = tmp_path / "w" / name
         assert (run / "eval-cost" / "eval.json").is_file() and (run / "eval-cost-compiled" / "eval.json").is_file()
         assert "datasets" not in json.loads((run / "eval" / "eval.json").read_text())  # the merged report
-    (tmp_path / "calls.jsonl").unlink()
-    r = _step(env | {"EVAL_COMPILE": "1", "EVAL_WORKERS": "1"}, "eval")
-    calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert r.returncode == 0 and len(calls) == 2 and all("eval.compile_target=true" in c for c in calls)
+    for setting, want in (("1", "true"), (None, "true"), ("0", "false")):  # unset: the GPU recipes' own default
+        (tmp_path / "calls.jsonl").unlink()
+        e = {k: v for k, v in env.items() if k != "EVAL_COMPILE"} | {"EVAL_WORKERS": "1"}
+        r = _step(e if setting is None else e | {"EVAL_COMPILE": setting}, "eval")
+        calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+        assert r.returncode == 0 and len(calls) == 2 and all(f"eval.compile_target={want}" in c for c in calls)
     r = _step(env | {"EVAL_COMPILE": "yes"}, "eval")
     assert r.returncode == 2 and "EVAL_COMPILE must be 0, 1 or auto" in r.stderr
 
