@@ -41,6 +41,9 @@ KINDS = {"dynamic": dict(static=False, compile=False), "static": dict(static=Tru
 
 
 def parse_args(argv):
+    """The command line (module docstring) as an ``argparse.Namespace``; ``--smoke`` fills in the tiny CPU
+    recipe and few calls. Raises SystemExit (argparse's message) without a recipe or with a length, call count or
+    prompt length below 1."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", nargs="?", help="recipe YAML (then key=value overrides)")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value")
@@ -121,6 +124,10 @@ def profile_calls(runner, ids, L: int, calls: int, top: int = 15) -> dict:
 
 
 def main(argv=None) -> dict:
+    """Run the profile (module docstring) and return its JSON dict, also written to ``--out``: ``meta`` (command,
+    commit, device, versions) and per kind ``per_length`` (milliseconds per call), ``runner``, ``fallback``,
+    ``cudagraph_skips`` and, for the last kind, ``profile``. Raises what loading the recipe or target raises
+    (ConfigError, TargetLoadError)."""
     import torch
 
     from benchmarks.train_step import provenance

@@ -74,7 +74,8 @@ have_shards() { ls "$WORK/peagle/data/regen"/*.json > /dev/null 2>&1; }  # regen
 draw_curves() {  # PNG CURVE.json ...: the run_curve JSONs that exist, in one PNG (plot_curves.py); none: nothing
   local png=$1 c curves=(); shift
   for c in "$@"; do [ -f "$c" ] && curves+=("$c"); done
-  [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$png" "${curves[@]}" || echo "$(basename "$png"): plot failed" >&2
+  [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$png" "${curves[@]}" \
+    || echo "$(basename "$png"): plot failed" >&2
 }
 CARRIED=$WORK/regen-carried.list  # shards that came in (regen-in, restore): `wait` does not send them back
 note_carried() { have_shards || return 0; (cat "$CARRIED" 2>/dev/null; cd "$WORK/peagle/data/regen" && ls -- *.json) \
@@ -187,7 +188,8 @@ PY
     du -sh "$st/.gguf1" "$st/.gguf2" "$st/.gguf3" ;;
   setup)
     cp .gguf2/gguf.partab "$WORK/"
-    [ -f "$WORK/sharegpt_prompts.json.xz" ] || { echo "setup: no ShareGPT prompts in $WORK: run part3 first" >&2; exit 2; }
+    [ -f "$WORK/sharegpt_prompts.json.xz" ] \
+      || { echo "setup: no ShareGPT prompts in $WORK: run part3 first (carry .gguf3)" >&2; exit 2; }
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       "$WORK/sharegpt_prompts.json.xz" "$WORK/sharegpt_prompts.json"
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
@@ -294,10 +296,11 @@ PY
     ship smollm2-135m-peagle-gpu-train-metrics.json smollm2-135m-eagle3-gpu-train-metrics.json ;;
   eval)  # EVAL_WORKERS=N (default 1): N eval processes per drafter, each every N-th prompt, all at once (both
     # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge).
-    # EVAL_COMPILE: 1 (default, as the GPU recipes) the target's forward compiled (eval.compile_target: one static KV
-    # cache, CUDA graphs; run 6: the same rounds, 1.9x faster); 0 eager; auto: first the one-process drafting-cost pass of each drafter both ways (NAME-cost-eval.json,
-    # NAME-cost-eval-compiled.json), then compiled only where benchmarks/compile_choice.py finds the same rounds
-    # and a faster loop (NAME-compile-choice.json says why)
+    # EVAL_COMPILE: 1 (default, as the GPU recipes) the target's forward compiled (eval.compile_target: one static
+    # KV cache, CUDA graphs; run 6: the same rounds, 1.9x faster); 0 eager; auto: first the one-process
+    # drafting-cost pass of each drafter both ways (NAME-cost-eval.json, NAME-cost-eval-compiled.json), then
+    # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
+    # (NAME-compile-choice.json says why)
     ngpu=$(ngpus)
     nw=${EVAL_WORKERS:-1}
     [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
@@ -508,10 +511,10 @@ PY
       plan "$WORK/repo" "$@" > "$WORK/plan.log" 2>&1 < /dev/null &
     echo "lease: ${*} started in the background, log $WORK/plan.log" ;;
   wait)  # SECONDS: follow `lease` until its steps finish or SECONDS pass (new log lines are printed); then to
-    # $OUT: plan.log, results.tar.xz (the small result files; with an evaluation not yet merged, NAME-eval-partial/:
-    # its workers' parts so far and the report of the sets all of them finished), prepared.tar.xz (+ .sha256) once prepare has
-    # tokenised and only if it fits one returned file (16 MiB: the tokens of a large prepare do not), and the
-    # regeneration shards finished so far (batch 0 of regen-out, 4 files at most; xz-compressed text, ~20x
+    # $OUT: plan.log, results.tar.xz (the small result files; with an evaluation not yet merged,
+    # NAME-eval-partial/: its workers' parts so far and the report of the sets all of them finished),
+    # prepared.tar.xz (+ .sha256) once prepare has tokenised and only if it fits one returned file (16 MiB: the
+    # tokens of a large prepare do not), and the regeneration shards finished so far (batch 0 of regen-out, 4 files at most; xz-compressed text, ~20x
     # smaller than the shards: carry them in as .regen/ and `regen-in`, then prepare tokenises them again)
     secs=${2:?seconds}; end=$((SECONDS + secs)); seen=0
     while [ ! -f "$WORK/plan.done" ] && [ $SECONDS -lt $end ]; do

@@ -305,7 +305,7 @@ class EvalConfig(Section):
     """Speculative-decoding evaluation: prompt sets, prompts per set, tokens per turn, served K range."""
 
     datasets: list[Literal["mt_bench", "humaneval", "arena_hard", "heldout"]] = Field(
-        ["mt_bench"],
+        ["mt_bench"], min_length=1,
         description="Prompt sets. 'heldout': the prompts of the prepared eval split (data/eval_prompts.json), "
                     "the sequences on which training logs eval_walk_al_heldout, so measured and simulated AL "
                     "compare on the same prompts and horizon.")

@@ -110,8 +110,9 @@ class InTrainingEval:
 
     def _depth_by_copyable(self, grid, right: torch.Tensor, i: int, K: int) -> torch.Tensor:
         """``[4, K]`` float64: at each drafted position (column d - 1 for depth d), the supervised elements whose
-        label is right (``right``: ``[E]`` bool, :meth:`_right`) and all of them, first where the label token is copyable (:meth:`_copyable`), then where it
-        is fresh (rows: right copyable, all copyable, right fresh, all fresh). Not conditional on the shallower
+        label is right (``right``: ``[E]`` bool, :meth:`_right`) and all of them, first where the label token is
+        copyable (:meth:`_copyable`), then where it is fresh (rows: right copyable, all copyable, right fresh, all
+        fresh). Not conditional on the shallower
         depths: in a loop every depth's label is copyable, and a drafter that copies gets them all.
 
         The label of an element is the token at ``label_index + 1`` (``label_index`` is the row of the target's

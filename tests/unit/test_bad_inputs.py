@@ -250,3 +250,14 @@ def test_sharegpt_error_position_is_absolute_whatever_the_chunk(tmp_path):
         msgs.add(str(e.value))
     assert len(msgs) == 1
 
+
+
+def test_an_empty_eval_set_list_is_refused_naming_the_key():
+    """``eval.datasets=[]`` would evaluate nothing (and leave an eval worker without a part to write): refused at
+    load, naming the key and where it was set."""
+    from peagle_train.core.config import ConfigError
+    from peagle_train.recipe import load_config
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml")
+    with pytest.raises(ConfigError, match=r"eval\.datasets: List should have at least 1 item.*eval\.datasets=\[\]"):
+        load_config(recipe, ["eval.datasets=[]"])
