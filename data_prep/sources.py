@@ -342,7 +342,7 @@ class _Tally:
 
 
 def _load_sharegpt(path: Path, cfg: DataConfig, screen=None) -> tuple[list[Conversation], dict]:
-    """First ``cfg.num_conversations`` usable records in file order, then shuffled by seed."""
+    """The usable records ``cfg.skip .. cfg.skip + cfg.num_conversations`` in file order, then shuffled by seed."""
     tally = _Tally("sharegpt", str(path), screen)
     kept: list[Conversation] = []
     tail: TruncatedTail | None = None
@@ -353,7 +353,7 @@ def _load_sharegpt(path: Path, cfg: DataConfig, screen=None) -> tuple[list[Conve
             if item.chars:
                 tally.drop(item.index, "truncated_tail")
             break
-        if len(kept) == cfg.num_conversations:
+        if len(kept) == cfg.skip + cfg.num_conversations:
             stopped_early = True
             break
         index, record = item
@@ -361,9 +361,23 @@ def _load_sharegpt(path: Path, cfg: DataConfig, screen=None) -> tuple[list[Conve
         conv = tally.add(index, normalize_turns(turns, cfg.max_turns, cfg.fold_system_into_user))
         if conv is not None:
             kept.append(conv)
-    tally.fail_if_empty(len(kept))
+    kept = _skipped(tally, kept, cfg.skip)
     random.Random(cfg.seed).shuffle(kept)
-    return kept, tally.report(len(kept), stopped_early=stopped_early, truncated_tail_chars=tail.chars if tail else 0)
+    return kept, tally.report(len(kept), skipped=cfg.skip, stopped_early=stopped_early,
+                              truncated_tail_chars=tail.chars if tail else 0)
+
+
+def _skipped(tally: _Tally, kept: list[Conversation], skip: int) -> list[Conversation]:
+    """``kept`` without its first ``skip`` conversations (``data.skip``).
+
+    Raises:
+        DataError: nothing usable was read (:meth:`_Tally.fail_if_empty`), or ``skip`` passes over every usable
+            conversation (names the count and the fix)."""
+    tally.fail_if_empty(len(kept))
+    if len(kept) <= skip:
+        raise DataError(f"{tally.path}: data.skip {skip} passes over every usable conversation ({len(kept)} in "
+                        f"{tally.read} records read); lower skip below {len(kept)}")
+    return kept[skip:]
 
 
 # --------------------------------------------------------------------------- datasets
@@ -527,7 +541,7 @@ def _load_table_source(spec: str, split: str, cfg: DataConfig, screen=None) -> t
     random.Random(cfg.seed).shuffle(order)
     kept: list[Conversation] = []
     for row in order:
-        if len(kept) == cfg.num_conversations:
+        if len(kept) == cfg.skip + cfg.num_conversations:
             break
         record = _read_row(ds, row, where)
         if all(record.get(c) is None for c in columns):  # Arrow gives absent keys as null: show the row's own
@@ -536,8 +550,8 @@ def _load_table_source(spec: str, split: str, cfg: DataConfig, screen=None) -> t
         conv = tally.add(row, normalize_turns(turns, cfg.max_turns, cfg.fold_system_into_user))
         if conv is not None:
             kept.append(conv)
-    tally.fail_if_empty(len(kept))
-    return kept, tally.report(len(kept), stopped_early=tally.read < len(ds), rows_total=len(ds))
+    kept = _skipped(tally, kept, cfg.skip)
+    return kept, tally.report(len(kept), skipped=cfg.skip, stopped_early=tally.read < len(ds), rows_total=len(ds))
 
 
 # --------------------------------------------------------------------------- public API
@@ -617,3 +631,58 @@ def split_train_eval(
         [c for i, c in enumerate(convs) if i not in eval_idx],
         [c for i, c in enumerate(convs) if i in eval_idx],
     )
+
+
+def load_mixture(cfg: DataConfig, screen=None) -> tuple[list[Conversation], list[Conversation], dict]:
+    """The train and eval conversations of ``data.source`` and every ``data.mix`` entry.
+
+    The main source is loaded (:func:`load_conversations`) and split (:func:`split_train_eval` with
+    ``data.eval_fraction``) exactly as without ``data.mix``; then each entry in order is loaded with the main
+    source's settings and its own ``source``, ``path`` (unset: the main source's ``data.path`` when the entry
+    names the main source, else that source's default), ``split``, ``skip``, ``num_conversations``, a
+    conversation whose content (:func:`conversation_key`) an earlier source already gave is skipped
+    (``repeats_of_earlier_sources``), and the rest split with the entry's ``eval_fraction`` and ``data.seed``.
+    Each split is the main source's part followed by the entries' parts in order, so adding an entry leaves the
+    main source's conversations where they were (a prepare reuses the regeneration shards made before it).
+
+    Worked example: main source 100 conversations, ``eval_fraction: 0.01`` → train 99 (``t0..t98``), eval 1;
+    one entry of 50 with ``eval_fraction: 0``, 2 of them equal to main-source ones → train ``t0..t98`` then the
+    entry's 48, eval the same 1.
+
+    Args:
+        cfg: the ``data`` section. screen: as :func:`load_conversations` (applied to every source).
+
+    Returns:
+        ``(train, eval, report)``: the report is the main source's (:func:`load_conversations`), with ``mix``
+        (one report per entry: its own load report plus ``repeats_of_earlier_sources``, ``train`` and ``eval``
+        counts) when ``data.mix`` is set.
+
+    Raises:
+        As :func:`load_conversations`, the entry's messages prefixed with ``data.mix[i]``; DataError when an
+        entry keeps no conversation that an earlier source did not already give.
+    """
+    convs, report = load_conversations(cfg, screen)
+    train, evals = split_train_eval(convs, cfg.eval_fraction, cfg.seed)
+    if not cfg.mix:
+        return train, evals, report
+    taken = {conversation_key(c) for c in convs}
+    report = {**report, "mix": []}
+    for i, entry in enumerate(cfg.mix):
+        fields = entry.model_dump()
+        if fields["path"] is None and entry.source == cfg.source:  # a later slice of the main source's file
+            fields["path"] = cfg.path
+        sub = DataConfig.model_validate({**cfg.model_dump(), **fields, "mix": []})
+        try:
+            got, rep = load_conversations(sub, screen)
+        except DataError as e:
+            raise type(e)(f"data.mix[{i}] ({entry.source}): {e}") from None
+        fresh = [c for c in got if conversation_key(c) not in taken]
+        if not fresh:
+            raise DataError(f"data.mix[{i}] ({entry.source}, {rep['path']}): all {len(got)} conversations were "
+                            "given by an earlier source; skip past them (data.mix[].skip) or drop the entry")
+        taken.update(conversation_key(c) for c in fresh)
+        t, e = split_train_eval(fresh, entry.eval_fraction, cfg.seed)
+        train, evals = train + t, evals + e
+        report["mix"].append({**rep, "repeats_of_earlier_sources": len(got) - len(fresh), "train": len(t),
+                              "eval": len(e)})
+    return train, evals, report

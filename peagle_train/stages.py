@@ -234,6 +234,8 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     kept; counted as ``meta.json`` ``source.duplicates_removed``), so no conversation is in both.
     With ``data.decontaminate`` (default), so is every conversation whose user turns overlap a prompt
     of an evaluation set in ``eval.datasets`` (:mod:`data_prep.decontaminate`; ``source.eval_overlap``).
+    ``data.mix`` entries follow the main source in both splits (:func:`data_prep.sources.load_mixture`;
+    ``source.mix`` in ``meta.json``), so adding one leaves the regeneration shards made before it valid.
 
     Raises:
         ConfigError: a recipe the target cannot run (drafter shape, vocab, layers:
@@ -248,7 +250,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     """
     from data_prep.decontaminate import eval_overlap_screen
     from data_prep.loops import unsupervise_loop_tails
-    from data_prep.sources import load_conversations, split_train_eval
+    from data_prep.sources import load_mixture
     from data_prep.template import TemplateError, tokenize_conversation
     from peagle_train.features.target import load_target, load_target_config
 
@@ -268,8 +270,7 @@ def run_prepare(cfg: RunConfig, progress: bool = True, regen_worker: tuple[int, 
     target = load_target(cfg.target)
     t0 = time.perf_counter()
     screen = eval_overlap_screen(cfg.eval.datasets) if cfg.data.decontaminate else None
-    convs, src_report = load_conversations(cfg.data, screen)
-    train_c, eval_c = split_train_eval(convs, cfg.data.eval_fraction, cfg.data.seed)
+    train_c, eval_c, src_report = load_mixture(cfg.data, screen)
     meta: dict = {"source": src_report, "target": cfg.target.name, "splits": {}}
     out.mkdir(parents=True, exist_ok=True)
     if regen_worker is not None:
@@ -515,7 +516,8 @@ def _card(cfg: RunConfig, eval_results: dict | None = None) -> dict:
     meta = json.loads((out / "data" / "meta.json").read_text()) if (out / "data" / "meta.json").exists() else {}
     serve_target, target_hub_id = target_refs(cfg.target.path, cfg.target.name, cfg.export.verifier)
     card = {"train": {k: v for k, v in metrics.items() if k != "history"},
-            "data": data_summary(meta, cfg.data.source, cfg.data.path) if meta else {},
+            "data": data_summary(meta, cfg.data.source, cfg.data.path,
+                                 [(m.source, m.path) for m in cfg.data.mix]) if meta else {},
             "recipe": cfg.model_dump(mode="json"), "drafter_path": str((out / "export").absolute()),
             "serve_target": serve_target, "target_hub_id": target_hub_id}
     if cfg.target.random_init_from_config:  # named by its shipped name or file name, never a local path

@@ -141,20 +141,26 @@ def _counts(d: Any) -> dict:
     return out
 
 
-def data_summary(meta: dict, source: str, path: str | None) -> dict:
-    """The training-data section of a card: the dataset's name and counts only.
+def data_summary(meta: dict, source: str, path: str | None, mix: list[tuple[str, str | None]] = ()) -> dict:
+    """The training-data section of a card: the datasets' names and counts only.
 
     Args:
-        meta: ``data/meta.json`` of a run (``source`` report, ``splits``).
+        meta: ``data/meta.json`` of a run (``source`` report, with ``mix`` when the recipe mixes; ``splits``).
         source: the recipe's ``data.source``. path: its ``data.path`` (a local file, Hub name or None).
+        mix: ``(source, path)`` of each ``data.mix`` entry, in order.
 
     Returns:
-        ``{"dataset": name, "source": {counts}, "splits": {split: {counts}}}``: numbers only
-        besides the name, so no local path, user name or token can leak from the report.
+        ``{"dataset": name, "source": {counts}, "splits": {split: {counts}}}``, and with ``mix``
+        ``"mixed_with": {name: {counts}}``: numbers only besides the names, so no local path, user name or
+        token can leak from the report.
     """
     out: dict = {"dataset": dataset_name(source, path)}
     if (src := _counts(meta.get("source"))):
         out["source"] = src
+    reports = (meta.get("source") or {}).get("mix") or []
+    if mix:
+        out["mixed_with"] = {f"{i + 1}. {dataset_name(s, p)}": _counts(reports[i]) if i < len(reports) else {}
+                             for i, (s, p) in enumerate(mix)}
     splits = {name: _counts({k: v for k, v in sp.items() if k not in ("regeneration", "reasoning")})
               for name, sp in (meta.get("splits") or {}).items() if isinstance(sp, dict)}
     if splits:

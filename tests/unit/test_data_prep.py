@@ -19,6 +19,7 @@ from conftest import conv, mask_runs  # noqa: E402
 from data_prep.config import DataConfig, RegenConfig  # noqa: E402
 from data_prep.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts  # noqa: E402
 from data_prep.regenerate import regenerate  # noqa: E402
+from data_prep.sharegpt import DataError  # noqa: E402
 from data_prep.sources import (  # noqa: E402
     SHAREGPT_DIST,
     SHAREGPT_FILE,
@@ -26,6 +27,7 @@ from data_prep.sources import (  # noqa: E402
     conversation_key,
     iter_json_array,
     load_conversations,
+    load_mixture,
     resolve_path,
     split_train_eval,
 )
@@ -397,6 +399,94 @@ def test_duplicate_conversations_are_dropped_before_the_split(tmp_path, source):
     assert len({conversation_key(c) for c in few}) == 3 and rep["stopped_early"]
 
 
+@pytest.mark.parametrize("source", ["jsonl", "sharegpt"])
+def test_skip_passes_over_the_first_usable_conversations(tmp_path, source):
+    """``data.skip``: the usable conversations after the first ``skip`` in reading order (file order for
+    ShareGPT, then its seeded shuffle; the seeded row permutation for tables); passing over all is an error."""
+    rows = chat_rows(10)
+    rows[1] = {"messages": conv("a question nobody answered")}  # not usable: not counted by skip
+    if source == "jsonl":
+        path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    else:
+        path = tmp_path / "sg.json"
+        path.write_text(json.dumps([sg(*(("human" if m["role"] == "user" else "gpt", m["content"])
+                                         for m in r["messages"])) for r in rows]))
+    cfg = DataConfig(source=source, path=str(path), num_conversations=7, max_turns=1, seed=2)
+    first7, _ = load_conversations(cfg)
+    later, rep = load_conversations(cfg.model_copy(update={"skip": 3, "num_conversations": 4}))
+    assert rep["kept"] == 4 and rep["skipped"] == 3 and len(later) == 4
+    if source == "jsonl":  # the same permutation, entered 3 usable rows later
+        assert later == first7[3:]
+    else:  # file order: rows 0, 2, 3 are passed over (row 1 is not usable), rows 4..7 taken
+        assert sorted(c[0]["content"] for c in later) == [f"question {i}" for i in (4, 5, 6, 7)]
+    rest, rep = load_conversations(cfg.model_copy(update={"skip": 7, "num_conversations": 100}))
+    assert len(rest) == 2 and not rep["stopped_early"]  # 9 usable: the last two
+    with pytest.raises(DataError, match="data.skip 9 passes over every usable conversation \\(9 in 10 records"):
+        load_conversations(cfg.model_copy(update={"skip": 9}))
+    with pytest.raises(ValueError, match="skip"):
+        DataConfig(skip=-1)
+
+
+class _Screen:
+    """A decontamination screen (``data_prep.decontaminate.EvalOverlap``'s interface) flagging one prompt."""
+
+    sizes = {"mt_bench": 1}
+
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+    def __call__(self, messages):
+        return "mt_bench" if any(m["content"] == self.prompt for m in messages) else None
+
+
+def test_mix_appends_sources_after_the_main_one_and_leaves_its_split_unchanged(tmp_path):
+    """``data.mix``: each entry's conversations follow the main source's in both splits; the main source's
+    train and eval lists are the ones it gives alone (so its regeneration shards stay valid); a conversation an
+    earlier source gave is skipped and counted; the decontamination screen applies to every entry; an entry's
+    errors name it; an entry that only repeats earlier sources is refused."""
+    main = write_jsonl(tmp_path / "main.jsonl", chat_rows(20))
+    more_rows = [{"messages": conv(f"other {i}", f"reply {i}")} for i in range(12)]
+    more_rows[3] = {"messages": conv("question 5", "answer 5")}  # = main row 5 at max_turns 1
+    more_rows[7] = {"messages": conv("flagged prompt", "reply")}  # an evaluation prompt
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps([sg(("human", r["messages"][0]["content"]), ("gpt", r["messages"][1]["content"]))
+                                for r in more_rows]))
+    cfg = DataConfig(source="jsonl", path=str(main), num_conversations=20, max_turns=1, eval_fraction=0.2, seed=4)
+    screen = _Screen("flagged prompt")
+    alone_train, alone_eval, alone_rep = load_mixture(cfg, screen)
+    convs, _ = load_conversations(cfg, screen)
+    assert (alone_train, alone_eval) == split_train_eval(convs, 0.2, 4) and "mix" not in alone_rep
+    mixed = DataConfig(**{**cfg.model_dump(), "mix": [
+        {"source": "sharegpt", "path": str(more), "num_conversations": 100},
+        {"source": "jsonl", "path": str(main), "skip": 0, "num_conversations": 20, "eval_fraction": 0.5}]})
+    with pytest.raises(DataError, match=r"data.mix\[1\] \(jsonl, .*main.jsonl\): all 20 conversations were given by "
+                                        r"an earlier source"):
+        load_mixture(mixed, screen)
+    mixed.mix[1] = mixed.mix[1].model_copy(update={"path": str(write_jsonl(tmp_path / "third.jsonl", [
+        {"messages": conv(f"third {i}", f"t {i}")} for i in range(6)]))})
+    train, ev, rep = load_mixture(mixed, screen)
+    assert train[:len(alone_train)] == alone_train and ev[:len(alone_eval)] == alone_eval  # main part unchanged
+    extra_train, extra_eval = train[len(alone_train):], ev[len(alone_eval):]
+    assert [e["train"] for e in rep["mix"]] == [10, 3] and [e["eval"] for e in rep["mix"]] == [0, 3]
+    assert len(extra_train) == 13 and len(extra_eval) == 3
+    assert {c[0]["content"] for c in extra_train[:10]} == {f"other {i}" for i in range(12) if i not in (3, 7)}
+    first = rep["mix"][0]
+    assert first["repeats_of_earlier_sources"] == 1 and first["eval_overlap"] == {"mt_bench": 1}
+    assert first["source"] == "sharegpt" and first["kept"] == 11
+    keys = [conversation_key(c) for c in train + ev]
+    assert len(set(keys)) == len(keys)  # no conversation twice, none in both splits
+    assert load_mixture(mixed, screen) == (train, ev, rep)  # deterministic
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    broken = DataConfig(**{**cfg.model_dump(), "mix": [{"source": "jsonl", "path": str(tmp_path / "bad.jsonl"),
+                                                         "num_conversations": 5}]})
+    with pytest.raises(DataError, match=r"^data.mix\[0\] \(jsonl\): .*bad.jsonl"):
+        load_mixture(broken, screen)
+    with pytest.raises(ValueError, match="num_conversations"):
+        DataConfig(mix=[{"source": "jsonl", "path": "x"}])
+    with pytest.raises(ValueError, match="extra|not permitted"):
+        DataConfig(mix=[{"source": "jsonl", "path": "x", "num_conversations": 1, "max_turns": 3}])
+
+
 def test_conversation_key_is_content_only():
     assert conversation_key(SEVEN) == conversation_key([dict(m) for m in SEVEN])
     assert conversation_key(SEVEN) != conversation_key(conv("What is the capital of France?", "Paris"))
@@ -726,6 +816,40 @@ def test_train_shards_regenerates_and_returns_only_the_first_shards(tok, tiny_mo
     assert two == full[:4] and rep2["shards"] == 2
     with pytest.raises(ValueError, match="train_shards.*regen.enabled"):
         RegenConfig(enabled=False, train_shards=1)
+
+
+def test_a_mix_entry_added_later_reuses_the_shards_made_before_it(tok, tiny_model, tmp_path, monkeypatch):
+    """A recipe that gains a ``data.mix`` entry after some shards were regenerated: the train split starts with
+    the same conversations, so those shards pass their content check and are reused; only the shards holding
+    the entry's conversations are generated."""
+    from types import SimpleNamespace
+
+    import data_prep.regenerate as regen_mod
+    from peagle_train import stages
+    from peagle_train.core.config import TargetConfig
+    from peagle_train.recipe import RunConfig
+
+    main = write_jsonl(tmp_path / "main.jsonl", [{"messages": c} for c in REGEN_CONVS[:4]])
+    extra = write_jsonl(tmp_path / "extra.jsonl", [{"messages": conv(f"Name a colour ({i}).", "old")} for i in range(3)])
+    data = DataConfig(source="jsonl", path=str(main), num_conversations=4, max_turns=2, eval_fraction=0.0)
+    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"), data=data,
+                    regen=RegenConfig(max_new_tokens=4, batch_size=2, shard_size=2))
+    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
+    answered = []
+    real = regen_mod.regenerate
+    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
+                                                                                real(m, t, convs, *a, **k))[1])
+    before, _, _ = load_mixture(data)
+    first, _ = stages._regenerate_sharded(target, before, cfg, tmp_path / "regen", "train", False)
+    assert len(answered) == 4 and sorted(p.name for p in (tmp_path / "regen").glob("*.json")) == [
+        "train-00000.json", "train-00001.json"]
+    answered.clear()
+    grown = DataConfig(**{**data.model_dump(), "mix": [{"source": "jsonl", "path": str(extra), "num_conversations": 3}]})
+    after, _, rep = load_mixture(grown)
+    assert after[:4] == before and rep["mix"][0]["train"] == 3
+    out, summed = stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
+    assert out[:len(first)] == first and summed["shards"] == 4  # shards 0 and 1 reused
+    assert sorted(c[0]["content"] for c in answered) == [f"Name a colour ({i})." for i in range(3)]
 
 
 def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, tiny_model, tmp_path, monkeypatch):

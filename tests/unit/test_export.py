@@ -25,7 +25,7 @@ from peagle_train.export.check import (
     vllm_architecture,
 )
 from peagle_train.export.hub import HubPushError, push_to_hub
-from peagle_train.export.model_card import simulated_acceptance_lengths
+from peagle_train.export.model_card import data_summary, simulated_acceptance_lengths
 from peagle_train.export.writer import ExportError, build_vllm_config, export_speculators, export_vllm, load_exported
 from peagle_train.kernels.attention import make_attn_spec
 from peagle_train.model.drafter import Drafter, make_drafter_config
@@ -586,3 +586,16 @@ def test_frozen_embeddings_and_head_need_the_targets_width():
         with pytest.raises(ValueError, match=f"{key}: frozen"):
             make_drafter_config(target_config(), aux_layer_ids=AUX, draft_vocab_size=64, mask_token_id=MASK,
                                 hidden_size=2 * T, allow_hidden_size_mismatch=True, **{key: "frozen"})
+
+
+def test_card_data_names_every_mixed_source_with_its_counts_and_no_local_folder():
+    """``data.mix``: the card's training data names each source (a local file by its file name only) with the
+    numbers of its own load report; strings of the report (paths) never reach the card."""
+    meta = {"source": {"source": "sharegpt", "path": "/home/me/secret/sg.json", "kept": 10, "mix": [
+        {"source": "jsonl", "path": "/home/me/secret/extra.jsonl", "kept": 5, "repeats_of_earlier_sources": 1,
+         "train": 4, "eval": 0}]}, "splits": {"train": {"sequences": 13}}}
+    card = data_summary(meta, "sharegpt", "/home/me/secret/sg.json", [("jsonl", "/home/me/secret/extra.jsonl")])
+    assert card["mixed_with"] == {"1. jsonl: extra.jsonl (local file)": {
+        "kept": 5, "repeats_of_earlier_sources": 1, "train": 4, "eval": 0}}
+    assert "secret" not in json.dumps(card) and card["source"]["kept"] == 10
+    assert "mixed_with" not in data_summary({"source": {"kept": 3}}, "jsonl", None)
