@@ -38,6 +38,7 @@ target does in a loop), so a replay whose loop check comes later than the record
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -47,6 +48,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data_prep.kv_carry import KVCarry  # noqa: E402 -- after the path
 
 #: a looped answer is continued by repeating its last period: the shortest p <= this whose shift matches ...
 MAX_PERIOD = 256
@@ -179,6 +182,10 @@ class ReplayTarget:
         self.generation_config = SimpleNamespace(eos_token_id=list(eos_ids))
         self._going: dict[int, tuple[list[int], int]] = {}  # hash(row ids) -> (answer, tokens of it given so far)
         self.calls: list[tuple[int, int, int, int]] = []
+        #: per call: ``(positions prefilled, causal prefill attention pairs)``; rows x L and rows x L (L + 1) / 2
+        #: unless a :class:`CountingCarry` (``regen.keep_kv``) said what it prefilled for the call
+        self.prefills: list[tuple[int, int]] = []
+        self.carried_prefill: tuple[int, int] | None = None
 
     def eval(self):
         return self
@@ -232,7 +239,34 @@ class ReplayTarget:
             if not (got and got[-1] in eos):
                 self._going[hash(tuple(row + got))] = (ans, off + len(got))
         self.calls.append((B, L, sum(lens), steps))
+        self.prefills.append(self.carried_prefill or (B * L, B * L * (L + 1) // 2))
+        self.carried_prefill = None
         return out
+
+
+class CountingCarry(KVCarry):
+    """``regen.keep_kv``'s :class:`data_prep.kv_carry.KVCarry` on a :class:`ReplayTarget`: the same rows carried and
+    prefilled (:meth:`~data_prep.kv_carry.KVCarry.fresh_rows`), no cache: the positions and causal attention
+    pairs it would prefill are handed to the replay target for its next ``generate`` call."""
+
+    def build(self, model, input_ids, attention_mask, keys, max_new_tokens):
+        fresh, P = self.fresh_rows(keys, attention_mask.sum(-1).tolist())
+        self.prefilled_tokens += len(fresh) * P
+        model.carried_prefill = (len(fresh) * P, len(fresh) * P * (P + 1) // 2)
+        return None
+
+
+@contextlib.contextmanager
+def _counting_carry():
+    """``data_prep.regenerate``'s engine builds :class:`CountingCarry` objects instead of caches in the block."""
+    import data_prep.regenerate as engine
+
+    real = engine.KVCarry
+    engine.KVCarry = CountingCarry
+    try:
+        yield
+    finally:
+        engine.KVCarry = real
 
 
 def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prompt_tokens: int,
@@ -242,8 +276,9 @@ def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prom
     ``generated_tokens``, ``unfinished_responses``, ``looped_responses``, ``engine_profile``), the recorded
     answers' ``recorded`` counts and the schedule, in tokens (positions) summed over the ``generate`` calls:
     ``calls``; ``decode_steps``; ``row_steps`` (rows x steps, padding copies included); ``prefill_padded_tokens``
-    (rows x the call's padded length L) and ``prefill_prompt_tokens`` (the rows' real lengths);
-    ``prefill_attention_pairs`` (rows x L (L + 1) / 2, the causal scores over the padded rows);
+    (rows x the call's padded length L; with ``regen.keep_kv`` the new rows x their own padded length) and
+    ``prefill_prompt_tokens`` (the rows' real lengths); ``prefill_attention_pairs`` (rows x L (L + 1) / 2, the
+    causal scores over the padded rows; keep_kv: the new rows');
     ``decode_kv_positions`` (cached positions the decoding steps attend to over the padded cache, L + t per row at
     step t) and ``decode_kv_positions_real`` (real length + t: what a kernel that skips the left padding reads,
     ``regen.decode_kernel: triton``); ``per_call``: ``[rows, L, real prompt tokens, steps]`` per call.
@@ -264,26 +299,27 @@ def replay_shard(tokenizer, conversations: list[list[dict]], regen_cfg, max_prom
     answers, recorded, exact = recorded_answers(tokenizer, conversations, regen_cfg.max_new_tokens, eos, key)
     model = ReplayTarget(answers, key, [eos], regen_cfg.max_new_tokens, exact=exact)
     keys = ("turns_generated", "generated_tokens", "unfinished_responses", "looped_responses")
-    if parts is None:
-        _, report = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False)
-        out = {k: report[k] for k in (*keys, "engine_profile") if k in report}
-    else:
-        ends = {}
-        got = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False, parts=parts,
-                         on_part=lambda i, kept, rep: ends.setdefault(i, len(model.calls)))
-        out = {k: sum(rep[k] for _, rep in got) for k in keys if k in got[0][1]}
-        out["part_ends"] = [ends[i] for i in range(len(parts))]
+    with _counting_carry():  # regen.keep_kv: the carry's schedule, without caches
+        if parts is None:
+            _, report = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False)
+            out = {k: report[k] for k in (*keys, "engine_profile") if k in report}
+        else:
+            ends = {}
+            got = regenerate(model, tokenizer, conversations, regen_cfg, max_prompt_tokens, progress=False,
+                             parts=parts, on_part=lambda i, kept, rep: ends.setdefault(i, len(model.calls)))
+            out = {k: sum(rep[k] for _, rep in got) for k in keys if k in got[0][1]}
+            out["part_ends"] = [ends[i] for i in range(len(parts))]
     calls = model.calls
     out.update(recorded=recorded, calls=len(calls), decode_steps=sum(c[3] for c in calls),
                row_steps=sum(c[0] * c[3] for c in calls),
-               prefill_padded_tokens=sum(c[0] * c[1] for c in calls),
+               prefill_padded_tokens=sum(p for p, _ in model.prefills),
                prefill_prompt_tokens=sum(c[2] for c in calls),
                # decoding attention at step t of a call: L + t cached positions per row over the padded cache
                # (PyTorch's masked SDPA), or its real length + t (the split-K kernel skips the left padding)
                decode_kv_positions=sum(B * (L * T + T * (T + 1) // 2) for B, L, _, T in calls),
                decode_kv_positions_real=sum(n * T + B * T * (T + 1) // 2 for B, _, n, T in calls),
-               # prefill attention: the causal half of each padded row's L x L scores
-               prefill_attention_pairs=sum(B * L * (L + 1) // 2 for B, L, _, _ in calls),
+               # prefill attention: the causal half of each padded row's L x L scores (keep_kv: the new rows')
+               prefill_attention_pairs=sum(a for _, a in model.prefills),
                per_call=[list(c) for c in calls])
     return out
 

@@ -123,6 +123,12 @@ class RegenConfig(Section):
         "so far (greedy output unchanged). The static cache then holds a row's length so far plus one segment, not "
         "the whole cap, and no row decodes past its answer. None = one call to the cap per batch."
     )
+    keep_kv: bool = Field(
+        False, description="engine static in segments: a row that goes on to the next generate call keeps its KV "
+        "cache (copied into the next call's static cache) instead of being prefilled again with its tokens so far; "
+        "only rows new to the batch are prefilled, padded to the longest of them (data_prep/kv_carry.py; greedy "
+        "output unchanged). Two calls' caches are held while the next is built, which the memory check counts."
+    )
     stop_loops: bool = Field(
         False, description="engine static with segment_tokens: between segments, a row whose answer ends in a "
         "repetition loop (its last 64 tokens at least 90 % copyable from the 256 before them, "

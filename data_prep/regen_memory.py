@@ -181,12 +181,15 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
             prompt = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET)
             seq = prompt + cfg.max_new_tokens
         prefill = prefill_bytes_per_row(model_config, dtype_bytes, prompt, attn_implementation)
-        per_seq = seq * per_token + vocab * 4 + prefill  # its KV cache, one step of float32 logits, its prefill
+        # regen.keep_kv: the last call's cache is held while the next one is built from it (data_prep/kv_carry.py)
+        caches = 2 if engine == "static" and cfg.segment_tokens is not None and cfg.keep_kv else 1
+        per_seq = caches * seq * per_token + vocab * 4 + prefill  # KV cache(s), one step of fp32 logits, prefill
         need = cfg.batch_size * per_seq
         if need <= usable:
             return cfg, None
         fits = usable // per_seq
-        what = (f"{shape} and its prefill ({prefill / GIB:.2f} GiB per row"
+        what = (f"{shape}{' in two caches (regen.keep_kv)' if caches == 2 else ''} and its prefill "
+                f"({prefill / GIB:.2f} GiB per row"
                 + (", eager attention scores" if attn_implementation == "eager" else "") + ")")
         if fits < 1:
             raise RegenMemoryError(

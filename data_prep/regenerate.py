@@ -47,6 +47,7 @@ import weakref
 
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
+from data_prep.kv_carry import KVCarry, cache_kwarg
 from data_prep.loops import ends_in_loop
 from data_prep.regen_memory import (STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes, segment_bucket,
                                    segment_width)
@@ -108,12 +109,16 @@ class _EndsWhenShareDone:
 
 
 def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
-                    bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None):
+                    bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None,
+                    carry: KVCarry | None = None, keys: list | None = None):
     """Left-pad ``prompts`` (to a multiple of ``bucket`` tokens) and generate.
 
     With ``refill_at`` (``regen.refill_at``; needs ``tokens_left``, the tokens each of the first rows may still
     produce, the rest being padding copies) the call ends once that share of those rows is done
     (:class:`_EndsWhenShareDone`); a row cut there has no end-of-turn token and goes on in the caller's next call.
+    With ``carry`` (``regen.keep_kv``; ``keys``: each row's job, None for a padding copy) the call's static cache
+    is built by :meth:`data_prep.kv_carry.KVCarry.build` (rows of the call before keep their keys and values,
+    only new rows are prefilled) instead of ``generate``'s prefill, and kept for the next call.
 
     Returns:
         list of (new token ids up to and including the first eos, finished: bool) per prompt.
@@ -131,13 +136,21 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
 
         gen_kwargs = {**gen_kwargs, "stopping_criteria": StoppingCriteriaList(
             [_EndsWhenShareDone(refill_at, tokens_left, eos_ids)])}
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+    cache = None
+    if carry is not None:
+        cache = carry.build(model, input_ids, attention_mask, keys, gen_kwargs["max_new_tokens"])
+        gen_kwargs = {**{k: v for k, v in gen_kwargs.items() if k != "cache_implementation"},
+                      cache_kwarg(model): cache}
     out = model.generate(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
+        input_ids=input_ids,
+        attention_mask=attention_mask,
         pad_token_id=pad_id,
         eos_token_id=eos_ids,
         **gen_kwargs,
     )  # (B, L + T_new), T_new <= max_new_tokens
+    if carry is not None:
+        carry.keep(cache, keys, out.shape[1])
     results = []
     eos = set(eos_ids)
     for row in out[:, L:].tolist():
@@ -192,12 +205,14 @@ class _FittingRows:
         #: ``decode_steps``: the decoding steps the calls ran (each call: its longest answer's tokens), and
         #: ``row_steps``: those steps times the call's rows (padding copies included): generated tokens over
         #: ``row_steps`` is the share of places that produced a token
+        #: ``prefill_tokens``: prompt positions prefilled, padding included (``generate``'s prefill: rows x padded
+        #: length; with ``regen.keep_kv`` only the new rows', :class:`data_prep.kv_carry.KVCarry`)
         self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0, "compiles": 0,
-                        "compile_seconds": 0.0, "decode_steps": 0, "row_steps": 0}
+                        "compile_seconds": 0.0, "decode_steps": 0, "row_steps": 0, "prefill_tokens": 0}
 
     def __call__(self, model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
-                 bucket: int = 1, refill_at: float | None = None,
-                 tokens_left: list[int] | None = None) -> list[tuple[list[int], bool]]:
+                 bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None,
+                 carry: KVCarry | None = None, keys: list | None = None) -> list[tuple[list[int], bool]]:
         """:func:`_generate_batch`'s arguments and result, over ``prompts`` in calls of at most ``limit`` rows.
         With ``tokens_left`` (its first rows are the real ones), a call that would hold only rows after them
         (padding copies, after a halving) is not made: the result then ends with the last real row's.
@@ -212,13 +227,16 @@ class _FittingRows:
             chunk = prompts[s : s + self.limit]
             left = None if tokens_left is None else tokens_left[s : s + self.limit]
             t0, c0 = time.perf_counter(), _compile_stats()
+            p0 = carry.prefilled_tokens if carry is not None else 0
             try:
-                got = _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket, refill_at, left)
+                got = _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket, refill_at, left, carry,
+                                      None if keys is None else keys[s : s + self.limit])
                 out += got
                 c1 = _compile_stats()
-                self._count((len(chunk), bucketed(max(len(p) for p in chunk), bucket),
-                             gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0, c1[0] - c0[0], c1[1] - c0[1],
-                            max((len(new) for new, _ in got), default=0))
+                width = bucketed(max(len(p) for p in chunk), bucket)
+                self._count((len(chunk), width, gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0,
+                            c1[0] - c0[0], c1[1] - c0[1], max((len(new) for new, _ in got), default=0),
+                            carry.prefilled_tokens - p0 if carry is not None else len(chunk) * width)
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -237,9 +255,10 @@ class _FittingRows:
         return out
 
     def _count(self, shape: tuple, seconds: float, compiles: int = 0, compile_seconds: float = 0.0,
-               steps: int = 0) -> None:
+               steps: int = 0, prefilled: int = 0) -> None:
         """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens), ``seconds``
-        (wall time), the ``compiles`` / ``compile_seconds`` made in it and its decoding ``steps`` to :attr:`profile`."""
+        (wall time), the ``compiles`` / ``compile_seconds`` made in it, its decoding ``steps`` and the prompt
+        positions it ``prefilled`` to :attr:`profile`."""
         new = shape not in self._seen
         self._seen.add(shape)
         self._mine.add(shape)
@@ -247,7 +266,8 @@ class _FittingRows:
         p.update(calls=p["calls"] + 1, shapes=len(self._mine), seconds=round(p["seconds"] + seconds, 3),
                  new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3),
                  compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3),
-                 decode_steps=p["decode_steps"] + steps, row_steps=p["row_steps"] + shape[0] * steps)
+                 decode_steps=p["decode_steps"] + steps, row_steps=p["row_steps"] + shape[0] * steps,
+                 prefill_tokens=p.get("prefill_tokens", 0) + prefilled)
 
 
 def _compile_stats() -> tuple[int, float]:
@@ -276,7 +296,7 @@ def _shapes_seen(model, kernel: str | None) -> set[tuple]:
 def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_id: int, eos_ids: list[int],
                         gen_kwargs: dict, bucket: int, batch_size: int, cap: int, segment: int,
                         attention=contextlib.nullcontext, generate_rows=None, stop_loops: bool = False,
-                        looped: list | None = None, refill_at: float | None = None):
+                        looped: list | None = None, refill_at: float | None = None, carry: KVCarry | None = None):
     """Static-cache generation in segments of at most ``segment`` new tokens, the batch refilled between them.
 
     Up to ``batch_size`` rows decode together; after each ``generate`` call a row that reached an end-of-turn
@@ -305,6 +325,8 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         stop_loops: ``regen.stop_loops``: a row that goes on but whose tokens so far end in a repetition loop
             (:func:`data_prep.loops.ends_in_loop`) leaves as unfinished, its job index appended to ``looped``.
         refill_at: ``regen.refill_at``, a share in (0, 1], or None: every call decodes the whole segment.
+        carry: ``regen.keep_kv``: a :class:`data_prep.kv_carry.KVCarry`; a row that goes on keeps its keys and values
+            for the next call instead of being prefilled again (only rows new to the batch are prefilled).
 
     Yields:
         ``(job index, new token ids through the first end-of-turn token, finished)`` as rows leave; a row cut by
@@ -323,9 +345,14 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         width = segment_width(rows, batch_size)  # a power of two, not below batch_size / 8: few batch shapes
         inputs = [prompts[i] + g for i, g in active] + [prompts[active[0][0]] + active[0][1]] * (width - rows)
         # every call decodes the same number of tokens (a row past its cap is cut below): one more shape fewer
+        extra = {}
+        if carry is not None:  # each row's job: the next call finds the rows that go on by it
+            carry.next_call({i for i, _ in active})
+            extra = {"carry": carry, "keys": [i for i, _ in active] + [None] * (width - rows)}
         with attention():
             out = generate_rows(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": min(segment, cap)},
-                                segment_bucket(bucket, segment), refill_at, [cap - len(g) for _, g in active])
+                                segment_bucket(bucket, segment), refill_at, [cap - len(g) for _, g in active],
+                                **extra)
         going = []
         for (i, g), (new, finished) in zip(active, out):  # the padding rows' outputs are dropped
             g = g + new
@@ -508,7 +535,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     attention, :func:`data_prep.gqa_decode_attention.resolve_kernel`; None for the other engines).
 
     Raises:
-        ValueError: ``regen.stop_loops`` or ``regen.refill_at`` where the engine is not static in segments,
+        ValueError: ``regen.stop_loops``, ``regen.refill_at`` or ``regen.keep_kv`` where the engine is not static
+            in segments,
             ``regen.compile_dynamic`` where it is not static; see :func:`resolve_engine`.
     """
     import transformers
@@ -518,7 +546,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     if cfg.compile_dynamic and engine != "static":
         raise ValueError(f"regen.compile_dynamic is a setting of the static engine; this run's engine is {engine}: "
                          "set regen.engine: static")
-    for key in ("stop_loops", "refill_at"):  # e.g. auto resolving to continuous where flash attention is installed
+    for key in ("stop_loops", "refill_at", "keep_kv"):  # e.g. auto resolving to continuous with flash attention
         if getattr(cfg, key) not in (None, False) and not segmented:
             raise ValueError(f"regen.{key} needs the static engine in segments (regen.segment_tokens); this run's "
                              f"engine is {engine}: set regen.engine: static")
@@ -574,7 +602,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
             for i, new, finished in _generate_segmented(model, _JobPrompts(jobs), order, pad_id, eos_ids,
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
-                                                        cfg.stop_loops, looped, cfg.refill_at):
+                                                        cfg.stop_loops, looped, cfg.refill_at,
+                                                        KVCarry() if cfg.keep_kv else None):
                 yield answer(i, new, finished, bool(looped) and looped[-1] == i)  # stopped in a loop just now
             return
         for s in range(0, len(order), cfg.batch_size):

@@ -648,6 +648,94 @@ def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_mod
                    progress=False)  # auto is generate on CPU
 
 
+@pytest.mark.parametrize("refill_at", [None, 0.5])
+def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, tiny_model, monkeypatch, refill_at):
+    """``regen.keep_kv``: the rows that go on keep their keys and values from the call before (placed at the new
+    width, the call's cache built by :class:`data_prep.kv_carry.KVCarry`), only rows new to the batch are
+    prefilled: the same conversations as plain ``generate`` in rounds (float32), with far fewer positions
+    prefilled than the engine that prefills every row again; a batch split after running out of memory keeps
+    its rows too."""
+    import torch
+
+    from data_prep import regen_memory
+    from data_prep.regenerate import _FittingRows
+
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
+    monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)
+    model = tiny_model
+    cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, refill_at=refill_at)
+    ref, _ = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "generate", "segment_tokens": None,
+                                                                        "refill_at": None}), 512, progress=False)
+    again, rep_again = regenerate(model, tok, REGEN_CONVS, cfg, 512, progress=False)
+    kept, rep = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"keep_kv": True}), 512, progress=False)
+    assert again == ref and kept == ref
+    prof, base = rep["engine_profile"], rep_again["engine_profile"]
+    assert prof["calls"] == base["calls"] and prof["decode_steps"] == base["decode_steps"]
+    assert 0 < prof["prefill_tokens"] < base["prefill_tokens"] / 2, (prof["prefill_tokens"], base["prefill_tokens"])
+
+    # an out-of-memory halving inside a call: the halves keep their rows, the next call finds them in either cache
+    real = model.generate
+    state = {"raised": False}
+
+    def oom_once(**kw):
+        if kw["input_ids"].shape[0] > 1 and not state["raised"] and kw["input_ids"].shape[1] > 16:
+            state["raised"] = True
+            raise torch.OutOfMemoryError("test: out of memory")
+        return real(**kw)
+
+    monkeypatch.setattr(model, "generate", oom_once)
+    import data_prep.regenerate as regen_mod
+
+    fitting = _FittingRows(2, log=lambda msg: None)
+    monkeypatch.setattr(regen_mod, "_FittingRows", lambda *a, **k: fitting)
+    halved, _ = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"keep_kv": True}), 512, progress=False)
+    assert state["raised"] and fitting.limit == 1 and halved == ref
+
+
+def test_keep_kv_frees_the_last_calls_cache_before_generate_runs(tok, tiny_model, monkeypatch):
+    """The memory check counts two caches only while a call's cache is built: by the time ``generate`` runs, every
+    earlier call's cache is freed (its rows copied, its finished rows let go)."""
+    import gc
+    import weakref
+
+    from data_prep import regen_memory
+    from data_prep.kv_carry import cache_kwarg
+
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
+    monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)
+    real, seen, alive = tiny_model.generate, [], []
+
+    def watching(**kw):
+        gc.collect()
+        alive.append(sum(r() is not None for r in seen))  # earlier calls' caches still in memory
+        seen.append(weakref.ref(kw[cache_kwarg(tiny_model)]))
+        return real(**kw)
+
+    monkeypatch.setattr(tiny_model, "generate", watching)
+    cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, keep_kv=True)
+    regenerate(tiny_model, tok, REGEN_CONVS, cfg, 512, progress=False)
+    assert len(alive) > 3 and alive == [0] * len(alive), alive
+
+
+def test_keep_kv_needs_the_segmented_static_engine_and_is_counted_by_the_memory_check(tok, tiny_model):
+    """``keep_kv`` without the static engine in segments is refused; with it the memory check counts two caches
+    (the last call's, held while the next is built), so the batch that fits is about halved."""
+    from data_prep.regen_memory import fit_regen_memory
+
+    with pytest.raises(ValueError, match="regen.keep_kv needs the static engine in segments"):
+        regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(engine="generate", keep_kv=True), 512, progress=False)
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape: the KV cache dominates
+    cfg = RegenConfig(engine="static", segment_tokens=512, batch_size=4096, max_new_tokens=2048)
+    one, _ = fit_regen_memory(cfg, smollm2, 2, "static", 2048, 40 * 2**30, attn_implementation="sdpa")
+    two, msg = fit_regen_memory(cfg.model_copy(update={"keep_kv": True}), smollm2, 2, "static", 2048, 40 * 2**30,
+                                attn_implementation="sdpa")
+    # one more cache of 4,608 positions per row (106 MB) beside one cache and its prefill (57 MB): 0.6 of the rows
+    assert 0.55 < two.batch_size / one.batch_size < 0.65 and "two caches (regen.keep_kv)" in msg
+
+
 def test_compile_dynamic_asks_transformers_for_one_dynamic_graph(tok, tiny_model, monkeypatch):
     """``regen.compile_dynamic``: the static engine's ``generate`` calls carry ``CompileConfig(dynamic=True)``
     (transformers compiles the decoding step with it on CUDA); not set, they carry none; refused for the other

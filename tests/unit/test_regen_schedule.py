@@ -63,6 +63,36 @@ def test_replay_target_ends_a_call_where_generate_would(tiny_llama_config, monke
     assert ran_short  # some calls ended before their token count (all rows done, or the refill share)
 
 
+def test_counting_carry_replays_what_keep_kv_prefills(tiny_llama_config, monkeypatch):
+    """``regen.keep_kv`` replayed: the real model with :class:`data_prep.kv_carry.KVCarry` and the replay target with
+    :class:`CountingCarry` give the same answers and count the same prefilled positions, fewer than the engine that
+    prefills every row again (whose count the replay gives without a carry)."""
+    from conftest import tiny_generator, varied_eos
+
+    from data_prep import regen_memory
+    from data_prep.kv_carry import KVCarry
+    from data_prep.regenerate import _generate_batch, _generate_segmented
+
+    model, prompts = tiny_generator(1, (5, 9, 2, 14, 7, 3, 11, 6))
+    cap, kw = 13, {"do_sample": False}
+    eos = varied_eos(_generate_batch(model, prompts, 0, [1], {**kw, "max_new_tokens": cap}))
+    ref = _generate_batch(model, prompts, 0, [eos], {**kw, "max_new_tokens": cap})
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 4)
+    answers = {tuple(p): [new] for p, (new, _) in zip(prompts, ref)}
+    for segment, batch in ((3, 4), (5, 2)):
+        carry, counting = KVCarry(), rs.CountingCarry()
+        real = list(_generate_segmented(model, prompts, order, 0, [eos], kw, 1, batch, cap, segment, carry=carry))
+        replay = rs.ReplayTarget(answers, tuple, [eos], cap)
+        got = list(_generate_segmented(replay, prompts, order, 0, [eos], kw, 1, batch, cap, segment,
+                                       carry=counting))
+        assert got == real and sorted(got) == sorted((i, new, f) for i, (new, f) in enumerate(ref))
+        assert carry.prefilled_tokens == counting.prefilled_tokens == sum(p for p, _ in replay.prefills) > 0
+        again = rs.ReplayTarget(answers, tuple, [eos], cap)
+        list(_generate_segmented(again, prompts, order, 0, [eos], kw, 1, batch, cap, segment))
+        assert sum(p for p, _ in again.prefills) == sum(B * L for B, L, _, _ in again.calls) > counting.prefilled_tokens
+
+
 def test_replay_target_gives_prompts_with_one_key_their_recorded_answers_in_order():
     """Two conversations with the same user turns (one key) get their own recorded answers, one after the other;
     rows alike in one call (padding copies) share one answer."""
