@@ -245,14 +245,22 @@ class ReplayTarget:
 
 
 class CountingCarry(KVCarry):
-    """``regen.keep_kv``'s :class:`data_prep.kv_carry.KVCarry` on a :class:`ReplayTarget`: the same rows carried and
-    prefilled (:meth:`~data_prep.kv_carry.KVCarry.fresh_rows`), no cache: the positions and causal attention
-    pairs it would prefill are handed to the replay target for its next ``generate`` call."""
+    """``regen.keep_kv``'s :class:`data_prep.kv_carry.KVCarry` on a :class:`ReplayTarget`: the same rows carried,
+    continued from a previous turn or prefilled (:meth:`~data_prep.kv_carry.KVCarry.layout`), no cache: the
+    positions and attention pairs it would compute are handed to the replay target for its next ``generate``."""
 
     def build(self, model, input_ids, attention_mask, keys, max_new_tokens):
-        fresh, P = self.fresh_rows(keys, attention_mask.sum(-1).tolist())
-        self.prefilled_tokens += len(fresh) * P
-        model.carried_prefill = (len(fresh) * P, len(fresh) * P * (P + 1) // 2)
+        lengths = attention_mask.sum(-1).tolist()
+        plan = self.layout(keys, lengths)
+        self.prefilled_tokens += plan.prefilled()
+        self.reused_tokens += plan.reused()
+        P, S = plan.fresh_len, plan.suffix_len
+        D = max((lengths[b] - 1 for b, _, _ in plan.prefixed), default=0)
+        # fresh rows: causal P x P; continued turns: S queries over D - S earlier columns and themselves
+        pairs = len(plan.fresh) * P * (P + 1) // 2 + len(plan.prefixed) * (S * (D - S) + S * (S + 1) // 2)
+        model.carried_prefill = (plan.prefilled(), pairs)
+        for k in keys:
+            self._plan.pop(k, None)
         return None
 
 

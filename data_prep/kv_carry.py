@@ -1,62 +1,140 @@
-"""``regen.keep_kv``: rows that go on from one segmented ``generate`` call to the next keep their KV cache.
+"""``regen.keep_kv``: the segmented static engine keeps the KV cache it has already computed.
 
 The static engine in segments (``regen.segment_tokens``, :func:`data_prep.regenerate._generate_segmented`)
 gives a row that goes on to the next call as its prompt plus its tokens so far, and ``generate`` prefills all of
-it again. Replayed on a real all-turns prepare, those prefills were about 64 % of the regeneration time
-(docs/benchmarks.md, "The schedule replayed"). With this carry, each call builds its static KV cache itself:
+it again; a conversation's next turn (streamed into the batch at the next call) is a new prompt holding the whole
+regenerated history, prefilled from its first token. Replayed on a real all-turns prepare, those prefills were
+about 64 % of the regeneration time (docs/benchmarks.md, "The schedule replayed"). With this carry, each call
+builds its static KV cache itself:
 
-* a row that goes on copies its keys and values from the cache of the call before (one slice copy per layer:
-  its positions move right by the change of the call's padded width, left padding is never read);
-* a row new to the batch (a waiting prompt) is prefilled alone with the other new rows, left-padded to the
-  longest of *them* (not to the call's width), and its keys and values are copied in;
+* a row that goes on copies its keys and values from the last call's cache (one slice copy per layer and source
+  cache: the rows of a call all moved by the same number of positions);
+* a new turn whose conversation's previous turn ended in the last call copies the keys and values of the
+  tokens it shares with that turn's row (the history, the previous answer: their longest common prefix of token
+  ids) and only the rest of its prompt is computed, attending to them;
+* any other new row (a first turn) is prefilled with the other such rows, left-padded to the longest of them;
 * a padding copy of the first row (the call's width is a power of two) takes the first row's.
 
 Then ``generate`` runs on that cache from the last position of every row, as it would after its own prefill:
-the cache holds each row's tokens but the last (whose keys ``generate``'s first step computes), and the
-positions come from the attention mask as in ``generate`` (``cumsum - 1``), so RoPE sees every token at the
-position it had. In exact arithmetic the tokens are those of one ``generate`` call to the cap (float32 tests on
-CPU: ``tests/unit/test_data_prep.py``). The cache is a ``transformers`` ``StaticCache``, so ``generate``
-compiles its decoding step as for ``cache_implementation="static"``.
+the cache holds each row's tokens but the last, positions counted from the row's first token as ``generate``
+does (``cumsum`` of the attention mask ``- 1``), so RoPE sees every token where it was. In exact arithmetic the
+tokens are those of one ``generate`` call per turn (float32 tests on CPU: ``tests/unit/test_data_prep.py``). The
+cache is a ``transformers`` ``StaticCache``, so ``generate`` compiles its decoding step as for
+``cache_implementation="static"``.
 
-Memory: while a call's cache is built, the previous call's is still held (the rows that go on are read from
-it): two caches at the peak, which :func:`data_prep.regen_memory.fit_regen_memory` counts for ``keep_kv``.
+Memory: while a call's cache is built, the last call's is held (the rows are read from it): two caches at the
+peak, which :func:`data_prep.regen_memory.fit_regen_memory` counts for ``keep_kv``; it is freed before
+``generate`` runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Row:
+    """A row of a finished call: its cache, its index there, the slot of its first token, its tokens (prompt and
+    generated, through the end-of-turn token): the keys and values of all but the last are in the cache."""
+
+    cache: object
+    row: int
+    start: int
+    tokens: list[int]
+    conversation: object = None
+
+
+@dataclass
+class Layout:
+    """How a call's cache is made (:meth:`KVCarry.layout`), by row index of the call.
+
+    Attributes:
+        carried: rows that go on, by source call row ``(new row, _Row)``.
+        prefixed: new rows with a parent ``(new row, _Row, m)``: the first ``m`` positions copied from it.
+        fresh: new rows prefilled from their first token.
+        fresh_len: the positions ``fresh`` are prefilled over (their longest length minus its last token).
+        suffix_len: the positions computed for ``prefixed`` (their longest length minus prefix and last token).
+        pads: padding copies of row 0.
+    """
+
+    carried: list = field(default_factory=list)
+    prefixed: list = field(default_factory=list)
+    fresh: list = field(default_factory=list)
+    fresh_len: int = 0
+    suffix_len: int = 0
+    pads: list = field(default_factory=list)
+
+    def prefilled(self) -> int:
+        """Positions a build computes (padding included): ``len(fresh) x fresh_len + len(prefixed) x suffix_len``."""
+        return len(self.fresh) * self.fresh_len + len(self.prefixed) * self.suffix_len
+
+    def reused(self) -> int:
+        """Positions copied from a previous turn's row (``prefixed``'s ``m``)."""
+        return sum(m for _, _, m in self.prefixed)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
 
 class KVCarry:
-    """The static caches of the last segmented call, by job, and the building of the next call's.
+    """The rows of the last segmented call, and the building of the next call's static cache from them.
 
-    Use: :meth:`next_call` before each segmented call (its rows may come from the call before), then
-    :meth:`build` for each ``generate`` of that call (several when a batch is split after running out of
-    memory), :meth:`keep` after it. A build lets go of the rows it copied, so the last call's cache is freed
-    before ``generate`` runs unless a later part of a split batch still needs it. ``prefilled_tokens`` counts
-    the prompt positions prefilled (padded), the quantity the carry saves.
+    Use: :meth:`next_call` before each segmented call with its real rows, then :meth:`build` for each
+    ``generate`` of that call (several when a batch is split after running out of memory), :meth:`keep` after
+    each. A build lets go of the rows it copied, so the last call's cache is freed before ``generate`` runs unless
+    a later part of a split batch still needs it. ``prefilled_tokens`` counts the positions computed by builds
+    (padding included) and ``reused_tokens`` those copied from a previous turn.
     """
 
     def __init__(self):
-        self._prev: dict = {}  # job key -> (cache, row, width): the rows of the last call
-        self._now: dict = {}
+        self._now: dict = {}  # job -> _Row: the rows of the calls since the last next_call
+        self._plan: dict = {}  # job -> ("carry", _Row) or ("prefix", _Row, m): this call's sources
         self.max_len = 0  # the longest cache made so far: later caches are at least as long (fewer shapes)
         self.prefilled_tokens = 0
+        self.reused_tokens = 0
 
-    def next_call(self, going: set) -> None:
-        """Start a call whose rows include the jobs ``going`` (those that go on from the last call): their rows of
-        the last call are kept for :meth:`build`, every other row of it is let go (a cache no kept row is in is
-        freed), and older calls' rows go."""
-        self._prev = {k: v for k, v in self._now.items() if k in going}
-        self._now = {}
+    def next_call(self, rows: list[tuple], going: set) -> None:
+        """Start a call. ``rows``: its real rows ``(job, conversation or None, token ids)``; ``going``: the jobs that
+        go on from the last call. A row that goes on is continued from its row there; a new row whose conversation
+        had a turn end in the last call starts from that turn's tokens, as far as their ids agree (at least one
+        position); every other row of the last call is let go (a cache no kept row is in is freed)."""
+        finished = {}
+        for k, r in self._now.items():
+            if k not in going and r.conversation is not None:
+                finished[r.conversation] = r
+        plan = {}
+        for job, conv, tokens in rows:
+            if job in going and job in self._now:
+                plan[job] = ("carry", self._now[job])
+            elif conv is not None and conv in finished:
+                parent = finished[conv]
+                m = min(common_prefix(parent.tokens, tokens), len(parent.tokens) - 1, len(tokens) - 1)
+                if m > 0:
+                    plan[job] = ("prefix", parent, m)
+        self._plan, self._now = plan, {}
 
-    def carries(self, key) -> bool:
-        """Whether the row of job ``key`` has its keys and values in the last call's cache."""
-        return key is not None and key in self._prev
-
-    def fresh_rows(self, keys: list, lengths: list[int]) -> tuple[list[int], int]:
-        """``(rows to prefill, P)``: the rows of a call (``keys`` as :meth:`build`'s, ``lengths`` their real
-        tokens) whose job the last call did not hold, and the positions they are prefilled over: their longest
-        length minus its last token (0 when there is none). Prefilled positions: ``len(rows) * P``."""
-        fresh = [b for b, k in enumerate(keys) if k is not None and k not in self._prev]
-        return fresh, (max(lengths[b] for b in fresh) - 1 if fresh else 0)
+    def layout(self, keys: list, lengths: list[int]) -> Layout:
+        """Which rows of a call (``keys``: each row's job, None for a padding copy; ``lengths``: their real
+        tokens) are carried, prefixed or prefilled, and over how many positions."""
+        out = Layout()
+        for b, k in enumerate(keys):
+            src = self._plan.get(k) if k is not None else None
+            if k is None:
+                out.pads.append(b)
+            elif src is None:
+                out.fresh.append(b)
+            elif src[0] == "carry":
+                out.carried.append((b, src[1]))
+            else:
+                out.prefixed.append((b, src[1], src[2]))
+        out.fresh_len = max((lengths[b] - 1 for b in out.fresh), default=0)
+        out.suffix_len = max((lengths[b] - 1 - m for b, _, m in out.prefixed), default=0)
+        return out
 
     def build(self, model, input_ids, attention_mask, keys: list, max_new_tokens: int):
         """The static cache for ``generate(input_ids, attention_mask, cache=...)``: every row's positions but the
@@ -64,7 +142,8 @@ class KVCarry:
 
         Args:
             model: a ``transformers`` causal LM (its config, dtype and device make the cache).
-            input_ids: ``[B, W]`` int64, left-padded rows (a row that goes on: its prompt and tokens so far).
+            input_ids: ``[B, W]`` int64 on the model's device, left-padded rows (a row that goes on: its prompt
+                and tokens so far).
             attention_mask: ``[B, W]`` int64, 0 on the left padding.
             keys: ``B`` job keys; ``None`` marks a padding copy of row 0 (row 0 is never one).
             max_new_tokens: the tokens the call may decode (the cache holds ``W + max_new_tokens`` positions or
@@ -74,17 +153,49 @@ class KVCarry:
             a ``StaticCache`` with ``W - 1`` positions filled for every row.
 
         Raises:
-            ValueError: row 0 is a padding copy, or a carried row has more tokens than its width in the last
-                call (it is not the row that call left).
+            ValueError: row 0 is a padding copy, or a carried row has another length than the last call left it
+                with.
         """
         import torch
-        from transformers import DynamicCache, StaticCache
 
         B, W = input_ids.shape
         if keys[0] is None:
             raise ValueError("KVCarry.build: row 0 must be a real row (padding copies repeat it)")
         lengths = attention_mask.sum(-1).tolist()
-        self.max_len = max(self.max_len, W + max_new_tokens)
+        plan = self.layout(keys, lengths)
+        cache = self._new_cache(model, B, W + max_new_tokens)
+        with torch.no_grad():
+            self._copy_carried(cache, plan, input_ids, lengths, W)
+            if plan.fresh and plan.fresh_len > 0:
+                self._prefill_fresh(model, cache, plan, input_ids, attention_mask, W)
+            if plan.prefixed:
+                self._prefill_prefixed(model, cache, plan, input_ids, lengths, W)
+            for layer in cache.layers:
+                if plan.pads:
+                    layer.keys[plan.pads] = layer.keys[0].clone()  # a copy: the write must not alias its source
+                    layer.values[plan.pads] = layer.values[0].clone()
+                layer.cumulative_length.fill_(W - 1)
+        self.prefilled_tokens += plan.prefilled()
+        self.reused_tokens += plan.reused()
+        for k in keys:  # copied: the last call's cache is freed once no row still to build is in it
+            self._plan.pop(k, None)
+        return cache
+
+    def keep(self, cache, keys: list, start: list[int], tokens: list[list[int]], conversations: list) -> None:
+        """After ``generate``: row ``b`` of ``cache`` holds job ``keys[b]`` (None: a padding copy, not kept), its
+        first token at slot ``start[b]``, ``tokens[b]`` its prompt and generated ids (through the end-of-turn
+        token); ``conversations[b]``: its conversation (None: no next turn can continue it)."""
+        for b, k in enumerate(keys):
+            if k is not None:
+                self._now[k] = _Row(cache, b, start[b], tokens[b], conversations[b])
+
+    # ------------------------------------------------------------------ the parts of a build
+
+    def _new_cache(self, model, B: int, need: int):
+        import torch
+        from transformers import StaticCache
+
+        self.max_len = max(self.max_len, need)
         text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -97,56 +208,88 @@ class KVCarry:
             empty = torch.empty(B, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
             for layer in cache.layers:
                 layer.lazy_initialization(empty, empty)
-        fresh, P = self.fresh_rows(keys, lengths)
-        groups: dict[int, tuple] = {}  # id(last call's cache) -> (that cache, its width, [new rows], [its rows])
-        for b, k in enumerate(keys):
-            if k is not None and k in self._prev:
-                old, row, width = self._prev[k]
-                if not 1 <= lengths[b] <= width:
-                    raise ValueError(f"KVCarry.build: job {k} was {width} positions wide in the last call and has "
-                                     f"{lengths[b]} tokens now: not the row that call left")
-                g = groups.setdefault(id(old), (old, width, [], []))
-                g[2].append(b)
-                g[3].append(row)
-        with torch.no_grad():
-            # a carried row's computed positions end at width - 1 there and at W - 1 here: one shift per source
-            # cache (its rows share its width); slots left of a row's tokens are its padding, masked either way
-            for old, width, rows, old_rows in groups.values():
-                a, c = max(0, width - W), max(0, W - width)
-                dst = torch.tensor(rows, device=cache.layers[0].keys.device)
-                src = torch.tensor(old_rows, device=old.layers[0].keys.device)
-                for layer_new, layer_old in zip(cache.layers, old.layers):
-                    layer_new.keys[dst, :, c:W - 1] = layer_old.keys[src, :, a:width - 1]
-                    layer_new.values[dst, :, c:W - 1] = layer_old.values[src, :, a:width - 1]
-            if fresh:
-                if P > 0:
-                    ids = input_ids[fresh, W - 1 - P:W - 1]  # [n, P], left-padded to the longest new row
-                    mask = attention_mask[fresh, W - 1 - P:W - 1]
-                    dyn = DynamicCache()
-                    model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                          use_cache=True, logits_to_keep=1, **{cache_kwarg(model): dyn})
-                    self.prefilled_tokens += len(fresh) * P
-                    dst = torch.tensor(fresh, device=cache.layers[0].keys.device)
-                    for layer_new, layer_dyn in zip(cache.layers, dyn.layers):
-                        layer_new.keys[dst, :, W - 1 - P:W - 1] = layer_dyn.keys
-                        layer_new.values[dst, :, W - 1 - P:W - 1] = layer_dyn.values
-            pads = [b for b, k in enumerate(keys) if k is None]
-            if pads:
-                for layer in cache.layers:
-                    layer.keys[pads] = layer.keys[0].clone()  # a copy: the write must not alias its source
-                    layer.values[pads] = layer.values[0].clone()
-            for layer in cache.layers:
-                layer.cumulative_length.fill_(W - 1)
-        for k in keys:  # copied: the last call's cache is freed once no row still to build is in it
-            self._prev.pop(k, None)
         return cache
 
-    def keep(self, cache, keys: list, width: int) -> None:
-        """After ``generate``: the rows of ``keys`` (padding copies excepted) are ``width`` positions wide in
-        ``cache`` (the call's padded width plus the tokens it decoded), all but their last computed."""
-        for b, k in enumerate(keys):
-            if k is not None:
-                self._now[k] = (cache, b, width)
+    @staticmethod
+    def _copy_carried(cache, plan: Layout, input_ids, lengths: list[int], W: int) -> None:
+        """Rows that go on: their ``n - 1`` computed positions, one block per source cache (its rows decoded the
+        same steps, so they all move by the same number of slots)."""
+        import torch
+
+        groups: dict[int, list] = {}
+        for b, src in plan.carried:
+            n = lengths[b]
+            if len(src.tokens) != n:
+                raise ValueError(f"KVCarry.build: row {b} has {n} tokens where the last call left {len(src.tokens)}: "
+                                 "not the row that call left")
+            groups.setdefault(id(src.cache), []).append((b, src))
+        for rows in groups.values():
+            old = rows[0][1].cache
+            shift = {(W - lengths[b]) - src.start for b, src in rows}
+            if len(shift) != 1:
+                raise ValueError(f"KVCarry.build: rows of one call moved by different shifts {sorted(shift)}")
+            d = shift.pop()
+            lo = max(0, -d)  # source slots below it would land left of slot 0: padding of every row
+            dst = torch.tensor([b for b, _ in rows], device=cache.layers[0].keys.device)
+            src = torch.tensor([s.row for _, s in rows], device=old.layers[0].keys.device)
+            for new_l, old_l in zip(cache.layers, old.layers):
+                new_l.keys[dst, :, lo + d:W - 1] = old_l.keys[src, :, lo:W - 1 - d]
+                new_l.values[dst, :, lo + d:W - 1] = old_l.values[src, :, lo:W - 1 - d]
+
+    @staticmethod
+    def _prefill_fresh(model, cache, plan: Layout, input_ids, attention_mask, W: int) -> None:
+        """New rows without a previous turn: prefilled together over their last ``fresh_len`` positions but the
+        last (left padding of the shorter ones masked)."""
+        import torch
+        from transformers import DynamicCache
+
+        P = plan.fresh_len
+        ids = input_ids[plan.fresh, W - 1 - P:W - 1]  # [n, P]
+        mask = attention_mask[plan.fresh, W - 1 - P:W - 1]
+        dyn = DynamicCache()
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+              logits_to_keep=1, **{cache_kwarg(model): dyn})
+        dst = torch.tensor(plan.fresh, device=cache.layers[0].keys.device)
+        for new_l, dyn_l in zip(cache.layers, dyn.layers):
+            new_l.keys[dst, :, W - 1 - P:W - 1] = dyn_l.keys
+            new_l.values[dst, :, W - 1 - P:W - 1] = dyn_l.values
+
+    @staticmethod
+    def _prefill_prefixed(model, cache, plan: Layout, input_ids, lengths: list[int], W: int) -> None:
+        """New turns with a previous turn in the last call: in a frame of ``D`` positions (their longest length
+        minus its last token), each row right-aligned; the first ``D - S`` columns (``S = suffix_len``) come from
+        the previous turns' rows (all within each row's copied prefix, or its padding), the last ``S`` are computed
+        attending to them. The frame is then one block of the new cache."""
+        import torch
+        from transformers import DynamicCache
+
+        rows = [b for b, _, _ in plan.prefixed]
+        D, S = max(lengths[b] - 1 for b in rows), plan.suffix_len
+        first = [D - (lengths[b] - 1) for b in rows]  # frame column of each row's first token
+        dev = cache.layers[0].keys.device
+        mask = torch.zeros(len(rows), D, dtype=torch.long, device=dev)
+        for i, f in enumerate(first):
+            mask[i, f:] = 1
+        dyn = DynamicCache()
+        if D - S > 0:  # the previous turns' keys and values of the columns before the computed ones
+            for li, old_layers in enumerate(zip(*(p.cache.layers for _, p, _ in plan.prefixed))):
+                ref = cache.layers[li].keys
+                k = torch.zeros(len(rows), ref.shape[1], D - S, ref.shape[3], dtype=ref.dtype, device=dev)
+                v = torch.zeros_like(k)
+                for i, ((b, p, m), old_l) in enumerate(zip(plan.prefixed, old_layers)):
+                    c = D - S - first[i]  # of this row's tokens, those left of the computed columns (all < m)
+                    if c > 0:
+                        k[i, :, first[i]:D - S] = old_l.keys[p.row, :, p.start:p.start + c]
+                        v[i, :, first[i]:D - S] = old_l.values[p.row, :, p.start:p.start + c]
+                dyn.update(k, v, li)
+        ids = input_ids[rows, W - 1 - S:W - 1]  # the computed columns: each row's last S positions but its last
+        positions = torch.arange(D - S, D, device=dev).expand(len(rows), S) - torch.tensor(first, device=dev)[:, None]
+        model(input_ids=ids, attention_mask=mask, position_ids=positions.clamp(min=0), use_cache=True,
+              logits_to_keep=1, **{cache_kwarg(model): dyn})
+        dst = torch.tensor(rows, device=dev)
+        for new_l, dyn_l in zip(cache.layers, dyn.layers):
+            new_l.keys[dst, :, W - 1 - D:W - 1] = dyn_l.keys
+            new_l.values[dst, :, W - 1 - D:W - 1] = dyn_l.values
 
 
 def cache_kwarg(model) -> str:

@@ -110,15 +110,16 @@ class _EndsWhenShareDone:
 
 def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
                     bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None,
-                    carry: KVCarry | None = None, keys: list | None = None):
+                    carry: KVCarry | None = None, keys: list | None = None, conversations: list | None = None):
     """Left-pad ``prompts`` (to a multiple of ``bucket`` tokens) and generate.
 
     With ``refill_at`` (``regen.refill_at``; needs ``tokens_left``, the tokens each of the first rows may still
     produce, the rest being padding copies) the call ends once that share of those rows is done
     (:class:`_EndsWhenShareDone`); a row cut there has no end-of-turn token and goes on in the caller's next call.
-    With ``carry`` (``regen.keep_kv``; ``keys``: each row's job, None for a padding copy) the call's static cache
-    is built by :meth:`data_prep.kv_carry.KVCarry.build` (rows of the call before keep their keys and values,
-    only new rows are prefilled) instead of ``generate``'s prefill, and kept for the next call.
+    With ``carry`` (``regen.keep_kv``; ``keys``: each row's job, None for a padding copy; ``conversations``: each
+    row's conversation or None) the call's static cache is built by :meth:`data_prep.kv_carry.KVCarry.build` (rows
+    of the call before keep their keys and values, a next turn reuses its previous turn's, the rest is prefilled)
+    instead of ``generate``'s prefill, and kept for the next call.
 
     Returns:
         list of (new token ids up to and including the first eos, finished: bool) per prompt.
@@ -149,13 +150,14 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
         eos_token_id=eos_ids,
         **gen_kwargs,
     )  # (B, L + T_new), T_new <= max_new_tokens
-    if carry is not None:
-        carry.keep(cache, keys, out.shape[1])
     results = []
     eos = set(eos_ids)
     for row in out[:, L:].tolist():
         stop = next((t for t, tok in enumerate(row) if tok in eos), None)
         results.append((row if stop is None else row[: stop + 1], stop is not None))
+    if carry is not None:
+        carry.keep(cache, keys, [L - len(p) for p in prompts], [p + new for p, (new, _) in zip(prompts, results)],
+                   conversations or [None] * B)
     return results
 
 
@@ -206,13 +208,16 @@ class _FittingRows:
         #: ``row_steps``: those steps times the call's rows (padding copies included): generated tokens over
         #: ``row_steps`` is the share of places that produced a token
         #: ``prefill_tokens``: prompt positions prefilled, padding included (``generate``'s prefill: rows x padded
-        #: length; with ``regen.keep_kv`` only the new rows', :class:`data_prep.kv_carry.KVCarry`)
+        #: length; with ``regen.keep_kv`` only what :class:`data_prep.kv_carry.KVCarry` computes) and
+        #: ``prefix_reused_tokens`` (keep_kv: positions of a next turn copied from its previous turn's row)
         self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0, "compiles": 0,
-                        "compile_seconds": 0.0, "decode_steps": 0, "row_steps": 0, "prefill_tokens": 0}
+                        "compile_seconds": 0.0, "decode_steps": 0, "row_steps": 0, "prefill_tokens": 0,
+                        "prefix_reused_tokens": 0}
 
     def __call__(self, model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
                  bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None,
-                 carry: KVCarry | None = None, keys: list | None = None) -> list[tuple[list[int], bool]]:
+                 carry: KVCarry | None = None, keys: list | None = None,
+                 conversations: list | None = None) -> list[tuple[list[int], bool]]:
         """:func:`_generate_batch`'s arguments and result, over ``prompts`` in calls of at most ``limit`` rows.
         With ``tokens_left`` (its first rows are the real ones), a call that would hold only rows after them
         (padding copies, after a halving) is not made: the result then ends with the last real row's.
@@ -227,16 +232,18 @@ class _FittingRows:
             chunk = prompts[s : s + self.limit]
             left = None if tokens_left is None else tokens_left[s : s + self.limit]
             t0, c0 = time.perf_counter(), _compile_stats()
-            p0 = carry.prefilled_tokens if carry is not None else 0
+            p0, r0 = (carry.prefilled_tokens, carry.reused_tokens) if carry is not None else (0, 0)
             try:
                 got = _generate_batch(model, chunk, pad_id, eos_ids, gen_kwargs, bucket, refill_at, left, carry,
-                                      None if keys is None else keys[s : s + self.limit])
+                                      None if keys is None else keys[s : s + self.limit],
+                                      None if conversations is None else conversations[s : s + self.limit])
                 out += got
                 c1 = _compile_stats()
                 width = bucketed(max(len(p) for p in chunk), bucket)
                 self._count((len(chunk), width, gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0,
                             c1[0] - c0[0], c1[1] - c0[1], max((len(new) for new, _ in got), default=0),
-                            carry.prefilled_tokens - p0 if carry is not None else len(chunk) * width)
+                            carry.prefilled_tokens - p0 if carry is not None else len(chunk) * width,
+                            carry.reused_tokens - r0 if carry is not None else 0)
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -255,10 +262,11 @@ class _FittingRows:
         return out
 
     def _count(self, shape: tuple, seconds: float, compiles: int = 0, compile_seconds: float = 0.0,
-               steps: int = 0, prefilled: int = 0) -> None:
+               steps: int = 0, prefilled: int = 0, reused: int = 0) -> None:
         """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens), ``seconds``
-        (wall time), the ``compiles`` / ``compile_seconds`` made in it, its decoding ``steps`` and the prompt
-        positions it ``prefilled`` to :attr:`profile`."""
+        (wall time), the ``compiles`` / ``compile_seconds`` made in it, its decoding ``steps``, the prompt
+        positions it ``prefilled`` and those it ``reused`` from a previous turn (``regen.keep_kv``) to
+        :attr:`profile`."""
         new = shape not in self._seen
         self._seen.add(shape)
         self._mine.add(shape)
@@ -267,7 +275,8 @@ class _FittingRows:
                  new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3),
                  compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3),
                  decode_steps=p["decode_steps"] + steps, row_steps=p["row_steps"] + shape[0] * steps,
-                 prefill_tokens=p.get("prefill_tokens", 0) + prefilled)
+                 prefill_tokens=p.get("prefill_tokens", 0) + prefilled,
+                 prefix_reused_tokens=p.get("prefix_reused_tokens", 0) + reused)
 
 
 def _compile_stats() -> tuple[int, float]:
@@ -346,9 +355,11 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         inputs = [prompts[i] + g for i, g in active] + [prompts[active[0][0]] + active[0][1]] * (width - rows)
         # every call decodes the same number of tokens (a row past its cap is cut below): one more shape fewer
         extra = {}
-        if carry is not None:  # each row's job: the next call finds the rows that go on by it
-            carry.next_call({i for i, _ in active})
-            extra = {"carry": carry, "keys": [i for i, _ in active] + [None] * (width - rows)}
+        if carry is not None:  # each row's job (the next call finds the rows that go on by it) and conversation
+            conv = getattr(prompts, "conversation", lambda i: None)  # a streamed next turn reuses its previous turn
+            carry.next_call([(i, conv(i), prompts[i] + g) for i, g in active], {i for i, g in active if g})
+            extra = {"carry": carry, "keys": [i for i, _ in active] + [None] * (width - rows),
+                     "conversations": [conv(i) for i, _ in active] + [None] * (width - rows)}
         with attention():
             out = generate_rows(model, inputs, pad_id, eos_ids, {**gen_kwargs, "max_new_tokens": min(segment, cap)},
                                 segment_bucket(bucket, segment), refill_at, [cap - len(g) for _, g in active],
@@ -628,6 +639,10 @@ class _JobPrompts:
 
     def __getitem__(self, i: int) -> list[int]:
         return self.jobs[i][3]
+
+    def conversation(self, i: int) -> int:
+        """The conversation of job ``i`` (``regen.keep_kv``: its next turn starts from this turn's KV cache)."""
+        return self.jobs[i][0]
 
     def __len__(self) -> int:
         return len(self.jobs)

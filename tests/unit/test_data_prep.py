@@ -651,10 +651,10 @@ def test_static_engine_in_segments_streams_turns_and_equals_rounds(tok, tiny_mod
 @pytest.mark.parametrize("refill_at", [None, 0.5])
 def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, tiny_model, monkeypatch, refill_at):
     """``regen.keep_kv``: the rows that go on keep their keys and values from the call before (placed at the new
-    width, the call's cache built by :class:`data_prep.kv_carry.KVCarry`), only rows new to the batch are
-    prefilled: the same conversations as plain ``generate`` in rounds (float32), with far fewer positions
-    prefilled than the engine that prefills every row again; a batch split after running out of memory keeps
-    its rows too."""
+    width, the call's cache built by :class:`data_prep.kv_carry.KVCarry`), a streamed second turn starts from its
+    first turn's, only the rest is prefilled: the same conversations as plain ``generate`` in rounds (float32),
+    with far fewer positions prefilled than the engine that prefills every row again; a batch split after running
+    out of memory keeps its rows too."""
     import torch
 
     from data_prep import regen_memory
@@ -672,6 +672,7 @@ def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, t
     prof, base = rep["engine_profile"], rep_again["engine_profile"]
     assert prof["calls"] == base["calls"] and prof["decode_steps"] == base["decode_steps"]
     assert 0 < prof["prefill_tokens"] < base["prefill_tokens"] / 2, (prof["prefill_tokens"], base["prefill_tokens"])
+    assert prof["prefix_reused_tokens"] > 0 and base["prefix_reused_tokens"] == 0  # second turns began from the first
 
     # an out-of-memory halving inside a call: the halves keep their rows, the next call finds them in either cache
     real = model.generate

@@ -1,0 +1,121 @@
+"""``data_prep.kv_carry.KVCarry`` (``regen.keep_kv``) against a plain prefill, float64: every row of a built cache
+holds exactly the keys and values a forward over that row's tokens alone gives, whichever way it got them
+(carried from the last call, continued from a previous turn, prefilled, or a padding copy)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from data_prep.kv_carry import KVCarry, cache_kwarg, common_prefix
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval().double()
+
+
+def alone(model, tokens):
+    """Keys and values per layer of a forward over ``tokens[:-1]`` alone (no padding): ``[(k, v)]``, each
+    ``[heads, n - 1, d]``."""
+    dyn = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens[:-1]]), use_cache=True, **{cache_kwarg(model): dyn})
+    return [(layer.keys[0], layer.values[0]) for layer in dyn.layers]
+
+
+def batch(rows, W):
+    ids = torch.zeros(len(rows), W, dtype=torch.long)
+    mask = torch.zeros(len(rows), W, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, W - len(r):] = torch.tensor(r)
+        mask[b, W - len(r):] = 1
+    return ids, mask
+
+
+def check_rows(model, cache, rows, W):
+    for b, r in enumerate(rows):
+        for (k, v), layer in zip(alone(model, r), cache.layers):
+            n = len(r) - 1
+            torch.testing.assert_close(layer.keys[b, :, W - 1 - n:W - 1], k, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(layer.values[b, :, W - 1 - n:W - 1], v, rtol=1e-12, atol=1e-12)
+        assert int(cache.layers[0].cumulative_length) == W - 1
+
+
+def test_every_way_into_a_built_cache_gives_the_keys_of_a_plain_prefill(model):
+    """Two calls. The first: conversations 0 and 1 prefilled, decoded 5 tokens by ``generate``. The second: job 1
+    goes on (carried, moved to a wider call), conversation 0's next turn starts from its first turn's tokens
+    (continued: its history and answer copied, the new user turn computed), conversation 2 is new (prefilled),
+    one padding copy. Each row equals a forward over its own tokens."""
+    g = torch.Generator().manual_seed(1)
+    p0, p1 = torch.randint(3, 50, (9,), generator=g).tolist(), torch.randint(3, 50, (4,), generator=g).tolist()
+    carry = KVCarry()
+    W1 = 12
+    carry.next_call([(0, 0, p0), (1, 1, p1)], going=set())
+    ids, mask = batch([p0, p1], W1)
+    cache1 = carry.build(model, ids, mask, [0, 1], 5)
+    check_rows(model, cache1, [p0, p1], W1)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         eos_token_id=[1], **{cache_kwarg(model): cache1})
+    new = out[:, W1:].tolist()
+    seqs = [p0 + new[0], p1 + new[1]]
+    carry.keep(cache1, [0, 1], [W1 - len(p0), W1 - len(p1)], seqs, [0, 1])
+    assert carry.prefilled_tokens == 2 * (len(p0) - 1) and carry.reused_tokens == 0
+
+    turn2 = seqs[0] + torch.randint(3, 50, (6,), generator=g).tolist()  # history + answer, then a new user turn
+    p2 = torch.randint(3, 50, (3,), generator=g).tolist()
+    rows = [seqs[1], turn2, p2]
+    W2 = 24
+    carry.next_call([(1, 1, seqs[1]), (5, 0, turn2), (6, 2, p2)], going={1})
+    ids, mask = batch(rows + [seqs[1]], W2)  # a padding copy of row 0 last
+    cache2 = carry.build(model, ids, mask, [1, 5, 6, None], 4)
+    check_rows(model, cache2, rows + [seqs[1]], W2)
+    assert carry.reused_tokens == len(seqs[0]) - 1  # the whole first turn but its last token
+    plan_prefilled = (len(p2) - 1) + (len(turn2) - 1 - (len(seqs[0]) - 1))
+    assert carry.prefilled_tokens - 2 * (len(p0) - 1) == plan_prefilled
+    assert carry._plan == {}  # every source copied: the first call's cache is no longer held
+
+
+def test_a_next_turn_shares_only_its_common_prefix_and_a_shorter_call_drops_padding(model):
+    """A next turn whose history differs from its previous turn's tokens after some position (a re-tokenised
+    answer) copies only the common prefix; a row that goes on into a call narrower than its last one (its left
+    padding dropped) keeps its keys."""
+    g = torch.Generator().manual_seed(2)
+    a, b_ = torch.randint(3, 50, (5,), generator=g).tolist(), torch.randint(3, 50, (14,), generator=g).tolist()
+    carry = KVCarry()
+    carry.next_call([(0, 0, a), (1, 1, b_)], going=set())
+    ids, mask = batch([a, b_], 16)
+    cache = carry.build(model, ids, mask, [0, 1], 3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         eos_token_id=[1], **{cache_kwarg(model): cache})
+    new = out[:, 16:].tolist()
+    seqs = [a + new[0], b_ + new[1]]
+    carry.keep(cache, [0, 1], [16 - len(a), 16 - len(b_)], seqs, [0, 1])
+    turn = seqs[1][:10] + [(seqs[1][10] + 1) % 47 + 3, 7, 8]  # differs from token 10 on
+    assert common_prefix(seqs[1], turn) == 10 and len(seqs[0]) == 8
+    carry.next_call([(0, 0, seqs[0]), (4, 1, turn)], going={0})
+    W = 13  # row 0 had its first token at slot 11 of 19; here at 5: six slots of its left padding go
+    ids, mask = batch([seqs[0], turn], W)
+    before = carry.reused_tokens
+    cache2 = carry.build(model, ids, mask, [0, 4], 2)
+    check_rows(model, cache2, [seqs[0], turn], W)
+    assert carry.reused_tokens - before == 10
+
+
+def test_a_carried_row_of_another_length_is_refused(model):
+    carry = KVCarry()
+    carry.next_call([(0, None, [5, 6, 7])], going=set())
+    ids, mask = batch([[5, 6, 7]], 4)
+    cache = carry.build(model, ids, mask, [0], 2)
+    carry.keep(cache, [0], [1], [[5, 6, 7, 8, 9]], [None])
+    carry.next_call([(0, None, [5, 6, 7, 8])], going={0})
+    ids, mask = batch([[5, 6, 7, 8]], 8)
+    with pytest.raises(ValueError, match="row 0 has 4 tokens where the last call left 5"):
+        carry.build(model, ids, mask, [0], 2)
+    with pytest.raises(ValueError, match="row 0 must be a real row"):
+        carry.build(model, ids, mask, [None], 2)
