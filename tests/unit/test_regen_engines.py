@@ -80,6 +80,11 @@ def test_continuous_batching_and_static_cache_are_token_identical_to_generate(sm
                                                         "refill_at": 0.5}), jobs)
     for i in range(len(jobs)):
         assert (refilled[i].token_ids, refilled[i].finished) == (ref_all[i].token_ids, ref_all[i].finished), i
+    # and with regen.keep_kv: rows that go on keep their KV cache, only new rows are prefilled (data_prep/kv_carry.py)
+    _, kept = _run(target, regen.model_copy(update={"engine": "static", "batch_size": 4, "segment_tokens": 8,
+                                                    "keep_kv": True}), jobs)
+    for i in range(len(jobs)):
+        assert (kept[i].token_ids, kept[i].finished) == (ref_all[i].token_ids, ref_all[i].finished), i
     for i, (k, _, _, prompt) in enumerate(jobs):
         ref = ref_all[i]
         assert cont[i].token_ids == ref.token_ids, (f"prompt {k} ({len(prompt)} tokens): continuous batching "
