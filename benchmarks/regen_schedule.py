@@ -254,10 +254,12 @@ class CountingCarry(KVCarry):
         plan = self.layout(keys, lengths)
         self.prefilled_tokens += plan.prefilled()
         self.reused_tokens += plan.reused()
-        P, S = plan.fresh_len, plan.suffix_len
-        D = max((lengths[b] - 1 for b, _, _ in plan.prefixed), default=0)
-        # fresh rows: causal P x P; continued turns: S queries over D - S earlier columns and themselves
-        pairs = len(plan.fresh) * P * (P + 1) // 2 + len(plan.prefixed) * (S * (D - S) + S * (S + 1) // 2)
+        # each group of fresh rows: causal P x P; of continued turns: S queries over D - S earlier columns and
+        # themselves
+        pairs = sum(len(g) * plan.fresh_len(g) * (plan.fresh_len(g) + 1) // 2 for g in plan.fresh)
+        for g in plan.prefixed:
+            D, S = plan.frame_len(g), plan.suffix_len(g)
+            pairs += len(g) * (S * (D - S) + S * (S + 1) // 2)
         model.carried_prefill = (plan.prefilled(), pairs)
         for k in keys:
             self._plan.pop(k, None)

@@ -65,7 +65,8 @@ def test_every_way_into_a_built_cache_gives_the_keys_of_a_plain_prefill(model):
     new = out[:, W1:].tolist()
     seqs = [p0 + new[0], p1 + new[1]]
     carry.keep(cache1, [0, 1], [W1 - len(p0), W1 - len(p1)], seqs, [0, 1])
-    assert carry.prefilled_tokens == 2 * (len(p0) - 1) and carry.reused_tokens == 0
+    first = (len(p0) - 1) + (len(p1) - 1)  # 8 and 3 positions: two length groups, no padding
+    assert carry.prefilled_tokens == first and carry.reused_tokens == 0
 
     turn2 = seqs[0] + torch.randint(3, 50, (6,), generator=g).tolist()  # history + answer, then a new user turn
     p2 = torch.randint(3, 50, (3,), generator=g).tolist()
@@ -77,7 +78,7 @@ def test_every_way_into_a_built_cache_gives_the_keys_of_a_plain_prefill(model):
     check_rows(model, cache2, rows + [seqs[1]], W2)
     assert carry.reused_tokens == len(seqs[0]) - 1  # the whole first turn but its last token
     plan_prefilled = (len(p2) - 1) + (len(turn2) - 1 - (len(seqs[0]) - 1))
-    assert carry.prefilled_tokens - 2 * (len(p0) - 1) == plan_prefilled
+    assert carry.prefilled_tokens - first == plan_prefilled
     assert carry._plan == {}  # every source copied: the first call's cache is no longer held
 
 
@@ -119,3 +120,34 @@ def test_a_carried_row_of_another_length_is_refused(model):
         carry.build(model, ids, mask, [0], 2)
     with pytest.raises(ValueError, match="row 0 must be a real row"):
         carry.build(model, ids, mask, [None], 2)
+
+
+def test_length_groups_bound_the_padding():
+    from data_prep.kv_carry import length_groups
+
+    rows = [(0, 3), (1, 900), (2, 440), (3, 700), (4, 120), (5, 460), (6, 0)]
+    groups = length_groups(rows, lambda r: r[1])
+    assert [[r[1] for r in g] for g in groups] == [[900, 700, 460], [440], [120], [3, 0]]
+    assert sum(len(g) * g[0][1] for g in groups) == 2700 + 440 + 120 + 6  # padded positions computed
+    assert all(r[1] >= 0.5 * g[0][1] for g in groups for r in g if r[1])  # each row at least half its group's first
+    assert length_groups([], lambda r: r) == []
+
+
+def test_a_next_turn_inside_its_previous_turn_computes_nothing(model):
+    """A new row whose tokens its conversation's previous row already holds (all but its last copied): its group
+    runs no forward, and its keys still equal a plain prefill."""
+    carry = KVCarry()
+    a = [5, 9, 13, 17, 21, 25]
+    carry.next_call([(0, 0, a)], going=set())
+    ids, mask = batch([a], 8)
+    cache = carry.build(model, ids, mask, [0], 3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         eos_token_id=[1], **{cache_kwarg(model): cache})
+    seq = a + out[0, 8:].tolist()
+    carry.keep(cache, [0], [2], [seq], [0])
+    carry.next_call([(3, 0, seq[:5])], going=set())
+    ids, mask = batch([seq[:5]], 8)
+    before = carry.prefilled_tokens
+    cache2 = carry.build(model, ids, mask, [3], 2)
+    check_rows(model, cache2, [seq[:5]], 8)
+    assert carry.prefilled_tokens == before and carry.reused_tokens == 4
