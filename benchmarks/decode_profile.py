@@ -11,7 +11,8 @@ and what the host does in the rest.
 
 Each kind: a random prompt of ``--prompt-tokens`` is prefilled (eager, as the loop does), then per length ``L``
 ``--warmup`` calls and ``--calls`` timed calls of ``forward(L tokens, want_aux=True)`` each followed by
-``drop(L)`` (the cache keeps its length, as a round that rejects every draft); the median and p10/p90 per call.
+``drop(L - 1)`` (the cache one position longer after each, as a round that rejects every draft); the median and
+p10/p90 per call, and what Dynamo did meanwhile (``dynamo``: graphs made, graph breaks).
 
 GPU (the evaluation's target: the recipe's GGUF in float32)::
 
@@ -74,21 +75,23 @@ def _sync(device) -> None:
 
 
 def time_calls(runner, ids, lengths: list[int], calls: int, warmup: int) -> dict:
-    """Per length ``L``: ms per ``forward(ids[:L], want_aux=True)`` + ``drop(L)`` (median, p10, p90 of ``calls``
-    after ``warmup``), the cache at the same length each call. ``ids``: ``[>= max(lengths)]`` on the device."""
+    """Per length ``L``: ms per ``forward(ids[:L], want_aux=True)`` + ``drop(L - 1)`` (median, p10, p90 of ``calls``
+    after ``warmup``): each call leaves the cache one position longer, as a round of the decoding loop that
+    accepts no draft, so a forward specialised on the position would show here. ``ids``: ``[>= max(lengths)]``
+    on the device; the runner must hold ``(warmup + calls) * len(lengths)`` positions more than it has."""
     dev = ids.device
     out = {}
     for L in lengths:
         new = ids[:L]
         for _ in range(warmup):
             runner.forward(new, want_aux=True)
-            runner.drop(L)
+            runner.drop(L - 1)
         ms = []
         for _ in range(calls):
             _sync(dev)
             t = time.perf_counter()
             runner.forward(new, want_aux=True)
-            runner.drop(L)
+            runner.drop(L - 1)
             _sync(dev)
             ms.append((time.perf_counter() - t) * 1e3)
         q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
@@ -107,7 +110,7 @@ def profile_calls(runner, ids, L: int, calls: int, top: int = 15) -> dict:
     with profile(activities=acts) as prof:
         for _ in range(calls):
             runner.forward(ids[:L], want_aux=True)
-            runner.drop(L)
+            runner.drop(L - 1)
         _sync(ids.device)
     ev = prof.key_averages()
 
@@ -153,18 +156,27 @@ def main(argv=None) -> dict:
                     "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "layers": target.config.num_hidden_layers, "prompt_tokens": a.prompt_tokens, "load_s": load_s,
-                    "timing": f"median of {a.calls} calls of forward(L, want_aux=True) + drop(L) after {a.warmup}, "
+                    "timing": f"median of {a.calls} calls of forward(L, want_aux=True) + drop(L - 1) after {a.warmup}, "
                               "device synced around each"}, "kinds": {}}
+    from torch._dynamo.utils import counters
+
+    grows = (a.warmup + a.calls) * len(a.lengths) + a.profile_calls + max(a.lengths)  # one position a call
     with torch.no_grad():
         for kind in a.kinds:
             with TargetRunner(target, **KINDS[kind]) as runner:
-                runner.start(a.prompt_tokens + max(a.lengths))
+                runner.start(a.prompt_tokens + grows)
                 runner.forward(prompt, want_aux=False, prefill=True)
+                stats0, breaks0 = dict(counters["stats"]), dict(counters["graph_break"])
                 t = time.perf_counter()
                 row = {"per_length": time_calls(runner, new, a.lengths, a.calls, a.warmup),
                        "seconds_with_warmup": time.perf_counter() - t}
                 if kind == a.kinds[-1] and a.profile_calls > 0:
                     row["profile"] = profile_calls(runner, new, max(a.lengths), a.profile_calls)
+                # what Dynamo did meanwhile: graphs made (one per query length expected), graph breaks (none)
+                row["dynamo"] = {"stats": {k: v - stats0.get(k, 0) for k, v in counters["stats"].items()
+                                           if v != stats0.get(k, 0)},
+                                 "graph_breaks": {k: v - breaks0.get(k, 0) for k, v in counters["graph_break"].items()
+                                                  if v != breaks0.get(k, 0)}}
                 row |= {"runner": runner.kind, "fallback": runner.fallback, "cudagraph_skips": runner.cudagraph_skips}
                 out["kinds"][kind] = row
             per = ", ".join(f"L={L}: {r['median_ms']:.2f} ms" for L, r in row["per_length"].items())
