@@ -251,6 +251,7 @@ class CountingCarry(KVCarry):
 
     def build(self, model, input_ids, attention_mask, keys, max_new_tokens):
         lengths = attention_mask.sum(-1).tolist()
+        keys = self.padding_keys(input_ids, keys)
         plan = self.layout(keys, lengths)
         self.prefilled_tokens += plan.prefilled()
         self.reused_tokens += plan.reused()

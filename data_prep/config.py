@@ -31,8 +31,8 @@ class MixSource(Section):
 
     source: Source = Field(description="as data.source")
     path: str | None = Field(None, description="as data.path; None = data.path when source is data.source (a later "
-                             "slice of the same file), else the source's default")
-    split: str | None = Field(None, description="as data.split")
+                             "slice of the same file or dataset), else the source's default")
+    split: str | None = Field(None, description="as data.split; None = data.split when the entry reads data.path")
     skip: int = Field(0, ge=0, description="as data.skip")
     num_conversations: int = Field(ge=1, description="conversations to take after the skipped ones")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of this entry's conversations held out "
@@ -93,6 +93,18 @@ class DataConfig(Section):
         "bfloat16", description="Storage of aux/last hidden states in the feature cache; fp8 = float8_e4m3fn "
         "with per-token float32 scales (about half the bytes/token)."
     )
+
+    def mix_sources(self) -> list[dict]:
+        """Each ``mix`` entry's fields as it is read: an entry without ``path`` that names the main source reads the
+        main source's ``path`` (and its ``split`` unless the entry gives one); ``[]`` without ``mix``."""
+        out = []
+        for entry in self.mix:
+            fields = entry.model_dump()
+            if fields["path"] is None and entry.source == self.source:  # a later slice of the main source
+                fields["path"] = self.path
+                fields["split"] = fields["split"] if fields["split"] is not None else self.split
+            out.append(fields)
+        return out
 
 
 class RegenConfig(Section):
@@ -210,7 +222,7 @@ class RegenConfig(Section):
         if self.compile_dynamic and (self.backend != "hf" or self.engine not in ("static", "auto")):
             raise ValueError("regen.compile_dynamic is a setting of the HF static engine: set regen.backend: hf and "
                              "regen.engine: static (or auto on CUDA without flash attention)")
-        for key in ("stop_loops", "refill_at"):
+        for key in ("stop_loops", "refill_at", "keep_kv"):
             if getattr(self, key) not in (None, False) and (
                     self.backend != "hf" or self.segment_tokens is None or self.engine not in ("static", "auto")):
                 raise ValueError(f"regen.{key} works between the segments of the HF static engine: set regen.backend: "

@@ -13,7 +13,8 @@ builds its static KV cache itself:
   tokens it shares with that turn's row (the history, the previous answer: their longest common prefix of token
   ids) and only the rest of its prompt is computed, attending to them;
 * any other new row (a first turn) is prefilled with the other such rows, left-padded to the longest of them;
-* a padding copy of the first row (the call's width is a power of two) takes the first row's.
+* a padding copy of the first row (the call's width is a power of two) takes the first row's (in a part of a
+  split call that does not hold the call's first row, it is prefilled like a new row).
 
 Then ``generate`` runs on that cache from the last position of every row, as it would after its own prefill:
 the cache holds each row's tokens but the last, positions counted from the row's first token as ``generate``
@@ -22,9 +23,11 @@ tokens are those of one ``generate`` call per turn (float32 tests on CPU: ``test
 cache is a ``transformers`` ``StaticCache``, so ``generate`` compiles its decoding step as for
 ``cache_implementation="static"``.
 
-Memory: while a call's cache is built, the last call's is held (the rows are read from it): two caches at the
-peak, which :func:`data_prep.regen_memory.fit_regen_memory` counts for ``keep_kv``; it is freed before
-``generate`` runs.
+Memory: while a call's cache is built, the last call's is held (the rows are read from it), and each prefill
+forward holds the keys and values of its rows, at most ``B //`` :data:`PREFILL_ROWS_DIVISOR` of them: two caches
+and an eighth at the peak, which :func:`data_prep.regen_memory.fit_regen_memory` counts for ``keep_kv``. The last
+call's cache is freed before ``generate`` runs. Targets with sliding-window layers are refused
+(:func:`unsupported_reason`).
 """
 from __future__ import annotations
 
@@ -47,20 +50,50 @@ class _Row:
 #: of the rows themselves, in at most ~log2(longest / shortest) forwards
 GROUP_SHARE = 0.5
 
+#: a prefill forward takes at most ``B // PREFILL_ROWS_DIVISOR`` rows of a ``B``-row call (at least one), so what it
+#: holds while it runs (its rows' keys and values, its activations) is bounded by that share of the call: the
+#: memory check counts ``2 + 1 / PREFILL_ROWS_DIVISOR`` caches for ``regen.keep_kv``
+PREFILL_ROWS_DIVISOR = 8
+
+
+def unsupported_reason(model) -> str | None:
+    """Why :class:`KVCarry` cannot build ``model``'s caches (None when it can): a target with sliding-window
+    attention layers (their static cache holds only the window, which a copied row would not fit: GPT-OSS), or a
+    transformers whose ``StaticLayer`` has no ``cumulative_length`` (the write position the carry sets)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layer_types", None) or []
+    if any("sliding" in str(t) for t in types) or (getattr(config, "sliding_window", None)
+                                                   and getattr(config, "use_sliding_window", True)):
+        return "the target has sliding-window attention layers (a static cache of those holds only the window)"
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:
+        return "this transformers has no transformers.cache_utils.StaticLayer"
+    if not hasattr(StaticLayer(max_cache_len=1), "cumulative_length"):
+        return "this transformers' StaticLayer has no cumulative_length (transformers 5.17 or later has it)"
+    return None
+
 
 def length_groups(rows: list, length, share: float = GROUP_SHARE) -> list[list]:
-    """``rows`` in groups computed together: sorted by ``length(row)`` (longest first, ties in the given order),
-    a new group whenever a row is shorter than ``share`` times its group's first; rows of length 0 (nothing to
-    compute) form no group of their own but join the last one (they cost nothing there).
+    """``rows`` in groups computed together, each padded to its first (longest) row.
 
-    Example (``share`` 0.5): lengths 900, 700, 460, 440, 120, 3 → groups [900, 700, 460], [440], [120], [3]:
+    Args:
+        rows: any items. length: ``item -> int >= 0``, the positions the item needs computed.
+        share: a row joins the current group while its length is at least this share of the group's first.
+
+    Returns:
+        the groups, rows sorted by length (longest first, ties in the given order), a new group whenever a row is
+        shorter than ``share`` times its group's first; the rows of length 0 (nothing to compute) are one last
+        group of their own.
+
+    Example (``share`` 0.5): lengths 900, 700, 460, 440, 120, 3, 0 → groups [900, 700, 460], [440], [120], [3], [0]:
     3 × 900 + 440 + 120 + 3 = 3,263 positions computed instead of 6 × 900 = 5,400 for one group padded to the
     longest.
     """
     groups: list[list] = []
     for r in sorted(rows, key=lambda r: -length(r)):
         n = length(r)
-        if groups and (n == 0 or n >= share * length(groups[-1][0])):
+        if groups and (n >= share * length(groups[-1][0]) if n else length(groups[-1][0]) == 0):
             groups[-1].append(r)
         else:
             groups.append([r])
@@ -105,12 +138,13 @@ class Layout:
                 + sum(len(g) * self.suffix_len(g) for g in self.prefixed))
 
     def reused(self) -> int:
-        """Positions copied from a previous turn's row (the ``m`` of every continued turn)."""
-        return sum(m for g in self.prefixed for _, _, m in g)
+        """Positions copied from a previous turn's row: of each continued turn, those before its group's computed
+        columns (``length - 1 - suffix_len`` of the group; at most its common prefix ``m``)."""
+        return sum(max(0, self.lengths[b] - 1 - self.suffix_len(g)) for g in self.prefixed for b, _, _ in g)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
+    """The length of the longest common prefix of two token id lists (an int, 0 when their first ids differ)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -128,10 +162,12 @@ class KVCarry:
     (padding included) and ``reused_tokens`` those copied from a previous turn.
     """
 
-    def __init__(self):
+    def __init__(self, lengths: dict | None = None):
         self._now: dict = {}  # job -> _Row: the rows of the calls since the last next_call
         self._plan: dict = {}  # job -> ("carry", _Row) or ("prefix", _Row, m): this call's sources
-        self.max_len = 0  # the longest cache made so far: later caches are at least as long (fewer shapes)
+        #: ``{"max_len": n}``, the longest cache made so far: later caches are at least as long (fewer shapes to
+        #: compile); pass one dict per model to share it across the engine runs of a process, as ``generate`` does
+        self.lengths = lengths if lengths is not None else {}
         self.prefilled_tokens = 0
         self.reused_tokens = 0
 
@@ -154,6 +190,18 @@ class KVCarry:
                 if m > 0:
                     plan[job] = ("prefix", parent, m)
         self._plan, self._now = plan, {}
+
+    @staticmethod
+    def padding_keys(input_ids, keys: list) -> list:
+        """``keys`` with each padding copy (None) that does not repeat row 0 named ``("padding", b)``, so that it is
+        prefilled like a new row: a padding copy repeats the call's row 0, which a later part of a call split after
+        running out of memory does not hold. ``input_ids``: ``[B, W]``. One host synchronisation when there are
+        padding copies."""
+        pads = [b for b, k in enumerate(keys) if k is None]
+        if not pads:
+            return keys
+        same = dict(zip(pads, (input_ids[pads] == input_ids[0]).all(dim=1).tolist()))
+        return [("padding", b) if b in same and not same[b] else k for b, k in enumerate(keys)]
 
     def layout(self, keys: list, lengths: list[int]) -> Layout:
         """Which rows of a call (``keys``: each row's job, None for a padding copy; ``lengths``: their real
@@ -191,8 +239,12 @@ class KVCarry:
             a ``StaticCache`` with ``W - 1`` positions filled for every row.
 
         Raises:
-            ValueError: row 0 is a padding copy, or a carried row has another length than the last call left it
-                with.
+            ValueError: row 0 is a padding copy; a carried row has another length than the last call left it with,
+                or the rows of one source cache would move by different numbers of slots (not rows of one call).
+
+        A build lets go of the rows it copied, before ``generate`` runs; if ``generate`` then runs out of memory and
+        the batch is split (:class:`data_prep.regenerate._FittingRows`), those rows are prefilled from their first
+        token in the retry: the same tokens, more work.
         """
         import torch
 
@@ -200,16 +252,20 @@ class KVCarry:
         if keys[0] is None:
             raise ValueError("KVCarry.build: row 0 must be a real row (padding copies repeat it)")
         lengths = attention_mask.sum(-1).tolist()
+        keys = self.padding_keys(input_ids, keys)
         plan = self.layout(keys, lengths)
         cache = self._new_cache(model, B, W + max_new_tokens)
+        step = max(1, B // PREFILL_ROWS_DIVISOR)
         with torch.no_grad():
             self._copy_carried(cache, plan, input_ids, lengths, W)
             for group in plan.fresh:
-                if plan.fresh_len(group) > 0:
-                    self._prefill_fresh(model, cache, group, plan.fresh_len(group), input_ids, attention_mask, W)
+                P = plan.fresh_len(group)
+                for i in range(0, len(group) if P > 0 else 0, step):
+                    self._prefill_fresh(model, cache, group[i:i + step], P, input_ids, attention_mask, W)
             for group in plan.prefixed:
-                self._prefill_prefixed(model, cache, group, plan.frame_len(group), plan.suffix_len(group),
-                                       input_ids, lengths, W)
+                D, S = plan.frame_len(group), plan.suffix_len(group)
+                for i in range(0, len(group), step):
+                    self._prefill_prefixed(model, cache, group[i:i + step], D, S, input_ids, lengths, W)
             for layer in cache.layers:
                 if plan.pads:
                     layer.keys[plan.pads] = layer.keys[0].clone()  # a copy: the write must not alias its source
@@ -232,22 +288,25 @@ class KVCarry:
     # ------------------------------------------------------------------ the parts of a build
 
     def _new_cache(self, model, B: int, need: int):
+        import inspect
+
         import torch
         from transformers import StaticCache
 
-        self.max_len = max(self.max_len, need)
+        self.lengths["max_len"] = max_len = max(self.lengths.get("max_len", 0), need)
         text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        cache = StaticCache(config=text, max_cache_len=self.max_len)
+        cache = StaticCache(config=text, max_cache_len=max_len)
         if hasattr(cache, "early_initialization"):
             cache.early_initialization(batch_size=B, num_heads=kv_heads, head_dim=head_dim, dtype=model.dtype,
                                        device=model.device)
-        else:  # an older transformers 5.x: each layer sizes itself from an empty key/value block
+        else:  # an older transformers 5.x: each layer sizes itself from an empty key (and value) block
             empty = torch.empty(B, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
             for layer in cache.layers:
-                layer.lazy_initialization(empty, empty)
+                takes = len(inspect.signature(layer.lazy_initialization).parameters)
+                layer.lazy_initialization(*([empty] * max(1, min(2, takes))))
         return cache
 
     @staticmethod
@@ -306,7 +365,7 @@ class KVCarry:
         rows = [b for b, _, _ in group]
         first = [D - (lengths[b] - 1) for b in rows]  # frame column of each row's first token
         dev = cache.layers[0].keys.device
-        frame = []  # per layer (keys, values) [R, heads, D, d]
+        frame = []  # per layer (keys, values) [R, heads, D - S, d]: the columns before the computed ones
         for li, old_layers in enumerate(zip(*(p.cache.layers for _, p, _ in group))):
             ref = cache.layers[li].keys
             k = torch.zeros(len(rows), ref.shape[1], D - S, ref.shape[3], dtype=ref.dtype, device=dev)
@@ -322,6 +381,7 @@ class KVCarry:
             if D - S > 0:
                 for li, (k, v) in enumerate(frame):
                     dyn.update(k, v, li)
+            frame = None  # the cache holds them now: the forward's concatenation frees them
             mask = torch.zeros(len(rows), D, dtype=torch.long, device=dev)
             for i, f in enumerate(first):
                 mask[i, f:] = 1

@@ -48,6 +48,7 @@ import weakref
 from data_prep.config import RegenConfig
 from data_prep.gqa_decode_attention import decode_attention, resolve_kernel
 from data_prep.kv_carry import KVCarry, cache_kwarg
+from data_prep.kv_carry import unsupported_reason as kv_carry_unsupported
 from data_prep.loops import ends_in_loop
 from data_prep.regen_memory import (STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes, segment_bucket,
                                    segment_width)
@@ -293,6 +294,16 @@ def _compile_stats() -> tuple[int, float]:
 
 #: model -> {decoding kernel -> the generate shapes it met} (:func:`_shapes_seen`); weak: a freed model leaves
 _SHAPES_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+#: model -> ``{"max_len": n}``: the longest static cache ``regen.keep_kv`` made for it in this process (later ones are
+#: at least as long, as ``generate`` keeps its ``_previous_max_cache_length``: fewer shapes to compile)
+_KV_LENGTHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _kv_lengths(model) -> dict:
+    """The dict :class:`data_prep.kv_carry.KVCarry` keeps its longest cache length in, one per model."""
+    return _KV_LENGTHS.setdefault(model, {})
 
 
 def _shapes_seen(model, kernel: str | None) -> set[tuple]:
@@ -547,7 +558,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
 
     Raises:
         ValueError: ``regen.stop_loops``, ``regen.refill_at`` or ``regen.keep_kv`` where the engine is not static
-            in segments,
+            in segments, ``regen.keep_kv`` for a target it cannot carry (:func:`data_prep.kv_carry.unsupported_reason`:
+            sliding-window layers),
             ``regen.compile_dynamic`` where it is not static; see :func:`resolve_engine`.
     """
     import transformers
@@ -561,6 +573,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
         if getattr(cfg, key) not in (None, False) and not segmented:
             raise ValueError(f"regen.{key} needs the static engine in segments (regen.segment_tokens); this run's "
                              f"engine is {engine}: set regen.engine: static")
+    if cfg.keep_kv and (why := kv_carry_unsupported(model)) is not None:
+        raise ValueError(f"regen.keep_kv: {why}; set regen.keep_kv: false")
     transformers.set_seed(cfg.seed)
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)
@@ -614,7 +628,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
                                                         cfg.stop_loops, looped, cfg.refill_at,
-                                                        KVCarry() if cfg.keep_kv else None):
+                                                        KVCarry(_kv_lengths(model)) if cfg.keep_kv else None):
                 yield answer(i, new, finished, bool(looped) and looped[-1] == i)  # stopped in a loop just now
             return
         for s in range(0, len(order), cfg.batch_size):

@@ -638,8 +638,8 @@ def load_mixture(cfg: DataConfig, screen=None) -> tuple[list[Conversation], list
 
     The main source is loaded (:func:`load_conversations`) and split (:func:`split_train_eval` with
     ``data.eval_fraction``) exactly as without ``data.mix``; then each entry in order is loaded with the main
-    source's settings and its own ``source``, ``path`` (unset: the main source's ``data.path`` when the entry
-    names the main source, else that source's default), ``split``, ``skip``, ``num_conversations``, a
+    source's settings and its own ``source``, ``path`` and ``split`` (unset: the main source's when the entry names
+    the main source, else that source's default; :meth:`DataConfig.mix_sources`), ``skip``, ``num_conversations``, a
     conversation whose content (:func:`conversation_key`) an earlier source already gave is skipped
     (``repeats_of_earlier_sources``), and the rest split with the entry's ``eval_fraction`` and ``data.seed``.
     Each split is the main source's part followed by the entries' parts in order, so adding an entry leaves the
@@ -658,8 +658,8 @@ def load_mixture(cfg: DataConfig, screen=None) -> tuple[list[Conversation], list
         counts) when ``data.mix`` is set.
 
     Raises:
-        As :func:`load_conversations`, the entry's messages prefixed with ``data.mix[i]``; DataError when an
-        entry keeps no conversation that an earlier source did not already give.
+        As :func:`load_conversations`, an entry's DataError or FileNotFoundError prefixed with ``data.mix[i]``;
+        DataError when an entry keeps no conversation that an earlier source did not already give.
     """
     convs, report = load_conversations(cfg, screen)
     train, evals = split_train_eval(convs, cfg.eval_fraction, cfg.seed)
@@ -667,15 +667,12 @@ def load_mixture(cfg: DataConfig, screen=None) -> tuple[list[Conversation], list
         return train, evals, report
     taken = {conversation_key(c) for c in convs}
     report = {**report, "mix": []}
-    for i, entry in enumerate(cfg.mix):
-        fields = entry.model_dump()
-        if fields["path"] is None and entry.source == cfg.source:  # a later slice of the main source's file
-            fields["path"] = cfg.path
+    for i, (entry, fields) in enumerate(zip(cfg.mix, cfg.mix_sources())):
         sub = DataConfig.model_validate({**cfg.model_dump(), **fields, "mix": []})
         try:
             got, rep = load_conversations(sub, screen)
-        except DataError as e:
-            raise type(e)(f"data.mix[{i}] ({entry.source}): {e}") from None
+        except (DataError, FileNotFoundError) as e:  # say which entry (a DataError or a missing file)
+            raise type(e)(f"data.mix[{i}] ({entry.source}): {e}") from e
         fresh = [c for c in got if conversation_key(c) not in taken]
         if not fresh:
             raise DataError(f"data.mix[{i}] ({entry.source}, {rep['path']}): all {len(got)} conversations were "

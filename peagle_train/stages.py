@@ -517,7 +517,7 @@ def _card(cfg: RunConfig, eval_results: dict | None = None) -> dict:
     serve_target, target_hub_id = target_refs(cfg.target.path, cfg.target.name, cfg.export.verifier)
     card = {"train": {k: v for k, v in metrics.items() if k != "history"},
             "data": data_summary(meta, cfg.data.source, cfg.data.path,
-                                 [(m.source, m.path) for m in cfg.data.mix]) if meta else {},
+                                 [(m["source"], m["path"]) for m in cfg.data.mix_sources()]) if meta else {},
             "recipe": cfg.model_dump(mode="json"), "drafter_path": str((out / "export").absolute()),
             "serve_target": serve_target, "target_hub_id": target_hub_id}
     if cfg.target.random_init_from_config:  # named by its shipped name or file name, never a local path

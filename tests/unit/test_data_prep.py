@@ -481,6 +481,10 @@ def test_mix_appends_sources_after_the_main_one_and_leaves_its_split_unchanged(t
                                                          "num_conversations": 5}]})
     with pytest.raises(DataError, match=r"^data.mix\[0\] \(jsonl\): .*bad.jsonl"):
         load_mixture(broken, screen)
+    missing = DataConfig(**{**cfg.model_dump(), "mix": [{"source": "jsonl", "path": str(tmp_path / "nope.jsonl"),
+                                                         "num_conversations": 5}]})
+    with pytest.raises(FileNotFoundError, match=r"^data.mix\[0\] \(jsonl\): .*nope.jsonl"):
+        load_mixture(missing, screen)
     with pytest.raises(ValueError, match="num_conversations"):
         DataConfig(mix=[{"source": "jsonl", "path": "x"}])
     with pytest.raises(ValueError, match="extra|not permitted"):
@@ -694,7 +698,7 @@ def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, t
 
 
 def test_keep_kv_frees_the_last_calls_cache_before_generate_runs(tok, tiny_model, monkeypatch):
-    """The memory check counts two caches only while a call's cache is built: by the time ``generate`` runs, every
+    """The memory check counts the last call's cache only while a call's cache is built: by the time ``generate`` runs, every
     earlier call's cache is freed (its rows copied, its finished rows let go)."""
     import gc
     import weakref
@@ -719,12 +723,14 @@ def test_keep_kv_frees_the_last_calls_cache_before_generate_runs(tok, tiny_model
 
 
 def test_keep_kv_needs_the_segmented_static_engine_and_is_counted_by_the_memory_check(tok, tiny_model):
-    """``keep_kv`` without the static engine in segments is refused; with it the memory check counts two caches
-    (the last call's, held while the next is built), so the batch that fits is about halved."""
+    """``keep_kv`` without the static engine in segments is refused; with it the memory check counts two caches and an
+    eighth (the last call's, held while the next is built, and a prefill forward's rows), so fewer rows fit."""
     from data_prep.regen_memory import fit_regen_memory
 
+    # engine auto resolves to generate on a CPU: the recipe's keep_kv cannot run there, said before any generation
+    auto = RegenConfig(engine="auto", segment_tokens=8, keep_kv=True)
     with pytest.raises(ValueError, match="regen.keep_kv needs the static engine in segments"):
-        regenerate(tiny_model, tok, REGEN_CONVS, RegenConfig(engine="generate", keep_kv=True), 512, progress=False)
+        regenerate(tiny_model, tok, REGEN_CONVS, auto, 512, progress=False)
     from transformers import LlamaConfig
 
     smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -733,8 +739,28 @@ def test_keep_kv_needs_the_segmented_static_engine_and_is_counted_by_the_memory_
     one, _ = fit_regen_memory(cfg, smollm2, 2, "static", 2048, 40 * 2**30, attn_implementation="sdpa")
     two, msg = fit_regen_memory(cfg.model_copy(update={"keep_kv": True}), smollm2, 2, "static", 2048, 40 * 2**30,
                                 attn_implementation="sdpa")
-    # one more cache of 4,608 positions per row (106 MB) beside one cache and its prefill (57 MB): 0.6 of the rows
-    assert 0.55 < two.batch_size / one.batch_size < 0.65 and "two caches (regen.keep_kv)" in msg
+    # 1.125 more caches of 4,608 positions per row (119 MB) beside one cache and its prefill (163 MB): 0.57 of the rows
+    assert 0.53 < two.batch_size / one.batch_size < 0.62 and "in 2.125 caches (regen.keep_kv)" in msg
+    with pytest.raises(ValueError, match="regen.keep_kv works between the segments"):
+        RegenConfig(keep_kv=True)  # refused at load, before a target is loaded
+    with pytest.raises(ValueError, match="regen.keep_kv works between the segments"):
+        RegenConfig(keep_kv=True, backend="vllm")
+
+
+def test_keep_kv_refuses_a_sliding_window_target(tok):
+    """A target with sliding-window layers (GPT-OSS's alternate layers) keeps only the window in a static cache,
+    which a carried row would not fit: ``keep_kv`` is refused with the reason, before anything is generated."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from data_prep.kv_carry import unsupported_reason
+
+    sliding = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               sliding_window=8)).eval()
+    assert "sliding-window" in unsupported_reason(sliding)
+    cfg = RegenConfig(max_new_tokens=4, batch_size=2, engine="static", segment_tokens=8, keep_kv=True)
+    with pytest.raises(ValueError, match="regen.keep_kv: the target has sliding-window attention layers"):
+        regenerate(sliding, tok, REGEN_CONVS[:1], cfg, 512, progress=False)
 
 
 def test_compile_dynamic_asks_transformers_for_one_dynamic_graph(tok, tiny_model, monkeypatch):
@@ -905,6 +931,29 @@ def test_train_shards_regenerates_and_returns_only_the_first_shards(tok, tiny_mo
     assert two == full[:4] and rep2["shards"] == 2
     with pytest.raises(ValueError, match="train_shards.*regen.enabled"):
         RegenConfig(enabled=False, train_shards=1)
+
+
+def test_a_mix_entry_without_path_reads_the_main_sources_file_and_split_and_the_card_names_it(tmp_path):
+    """An entry that names the main source and no path is a later slice of the main source's file (and split,
+    unless it gives one); an entry of another source reads that source's default. The model card names what was
+    read."""
+    from peagle_train import stages
+    from peagle_train.recipe import load_config
+
+    cfg = DataConfig(source="jsonl", path="/data/chat", split="s", mix=[
+        {"source": "jsonl", "skip": 3, "num_conversations": 2}, {"source": "jsonl", "split": "t", "num_conversations": 2},
+        {"source": "sharegpt", "num_conversations": 2}])
+    got = [(m["source"], m["path"], m["split"], m["skip"]) for m in cfg.mix_sources()]
+    assert got == [("jsonl", "/data/chat", "s", 3), ("jsonl", "/data/chat", "t", 0), ("sharegpt", None, None, 0)]
+    assert DataConfig().mix_sources() == []
+    main = write_jsonl(tmp_path / "main.jsonl", chat_rows(6))
+    run = load_config("recipes/smollm2-135m.yaml", [f"output_dir={tmp_path / 'run'}", "data.source=jsonl",
+                                                     f"data.path={main}", "data.mix=[{source: jsonl, skip: 4, "
+                                                     "num_conversations: 2}]"])
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    (tmp_path / "run" / "data" / "meta.json").write_text(json.dumps({"source": {"kept": 4, "mix": [{"kept": 2}]}}))
+    card = stages._card(run)
+    assert card["data"]["mixed_with"] == {"1. jsonl: main.jsonl (local file)": {"kept": 2}}
 
 
 def test_a_mix_entry_added_later_reuses_the_shards_made_before_it(tok, tiny_model, tmp_path, monkeypatch):

@@ -127,8 +127,8 @@ def test_length_groups_bound_the_padding():
 
     rows = [(0, 3), (1, 900), (2, 440), (3, 700), (4, 120), (5, 460), (6, 0)]
     groups = length_groups(rows, lambda r: r[1])
-    assert [[r[1] for r in g] for g in groups] == [[900, 700, 460], [440], [120], [3, 0]]
-    assert sum(len(g) * g[0][1] for g in groups) == 2700 + 440 + 120 + 6  # padded positions computed
+    assert [[r[1] for r in g] for g in groups] == [[900, 700, 460], [440], [120], [3], [0]]
+    assert sum(len(g) * g[0][1] for g in groups) == 2700 + 440 + 120 + 3  # padded positions computed
     assert all(r[1] >= 0.5 * g[0][1] for g in groups for r in g if r[1])  # each row at least half its group's first
     assert length_groups([], lambda r: r) == []
 
@@ -151,3 +151,57 @@ def test_a_next_turn_inside_its_previous_turn_computes_nothing(model):
     cache2 = carry.build(model, ids, mask, [3], 2)
     check_rows(model, cache2, [seq[:5]], 8)
     assert carry.prefilled_tokens == before and carry.reused_tokens == 4
+
+
+def test_a_padding_copy_unlike_row_0_of_its_part_is_prefilled(model):
+    """In a part of a call split after running out of memory, row 0 is not the call's row 0 that the padding copies
+    repeat: such a padding row is prefilled from its own tokens, and equals a plain prefill."""
+    carry = KVCarry()
+    rows = [[7, 8, 9, 10], [11, 12, 13, 14, 15], [7, 8, 9, 10]]  # the last: a copy of another part's row 0
+    rows[2] = [20, 21, 22]
+    carry.next_call([(4, None, rows[0]), (5, None, rows[1])], going=set())
+    ids, mask = batch(rows, 6)
+    assert KVCarry.padding_keys(ids, [4, 5, None]) == [4, 5, ("padding", 2)]
+    assert KVCarry.padding_keys(ids, [4, 5]) == [4, 5]
+    cache = carry.build(model, ids, mask, [4, 5, None], 2)
+    check_rows(model, cache, rows, 6)
+    ids, mask = batch([rows[0], rows[1], rows[0]], 6)  # a real copy of row 0 takes row 0's keys
+    assert KVCarry.padding_keys(ids, [4, 5, None]) == [4, 5, None]
+
+
+def test_prefill_forwards_take_at_most_an_eighth_of_the_call(model, monkeypatch):
+    """A group of new rows is prefilled in forwards of at most ``B // 8`` rows (what the memory check counts), with
+    the same keys as one forward."""
+    import data_prep.kv_carry as kv
+
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, 50, (6 + i % 3,), generator=g).tolist() for i in range(16)]
+    calls = []
+    real = model.forward
+
+    def counting(*a, **k):
+        calls.append(k["input_ids"].shape[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward", counting)
+    carry = KVCarry()
+    carry.next_call([(i, None, r) for i, r in enumerate(rows)], going=set())
+    ids, mask = batch(rows, 10)
+    cache = carry.build(model, ids, mask, list(range(16)), 2)
+    monkeypatch.setattr(model, "forward", real)
+    check_rows(model, cache, rows, 10)
+    assert calls and max(calls) <= 16 // kv.PREFILL_ROWS_DIVISOR and sum(calls) == 16
+
+
+def test_the_longest_cache_is_shared_through_the_lengths_dict(model):
+    """Caches are at least as long as the longest made before with the same ``lengths`` dict (one per model in the
+    engine), as ``generate`` keeps its longest cache length: fewer shapes to compile across engine runs."""
+    shared = {}
+    first = KVCarry(shared)
+    first.next_call([(0, None, [5, 6, 7])], going=set())
+    ids, mask = batch([[5, 6, 7]], 8)
+    assert first.build(model, ids, mask, [0], 24).layers[0].keys.shape[2] == 32 and shared == {"max_len": 32}
+    later = KVCarry(shared)
+    later.next_call([(0, None, [5, 6, 7])], going=set())
+    ids, mask = batch([[5, 6, 7]], 4)
+    assert later.build(model, ids, mask, [0], 4).layers[0].keys.shape[2] == 32
