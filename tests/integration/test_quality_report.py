@@ -181,8 +181,9 @@ def test_acceptance_by_copyable_classes_each_round_by_the_token_it_drafts(tmp_pa
 
 def test_committed_prepared_pack_restores_into_the_gpu_recipes():
     """docs/results.md (run 5): the committed prepared data is restored instead of regen-in + prepare. Its checksum
-    holds, and both GPU recipes with the pack's two overrides differ from its stamp only in drafter/train keys, which
-    a prepared-only folder takes (stages.claim_output_dir); a data, regen or target change would make it stale."""
+    holds, and both GPU recipes with the pack's three overrides (``data.mix=[]``: the pack was made before the recipes
+    took the rest of ShareGPT) differ from its stamp only in drafter/train keys, which a prepared-only folder takes
+    (stages.claim_output_dir); a data, regen or target change would make it stale."""
     import hashlib
     import tarfile
 
@@ -201,10 +202,12 @@ def test_committed_prepared_pack_restores_into_the_gpu_recipes():
     assert {"peagle/data/train.safetensors", "peagle/data/eval.safetensors", "peagle/data/meta.json"} <= set(names)
     work = "/tmp/peagle_quality"  # quality_experiment.sh's WORK: the paths the stamp holds
     ovr = ["target.gguf_package=null", f"target.gguf_file={work}/SmolLM2-135M-Instruct.Q4_1.gguf",
-           f"data.path={work}/sharegpt_prompts.json", "target.dtype=bfloat16", "regen.train_shards=6"]
+           f"data.path={work}/sharegpt_prompts.json", "target.dtype=bfloat16", "regen.train_shards=6", "data.mix=[]"]
     for recipe in ("smollm2-135m-peagle-gpu.yaml", "smollm2-135m-eagle3-gpu.yaml"):
         cfg = load_config(str(root / "recipes" / recipe), ovr)
         diffs = stamp_differences(cfg, stamp)
         assert {d.split(".")[0] for d in diffs} <= {"drafter", "train"}, (recipe, diffs)
     cfg = load_config(str(root / "recipes" / "smollm2-135m-peagle-gpu.yaml"), ovr[:3])
     assert "regen.train_shards" in stamp_differences(cfg, stamp)  # without the overrides the pack does not fit
+    cfg = load_config(str(root / "recipes" / "smollm2-135m-peagle-gpu.yaml"), ovr[:-1])
+    assert "data.mix" in stamp_differences(cfg, stamp)  # nor without data.mix=[]
