@@ -127,6 +127,9 @@ def cmd_step(args) -> None:
         tr4 = _trainer(cfg)
         recs = [tr4.train_step() for _ in range(args.steps)]
         _dump(tr4, recs, out, "nosync")
+    # as fit does at its end: no worker thread still building a next step's inputs when the process group goes
+    for t in [v for k, v in locals().items() if k in ("tr", "tr2", "tr3", "tr4")]:
+        t._stop_prefetch()
     tr.acc.wait_for_everyone()
 
 
