@@ -205,3 +205,21 @@ def test_the_longest_cache_is_shared_through_the_lengths_dict(model):
     later.next_call([(0, None, [5, 6, 7])], going=set())
     ids, mask = batch([[5, 6, 7]], 4)
     assert later.build(model, ids, mask, [0], 4).layers[0].keys.shape[2] == 32
+
+
+def test_generate_would_compile_its_decoding_step_on_a_built_cache(model, monkeypatch):
+    """On a GPU ``generate`` compiles its decoding step (CUDA graphs) only for a compileable static cache, as with
+    ``cache_implementation="static"``: a built cache qualifies by transformers' own test (the model's device taken as
+    CUDA here), so ``keep_kv`` does not fall back to eager decoding; a dynamic cache does not."""
+    import copy
+
+    if not hasattr(model, "_valid_auto_compile_criteria"):
+        pytest.skip("this transformers decides compilation elsewhere")
+    carry = KVCarry()
+    carry.next_call([(0, None, [5, 6, 7])], going=set())
+    ids, mask = batch([[5, 6, 7]], 4)
+    cache = carry.build(model, ids, mask, [0], 4)
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    gen = copy.deepcopy(model.generation_config)
+    assert model._valid_auto_compile_criteria({cache_kwarg(model): cache}, gen)
+    assert not model._valid_auto_compile_criteria({cache_kwarg(model): DynamicCache()}, gen)
