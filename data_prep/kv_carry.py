@@ -56,14 +56,22 @@ GROUP_SHARE = 0.5
 PREFILL_ROWS_DIVISOR = 8
 
 
+def has_sliding_window(config) -> bool:
+    """Whether a target config (a ``transformers`` config; its text config is not looked up here) has
+    sliding-window attention layers: a ``layer_types`` entry naming sliding attention (GPT-OSS), or a
+    ``sliding_window`` size that ``use_sliding_window`` (default true) switches on (Mistral). A static KV cache of
+    such a layer holds only the window."""
+    types = getattr(config, "layer_types", None) or []
+    return any("sliding" in str(t) for t in types) or bool(getattr(config, "sliding_window", None)
+                                                            and getattr(config, "use_sliding_window", True))
+
+
 def unsupported_reason(model) -> str | None:
     """Why :class:`KVCarry` cannot build ``model``'s caches (None when it can): a target with sliding-window
     attention layers (their static cache holds only the window, which a copied row would not fit: GPT-OSS), or a
     transformers whose ``StaticLayer`` has no ``cumulative_length`` (the write position the carry sets)."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    types = getattr(config, "layer_types", None) or []
-    if any("sliding" in str(t) for t in types) or (getattr(config, "sliding_window", None)
-                                                   and getattr(config, "use_sliding_window", True)):
+    if has_sliding_window(config):
         return "the target has sliding-window attention layers (a static cache of those holds only the window)"
     try:
         from transformers.cache_utils import StaticLayer
@@ -172,8 +180,8 @@ class KVCarry:
         self.reused_tokens = 0
 
     def next_call(self, rows: list[tuple], going: set) -> None:
-        """Start a call. ``rows``: its real rows ``(job, conversation or None, token ids)``; ``going``: the jobs that
-        go on from the last call. A row that goes on is continued from its row there; a new row whose conversation
+        """Start a call. ``rows``: its real rows ``(job, conversation or None, token ids)`` (the ids may be None for a
+        job in ``going``: it is found by its job); ``going``: the jobs that go on from the last call. A row that goes on is continued from its row there; a new row whose conversation
         had a turn end in the last call starts from that turn's tokens, as far as their ids agree (at least one
         position); every other row of the last call is let go (a cache no kept row is in is freed)."""
         finished = {}

@@ -276,8 +276,7 @@ class _FittingRows:
                  new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3),
                  compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3),
                  decode_steps=p["decode_steps"] + steps, row_steps=p["row_steps"] + shape[0] * steps,
-                 prefill_tokens=p.get("prefill_tokens", 0) + prefilled,
-                 prefix_reused_tokens=p.get("prefix_reused_tokens", 0) + reused)
+                 prefill_tokens=p["prefill_tokens"] + prefilled, prefix_reused_tokens=p["prefix_reused_tokens"] + reused)
 
 
 def _compile_stats() -> tuple[int, float]:
@@ -368,7 +367,8 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
         extra = {}
         if carry is not None:  # each row's job (the next call finds the rows that go on by it) and conversation
             conv = getattr(prompts, "conversation", lambda i: None)  # a streamed next turn reuses its previous turn
-            carry.next_call([(i, conv(i), prompts[i] + g) for i, g in active], {i for i, g in active if g})
+            # a row that goes on (tokens so far) is found by its job; only a new row's tokens are compared
+            carry.next_call([(i, conv(i), None if g else prompts[i]) for i, g in active], {i for i, g in active if g})
             extra = {"carry": carry, "keys": [i for i, _ in active] + [None] * (width - rows),
                      "conversations": [conv(i) for i, _ in active] + [None] * (width - rows)}
         with attention():

@@ -31,6 +31,7 @@ import weakref
 
 import torch
 
+from data_prep.kv_carry import has_sliding_window  # one rule for the static runner and regen.keep_kv
 from peagle_train.features.target import Target, keep_output
 
 
@@ -56,13 +57,6 @@ def _new_dynamic_cache():
     from transformers import DynamicCache
 
     return DynamicCache()
-
-
-def has_sliding_window(config) -> bool:
-    """Whether a target config has sliding-window attention layers (``layer_types`` or ``sliding_window``)."""
-    types = getattr(config, "layer_types", None) or []
-    return any("sliding" in str(t) for t in types) or bool(getattr(config, "sliding_window", None)
-                                                            and getattr(config, "use_sliding_window", True))
 
 
 class TargetRunner:
