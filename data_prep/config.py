@@ -141,6 +141,13 @@ class RegenConfig(Section):
         "only rows new to the batch are prefilled, padded to the longest of them (data_prep/kv_carry.py; greedy "
         "output unchanged). Two calls' caches are held while the next is built, which the memory check counts."
     )
+    progress_every_s: float | None = Field(
+        60.0, gt=0.0, description="backend hf, engines generate and static: after a generate call that ends at "
+        "least this many seconds after the last progress line, one more line on stderr (also with --quiet): calls, "
+        "generated tokens and tokens/s since the engine started, positions prefilled, decoding steps, compiles, "
+        "rows per call. A run stopped by a time limit before its first shard is written still says how fast it "
+        "went. None = no progress lines."
+    )
     stop_loops: bool = Field(
         False, description="engine static with segment_tokens: between segments, a row whose answer ends in a "
         "repetition loop (its last 64 tokens at least 90 % copyable from the 256 before them, "

@@ -191,8 +191,13 @@ class _FittingRows:
     ``limit`` stays a power of two when it starts as one (the compiled decoding step meets few batch shapes).
     """
 
-    def __init__(self, limit: int, log=None, seen: set | None = None):
+    def __init__(self, limit: int, log=None, seen: set | None = None, progress_every_s: float | None = None):
         self.limit = max(1, int(limit))
+        #: ``regen.progress_every_s``: a progress line (:meth:`progress_line`) through ``log`` after a call ending at
+        #: least this long after the last one (None: none)
+        self.progress_every_s = progress_every_s
+        self._t_start: float | None = None  # perf_counter at the first call
+        self._t_line = 0.0  # perf_counter of the last progress line (or the first call)
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         #: the shapes met before, by this object and by earlier ones given the same set (``hf_engine`` gives one
         #: set per model and decoding kernel, :func:`_shapes_seen`: the compiled step outlives a shard)
@@ -211,9 +216,10 @@ class _FittingRows:
         #: ``prefill_tokens``: prompt positions prefilled, padding included (``generate``'s prefill: rows x padded
         #: length; with ``regen.keep_kv`` only what :class:`data_prep.kv_carry.KVCarry` computes) and
         #: ``prefix_reused_tokens`` (keep_kv: positions of a next turn copied from its previous turn's row)
+        #: ``generated_tokens``: the new tokens the calls returned (through each row's end-of-turn token)
         self.profile = {"calls": 0, "shapes": 0, "seconds": 0.0, "new_shape_seconds": 0.0, "compiles": 0,
                         "compile_seconds": 0.0, "decode_steps": 0, "row_steps": 0, "prefill_tokens": 0,
-                        "prefix_reused_tokens": 0}
+                        "prefix_reused_tokens": 0, "generated_tokens": 0}
 
     def __call__(self, model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], gen_kwargs: dict,
                  bucket: int = 1, refill_at: float | None = None, tokens_left: list[int] | None = None,
@@ -229,6 +235,8 @@ class _FittingRows:
         import torch
 
         out, s = [], 0
+        if self._t_start is None:
+            self._t_start = self._t_line = time.perf_counter()
         while s < len(prompts) and (tokens_left is None or s < len(tokens_left)):
             chunk = prompts[s : s + self.limit]
             left = None if tokens_left is None else tokens_left[s : s + self.limit]
@@ -244,7 +252,12 @@ class _FittingRows:
                 self._count((len(chunk), width, gen_kwargs.get("max_new_tokens")), time.perf_counter() - t0,
                             c1[0] - c0[0], c1[1] - c0[1], max((len(new) for new, _ in got), default=0),
                             carry.prefilled_tokens - p0 if carry is not None else len(chunk) * width,
-                            carry.reused_tokens - r0 if carry is not None else 0)
+                            carry.reused_tokens - r0 if carry is not None else 0,
+                            sum(len(new) for new, _ in got))
+                now = time.perf_counter()
+                if self.progress_every_s is not None and now - self._t_line >= self.progress_every_s:
+                    self._t_line = now
+                    self.log(self.progress_line(now - self._t_start))
             except torch.OutOfMemoryError as e:
                 longest = max(len(p) for p in chunk)
                 if len(chunk) == 1:
@@ -262,12 +275,22 @@ class _FittingRows:
             s += len(chunk)
         return out
 
+    def progress_line(self, elapsed_s: float) -> str:
+        """One line of where the engine stands, ``elapsed_s`` seconds (wall) after its first call: e.g.
+        ``regen: 12 calls in 300 s, 1,234,567 tokens (4,115 tokens/s), 2,345,678 positions prefilled, 1,536
+        decoding steps, 3 compiles (95 s), 512 rows per call``."""
+        p = self.profile
+        rate = p["generated_tokens"] / elapsed_s if elapsed_s > 0 else 0.0
+        return (f"regen: {p['calls']} calls in {elapsed_s:.0f} s, {p['generated_tokens']:,} tokens ({rate:,.0f} "
+                f"tokens/s), {p['prefill_tokens']:,} positions prefilled, {p['decode_steps']:,} decoding steps, "
+                f"{p['compiles']} compiles ({p['compile_seconds']:.0f} s), {self.limit} rows per call")
+
     def _count(self, shape: tuple, seconds: float, compiles: int = 0, compile_seconds: float = 0.0,
-               steps: int = 0, prefilled: int = 0, reused: int = 0) -> None:
+               steps: int = 0, prefilled: int = 0, reused: int = 0, generated: int = 0) -> None:
         """Add one finished ``generate`` call of ``shape`` (rows, padded prompt length, new tokens), ``seconds``
         (wall time), the ``compiles`` / ``compile_seconds`` made in it, its decoding ``steps``, the prompt
-        positions it ``prefilled`` and those it ``reused`` from a previous turn (``regen.keep_kv``) to
-        :attr:`profile`."""
+        positions it ``prefilled``, those it ``reused`` from a previous turn (``regen.keep_kv``) and the tokens it
+        ``generated`` to :attr:`profile`."""
         new = shape not in self._seen
         self._seen.add(shape)
         self._mine.add(shape)
@@ -276,7 +299,8 @@ class _FittingRows:
                  new_shape_seconds=round(p["new_shape_seconds"] + new * seconds, 3),
                  compiles=p["compiles"] + compiles, compile_seconds=round(p["compile_seconds"] + compile_seconds, 3),
                  decode_steps=p["decode_steps"] + steps, row_steps=p["row_steps"] + shape[0] * steps,
-                 prefill_tokens=p["prefill_tokens"] + prefilled, prefix_reused_tokens=p["prefix_reused_tokens"] + reused)
+                 prefill_tokens=p["prefill_tokens"] + prefilled, prefix_reused_tokens=p["prefix_reused_tokens"] + reused,
+                 generated_tokens=p["generated_tokens"] + generated)
 
 
 def _compile_stats() -> tuple[int, float]:
@@ -616,7 +640,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     attention = (lambda: _static_step(model, kernel)) if engine == "static" else contextlib.nullcontext
 
     # halves its calls, for the rest of the run, on running out of memory; counts compiles over the process's shards
-    generate_rows = _FittingRows(cfg.batch_size, seen=_shapes_seen(model, kernel))
+    generate_rows = _FittingRows(cfg.batch_size, seen=_shapes_seen(model, kernel),
+                                 progress_every_s=cfg.progress_every_s)
 
     looped: list[int] = []  # job indices stopped in a loop (regen.stop_loops)
 

@@ -35,6 +35,10 @@ for a in args[2:]:
     if "=" in a:
         k, v = a.split("=", 1)
         over[k] = v  # the last one wins, as the recipe loader does
+if args[0] == "train":  # the real loader validates the recipe with the script's and the caller's overrides
+    sys.path.insert(0, os.environ["FAKE_ROOT"])
+    from peagle_train.recipe import load_config
+    load_config(args[1], [a for a in args[2:] if "=" in a and not a.startswith("--")])
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({{"args": args, "launcher": launcher}}) + "\n")
 out = Path(over["output_dir"])
@@ -59,7 +63,7 @@ def _setup(tmp_path: Path) -> dict:
         f = bin_dir / name
         f.write_text(FAKE.format(python=sys.executable))
         f.chmod(0o755)
-    return os.environ | {"WORK": str(work), "PEAGLE_CLI": str(bin_dir / "fake_cli"), "FAKE_LOG": str(tmp_path / "calls"),
+    return os.environ | {"WORK": str(work), "PEAGLE_CLI": str(bin_dir / "fake_cli"), "FAKE_LOG": str(tmp_path / "calls"), "FAKE_ROOT": str(ROOT),
                          "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
@@ -97,3 +101,32 @@ def test_summary_names_a_run_that_wrote_nothing(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["name"] == "empty" and "train_metrics.json: not found" in row["error"]
     assert "run `peagle-train train` on this folder first" in r.stdout
+
+
+#: the trainer rows' commands of docs/benchmarks.md ("Trainer throughput", next run): the recipe they make must load
+DOCUMENTED_TRAINER_RUNS = [
+    ["ca64", "train.micro_batch_size=64", "train.max_minutes=1.5", "target.dtype=bfloat16", "train.compile=true",
+     "train.eval_sequences=20", "train.features=cache"],
+    ["on64", "train.micro_batch_size=64", "train.max_minutes=1.2", "target.dtype=bfloat16", "train.compile=true",
+     "train.eval_sequences=20"],
+]
+
+
+@pytest.mark.parametrize("run", DOCUMENTED_TRAINER_RUNS, ids=lambda r: r[0])
+def test_documented_trainer_runs_make_a_valid_recipe(tmp_path, run):
+    env = _setup(tmp_path)
+    r = subprocess.run(["bash", str(SCRIPT), "trainer", *run, "train.max_steps=30"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "failed" not in r.stdout, r.stdout + r.stderr
+    (call,) = [json.loads(x) for x in (tmp_path / "calls").read_text().splitlines()]
+    # a random-weight target has no layers to start the drafter from (a cached run refused that on the GPU)
+    assert "drafter.init_layers=random" in call["args"]
+
+
+def test_a_recipe_the_loader_refuses_is_reported_as_a_failed_run(tmp_path):
+    """The GPU run of 2026-12-06 passed train.eval_sequences=16 where the recipe's heldout eval needs 20: the fake
+    trainer refuses it as the real one did."""
+    env = _setup(tmp_path)
+    r = subprocess.run(["bash", str(SCRIPT), "trainer", "bad", "train.eval_sequences=16"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert "trainer bad failed" in r.stdout and "eval_sequences" in r.stdout, r.stdout + r.stderr

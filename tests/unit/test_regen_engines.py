@@ -401,6 +401,35 @@ def test_segment_shapes_stay_few():
     assert len(lengths) == 8
 
 
+def test_progress_lines_say_how_fast_the_engine_went(tiny_llama_config, monkeypatch):
+    """``regen.progress_every_s``: after a call ending that long after the last line, one line with the calls, the
+    tokens generated and their rate, so a run stopped before its first shard still tells its speed (a keep_kv
+    prepare on an H100 wrote no shard in 478 s and left nothing to read); none without it. The profile counts the
+    generated tokens exactly."""
+    import data_prep.regenerate as regen
+    from conftest import tiny_generator
+    from data_prep.regenerate import _FittingRows, _generate_batch
+
+    model, prompts = tiny_generator(2, (5, 9, 2, 14, 7, 3, 11, 4))
+    kw = {"do_sample": False, "max_new_tokens": 6}
+    want = _generate_batch(model, prompts, 0, [1], kw)
+    clock = iter(range(0, 10_000, 10))  # every perf_counter reading 10 s after the last
+    monkeypatch.setattr(regen.time, "perf_counter", lambda: float(next(clock)))
+    said = []
+    rows = _FittingRows(4, log=said.append, progress_every_s=15.0)
+    assert rows(model, prompts, 0, [1], kw) == want
+    tokens = sum(len(new) for new, _ in want)
+    assert rows.profile["generated_tokens"] == tokens and rows.profile["calls"] == 2
+    # readings per call: its start, its end, the progress check: the first ends 30 s after the engine's start
+    # (>= 15: a line), the second 30 s after that line
+    assert len(said) == 2 and said[0].startswith("regen: 1 calls in 30 s, ")
+    assert said[1].startswith(f"regen: 2 calls in 60 s, {tokens:,} tokens ({tokens / 60:,.0f} tokens/s)")
+    assert "4 rows per call" in said[1]
+    quiet = []
+    _FittingRows(4, log=quiet.append)(model, prompts, 0, [1], kw)
+    assert quiet == []
+
+
 def test_free_memory_counts_what_the_caching_allocator_holds_unused(monkeypatch):
     """After an earlier ``generate`` in the same process, PyTorch's caching allocator keeps the freed KV cache's
     blocks: the driver reports them as used (an H200 showed 62.9 of 139 GiB free and the check cut a batch
