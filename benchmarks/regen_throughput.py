@@ -194,7 +194,7 @@ def run_engine(target, regen_cfg, max_prompt_tokens: int, prompts: list[list[int
     from data_prep.regenerate import check_regen_memory, hf_engine
 
     regen_cfg, note = check_regen_memory(target.model, regen_cfg, max_prompt_tokens)
-    complete, engine = hf_engine(target.model, target.tokenizer, regen_cfg)
+    complete, engine = hf_engine(target.model, target.tokenizer, regen_cfg, max_prompt_tokens)
     jobs = [(k, 0, [], p) for k, p in enumerate(prompts)]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()

@@ -134,6 +134,23 @@ def prefill_bytes_per_row(model_config, dtype_bytes: int, prompt_tokens: int, at
     return target_forward_peak_bytes(1, prompt_tokens, shape, head_chunk=0)
 
 
+def static_row_tokens(cfg: RegenConfig, max_prompt_tokens: int) -> tuple[int, int]:
+    """``(prompt, seq)``: the longest prompt a call of the static engine prefills for one row and the static cache
+    length that row needs, in tokens (the memory check counts every row at ``seq``).
+
+    In segments (``regen.segment_tokens``) a row goes on with its prompt and its tokens so far (fewer than the
+    cap), bucketed to :func:`segment_bucket`, plus one segment (at most the cap); without, the bucketed prompt plus
+    the cap. E.g. SmolLM2's GPU recipe (prompts of 2,048, cap 2,048, segments of 512): ``(4096, 4608)``.
+    ``regen.keep_kv`` makes every cache ``seq`` long from its first call (one cache length: the compiled
+    decoding step meets one length per batch width, not one per longer row)."""
+    if cfg.segment_tokens is not None:
+        prompt = bucketed(max_prompt_tokens + cfg.max_new_tokens - 1,
+                          segment_bucket(STATIC_PROMPT_BUCKET, cfg.segment_tokens))
+        return prompt, prompt + min(cfg.segment_tokens, cfg.max_new_tokens)
+    prompt = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET)
+    return prompt, prompt + cfg.max_new_tokens
+
+
 def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: str, max_prompt_tokens: int,
                      free_bytes: int | None, where: str = "the device",
                      attn_implementation: str | None = None) -> tuple[RegenConfig, str | None]:
@@ -173,14 +190,8 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
     free = f"{free_bytes / GIB:.2f} GiB free on {where}"
     if engine in ("generate", "static"):
         prompt = max_prompt_tokens
-        if engine == "static" and cfg.segment_tokens is not None:  # a row goes on with its prompt + tokens so
-            # far (< the cap) prefilled again, bucketed, + one segment (at most the cap)
-            prompt = bucketed(max_prompt_tokens + cfg.max_new_tokens - 1, segment_bucket(STATIC_PROMPT_BUCKET,
-                                                                                        cfg.segment_tokens))
-            seq = prompt + min(cfg.segment_tokens, cfg.max_new_tokens)
-        elif engine == "static":  # the static cache holds the bucketed prompt length + the cap from the start
-            prompt = bucketed(max_prompt_tokens, STATIC_PROMPT_BUCKET)
-            seq = prompt + cfg.max_new_tokens
+        if engine == "static":  # in segments a row goes on with its tokens so far; the cache holds a segment more
+            prompt, seq = static_row_tokens(cfg, max_prompt_tokens)
         prefill = prefill_bytes_per_row(model_config, dtype_bytes, prompt, attn_implementation)
         # regen.keep_kv: the last call's cache is held while the next one is built from it, and a prefill forward
         # holds its rows' keys and values, at most 1 / PREFILL_ROWS_DIVISOR of the call (data_prep/kv_carry.py)

@@ -51,7 +51,7 @@ from data_prep.kv_carry import KVCarry, cache_kwarg
 from data_prep.kv_carry import unsupported_reason as kv_carry_unsupported
 from data_prep.loops import ends_in_loop
 from data_prep.regen_memory import (STATIC_PROMPT_BUCKET, bucketed, fit_regen_memory, free_memory_bytes, segment_bucket,
-                                   segment_width)
+                                   segment_width, static_row_tokens)
 from data_prep.regenerate_cb import continuous_generate, unsupported_reason
 from data_prep.regenerate_vllm import regenerate_vllm
 from data_prep.rounds import Completion, Job, Message, harmony_splitter, reasoning_markers, regen_report, run_rounds
@@ -484,7 +484,7 @@ def regenerate(
         return regenerate_vllm(model, tokenizer, conversations, cfg, max_prompt_tokens, progress)
     if not cfg.enabled:
         raise ValueError("regen.enabled is false: skip regenerate() and keep the source responses")
-    complete, engine = hf_engine(model, tokenizer, cfg)
+    complete, engine = hf_engine(model, tokenizer, cfg, max_prompt_tokens)
     eos_ids = _eos_ids(model, tokenizer)
 
     def report_of(stats: dict) -> dict:
@@ -563,7 +563,7 @@ def check_regen_memory(model, cfg: RegenConfig, max_prompt_tokens: int,
                             where=str(model.device), attn_implementation=getattr(model.config, "_attn_implementation", None))
 
 
-def hf_engine(model, tokenizer, cfg: RegenConfig):
+def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None = None):
     """The HF backend's engine for :func:`data_prep.rounds.run_rounds`: ``(complete, engine name)``.
 
     ``complete(jobs)`` yields ``(job position, Completion)`` with the generated ``token_ids`` (through the
@@ -573,7 +573,10 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
     in segments, the batch refilled between them, :func:`_generate_segmented`); ``continuous``
     (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
     when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
-    ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode.
+    ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode. ``max_prompt_tokens``
+    (``data.max_prompt_tokens``): with ``regen.keep_kv``, every static cache is made as long as the memory check
+    counts a row from the first call (:func:`data_prep.regen_memory.static_row_tokens`), so the compiled decoding
+    step meets one cache length; None: caches grow to the longest call so far.
 
     ``complete`` carries ``streaming`` (static in segments: :func:`data_prep.rounds.run_rounds` then streams
     turns), ``profile`` (:attr:`_FittingRows.profile`; None for continuous), ``looped`` (the job indices
@@ -599,6 +602,9 @@ def hf_engine(model, tokenizer, cfg: RegenConfig):
                              f"engine is {engine}: set regen.engine: static")
     if cfg.keep_kv and (why := kv_carry_unsupported(model)) is not None:
         raise ValueError(f"regen.keep_kv: {why}; set regen.keep_kv: false")
+    if cfg.keep_kv and max_prompt_tokens is not None:  # one cache length for the whole run (fewer compiles)
+        lengths = _kv_lengths(model)
+        lengths["max_len"] = max(lengths.get("max_len", 0), static_row_tokens(cfg, max_prompt_tokens)[1])
     transformers.set_seed(cfg.seed)
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)

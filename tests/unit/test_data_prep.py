@@ -697,6 +697,38 @@ def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, t
     assert state["raised"] and fitting.limit == 1 and halved == ref
 
 
+def test_keep_kv_caches_have_one_length_from_the_first_call(tok, tiny_model, monkeypatch):
+    """With ``data.max_prompt_tokens`` known (``regenerate`` passes it to ``hf_engine``), every cache ``keep_kv``
+    builds is as long as the memory check counts a row (:func:`data_prep.regen_memory.static_row_tokens`) from the
+    first call on: the compiled decoding step then meets one cache length per batch width (on an H200 each new
+    shape cost tens of seconds of compiling; the first shard of the 92788d0 prepare spent 374 s in calls meeting
+    new shapes). Same conversations as without it."""
+    from data_prep import kv_carry, regen_memory
+    from data_prep.regen_memory import static_row_tokens
+
+    monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
+    monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)  # the calls' widths: multiples of 8
+    model = tiny_model
+    cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, keep_kv=True)
+    made, real_new = [], kv_carry.KVCarry._new_cache
+
+    def recording(self, model, B, need):
+        cache = real_new(self, model, B, need)
+        made.append((B, need, cache.layers[0].keys.shape[2]))
+        return cache
+
+    monkeypatch.setattr(kv_carry.KVCarry, "_new_cache", recording)
+    monkeypatch.setattr("data_prep.regenerate._KV_LENGTHS", __import__("weakref").WeakKeyDictionary())
+    ref, _ = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"keep_kv": False}), 96, progress=False)
+    kept, _ = regenerate(model, tok, REGEN_CONVS, cfg, 96, progress=False)
+    assert kept == ref
+    seq = static_row_tokens(cfg, 96)[1]
+    assert seq == 136  # prompts to 96 + the cap 30 - 1 = 125, bucketed to 128 (segments of 8), + a segment of 8
+    assert len(made) > 3 and {length for _, _, length in made} == {seq}
+    needs = [need for _, need, _ in made]
+    assert min(needs) < seq and max(needs) <= seq  # what the calls needed varied (never above the memory check's)
+
+
 def test_keep_kv_frees_the_last_calls_cache_before_generate_runs(tok, tiny_model, monkeypatch):
     """The memory check counts the last call's cache only while a call's cache is built: by the time ``generate`` runs, every
     earlier call's cache is freed (its rows copied, its finished rows let go)."""
