@@ -23,11 +23,17 @@ tokens are those of one ``generate`` call per turn (float32 tests on CPU: ``test
 cache is a ``transformers`` ``StaticCache``, so ``generate`` compiles its decoding step as for
 ``cache_implementation="static"``.
 
-Memory: while a call's cache is built, the last call's is held (the rows are read from it), and each prefill
-forward holds the keys and values of its rows, at most ``B //`` :data:`PREFILL_ROWS_DIVISOR` of them: two caches
-and an eighth at the peak, which :func:`data_prep.regen_memory.fit_regen_memory` counts for ``keep_kv``. The last
-call's cache is freed before ``generate`` runs. Targets with sliding-window layers are refused
-(:func:`unsupported_reason`).
+Memory: the calls of one engine run share one buffer of keys and values (per layer ``[rows, kv heads, length,
+head dim]``, allocated at the run's first call, again only for a wider or longer call); a call's cache is a view of
+its first rows, rebuilt in place from the last call's (every read of a layer is a copy made before that layer is
+written; the frames of continued turns, at most ``1 /`` :data:`FRAME_BUDGET_DIVISOR` of the call's positions, are
+copied before anything is written; a continued turn beyond that budget is prefilled instead). A prefill forward
+holds at most ``B //`` :data:`PREFILL_ROWS_DIVISOR` rows' keys and values. At the peak: one cache, an eighth for a
+prefill forward, an eighth for the frames, and two layers (a layer's carried rows while they move, a layer that
+transformers allocates while it initialises the call's cache); :func:`memory_caches` is that count, which
+:func:`data_prep.regen_memory.fit_regen_memory` uses for ``keep_kv``. A call split into parts after running out of
+memory builds each part in a cache of its own (the buffer's rows may hold another part's sources). Targets with
+sliding-window layers are refused (:func:`unsupported_reason`).
 """
 from __future__ import annotations
 
@@ -54,6 +60,17 @@ GROUP_SHARE = 0.5
 #: holds while it runs (its rows' keys and values, its activations) is bounded by that share of the call: the
 #: memory check counts ``2 + 1 / PREFILL_ROWS_DIVISOR`` caches for ``regen.keep_kv``
 PREFILL_ROWS_DIVISOR = 8
+
+#: the frames copied for the continued turns of a call (copied before the buffer is rewritten in place) hold at most
+#: ``B * length // FRAME_BUDGET_DIVISOR`` positions of a ``B``-row call (at least ``length``: one row); a continued
+#: turn beyond it is prefilled
+FRAME_BUDGET_DIVISOR = 8
+
+
+def memory_caches(num_layers: int) -> float:
+    """The peak memory of ``regen.keep_kv``'s builds in caches of the call's rows (module docstring): one cache, the
+    prefill forward's and the frames' shares, and two layers. E.g. 30 layers (SmolLM2): ``1.3167``."""
+    return 1 + 1 / PREFILL_ROWS_DIVISOR + 1 / FRAME_BUDGET_DIVISOR + 2 / max(1, num_layers)
 
 
 def has_sliding_window(config) -> bool:
@@ -140,6 +157,10 @@ class Layout:
         """A group of continued turns' frame: its longest row's length minus the last token."""
         return max(self.lengths[b] - 1 for b, _, _ in group)
 
+    def frame_positions(self) -> int:
+        """Positions the continued turns' frames hold (per layer): each group's rows times its copied columns."""
+        return sum(len(g) * (self.frame_len(g) - self.suffix_len(g)) for g in self.prefixed)
+
     def prefilled(self) -> int:
         """Positions a build computes, padding included: each group's rows times its computed length."""
         return (sum(len(g) * self.fresh_len(g) for g in self.fresh)
@@ -178,6 +199,10 @@ class KVCarry:
         self.lengths = lengths if lengths is not None else {}
         self.prefilled_tokens = 0
         self.reused_tokens = 0
+        #: per layer ``(keys, values)``, ``[rows, kv heads, length, head dim]``: the engine run's calls' caches are
+        #: views of their first rows (None before the first build, and after a split call)
+        self._buffer: list | None = None
+        self._call_jobs: set = set()  # the real rows' jobs of the current call (a build of fewer: a split call)
 
     def next_call(self, rows: list[tuple], going: set) -> None:
         """Start a call. ``rows``: its real rows ``(job, conversation or None, token ids)`` (the ids may be None for a
@@ -198,6 +223,7 @@ class KVCarry:
                 if m > 0:
                     plan[job] = ("prefix", parent, m)
         self._plan, self._now = plan, {}
+        self._call_jobs = {job for job, _, _ in rows}
 
     @staticmethod
     def padding_keys(input_ids, keys: list) -> list:
@@ -211,13 +237,27 @@ class KVCarry:
         same = dict(zip(pads, (input_ids[pads] == input_ids[0]).all(dim=1).tolist()))
         return [("padding", b) if b in same and not same[b] else k for b, k in enumerate(keys)]
 
-    def layout(self, keys: list, lengths: list[int]) -> Layout:
+    def layout(self, keys: list, lengths: list[int], frame_budget: int | None = None) -> Layout:
         """Which rows of a call (``keys``: each row's job, None for a padding copy; ``lengths``: their real
-        tokens) are carried, prefixed or prefilled, and over how many positions."""
+        tokens) are carried, prefixed or prefilled, and over how many positions. ``frame_budget``: the most
+        positions the prefixed groups' frames (copied columns, :meth:`Layout.frame_positions`) may hold; the group
+        with the largest frame is prefilled instead until they fit (None: no limit)."""
+        out = self._layout(keys, lengths, set())
+        demoted: set = set()
+        while frame_budget is not None and out.prefixed and out.frame_positions() > frame_budget:
+            largest = max(out.prefixed, key=lambda g: len(g) * (out.frame_len(g) - out.suffix_len(g)))
+            demoted |= {b for b, _, _ in largest}
+            out = self._layout(keys, lengths, demoted)
+        return out
+
+    def _layout(self, keys: list, lengths: list[int], demoted: set) -> Layout:
+        """:meth:`layout` with the rows in ``demoted`` prefilled whatever their source."""
         out = Layout(lengths=list(lengths))
         fresh, prefixed = [], []
         for b, k in enumerate(keys):
             src = self._plan.get(k) if k is not None else None
+            if src is not None and src[0] == "prefix" and b in demoted:
+                src = None
             if k is None:
                 out.pads.append(b)
             elif src is None:
@@ -241,18 +281,23 @@ class KVCarry:
             attention_mask: ``[B, W]`` int64, 0 on the left padding.
             keys: ``B`` job keys; ``None`` marks a padding copy of row 0 (row 0 is never one).
             max_new_tokens: the tokens the call may decode (the cache holds ``W + max_new_tokens`` positions or
-                more: at least as many as the longest cache made before).
+                more: at least as many as the longest cache made before, ``lengths["max_len"]``).
 
         Returns:
-            a ``StaticCache`` with ``W - 1`` positions filled for every row.
+            a ``StaticCache`` with ``W - 1`` positions filled for every row: a view of the first ``B`` rows of the
+            engine run's buffer, whose rows the last call's cache also views (rewritten in place: that cache is
+            not valid after this build), or, for a part of a call split after running out of memory, a cache of
+            its own.
 
         Raises:
             ValueError: row 0 is a padding copy; a carried row has another length than the last call left it with,
                 or the rows of one source cache would move by different numbers of slots (not rows of one call).
 
-        A build lets go of the rows it copied, before ``generate`` runs; if ``generate`` then runs out of memory and
-        the batch is split (:class:`data_prep.regenerate._FittingRows`), those rows are prefilled from their first
-        token in the retry: the same tokens, more work.
+        Order (nothing is read from the buffer after it is written): the continued turns' frames are copied,
+        then each layer's carried rows (copied, then written), then new rows are prefilled and continued turns
+        computed from their frames, then padding copies take row 0's. A build lets go of the rows it copied; if
+        ``generate`` then runs out of memory and the batch is split (:class:`data_prep.regenerate._FittingRows`),
+        those rows are prefilled from their first token in the retry: the same tokens, more work.
         """
         import torch
 
@@ -261,19 +306,24 @@ class KVCarry:
             raise ValueError("KVCarry.build: row 0 must be a real row (padding copies repeat it)")
         lengths = attention_mask.sum(-1).tolist()
         keys = self.padding_keys(input_ids, keys)
-        plan = self.layout(keys, lengths)
-        cache = self._new_cache(model, B, W + max_new_tokens)
+        whole = {k for k in keys if k is not None and not isinstance(k, tuple)} >= self._call_jobs
+        cache, L = self._call_cache(model, B, W + max_new_tokens, whole)
+        plan = self.layout(keys, lengths, max(B * L // FRAME_BUDGET_DIVISOR, L))  # (at least one row's worth)
         step = max(1, B // PREFILL_ROWS_DIVISOR)
         with torch.no_grad():
+            frames = [self._gather_frame(cache, g, plan.frame_len(g), plan.suffix_len(g), lengths)
+                      for g in plan.prefixed]
             self._copy_carried(cache, plan, input_ids, lengths, W)
             for group in plan.fresh:
                 P = plan.fresh_len(group)
                 for i in range(0, len(group) if P > 0 else 0, step):
                     self._prefill_fresh(model, cache, group[i:i + step], P, input_ids, attention_mask, W)
-            for group in plan.prefixed:
+            for group, frame in zip(plan.prefixed, frames):
                 D, S = plan.frame_len(group), plan.suffix_len(group)
                 for i in range(0, len(group), step):
-                    self._prefill_prefixed(model, cache, group[i:i + step], D, S, input_ids, lengths, W)
+                    part = [(k[i:i + step], v[i:i + step]) for k, v in frame]
+                    self._prefill_prefixed(model, cache, group[i:i + step], D, S, part, input_ids, lengths, W)
+            frames = None
             for layer in cache.layers:
                 if plan.pads:
                     layer.keys[plan.pads] = layer.keys[0].clone()  # a copy: the write must not alias its source
@@ -295,26 +345,55 @@ class KVCarry:
 
     # ------------------------------------------------------------------ the parts of a build
 
-    def _new_cache(self, model, B: int, need: int):
+    def _call_cache(self, model, B: int, need: int, whole: bool):
+        """``(cache, length)`` for a call of ``B`` rows needing ``need`` positions: a view of the buffer's first
+        ``B`` rows (``whole``: the build holds every real row of the call), the buffer made anew when it is
+        narrower or shorter (the last call's cache keeps the old one readable until this build ends); a cache of
+        its own for a part of a split call (the buffer is let go: its rows may be another part's sources)."""
+        self.lengths["max_len"] = L = max(self.lengths.get("max_len", 0), need)
+        if not whole:
+            self._buffer = None
+            return self._view_cache(model, [(k, v) for k, v in self._allocate(model, B, L)], B, L), L
+        buf = self._buffer
+        if buf is None or buf[0][0].shape[0] < B or buf[0][0].shape[2] < L:
+            rows = max(B, buf[0][0].shape[0] if buf is not None else 0)
+            self._buffer = buf = None  # (the last call's cache still views the old buffer)
+            self._buffer = buf = self._allocate(model, rows, L)
+        return self._view_cache(model, buf, B, buf[0][0].shape[2]), buf[0][0].shape[2]
+
+    @staticmethod
+    def _allocate(model, rows: int, L: int) -> list:
+        """Per layer ``(keys, values)`` zeros ``[rows, kv heads, L, head dim]`` in the model's dtype and device."""
+        import torch
+
+        text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        shape = (rows, kv_heads, L, head_dim)
+        return [(torch.zeros(shape, dtype=model.dtype, device=model.device),
+                 torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(text.num_hidden_layers)]
+
+    @staticmethod
+    def _view_cache(model, buf: list, B: int, L: int):
+        """A ``StaticCache`` of ``B`` rows and ``L`` positions whose layers' keys and values are ``buf``'s first
+        ``B`` rows (the same addresses for every call of ``B`` rows: a compiled decoding step's CUDA graph replays).
+        Each layer is initialised by transformers (which allocates its own tensors, one layer at a time) and then
+        given the views."""
         import inspect
 
         import torch
         from transformers import StaticCache
 
-        self.lengths["max_len"] = max_len = max(self.lengths.get("max_len", 0), need)
         text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        cache = StaticCache(config=text, max_cache_len=max_len)
-        if hasattr(cache, "early_initialization"):
-            cache.early_initialization(batch_size=B, num_heads=kv_heads, head_dim=head_dim, dtype=model.dtype,
-                                       device=model.device)
-        else:  # an older transformers 5.x: each layer sizes itself from an empty key (and value) block
-            empty = torch.empty(B, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
-            for layer in cache.layers:
-                takes = len(inspect.signature(layer.lazy_initialization).parameters)
-                layer.lazy_initialization(*([empty] * max(1, min(2, takes))))
+        cache = StaticCache(config=text, max_cache_len=L)
+        for layer, (k, v) in zip(cache.layers, buf):
+            empty = torch.empty(B, k.shape[1], 0, k.shape[3], dtype=k.dtype, device=k.device)
+            takes = len(inspect.signature(layer.lazy_initialization).parameters)
+            layer.lazy_initialization(*([empty] * max(1, min(2, takes))))
+            layer.keys, layer.values = k[:B], v[:B]
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
         return cache
 
     @staticmethod
@@ -361,22 +440,19 @@ class KVCarry:
             new_l.values[dst, :, W - 1 - P:W - 1] = dyn_l.values
 
     @staticmethod
-    def _prefill_prefixed(model, cache, group: list[tuple], D: int, S: int, input_ids, lengths: list[int],
-                          W: int) -> None:
-        """A group of new turns with a previous turn in the last call, in a frame of ``D`` positions (their longest
-        length minus its last token), each row right-aligned: the first ``D - S`` columns come from the previous
-        turns' rows (all within each row's copied prefix, or its padding), the last ``S`` are computed attending to
-        them (none when ``S`` is 0). The frame is then one block of the new cache."""
+    def _gather_frame(cache, group: list[tuple], D: int, S: int, lengths: list[int]) -> list:
+        """The copied columns of a group of continued turns (:meth:`_prefill_prefixed`): per layer ``(keys,
+        values)`` ``[R, kv heads, D - S, head dim]``, each row right-aligned in a frame of ``D`` positions (its
+        longest length minus the last token), its tokens before the computed columns copied from its previous
+        turn's row (all within the common prefix), zeros on its left padding. Copies: read before the buffer is
+        rewritten."""
         import torch
-        from transformers import DynamicCache
 
-        rows = [b for b, _, _ in group]
-        first = [D - (lengths[b] - 1) for b in rows]  # frame column of each row's first token
-        dev = cache.layers[0].keys.device
-        frame = []  # per layer (keys, values) [R, heads, D - S, d]: the columns before the computed ones
+        first = [D - (lengths[b] - 1) for b, _, _ in group]  # frame column of each row's first token
+        ref = cache.layers[0].keys
+        frame = []
         for li, old_layers in enumerate(zip(*(p.cache.layers for _, p, _ in group))):
-            ref = cache.layers[li].keys
-            k = torch.zeros(len(rows), ref.shape[1], D - S, ref.shape[3], dtype=ref.dtype, device=dev)
+            k = torch.zeros(len(group), ref.shape[1], D - S, ref.shape[3], dtype=ref.dtype, device=ref.device)
             v = torch.zeros_like(k)
             for i, ((b, p, m), old_l) in enumerate(zip(group, old_layers)):
                 c = D - S - first[i]  # of this row's tokens, those left of the computed columns (all < m)
@@ -384,6 +460,21 @@ class KVCarry:
                     k[i, :, first[i]:D - S] = old_l.keys[p.row, :, p.start:p.start + c]
                     v[i, :, first[i]:D - S] = old_l.values[p.row, :, p.start:p.start + c]
             frame.append((k, v))
+        return frame
+
+    @staticmethod
+    def _prefill_prefixed(model, cache, group: list[tuple], D: int, S: int, frame: list, input_ids,
+                          lengths: list[int], W: int) -> None:
+        """A group of new turns with a previous turn in the last call, in a frame of ``D`` positions (their longest
+        length minus its last token), each row right-aligned: the first ``D - S`` columns are ``frame``
+        (:meth:`_gather_frame`, the group's rows), the last ``S`` are computed attending to them (none when ``S``
+        is 0). The frame is then one block of the new cache."""
+        import torch
+        from transformers import DynamicCache
+
+        rows = [b for b, _, _ in group]
+        first = [D - (lengths[b] - 1) for b in rows]  # frame column of each row's first token
+        dev = cache.layers[0].keys.device
         if S > 0:
             dyn = DynamicCache()
             if D - S > 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from data_prep.config import RegenConfig
-from data_prep.kv_carry import PREFILL_ROWS_DIVISOR
+from data_prep.kv_carry import PREFILL_ROWS_DIVISOR, memory_caches
 from data_prep.target_memory import TargetShape, target_forward_peak_bytes
 
 #: Tokens per KV-cache block of transformers' continuous batching (its default page/block size, 256 in
@@ -193,16 +193,18 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
         if engine == "static":  # in segments a row goes on with its tokens so far; the cache holds a segment more
             prompt, seq = static_row_tokens(cfg, max_prompt_tokens)
         prefill = prefill_bytes_per_row(model_config, dtype_bytes, prompt, attn_implementation)
-        # regen.keep_kv: the last call's cache is held while the next one is built from it, and a prefill forward
-        # holds its rows' keys and values, at most 1 / PREFILL_ROWS_DIVISOR of the call (data_prep/kv_carry.py)
-        caches = 2 + 1 / PREFILL_ROWS_DIVISOR if engine == "static" and cfg.segment_tokens is not None and cfg.keep_kv \
-            else 1
+        # regen.keep_kv: the cache is rebuilt in place; a prefill forward's rows, the continued turns' frames and two
+        # layers beside it at the peak (data_prep.kv_carry.memory_caches)
+        keep_kv = engine == "static" and cfg.segment_tokens is not None and cfg.keep_kv
+        caches = memory_caches(_text_config(model_config).num_hidden_layers) if keep_kv else 1
+        if keep_kv:  # its prefill forwards take at most an eighth of the call's rows (generate's own: one position)
+            prefill //= PREFILL_ROWS_DIVISOR
         per_seq = int(caches * seq * per_token) + vocab * 4 + prefill  # KV cache(s), one step of fp32 logits, prefill
         need = cfg.batch_size * per_seq
         if need <= usable:
             return cfg, None
         fits = usable // per_seq
-        what = (f"{shape}{f' in {caches:g} caches (regen.keep_kv)' if caches > 1 else ''} and its prefill "
+        what = (f"{shape}{f' in {caches:.3g} caches (regen.keep_kv)' if caches > 1 else ''} and its prefill "
                 f"({prefill / GIB:.2f} GiB per row"
                 + (", eager attention scores" if attn_implementation == "eager" else "") + ")")
         if fits < 1:

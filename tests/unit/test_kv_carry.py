@@ -223,3 +223,76 @@ def test_generate_would_compile_its_decoding_step_on_a_built_cache(model, monkey
     gen = copy.deepcopy(model.generation_config)
     assert model._valid_auto_compile_criteria({cache_kwarg(model): cache}, gen)
     assert not model._valid_auto_compile_criteria({cache_kwarg(model): DynamicCache()}, gen)
+
+
+def _first_call(model, carry, rows, W, new_tokens):
+    """A first call of ``rows`` (jobs 0, 1, ...; conversation = job), ``generate`` ``new_tokens``; kept. Returns
+    ``(cache, sequences)``."""
+    carry.next_call([(j, j, r) for j, r in enumerate(rows)], going=set())
+    ids, mask = batch(rows, W)
+    cache = carry.build(model, ids, mask, list(range(len(rows))), new_tokens)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, eos_token_id=[1], **{cache_kwarg(model): cache})
+    seqs = [r + out[b, W:].tolist() for b, r in enumerate(rows)]
+    carry.keep(cache, list(range(len(rows))), [W - len(r) for r in rows], seqs, list(range(len(rows))))
+    return cache, seqs
+
+
+def test_a_call_is_rebuilt_in_place_where_rows_swap_places(model):
+    """The calls of an engine run share one buffer: the next call's cache is the same memory. Job 0 goes on from
+    row 0 to row 1, and conversation 1's next turn takes row 0 from its previous turn in row 1: each row's write
+    lands on the other's source, and both rows still equal a plain prefill (every source is read before it is
+    written)."""
+    g = torch.Generator().manual_seed(7)
+    a, b_ = torch.randint(3, 50, (7,), generator=g).tolist(), torch.randint(3, 50, (9,), generator=g).tolist()
+    carry = KVCarry({"max_len": 24})  # as the engine seeds it (data_prep.regen_memory.static_row_tokens)
+    cache1, seqs = _first_call(model, carry, [a, b_], 10, 3)
+    turn = seqs[1] + torch.randint(3, 50, (4,), generator=g).tolist()
+    carry.next_call([(7, 1, turn), (0, 0, seqs[0])], going={0})
+    ids, mask = batch([turn, seqs[0]], 18)
+    cache2 = carry.build(model, ids, mask, [7, 0], 2)
+    assert cache2.layers[0].keys.data_ptr() == cache1.layers[0].keys.data_ptr()  # the same buffer, rewritten
+    check_rows(model, cache2, [turn, seqs[0]], 18)
+    assert carry.reused_tokens == len(seqs[1]) - 1
+
+
+def test_continued_turns_beyond_the_frame_budget_are_prefilled(model, monkeypatch):
+    """The frames of continued turns are copied before the buffer is rewritten, at most ``B * length / 8``
+    positions (at least one row's length): two continued turns with 39 frame positions keep them under a budget
+    of the whole call (divisor 1: 56 positions) and are prefilled under one row's (28) -- nothing reused, the same
+    keys."""
+    import data_prep.kv_carry as kv
+
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randint(3, 50, (17,), generator=g).tolist(), torch.randint(3, 50, (18,), generator=g).tolist()]
+    results = {}
+    for divisor in (1, 10**6):
+        monkeypatch.setattr(kv, "FRAME_BUDGET_DIVISOR", divisor)
+        carry = KVCarry()
+        _, seqs = _first_call(model, carry, rows, 20, 3)
+        turns = [s + [5, 6, 7, 8] for s in seqs]
+        carry.next_call([(5, 0, turns[0]), (6, 1, turns[1])], going=set())
+        ids, mask = batch(turns, 26)
+        cache = carry.build(model, ids, mask, [5, 6], 2)
+        check_rows(model, cache, turns, 26)
+        results[divisor] = carry.reused_tokens
+    assert results[1] == sum(len(s) - 1 for s in seqs) == 39 and results[10**6] == 0
+
+
+def test_a_part_of_a_split_call_gets_a_cache_of_its_own(model):
+    """A build holding only some of the call's rows (a call split after running out of memory) must not rewrite
+    the buffer, whose rows may be another part's sources: each part gets a cache of its own, and both parts' rows
+    equal a plain prefill."""
+    g = torch.Generator().manual_seed(9)
+    rows = [torch.randint(3, 50, (5 + i,), generator=g).tolist() for i in range(2)]
+    carry = KVCarry({"max_len": 16})  # long enough for both calls: only the split makes another cache
+    cache1, seqs = _first_call(model, carry, rows, 8, 2)
+    carry.next_call([(0, 0, seqs[0]), (1, 1, seqs[1])], going={0, 1})
+    parts = []
+    for b in (1, 0):  # the second row first: the first part's writes would land on its sources in the buffer
+        ids, mask = batch([seqs[b]], 12)
+        cache = carry.build(model, ids, mask, [b], 2)
+        assert cache.layers[0].keys.data_ptr() != cache1.layers[0].keys.data_ptr()
+        check_rows(model, cache, [seqs[b]], 12)
+        parts.append(cache)
+    assert carry._buffer is None
