@@ -252,7 +252,9 @@ class CountingCarry(KVCarry):
     def build(self, model, input_ids, attention_mask, keys, max_new_tokens):
         lengths = attention_mask.sum(-1).tolist()
         keys = self.padding_keys(input_ids, keys)
-        plan = self.layout(keys, lengths)
+        B, W = input_ids.shape
+        self.lengths["max_len"] = L = max(self.lengths.get("max_len", 0), W + max_new_tokens)  # as the engine's
+        plan = self.layout(keys, lengths, self.frame_budget(B, L))  # continued turns beyond the budget: prefilled
         self.prefilled_tokens += plan.prefilled()
         self.reused_tokens += plan.reused()
         # each group of fresh rows: causal P x P; of continued turns: S queries over D - S earlier columns and

@@ -139,7 +139,8 @@ class RegenConfig(Section):
         False, description="engine static in segments: a row that goes on to the next generate call keeps its KV "
         "cache (copied into the next call's static cache) instead of being prefilled again with its tokens so far; "
         "only rows new to the batch are prefilled, padded to the longest of them (data_prep/kv_carry.py; greedy "
-        "output unchanged). Two calls' caches are held while the next is built, which the memory check counts."
+        "output unchanged). The calls share one cache, rebuilt in place (data_prep.kv_carry.memory_caches: 1.32 caches "
+        "for SmolLM2 at the peak, which the memory check counts)."
     )
     progress_every_s: float | None = Field(
         60.0, gt=0.0, description="backend hf, engines generate and static: after a generate call that ends at "

@@ -226,6 +226,12 @@ class KVCarry:
         self._call_jobs = {job for job, _, _ in rows}
 
     @staticmethod
+    def frame_budget(B: int, L: int) -> int:
+        """The most positions the continued turns' frames of a call of ``B`` rows and ``L`` cache positions may
+        hold: ``B * L //`` :data:`FRAME_BUDGET_DIVISOR`, at least ``L`` (one row)."""
+        return max(B * L // FRAME_BUDGET_DIVISOR, L)
+
+    @staticmethod
     def padding_keys(input_ids, keys: list) -> list:
         """``keys`` with each padding copy (None) that does not repeat row 0 named ``("padding", b)``, so that it is
         prefilled like a new row: a padding copy repeats the call's row 0, which a later part of a call split after
@@ -308,7 +314,7 @@ class KVCarry:
         keys = self.padding_keys(input_ids, keys)
         whole = {k for k in keys if k is not None and not isinstance(k, tuple)} >= self._call_jobs
         cache, L = self._call_cache(model, B, W + max_new_tokens, whole)
-        plan = self.layout(keys, lengths, max(B * L // FRAME_BUDGET_DIVISOR, L))  # (at least one row's worth)
+        plan = self.layout(keys, lengths, self.frame_budget(B, L))
         step = max(1, B // PREFILL_ROWS_DIVISOR)
         with torch.no_grad():
             frames = [self._gather_frame(cache, g, plan.frame_len(g), plan.suffix_len(g), lengths)
