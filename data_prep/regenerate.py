@@ -162,6 +162,11 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     return results
 
 
+#: decoding kernels (``regen.decode_kernel``) that read only each row's filled cache positions: with these,
+#: ``regen.keep_kv`` makes every cache as long as the memory check counts a row from the first call (SDPA reads the
+#: whole static cache, so there its caches grow with the calls instead)
+FILLED_ONLY_KERNELS = frozenset({"triton"})
+
 #: engine ``static``: the compiled decoding step may be compiled again for this many new shapes (batch rows x
 #: cache length) before torch.compile gives up and runs the rest eagerly (torch's default ``recompile_limit``
 #: is 8: a run in segments meets more, e.g. 8 lengths at two widths)
@@ -574,9 +579,10 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
     (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
     when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
     ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode. ``max_prompt_tokens``
-    (``data.max_prompt_tokens``): with ``regen.keep_kv``, every static cache is made as long as the memory check
-    counts a row from the first call (:func:`data_prep.regen_memory.static_row_tokens`), so the compiled decoding
-    step meets one cache length; None: caches grow to the longest call so far.
+    (``data.max_prompt_tokens``): with ``regen.keep_kv`` and a decoding kernel of :data:`FILLED_ONLY_KERNELS`, every
+    static cache is made as long as the memory check counts a row from the first call
+    (:func:`data_prep.regen_memory.static_row_tokens`), so the compiled decoding step meets one cache length; None
+    (or another kernel): caches grow to the longest call so far.
 
     ``complete`` carries ``streaming`` (static in segments: :func:`data_prep.rounds.run_rounds` then streams
     turns), ``profile`` (:attr:`_FittingRows.profile`; None for continuous), ``looped`` (the job indices
@@ -602,9 +608,6 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
                              f"engine is {engine}: set regen.engine: static")
     if cfg.keep_kv and (why := kv_carry_unsupported(model)) is not None:
         raise ValueError(f"regen.keep_kv: {why}; set regen.keep_kv: false")
-    if cfg.keep_kv and max_prompt_tokens is not None:  # one cache length for the whole run (fewer compiles)
-        lengths = _kv_lengths(model)
-        lengths["max_len"] = max(lengths.get("max_len", 0), static_row_tokens(cfg, max_prompt_tokens)[1])
     transformers.set_seed(cfg.seed)
     model.eval()
     eos_ids = _eos_ids(model, tokenizer)
@@ -643,6 +646,10 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
     # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
     # (regen.decode_kernel: PyTorch's masked SDPA or the split-K Triton kernel of data_prep.decode_attention_kernel)
     kernel = resolve_kernel(cfg.decode_kernel, model.device) if engine == "static" else None
+    if cfg.keep_kv and max_prompt_tokens is not None and kernel in FILLED_ONLY_KERNELS:
+        # one cache length for the whole run (fewer compiles); a kernel reading every position would pay for it
+        lengths = _kv_lengths(model)
+        lengths["max_len"] = max(lengths.get("max_len", 0), static_row_tokens(cfg, max_prompt_tokens)[1])
     attention = (lambda: _static_step(model, kernel)) if engine == "static" else contextlib.nullcontext
 
     # halves its calls, for the rest of the run, on running out of memory; counts compiles over the process's shards

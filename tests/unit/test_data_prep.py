@@ -666,6 +666,9 @@ def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, t
 
     monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
     monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)
+    # calls of 4 rows: the frames of continued turns may take the whole call (an eighth of it is under one row;
+    # the budget has its own test in test_kv_carry.py)
+    monkeypatch.setattr("data_prep.kv_carry.FRAME_BUDGET_DIVISOR", 1)
     model = tiny_model
     cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, refill_at=refill_at)
     ref, _ = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "generate", "segment_tokens": None,
@@ -708,6 +711,8 @@ def test_keep_kv_caches_have_one_length_from_the_first_call(tok, tiny_model, mon
 
     monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
     monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)  # the calls' widths: multiples of 8
+    # as with the Triton kernel on a GPU (reads only filled positions); the CPU's SDPA reads the whole cache
+    monkeypatch.setattr("data_prep.regenerate.FILLED_ONLY_KERNELS", frozenset({"sdpa", "triton"}))
     model = tiny_model
     cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, keep_kv=True)
     made, allocated = [], []
@@ -736,6 +741,12 @@ def test_keep_kv_caches_have_one_length_from_the_first_call(tok, tiny_model, mon
     assert min(needs) < seq and max(needs) <= seq  # what the calls needed varied (never above the memory check's)
     # one buffer for the engine run, as wide as its widest call: every call's cache is a view of it
     assert allocated == [(max(B for B, _, _ in made), seq)]
+    # with a kernel that reads every position, the caches grow with the calls instead
+    monkeypatch.setattr("data_prep.regenerate.FILLED_ONLY_KERNELS", frozenset())
+    monkeypatch.setattr("data_prep.regenerate._KV_LENGTHS", __import__("weakref").WeakKeyDictionary())
+    made.clear()
+    assert regenerate(model, tok, REGEN_CONVS, cfg, 96, progress=False)[0] == ref
+    assert min(length for _, _, length in made) < seq
 
 
 def test_keep_kv_frees_the_last_calls_cache_before_generate_runs(tok, tiny_model, monkeypatch):
