@@ -32,7 +32,9 @@ holds at most ``B //`` :data:`PREFILL_ROWS_DIVISOR` rows' keys and values. At th
 prefill forward, an eighth for the frames, and two layers (a layer's carried rows while they move, a layer that
 transformers allocates while it initialises the call's cache); :func:`memory_caches` is that count, which
 :func:`data_prep.regen_memory.fit_regen_memory` uses for ``keep_kv``. A call split into parts after running out of
-memory builds each part in a cache of its own (the buffer's rows may hold another part's sources). Targets with
+memory is prefilled whole, each part in a cache of its own, the buffer let go first (its rows may hold another
+part's sources); the engine then makes calls of the halved size, one part each
+(:func:`data_prep.regenerate._generate_segmented`). Targets with
 sliding-window layers are refused (:func:`unsupported_reason`).
 """
 from __future__ import annotations
@@ -57,8 +59,8 @@ class _Row:
 GROUP_SHARE = 0.5
 
 #: a prefill forward takes at most ``B // PREFILL_ROWS_DIVISOR`` rows of a ``B``-row call (at least one), so what it
-#: holds while it runs (its rows' keys and values, its activations) is bounded by that share of the call: the
-#: memory check counts ``2 + 1 / PREFILL_ROWS_DIVISOR`` caches for ``regen.keep_kv``
+#: holds while it runs (its rows' keys and values, its activations) is bounded by that share of the call
+#: (:func:`memory_caches`)
 PREFILL_ROWS_DIVISOR = 8
 
 #: the frames copied for the continued turns of a call (copied before the buffer is rewritten in place) hold at most
@@ -67,10 +69,12 @@ PREFILL_ROWS_DIVISOR = 8
 FRAME_BUDGET_DIVISOR = 8
 
 
-def memory_caches(num_layers: int) -> float:
-    """The peak memory of ``regen.keep_kv``'s builds in caches of the call's rows (module docstring): one cache, the
-    prefill forward's and the frames' shares, and two layers. E.g. 30 layers (SmolLM2): ``1.3167``."""
-    return 1 + 1 / PREFILL_ROWS_DIVISOR + 1 / FRAME_BUDGET_DIVISOR + 2 / max(1, num_layers)
+def memory_caches(num_layers: int, rows: int) -> float:
+    """The peak memory of ``regen.keep_kv``'s builds in caches of ``rows`` rows (the engine's rows per call; module
+    docstring): one cache, a prefill forward's rows and the frames (each at most an eighth of the call, or one row
+    of fewer than 8), and two layers. E.g. 30 layers (SmolLM2), 512 rows: ``1.3167``."""
+    share = max(1 / PREFILL_ROWS_DIVISOR, 1 / FRAME_BUDGET_DIVISOR, 1 / max(1, rows))
+    return 1 + 2 * share + 2 / max(1, num_layers)
 
 
 def has_sliding_window(config) -> bool:
@@ -191,7 +195,7 @@ class KVCarry:
     (padding included) and ``reused_tokens`` those copied from a previous turn.
     """
 
-    def __init__(self, lengths: dict | None = None):
+    def __init__(self, lengths: dict | None = None, rows: int = 0):
         self._now: dict = {}  # job -> _Row: the rows of the calls since the last next_call
         self._plan: dict = {}  # job -> ("carry", _Row) or ("prefix", _Row, m): this call's sources
         #: ``{"max_len": n}``, the longest cache made so far: later caches are at least as long (fewer shapes to
@@ -202,6 +206,9 @@ class KVCarry:
         #: per layer ``(keys, values)``, ``[rows, kv heads, length, head dim]``: the engine run's calls' caches are
         #: views of their first rows (None before the first build, and after a split call)
         self._buffer: list | None = None
+        #: the buffer's rows at least (the engine's rows per call, lowered by it after running out of memory): a
+        #: wider call never makes the buffer anew
+        self.rows = rows
         self._call_jobs: set = set()  # the real rows' jobs of the current call (a build of fewer: a split call)
 
     def next_call(self, rows: list[tuple], going: set) -> None:
@@ -301,9 +308,10 @@ class KVCarry:
 
         Order (nothing is read from the buffer after it is written): the continued turns' frames are copied,
         then each layer's carried rows (copied, then written), then new rows are prefilled and continued turns
-        computed from their frames, then padding copies take row 0's. A build lets go of the rows it copied; if
-        ``generate`` then runs out of memory and the batch is split (:class:`data_prep.regenerate._FittingRows`),
-        those rows are prefilled from their first token in the retry: the same tokens, more work.
+        computed from their frames, then padding copies take row 0's. A build lets go of its rows' sources before
+        it writes; if it or ``generate`` then runs out of memory and the batch is split
+        (:class:`data_prep.regenerate._FittingRows`), those rows are prefilled from their first token in the
+        retry: the same tokens, more work.
         """
         import torch
 
@@ -312,13 +320,21 @@ class KVCarry:
             raise ValueError("KVCarry.build: row 0 must be a real row (padding copies repeat it)")
         lengths = attention_mask.sum(-1).tolist()
         keys = self.padding_keys(input_ids, keys)
-        whole = {k for k in keys if k is not None and not isinstance(k, tuple)} >= self._call_jobs
-        cache, L = self._call_cache(model, B, W + max_new_tokens, whole)
+        split = not {k for k in keys if k is not None and not isinstance(k, tuple)} >= self._call_jobs
+        if split:  # a part of a call split after running out of memory: the buffer's rows may be another part's
+            # sources, and a cache of its own beside the buffer would hold two caches: every row of the call is
+            # prefilled, each part in a cache of its own, the buffer let go before anything is allocated
+            self._plan, self._buffer = {}, None
+        cache, L = self._call_cache(model, B, W + max_new_tokens, whole=not split)
         plan = self.layout(keys, lengths, self.frame_budget(B, L))
         step = max(1, B // PREFILL_ROWS_DIVISOR)
         with torch.no_grad():
             frames = [self._gather_frame(cache, g, plan.frame_len(g), plan.suffix_len(g), lengths)
                       for g in plan.prefixed]
+            # from here the buffer is rewritten: a retry of these rows after an error (out of memory in a prefill
+            # forward: data_prep.regenerate._FittingRows) must not copy from it, so they are let go first
+            for k in keys:
+                self._plan.pop(k, None)
             self._copy_carried(cache, plan, input_ids, lengths, W)
             for group in plan.fresh:
                 P = plan.fresh_len(group)
@@ -337,8 +353,6 @@ class KVCarry:
                 layer.cumulative_length.fill_(W - 1)
         self.prefilled_tokens += plan.prefilled()
         self.reused_tokens += plan.reused()
-        for k in keys:  # copied: the last call's cache is freed once no row still to build is in it
-            self._plan.pop(k, None)
         return cache
 
     def keep(self, cache, keys: list, start: list[int], tokens: list[list[int]], conversations: list) -> None:
@@ -362,7 +376,7 @@ class KVCarry:
             return self._view_cache(model, [(k, v) for k, v in self._allocate(model, B, L)], B, L), L
         buf = self._buffer
         if buf is None or buf[0][0].shape[0] < B or buf[0][0].shape[2] < L:
-            rows = max(B, buf[0][0].shape[0] if buf is not None else 0)
+            rows = max(B, self.rows, buf[0][0].shape[0] if buf is not None else 0)
             self._buffer = buf = None  # (the last call's cache still views the old buffer)
             self._buffer = buf = self._allocate(model, rows, L)
         return self._view_cache(model, buf, B, buf[0][0].shape[2]), buf[0][0].shape[2]

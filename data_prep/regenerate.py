@@ -162,11 +162,6 @@ def _generate_batch(model, prompts: list[list[int]], pad_id: int, eos_ids: list[
     return results
 
 
-#: decoding kernels (``regen.decode_kernel``) that read only each row's filled cache positions: with these,
-#: ``regen.keep_kv`` makes every cache as long as the memory check counts a row from the first call (SDPA reads the
-#: whole static cache, so there its caches grow with the calls instead)
-FILLED_ONLY_KERNELS = frozenset({"triton"})
-
 #: engine ``static``: the compiled decoding step may be compiled again for this many new shapes (batch rows x
 #: cache length) before torch.compile gives up and runs the rest eagerly (torch's default ``recompile_limit``
 #: is 8: a run in segments meets more, e.g. 8 lengths at two widths)
@@ -387,6 +382,10 @@ def _generate_segmented(model, prompts: list[list[int]], order: list[int], pad_i
     queue = order if isinstance(order, deque) else deque(order)
     active = []  # (job index, tokens so far)
     while queue or active:
+        if carry is not None:  # after running out of memory, calls of the halved limit: each call one part, so
+            # keep_kv goes on from its buffer (a part of a split call is prefilled whole, data_prep.kv_carry)
+            batch_size = min(batch_size, getattr(generate_rows, "limit", batch_size))
+            carry.rows = batch_size
         while queue and len(active) < batch_size:
             active.append((queue.popleft(), []))
         rows = len(active)
@@ -579,10 +578,10 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
     (:func:`data_prep.regenerate_cb.continuous_generate`) submits the whole round and yields each answer
     when it finishes. The text keeps any reasoning block (``reasoning=None``): ``run_rounds`` splits it.
     ``transformers.set_seed(cfg.seed)`` runs once here; the model is put in eval mode. ``max_prompt_tokens``
-    (``data.max_prompt_tokens``): with ``regen.keep_kv`` and a decoding kernel of :data:`FILLED_ONLY_KERNELS`, every
-    static cache is made as long as the memory check counts a row from the first call
-    (:func:`data_prep.regen_memory.static_row_tokens`), so the compiled decoding step meets one cache length; None
-    (or another kernel): caches grow to the longest call so far.
+    (``data.max_prompt_tokens``): with ``regen.keep_kv``, every static cache is made as long as the memory check
+    counts a row from the first call (:func:`data_prep.regen_memory.static_row_tokens`), so the compiled decoding
+    step meets one cache length and the buffer is never made anew for a longer call (the Triton decoding kernel
+    reads only filled positions; SDPA reads the whole cache); None: caches grow to the longest call so far.
 
     ``complete`` carries ``streaming`` (static in segments: :func:`data_prep.rounds.run_rounds` then streams
     turns), ``profile`` (:attr:`_FittingRows.profile`; None for continuous), ``looped`` (the job indices
@@ -646,10 +645,10 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
     # static: decoding steps attend over the grouped KV heads without expanding them (data_prep.gqa_decode_attention)
     # (regen.decode_kernel: PyTorch's masked SDPA or the split-K Triton kernel of data_prep.decode_attention_kernel)
     kernel = resolve_kernel(cfg.decode_kernel, model.device) if engine == "static" else None
-    if cfg.keep_kv and max_prompt_tokens is not None and kernel in FILLED_ONLY_KERNELS:
-        # one cache length for the whole run (fewer compiles); a kernel reading every position would pay for it
-        lengths = _kv_lengths(model)
-        lengths["max_len"] = max(lengths.get("max_len", 0), static_row_tokens(cfg, max_prompt_tokens)[1])
+    if cfg.keep_kv and max_prompt_tokens is not None:
+        # one cache length for the whole run, the memory check's (fewer compiles, and no buffer made anew beside
+        # the old one for a longer call); this run's, not an earlier run's longer one
+        _kv_lengths(model)["max_len"] = static_row_tokens(cfg, max_prompt_tokens)[1]
     attention = (lambda: _static_step(model, kernel)) if engine == "static" else contextlib.nullcontext
 
     # halves its calls, for the rest of the run, on running out of memory; counts compiles over the process's shards
@@ -666,7 +665,8 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
                                                         cfg.stop_loops, looped, cfg.refill_at,
-                                                        KVCarry(_kv_lengths(model)) if cfg.keep_kv else None):
+                                                        KVCarry(_kv_lengths(model), cfg.batch_size)
+                                                        if cfg.keep_kv else None):
                 yield answer(i, new, finished, bool(looped) and looped[-1] == i)  # stopped in a loop just now
             return
         for s in range(0, len(order), cfg.batch_size):

@@ -711,8 +711,6 @@ def test_keep_kv_caches_have_one_length_from_the_first_call(tok, tiny_model, mon
 
     monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
     monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)  # the calls' widths: multiples of 8
-    # as with the Triton kernel on a GPU (reads only filled positions); the CPU's SDPA reads the whole cache
-    monkeypatch.setattr("data_prep.regenerate.FILLED_ONLY_KERNELS", frozenset({"sdpa", "triton"}))
     model = tiny_model
     cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, keep_kv=True)
     made, allocated = [], []
@@ -741,12 +739,13 @@ def test_keep_kv_caches_have_one_length_from_the_first_call(tok, tiny_model, mon
     assert min(needs) < seq and max(needs) <= seq  # what the calls needed varied (never above the memory check's)
     # one buffer for the engine run, as wide as its widest call: every call's cache is a view of it
     assert allocated == [(max(B for B, _, _ in made), seq)]
-    # with a kernel that reads every position, the caches grow with the calls instead
-    monkeypatch.setattr("data_prep.regenerate.FILLED_ONLY_KERNELS", frozenset())
-    monkeypatch.setattr("data_prep.regenerate._KV_LENGTHS", __import__("weakref").WeakKeyDictionary())
+    # a run with a longer prompt limit, then this one again: each gets its own length, not the longest so far
+    made.clear()
+    regenerate(model, tok, REGEN_CONVS, cfg, 300, progress=False)
+    assert {length for _, _, length in made} == {static_row_tokens(cfg, 300)[1]} == {392}
     made.clear()
     assert regenerate(model, tok, REGEN_CONVS, cfg, 96, progress=False)[0] == ref
-    assert min(length for _, _, length in made) < seq
+    assert {length for _, _, length in made} == {seq}
 
 
 def test_keep_kv_frees_the_last_calls_cache_before_generate_runs(tok, tiny_model, monkeypatch):

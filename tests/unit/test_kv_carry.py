@@ -296,3 +296,32 @@ def test_a_part_of_a_split_call_gets_a_cache_of_its_own(model):
         check_rows(model, cache, [seqs[b]], 12)
         parts.append(cache)
     assert carry._buffer is None
+
+
+def test_running_out_of_memory_inside_a_build_leaves_no_stale_source(model, monkeypatch):
+    """A build that fails after it began rewriting the buffer (out of memory in a prefill forward) has let go of its
+    rows' sources first: the retry, in parts of their own (``_FittingRows`` halves the call), prefills them, and
+    every row equals a plain prefill. (Found in review: without it the retry copied the half-rewritten buffer.)"""
+    g = torch.Generator().manual_seed(10)
+    rows = [torch.randint(3, 50, (5 + i,), generator=g).tolist() for i in range(4)]
+    carry = KVCarry({"max_len": 24})
+    _, seqs = _first_call(model, carry, rows, 10, 3)
+    fresh = torch.randint(3, 50, (6,), generator=g).tolist()
+    call = [seqs[1], seqs[0], fresh]  # jobs 0 and 1 swap places: each write lands on the other's source
+    carry.next_call([(1, 1, seqs[1]), (0, 0, seqs[0]), (9, 9, fresh)], going={0, 1})
+    real = KVCarry._prefill_fresh
+    state = {"raised": False}
+
+    def oom_once(*a, **k):
+        if not state["raised"]:
+            state["raised"] = True
+            raise torch.OutOfMemoryError("test: out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(KVCarry, "_prefill_fresh", staticmethod(oom_once))
+    ids, mask = batch(call + [seqs[1]], 16)
+    with pytest.raises(torch.OutOfMemoryError):
+        carry.build(model, ids, mask, [1, 0, 9, None], 2)
+    for part, keys in (([seqs[1], seqs[0]], [1, 0]), ([fresh, fresh], [9, None])):  # the halves of the retry
+        ids, mask = batch(part, 16)
+        check_rows(model, carry.build(model, ids, mask, keys, 2), part, 16)
