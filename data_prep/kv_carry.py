@@ -373,12 +373,11 @@ class KVCarry:
         self.lengths["max_len"] = L = max(self.lengths.get("max_len", 0), need)
         if not whole:
             self._buffer = None
-            return self._view_cache(model, [(k, v) for k, v in self._allocate(model, B, L)], B, L), L
+            return self._view_cache(model, self._allocate(model, B, L), B, L), L
         buf = self._buffer
         if buf is None or buf[0][0].shape[0] < B or buf[0][0].shape[2] < L:
             rows = max(B, self.rows, buf[0][0].shape[0] if buf is not None else 0)
-            self._buffer = buf = None  # (the last call's cache still views the old buffer)
-            self._buffer = buf = self._allocate(model, rows, L)
+            self._buffer = buf = self._allocate(model, rows, L)  # (the last call's cache still views the old one)
         return self._view_cache(model, buf, B, buf[0][0].shape[2]), buf[0][0].shape[2]
 
     @staticmethod
