@@ -1,0 +1,45 @@
+"""benchmarks/must_show_throughput.py: issue 19's record, every figure read from a committed raw file."""
+import json
+import shutil
+from pathlib import Path
+
+import must_show_throughput as ms  # benchmarks/ is on sys.path (conftest)
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_committed_record_is_what_the_raw_files_give():
+    """docs/data/must_show/throughput.json equals a fresh build: no figure typed in by hand or left stale."""
+    rec = ms.build()
+    assert json.loads((ROOT / "docs/data/must_show/throughput.json").read_text()) == json.loads(json.dumps(rec))
+    for key, src in rec["sources"].items():
+        assert (ROOT / src).is_file(), (key, src)
+    assert set(rec["missing"]) == {k for k, (f, _) in ms.FIGURES.items() if f is None}
+
+
+def test_figures_come_from_the_named_rows(tmp_path):
+    """The path picks the row by value (N = 8,192, the run named zero2), ratios are computed, checks follow."""
+    for name in {f for f, _ in ms.FIGURES.values() if f}:
+        shutil.copy(ROOT / "docs/data" / name, tmp_path / name)
+    spec = json.loads((tmp_path / "speculators_ref_h200.json").read_text())
+    for row in spec:
+        row["step_ms_median"] = 800.0 if row["N"] == 8192 else 1.0
+    (tmp_path / "speculators_ref_h200.json").write_text(json.dumps(spec))
+    st = json.loads((tmp_path / "strategies_545bea5_mb8.json").read_text())
+    for r in st["runs"]:
+        r["tokens_per_s"] = {"plain": 100.0, "zero2": 95.0, "fsdp2": 80.0}[r["name"]]
+    (tmp_path / "strategies_545bea5_mb8.json").write_text(json.dumps(st))
+    rec = ms.build(tmp_path)
+    assert rec["speculators_8k_ms"] == 800.0 and rec["zero2_vs_plain"] == pytest.approx(0.95)
+    assert rec["checks"]["zero2_ge_0.9"]["holds"] and not rec["checks"]["fsdp2_ge_0.9"]["holds"]
+    assert rec["checks"]["gptoss_8k_ge_1.8x_speculators"]["value"] == pytest.approx(800.0 / rec["gptoss_8k_ms"])
+    assert rec["commits"]["zero2_vs_plain"] == "545bea5"
+    assert rec["all_hold"] is False  # the N = 131,072 figure has no file
+
+
+def test_a_missing_row_or_file_is_named(tmp_path):
+    with pytest.raises(KeyError, match="0 items with N = 8192"):
+        ms.dig([{"N": 4096}], [{"key": "N", "is": 8192}], "x.json")
+    with pytest.raises(FileNotFoundError, match="must_show_throughput.py"):
+        ms.build(tmp_path)
