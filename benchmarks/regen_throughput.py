@@ -48,6 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+#: the reference run (plain generate) leaves out what only the static engine's segments do: an --override of
+#: regen.keep_kv / stop_loops / refill_at sets the engines under test, not the reference they are counted against
+GENERATE_RESETS = {"keep_kv": False, "stop_loops": False, "refill_at": None}
 
 
 def parse_args(argv):
@@ -307,7 +310,8 @@ def main(argv=None) -> dict:
         line = f"{dtype}: " + ", ".join(parts)
         if not args.skip_generate:
             gen = run_engine(target, cfg.regen.model_copy(update={"engine": "generate", "batch_size": args.batch,
-                                                                  "max_new_tokens": args.generate_cap}),
+                                                                  "max_new_tokens": args.generate_cap,
+                                                                  **GENERATE_RESETS}),
                              cfg.data.max_prompt_tokens, prompts[: args.subset], args.max_seconds)
             run["generate"] = {k: v for k, v in gen.items() if k != "ids"}
             line += f", generate {gen['tokens_per_s']:,.0f} tok/s ({gen['answered']}/{gen['prompts']} prompts)"

@@ -271,6 +271,17 @@ def test_regen_throughput_random_weight_target(tmp_path, monkeypatch, capsys):
         assert v["engine"] == "static" and v["answered"] == 4 and v["identical"] == {"compared": 4, "identical": 4,
                                                                                       "all": True}
     assert "seg8 " in res["summary"] and "(4/4 identical)" in res["summary"]
+    # --override regen.keep_kv=true: the engines under test keep the KV cache; the reference generate does not
+    # (it would refuse the setting), and the count still runs (a GPU run lost its identity count to this)
+    res = regen_throughput.main([
+        "--recipe", "recipes/smollm2-135m.yaml", "--random-init-from-config", str(tmp_path / "config.json"),
+        "--tokenizer", str(tmp_path / "tok"), "--prompts-file", str(tmp_path / "prompts.json"), "--prompts", "4",
+        "--subset", "4", "--cap", "20", "--batch", "4", "--cb-batch", "4", "--dtypes", "float32",
+        "--engines", "static", "--override", "regen.segment_tokens=8", "regen.keep_kv=true",
+        "--out", str(tmp_path / "kv.json")])
+    (run,) = res["runs"]
+    assert "regen.keep_kv=true" in res["meta"]["overrides"] and run["generate"]["prompts"] == 4
+    assert run["identical"]["static"]["compared"] == 4 and run["identical"]["static"]["all"]
     assert regen_throughput.parse_variants(["a=regen.segment_tokens=null"]) == {"a": {"segment_tokens": None}}
     for bad, why in ((["a=target.dtype=bfloat16"], "only the regen section"), (["a"], "expected NAME="),
                      (["a=regen.batch_size=2", "a=regen.batch_size=4"], "given twice")):
