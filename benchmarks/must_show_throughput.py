@@ -37,7 +37,8 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
     "speculators_8k_ms": ("speculators_ref_h200.json", [{"key": "N", "is": 8192}, "step_ms_median"]),
     "n131072_step_s": (None, "the 37.95 s/step of the issue (d1d9311) has no committed raw file; not re-measured"),
     "n262144_step_s": (None, "not run"),
-    "regen_tokens_per_s": ("regen_prepare_92788d0_streamed_shards.json", ["shards_2_to_6", "tokens_per_s"]),
+    # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
+    "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     "zero2_tokens_per_s": ("strategies_545bea5_mb8.json", ["runs", {"key": "name", "is": "zero2"}, "tokens_per_s"]),
     "fsdp2_tokens_per_s": ("strategies_545bea5_mb8.json", ["runs", {"key": "name", "is": "fsdp2"}, "tokens_per_s"]),
     "plain_tokens_per_s": ("strategies_545bea5_mb8.json", ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
