@@ -301,9 +301,15 @@ PY
     # drafting-cost pass of each drafter both ways (NAME-cost-eval.json, NAME-cost-eval-compiled.json), then
     # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
     # (NAME-compile-choice.json says why)
+    # EVAL_CPU_WORKERS=M (default 0): M more workers on the machine's CPU cores (no GPU; eager target forward,
+    # EVAL_CPU_THREADS threads each, default 2) beside the GPU's, each every (N+M)-th prompt: the batch-1 loop is
+    # bound by the host, and processes sharing one GPU take turns on it (8 gave less than 2.2x one, run 6)
     ngpu=$(ngpus)
     nw=${EVAL_WORKERS:-1}
     [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
+    ncpu=${EVAL_CPU_WORKERS:-0}
+    [[ "$ncpu" =~ ^[0-9]+$ ]] || { echo "EVAL_CPU_WORKERS must be a whole number >= 0, got '$ncpu'" >&2; exit 2; }
+    world=$((nw + ncpu))
     comp=${EVAL_COMPILE:-1}
     case $comp in 0|1|auto) ;; *) echo "EVAL_COMPILE must be 0, 1 or auto, got '$comp'" >&2; exit 2 ;; esac
     cost_pass() {  # RECIPE COMPILE(true|false) SUFFIX: K = 1 and 7 on the first COST_PROMPTS MT-Bench prompts, both
@@ -339,17 +345,23 @@ PY
       # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key)
       ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}"
           "eval.compile_target=${compiled[$name]}" --quiet)
-      if [ "$nw" -gt 1 ]; then
+      if [ "$world" -gt 1 ]; then
         ( pids=()
-          for r in $(seq 0 $((nw - 1))); do
-            # one CPU thread each: the loop's work is on the GPU, and 2N processes share the host's cores
-            OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-worker "$r/$nw" > /dev/null \
-              2> "$WORK/$name-eval-$r.err" &
+          for r in $(seq 0 $((world - 1))); do
+            if [ "$r" -lt "$nw" ]; then
+              # one CPU thread each: the loop's work is on the GPU, and 2N processes share the host's cores
+              OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-worker "$r/$world" > /dev/null \
+                2> "$WORK/$name-eval-$r.err" &
+            else  # a CPU worker: no GPU visible, the target's forward eager (a compiled CPU forward pays its compile)
+              OMP_NUM_THREADS=${EVAL_CPU_THREADS:-2} CUDA_VISIBLE_DEVICES="" cli \
+                "${ev[@]/#eval.compile_target=*/eval.compile_target=false}" --eval-worker "$r/$world" > /dev/null \
+                2> "$WORK/$name-eval-$r.err" &
+            fi
             pids+=($!)
           done
           ok=1; for pid in "${pids[@]}"; do wait "$pid" || ok=0; done
           if [ "$ok" = 1 ]; then
-            CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-merge "$nw" > /dev/null 2> "$WORK/$name-eval.err" \
+            CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-merge "$world" > /dev/null 2> "$WORK/$name-eval.err" \
               || echo "eval of $name reported a problem: $(tail -n 2 "$WORK/$name-eval.err" | cut -c1-300)"
           else
             echo "eval of $name: a worker failed: $(tail -q -n 1 "$WORK/$name"-eval-*.err | cut -c1-300)"
@@ -371,7 +383,7 @@ PY
       # comes from one process alone (each drafter in turn): K = 1 and 7 on the first COST_PROMPTS MT-Bench
       # prompts, both turns -> $RESULTS/NAME-cost-eval.json (benchmarks/must_show_quality.py reads it); with
       # EVAL_COMPILE=auto it was made before the workers, eager
-      if [ "$nw" -gt 1 ] && [ -f "$out/eval/eval.json" ] && [ "$comp" != auto ]; then
+      if [ "$world" -gt 1 ] && [ -f "$out/eval/eval.json" ] && [ "$comp" != auto ]; then
         cost_pass "$R" "${compiled[$name]}" ""
       fi
     done

@@ -462,6 +462,9 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     skips = list(dict.fromkeys(m for p in parts for m in p.get("target_runner_cudagraph_skips") or []))
     head |= {"target_runner": kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds),
              "target_runner_fallback": "; ".join(fallbacks) or None, "target_runner_cudagraph_skips": skips}
+    devices = [(p.get("hardware") or {}).get("device_name") or (p.get("hardware") or {}).get("device") for p in parts]
+    if len(set(devices)) > 1:  # e.g. CPU workers beside a GPU's (quality_experiment.sh EVAL_CPU_WORKERS)
+        head["worker_devices"] = devices
     left_out = [n for n in planned(parts[0]) if n not in common]
     if left_out:
         head["partial"] = {"sets_left_out": left_out}

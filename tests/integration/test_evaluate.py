@@ -252,8 +252,14 @@ def test_eval_workers_merge_into_the_single_process_report(tmp_path):
         merge_eval(tmp_path / "two", 3)
     two = merge_eval(tmp_path / "two", 2)
     assert json.loads((tmp_path / "two" / "eval.json").read_text())["workers"] == 2 and one["workers"] == 1
-    assert "partial" not in two
+    assert "partial" not in two and "worker_devices" not in two  # one kind of device: nothing to say
     assert two["lossless"] == one["lossless"] and two["lossless"]["checked"] == 2 * 8 * 3
+    # workers on different devices (CPU workers beside a GPU's): the report names each worker's
+    p1 = tmp_path / "two" / "parts" / "worker-1-of-2.json"
+    saved = p1.read_text()
+    p1.write_text(json.dumps(json.loads(saved) | {"hardware": {"device": "cuda", "device_name": "NVIDIA H100"}}))
+    assert merge_eval(tmp_path / "two", 2)["worker_devices"] == [one["hardware"]["device_name"], "NVIDIA H100"]
+    p1.write_text(saved)
     for name in ("mt_bench", "humaneval"):
         a, b = one["datasets"][name], two["datasets"][name]
         assert (a["num_prompts"], a["num_sequences"]) == (b["num_prompts"], b["num_sequences"]) == (5, 8)

@@ -780,6 +780,25 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
     assert {c["gpu"] for c in calls} == {"0"}
     r = _step(env | {"EVAL_WORKERS": "0"}, "eval")
     assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
+    # EVAL_CPU_WORKERS=2: two more workers per drafter with no GPU visible and the target's forward eager; the
+    # world is 3 + 2 and the merge counts all five
+    (tmp_path / "calls.jsonl").unlink()
+    r = _step(env | {"EVAL_CPU_WORKERS": "2", "EVAL_COMPILE": "1"}, "eval")
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    for name in ("peagle", "eagle3"):
+        mine = [c for c in calls if f"output_dir={tmp_path / 'w' / name}" in c["args"]]
+        wk = {c["args"][c["args"].index("--eval-worker") + 1]: c for c in mine if "--eval-worker" in c["args"]}
+        assert sorted(wk) == ["0/5", "1/5", "2/5", "3/5", "4/5"]
+        for r_, c in wk.items():
+            on_cpu = int(r_.split("/")[0]) >= 3
+            assert c["gpu"] == ("" if on_cpu else "0")
+            assert [a for a in c["args"] if a.startswith("eval.compile_target=")] == [
+                f"eval.compile_target={'false' if on_cpu else 'true'}"]
+        merge = [c["args"] for c in mine if "--eval-merge" in c["args"]]
+        assert len(merge) == 1 and merge[0][merge[0].index("--eval-merge") + 1] == "5"
+    r = _step(env | {"EVAL_CPU_WORKERS": "x"}, "eval")
+    assert r.returncode == 2 and "EVAL_CPU_WORKERS must be a whole number >= 0" in r.stderr
 
 
 def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(tmp_path):
