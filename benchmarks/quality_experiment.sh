@@ -200,7 +200,9 @@ PY
     cat "$WORK/gguf.partaa" "$WORK/gguf.partab" "$WORK/gguf.partac" > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
     if ls "$WORK"/wheels/*.whl > /dev/null 2>&1; then  # (none where `stage` ran with STAGE_WHEELS=0)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WORK"/wheels/*.whl
+      # (they are for the device's Python 3.12: on a CPU machine with `bash setup.sh`'s environment they are not needed)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WORK"/wheels/*.whl \
+        || echo "setup: the carried wheels did not install for $(python3 -V); using the installed packages" >&2
     fi ;;
   prepare)  # WORKERS_PER_GPU (default 1) regeneration workers per GPU (disjoint resumable shards), then tokenise;
     # stops by $BUDGET s. Several workers on one GPU fill the GPU's idle time while one worker's host waits
