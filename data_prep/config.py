@@ -142,6 +142,14 @@ class RegenConfig(Section):
         "output unchanged). The calls share one cache, rebuilt in place (data_prep.kv_carry.memory_caches: 1.32 caches "
         "for SmolLM2 at the peak, which the memory check counts)."
     )
+    keep_kv_frames: float = Field(
+        0.125, gt=0.0, le=1.0, description="regen.keep_kv: the share of a call's cache positions that the previous "
+        "turns of continued conversations may hold while the cache is rebuilt (copied aside first); a next turn beyond "
+        "it is prefilled with its whole history instead. More keeps more history (fewer positions prefilled) and "
+        "costs that share of a cache at the peak, which the memory check counts (fewer rows a call): SmolLM2 at 515 "
+        "rows of an all-turns prepare prefills 1.63 positions per generated token at 0.125 and 0.32 at 0.5 "
+        "(benchmarks/regen_schedule.py, docs/benchmarks.md)."
+    )
     progress_every_s: float | None = Field(
         60.0, gt=0.0, description="backend hf, engines generate and static: after a generate call that ends at "
         "least this many seconds after the last progress line, one more line on stderr (also with --quiet): calls, "
@@ -236,6 +244,8 @@ class RegenConfig(Section):
                 raise ValueError(f"regen.{key} works between the segments of the HF static engine: set regen.backend: "
                                  "hf, regen.engine: static (or auto on CUDA without flash attention) and "
                                  "regen.segment_tokens")
+        if self.keep_kv_frames != type(self).model_fields["keep_kv_frames"].default and not self.keep_kv:
+            raise ValueError("regen.keep_kv_frames is a setting of regen.keep_kv: set regen.keep_kv: true, or leave it out")
         if self.shards_per_call > 1 and self.backend != "hf":
             raise ValueError("regen.shards_per_call is a setting of regen.backend: hf (a vLLM server keeps its own "
                              "batch full)")

@@ -26,10 +26,10 @@ cache is a ``transformers`` ``StaticCache``, so ``generate`` compiles its decodi
 Memory: the calls of one engine run share one buffer of keys and values (per layer ``[rows, kv heads, length,
 head dim]``, allocated at the run's first call, again only for a wider or longer call); a call's cache is a view of
 its first rows, rebuilt in place from the last call's (every read of a layer is a copy made before that layer is
-written; the frames of continued turns, at most ``1 /`` :data:`FRAME_BUDGET_DIVISOR` of the call's positions, are
-copied before anything is written; a continued turn beyond that budget is prefilled instead). A prefill forward
-holds at most ``B //`` :data:`PREFILL_ROWS_DIVISOR` rows' keys and values. At the peak: one cache, an eighth for a
-prefill forward, an eighth for the frames, and two layers (a layer's carried rows while they move, a layer that
+written; the frames of continued turns, at most ``regen.keep_kv_frames`` of the call's positions (default
+:data:`FRAME_SHARE`, an eighth), are copied before anything is written; a continued turn beyond that budget is
+prefilled instead). A prefill forward holds at most ``B //`` :data:`PREFILL_ROWS_DIVISOR` rows' keys and values. At
+the peak: one cache, an eighth for a prefill forward, the frames' share, and two layers (a layer's carried rows while they move, a layer that
 transformers allocates while it initialises the call's cache); :func:`memory_caches` is that count, which
 :func:`data_prep.regen_memory.fit_regen_memory` uses for ``keep_kv``. A call split into parts after running out of
 memory is prefilled whole, each part in a cache of its own, the buffer let go first (its rows may hold another
@@ -64,17 +64,18 @@ GROUP_SHARE = 0.5
 PREFILL_ROWS_DIVISOR = 8
 
 #: the frames copied for the continued turns of a call (copied before the buffer is rewritten in place) hold at most
-#: ``B * length // FRAME_BUDGET_DIVISOR`` positions of a ``B``-row call (at least ``length``: one row); a continued
-#: turn beyond it is prefilled
-FRAME_BUDGET_DIVISOR = 8
+#: this share of a ``B``-row call's ``B * length`` positions (at least ``length``: one row); a continued turn beyond
+#: it is prefilled. ``regen.keep_kv_frames`` sets it; this is its default
+FRAME_SHARE = 0.125
 
 
-def memory_caches(num_layers: int, rows: int) -> float:
+def memory_caches(num_layers: int, rows: int, frame_share: float = FRAME_SHARE) -> float:
     """The peak memory of ``regen.keep_kv``'s builds in caches of ``rows`` rows (the engine's rows per call; module
-    docstring): one cache, a prefill forward's rows and the frames (each at most an eighth of the call, or one row
-    of fewer than 8), and two layers. E.g. 30 layers (SmolLM2), 512 rows: ``1.3167``."""
-    share = max(1 / PREFILL_ROWS_DIVISOR, 1 / FRAME_BUDGET_DIVISOR, 1 / max(1, rows))
-    return 1 + 2 * share + 2 / max(1, num_layers)
+    docstring): one cache, a prefill forward's rows (an eighth of the call, or one row of fewer than 8), the frames
+    (``frame_share`` of the call, ``regen.keep_kv_frames``, or one row), and two layers. E.g. 30 layers (SmolLM2),
+    512 rows: ``1.3167`` (frames an eighth), ``1.6917`` (frames half of the call)."""
+    one = 1 / max(1, rows)
+    return 1 + max(1 / PREFILL_ROWS_DIVISOR, one) + max(frame_share, one) + 2 / max(1, num_layers)
 
 
 def has_sliding_window(config) -> bool:
@@ -195,7 +196,11 @@ class KVCarry:
     (padding included) and ``reused_tokens`` those copied from a previous turn.
     """
 
-    def __init__(self, lengths: dict | None = None, rows: int = 0):
+    def __init__(self, lengths: dict | None = None, rows: int = 0, frame_share: float = FRAME_SHARE):
+        if not 0 < frame_share <= 1:
+            raise ValueError(f"KVCarry: frame_share must be in (0, 1] (regen.keep_kv_frames), got {frame_share}")
+        #: the share of a call's positions the continued turns' frames may hold (:meth:`frame_budget`)
+        self.frame_share = frame_share
         self._now: dict = {}  # job -> _Row: the rows of the calls since the last next_call
         self._plan: dict = {}  # job -> ("carry", _Row) or ("prefix", _Row, m): this call's sources
         #: ``{"max_len": n}``, the longest cache made so far: later caches are at least as long (fewer shapes to
@@ -232,11 +237,10 @@ class KVCarry:
         self._plan, self._now = plan, {}
         self._call_jobs = {job for job, _, _ in rows}
 
-    @staticmethod
-    def frame_budget(B: int, L: int) -> int:
+    def frame_budget(self, B: int, L: int) -> int:
         """The most positions the continued turns' frames of a call of ``B`` rows and ``L`` cache positions may
-        hold: ``B * L //`` :data:`FRAME_BUDGET_DIVISOR`, at least ``L`` (one row)."""
-        return max(B * L // FRAME_BUDGET_DIVISOR, L)
+        hold: :attr:`frame_share` of ``B * L``, at least ``L`` (one row)."""
+        return max(int(B * L * self.frame_share), L)
 
     @staticmethod
     def padding_keys(input_ids, keys: list) -> list:

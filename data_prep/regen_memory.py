@@ -196,7 +196,8 @@ def fit_regen_memory(cfg: RegenConfig, model_config, dtype_bytes: int, engine: s
         # regen.keep_kv: the cache is rebuilt in place; a prefill forward's rows, the continued turns' frames and two
         # layers beside it at the peak (data_prep.kv_carry.memory_caches)
         keep_kv = engine == "static" and cfg.segment_tokens is not None and cfg.keep_kv
-        caches = memory_caches(_text_config(model_config).num_hidden_layers, cfg.batch_size) if keep_kv else 1
+        caches = memory_caches(_text_config(model_config).num_hidden_layers, cfg.batch_size,
+                               cfg.keep_kv_frames) if keep_kv else 1
         if keep_kv:  # its prefill forwards take at most an eighth of the call's rows (generate's own: one position)
             prefill = prefill * max(1, cfg.batch_size // PREFILL_ROWS_DIVISOR) // cfg.batch_size
         per_seq = int(caches * seq * per_token) + vocab * 4 + prefill  # KV cache(s), one step of fp32 logits, prefill

@@ -665,7 +665,7 @@ def hf_engine(model, tokenizer, cfg: RegenConfig, max_prompt_tokens: int | None 
                                                         gen_kwargs, bucket, cfg.batch_size, cfg.max_new_tokens,
                                                         cfg.segment_tokens, attention, generate_rows,
                                                         cfg.stop_loops, looped, cfg.refill_at,
-                                                        KVCarry(_kv_lengths(model), cfg.batch_size)
+                                                        KVCarry(_kv_lengths(model), cfg.batch_size, cfg.keep_kv_frames)
                                                         if cfg.keep_kv else None):
                 yield answer(i, new, finished, bool(looped) and looped[-1] == i)  # stopped in a loop just now
             return

@@ -666,15 +666,15 @@ def test_keep_kv_carries_the_rows_that_go_on_and_equals_one_generate_call(tok, t
 
     monkeypatch.setattr(regen_memory, "SEGMENT_LENGTH_BUCKET", 8)
     monkeypatch.setattr("data_prep.regenerate.STATIC_PROMPT_BUCKET", 8)
-    # calls of 4 rows: the frames of continued turns may take the whole call (an eighth of it is under one row;
-    # the budget has its own test in test_kv_carry.py)
-    monkeypatch.setattr("data_prep.kv_carry.FRAME_BUDGET_DIVISOR", 1)
     model = tiny_model
     cfg = RegenConfig(max_new_tokens=30, batch_size=4, engine="static", segment_tokens=8, refill_at=refill_at)
     ref, _ = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"engine": "generate", "segment_tokens": None,
                                                                         "refill_at": None}), 512, progress=False)
     again, rep_again = regenerate(model, tok, REGEN_CONVS, cfg, 512, progress=False)
-    kept, rep = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"keep_kv": True}), 512, progress=False)
+    # calls of 4 rows: the frames of continued turns may take the whole call (regen.keep_kv_frames 1; an eighth of it
+    # is under one row; the budget has its own test in test_kv_carry.py)
+    kept, rep = regenerate(model, tok, REGEN_CONVS, cfg.model_copy(update={"keep_kv": True, "keep_kv_frames": 1.0}),
+                           512, progress=False)
     assert again == ref and kept == ref
     prof, base = rep["engine_profile"], rep_again["engine_profile"]
     assert prof["calls"] == base["calls"] and prof["decode_steps"] == base["decode_steps"]
@@ -798,6 +798,15 @@ def test_keep_kv_needs_the_segmented_static_engine_and_is_counted_by_the_memory_
         RegenConfig(keep_kv=True)  # refused at load, before a target is loaded
     with pytest.raises(ValueError, match="regen.keep_kv works between the segments"):
         RegenConfig(keep_kv=True, backend="vllm")
+    # regen.keep_kv_frames: half the call for the frames is counted (1.69 caches), so fewer rows fit; without
+    # keep_kv the setting is refused rather than ignored
+    half, msg = fit_regen_memory(cfg.model_copy(update={"keep_kv": True, "keep_kv_frames": 0.5}), smollm2, 2, "static",
+                                 2048, 40 * 2**30, attn_implementation="sdpa")
+    assert 0.75 < half.batch_size / two.batch_size < 0.82 and "in 1.69 caches (regen.keep_kv)" in msg
+    with pytest.raises(ValueError, match="regen.keep_kv_frames is a setting of regen.keep_kv"):
+        RegenConfig(engine="static", segment_tokens=8, keep_kv_frames=0.5)
+    with pytest.raises(ValueError):
+        RegenConfig(engine="static", segment_tokens=8, keep_kv=True, keep_kv_frames=0.0)
 
 
 def test_keep_kv_refuses_a_sliding_window_target(tok):

@@ -256,27 +256,38 @@ def test_a_call_is_rebuilt_in_place_where_rows_swap_places(model):
     assert carry.reused_tokens == len(seqs[1]) - 1
 
 
-def test_continued_turns_beyond_the_frame_budget_are_prefilled(model, monkeypatch):
-    """The frames of continued turns are copied before the buffer is rewritten, at most ``B * length / 8``
-    positions (at least one row's length): two continued turns with 39 frame positions keep them under a budget
-    of the whole call (divisor 1: 56 positions) and are prefilled under one row's (28) -- nothing reused, the same
-    keys."""
-    import data_prep.kv_carry as kv
-
+def test_continued_turns_beyond_the_frame_budget_are_prefilled(model):
+    """The frames of continued turns are copied before the buffer is rewritten, at most ``frame_share`` of the
+    call's ``B * length`` positions (``regen.keep_kv_frames``; at least one row's length): two continued turns with
+    39 frame positions keep them under a budget of the whole call (share 1: 56 positions) and are prefilled under
+    one row's (28) -- nothing reused, the same keys. A share outside (0, 1] is refused."""
     g = torch.Generator().manual_seed(8)
     rows = [torch.randint(3, 50, (17,), generator=g).tolist(), torch.randint(3, 50, (18,), generator=g).tolist()]
     results = {}
-    for divisor in (1, 10**6):
-        monkeypatch.setattr(kv, "FRAME_BUDGET_DIVISOR", divisor)
-        carry = KVCarry()
+    for share in (1.0, 1e-6):
+        carry = KVCarry(frame_share=share)
+        assert carry.frame_budget(2, 28) == (56 if share == 1.0 else 28)
         _, seqs = _first_call(model, carry, rows, 20, 3)
         turns = [s + [5, 6, 7, 8] for s in seqs]
         carry.next_call([(5, 0, turns[0]), (6, 1, turns[1])], going=set())
         ids, mask = batch(turns, 26)
         cache = carry.build(model, ids, mask, [5, 6], 2)
         check_rows(model, cache, turns, 26)
-        results[divisor] = carry.reused_tokens
-    assert results[1] == sum(len(s) - 1 for s in seqs) == 39 and results[10**6] == 0
+        results[share] = carry.reused_tokens
+    assert results[1.0] == sum(len(s) - 1 for s in seqs) == 39 and results[1e-6] == 0
+    assert KVCarry().frame_budget(512, 4096) == 512 * 4096 // 8  # the default: an eighth
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="frame_share must be in"):
+            KVCarry(frame_share=bad)
+
+
+def test_memory_caches_counts_the_frames_share():
+    """``memory_caches``: one cache, the prefill forward's eighth, the frames' share, two layers (of 30)."""
+    from data_prep.kv_carry import memory_caches
+
+    assert memory_caches(30, 512) == pytest.approx(1 + 1 / 8 + 1 / 8 + 2 / 30)
+    assert memory_caches(30, 512, 0.5) == pytest.approx(1 + 1 / 8 + 1 / 2 + 2 / 30)
+    assert memory_caches(30, 4, 0.125) == pytest.approx(1 + 1 / 4 + 1 / 4 + 2 / 30)  # fewer than 8 rows: one row
 
 
 def test_a_part_of_a_split_call_gets_a_cache_of_its_own(model):
