@@ -146,9 +146,9 @@ class RegenConfig(Section):
         0.125, gt=0.0, le=1.0, description="regen.keep_kv: the share of a call's cache positions that the previous "
         "turns of continued conversations may hold while the cache is rebuilt (copied aside first); a next turn beyond "
         "it is prefilled with its whole history instead. More keeps more history (fewer positions prefilled) and "
-        "costs that share of a cache at the peak, which the memory check counts (fewer rows a call): SmolLM2 at 515 "
-        "rows of an all-turns prepare prefills 1.63 positions per generated token at 0.125 and 0.32 at 0.5 "
-        "(benchmarks/regen_schedule.py, docs/benchmarks.md)."
+        "costs that share of a cache at the peak, which the memory check counts (fewer rows a call): replayed on three "
+        "all-turns SmolLM2 shards, 1.58 positions prefilled per generated token at 0.125 (515 rows on an H100), 0.31 "
+        "at 0.5 (405 rows), with 17 % more decoding steps (benchmarks/regen_schedule.py, docs/benchmarks.md)."
     )
     progress_every_s: float | None = Field(
         60.0, gt=0.0, description="backend hf, engines generate and static: after a generate call that ends at "
