@@ -158,6 +158,17 @@ def build(results: Path, commit: str, prefix: str) -> dict:
             "checks": checks, "all_hold": all(c["holds"] for c in checks.values()), "sources": src}
 
 
+def write_record(out: Path, rec: dict) -> None:
+    """Write a must-show record (a dict with ``checks``: ``{name: {"value", "holds"}}`` and ``all_hold``) to ``out``
+    atomically (its folder made), and print each check and whether all hold. Shared by the issues' record scripts
+    (this one and ``must_show_throughput.py``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, rec)
+    for k, c in rec["checks"].items():
+        print(f"{'holds' if c['holds'] else 'SHORT'}  {k}: {c['value']}")
+    print("all hold" if rec["all_hold"] else "not all hold")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring): writes OUT.json atomically, prints each check; returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -170,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = build(a.results, a.commit, a.sources_prefix or str(a.results).rstrip("/"))
     except (FileNotFoundError, KeyError) as e:  # the message names the file, set or K; nothing is written
         sys.exit(f"must_show_quality: {e.args[0] if e.args else e}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(a.out, rec)
-    for k, c in rec["checks"].items():
-        print(f"{'holds' if c['holds'] else 'SHORT'}  {k}: {c['value']}")
-    print("all hold" if rec["all_hold"] else "not all hold")
+    write_record(a.out, rec)
     return 0
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from peagle_train.core.atomic import write_json_atomic  # noqa: E402  (standard library only)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from must_show_quality import write_record  # noqa: E402  (the record written and its checks printed, one way)
 
 DATA = "docs/data"
 # key -> (raw file under docs/data, path into its JSON: keys and list indices; a dict {"key": k, "is": v} picks
@@ -154,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = build()
     except (FileNotFoundError, KeyError) as e:  # the message names the file and the missing key; nothing is written
         sys.exit(f"must_show_throughput: {e.args[0] if e.args else e}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(a.out, rec)
-    for k, c in rec["checks"].items():
-        print(f"{'holds' if c['holds'] else 'SHORT'}  {k}: {c['value']}")
-    print("all hold" if rec["all_hold"] else "not all hold")
+    write_record(a.out, rec)
     return 0
 
 

@@ -462,7 +462,8 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     skips = list(dict.fromkeys(m for p in parts for m in p.get("target_runner_cudagraph_skips") or []))
     head |= {"target_runner": kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds),
              "target_runner_fallback": "; ".join(fallbacks) or None, "target_runner_cudagraph_skips": skips}
-    devices = [(p.get("hardware") or {}).get("device_name") or (p.get("hardware") or {}).get("device") for p in parts]
+    hardware = [p.get("hardware") or {} for p in parts]
+    devices = [h.get("device_name") or h.get("device") for h in hardware]
     if len(set(devices)) > 1:  # e.g. CPU workers beside a GPU's (quality_experiment.sh EVAL_CPU_WORKERS)
         head["worker_devices"] = devices
     left_out = [n for n in planned(parts[0]) if n not in common]
