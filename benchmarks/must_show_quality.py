@@ -9,7 +9,8 @@ such as ``docs/data/quality/run3``)::
     smollm2-135m-peagle-gpu-cost-eval.json                optional: the eval step's one-process pass (K = 1, 7 on
                                                           MT-Bench) after EVAL_WORKERS > 1; the drafting cost from it
 
-and writes the issue's record: AL at K = 1, 3, 5, 7 on MT-Bench and HumanEval for both drafters, the
+and writes the issue's record: AL at K = 1, 3, 5, 7 on MT-Bench and HumanEval for both drafters (EAGLE-3's null,
+and the ratio checks short, where the run trained P-EAGLE alone), the
 accepted fraction by position at K = 7, GPU-minutes and training tokens, the heldout simulated-vs-measured gap
 at K = 7, the lossless flag, P-EAGLE's drafting cost K = 7 / K = 1, the raw file of each figure
 (``sources``), and ``checks``: each must-show criterion of issue 20 with its figure and whether it holds.
@@ -86,11 +87,16 @@ def build(results: Path, commit: str, prefix: str) -> dict:
     """The must-show record of the experiment in ``results`` (see the module docstring).
 
     Raises:
-        FileNotFoundError: an eval report or the train figures of a drafter, or data_meta.json, is missing.
+        FileNotFoundError: P-EAGLE's eval report or train figures, EAGLE-3's train figures where its eval report is
+            there, or data_meta.json, is missing (no EAGLE-3 eval report: its figures are null, its checks short).
         KeyError: an eval report lacks MT-Bench, HumanEval, heldout or one of K = 1, 3, 5, 7, or a key the eval stage
             writes (``lossless``, ``hardware``, ``max_new_tokens``); data_meta.json lacks ``splits.train.tokens``.
     """
-    ev = {m: _read(results / f"{n}-eval.json") for m, n in NAMES.items()}
+    ev = {"peagle": _read(results / f"{NAMES['peagle']}-eval.json")}
+    # a run of P-EAGLE alone (DRAFTERS=peagle: the lease too short for both arms) has no EAGLE-3 report: its figures
+    # are null and the ratio checks SHORT, "not measured"; a present report is read whole (a broken one still raises)
+    if (results / f"{NAMES['eagle3']}-eval.json").exists():
+        ev["eagle3"] = _read(results / f"{NAMES['eagle3']}-eval.json")
     meta = _read(results / "data_meta.json")
     src = {}
     al: dict = {}
@@ -98,11 +104,12 @@ def build(results: Path, commit: str, prefix: str) -> dict:
     for d in SETS:
         al[d] = {m: {str(K): _row(ev[m], d, K)["acceptance_length"] for K in (1, 3, 5, 7)} for m in ev}
         acc[d] = {m: _row(ev[m], d, 7)["per_position_acceptance"] for m in ev}
-        src[f"al.{d}"] = src[f"acc_by_position.{d}"] = f"{prefix}/{NAMES['peagle']}-eval.json, " \
-                                                         f"{prefix}/{NAMES['eagle3']}-eval.json"
-    gpu_min, tokens = {}, {}
-    for m, n in NAMES.items():
-        gpu_min[m], tokens[m], f = _train_figures(results, n)
+        al[d].setdefault("eagle3", None)
+        acc[d].setdefault("eagle3", None)
+        src[f"al.{d}"] = src[f"acc_by_position.{d}"] = ", ".join(f"{prefix}/{NAMES[m]}-eval.json" for m in ev)
+    gpu_min, tokens = {"eagle3": None}, {"eagle3": None}
+    for m in ev:
+        gpu_min[m], tokens[m], f = _train_figures(results, NAMES[m])
         src[f"gpu_minutes.{m}"] = f"{prefix}/{f}"
     prompts = min(ev[m]["datasets"][d]["num_prompts"] for m in ev for d in SETS)
     # simulated (end of training, heldout prompts, same horizon) vs the loop's measurement, K = 7
@@ -143,9 +150,13 @@ def build(results: Path, commit: str, prefix: str) -> dict:
         "sim_vs_measured_within_5pct": {"value": gap, "holds": gap is not None and gap <= SIM_GAP_MAX},
     }
     for d in SETS:
-        p7, e7, p3 = al[d]["peagle"]["7"], al[d]["eagle3"]["7"], al[d]["peagle"]["3"]
+        p7, p3 = al[d]["peagle"]["7"], al[d]["peagle"]["3"]
         checks[f"al7_{d}_ge_{AL_FLOOR[d]}"] = {"value": p7, "holds": p7 >= AL_FLOOR[d]}
-        checks[f"ratio_k7_{d}_ge_1.2"] = {"value": p7 / e7, "holds": p7 / e7 >= RATIO_FLOOR}
+        if al[d]["eagle3"] is None:
+            checks[f"ratio_k7_{d}_ge_1.2"] = {"value": None, "holds": False, "why": "EAGLE-3 not measured in this run"}
+        else:
+            r = p7 / al[d]["eagle3"]["7"]
+            checks[f"ratio_k7_{d}_ge_1.2"] = {"value": r, "holds": r >= RATIO_FLOOR}
         checks[f"al7_minus_al3_{d}_ge_0.15"] = {"value": p7 - p3, "holds": p7 - p3 >= DEEP_GAIN_FLOOR}
         checks[f"acc4_{d}_gt_0"] = {"value": deep(d), "holds": deep(d) > 0}
     return {"commit": commit, "gpu_minutes": gpu_min, "train_tokens": train_tokens,

@@ -87,6 +87,30 @@ def test_must_show_record_of_the_committed_run3(tmp_path):
         assert all((ROOT / p.strip()).is_file() for p in s.split(",")), s
 
 
+def test_must_show_record_of_run7_without_an_eagle3_arm(tmp_path):
+    """Run 7 trained P-EAGLE alone (DRAFTERS=peagle): the record holds its figures, EAGLE-3's are null and the ratio
+    checks short ("not measured"); a cost pass of one process gives the drafting cost; the committed quality.json is
+    this build (commit aside)."""
+    import must_show_quality as ms
+
+    run7 = ROOT / "docs" / "data" / "quality" / "run7"
+    rec = ms.build(run7, "fe7bad0", "docs/data/quality/run7")
+    assert rec["al"]["mt_bench"]["peagle"]["7"] == pytest.approx(2.2309, abs=1e-4)
+    assert rec["al"]["humaneval"]["peagle"]["3"] == pytest.approx(1.6936, abs=1e-3)
+    assert rec["al"]["mt_bench"]["eagle3"] is None and rec["gpu_minutes"]["eagle3"] is None
+    assert rec["gpu_minutes"]["peagle"] == pytest.approx(12.0, abs=0.05)
+    c = rec["checks"]
+    assert c["ratio_k7_mt_bench_ge_1.2"] == {"value": None, "holds": False, "why": "EAGLE-3 not measured in this run"}
+    assert c["al7_mt_bench_ge_2.0"]["holds"] and not c["al7_humaneval_ge_2.2"]["holds"]
+    assert c["draft_cost_k7_over_k1_le_1.3"]["eval_workers"] == 1 and c["draft_cost_k7_over_k1_le_1.3"]["holds"]
+    assert rec["all_hold"] is False and rec["prompts_per_set"] == 20 and rec["lossless"] is True
+    assert "eagle3" not in rec["sources"]["al.mt_bench"]
+    for s in rec["sources"].values():
+        assert all((ROOT / p.strip()).is_file() for p in s.split(",")), s
+    committed = json.loads((ROOT / "docs" / "data" / "must_show" / "quality.json").read_text())
+    assert committed == json.loads(json.dumps(rec))
+
+
 def test_must_show_record_names_a_missing_report(tmp_path):
     import must_show_quality as ms
 
