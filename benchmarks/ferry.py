@@ -11,9 +11,13 @@ several calls. :func:`plan` groups files in order so that each group fits one ca
     python benchmarks/ferry.py pack SRC DEST      # SRC's files, each xz-compressed, in tar pieces of <= 14 MiB
                                                   # (DEST/pack-NNN.tar) and DEST/pack-manifest.json (sha256s)
     python benchmarks/ferry.py unpack SRC DEST    # the pieces of SRC (checked) into DEST; files there are kept
+    python benchmarks/ferry.py split DEST NAME=DIR ...   # each DIR's files cut into byte pieces of <= 14 MiB in
+                                                  # DEST (uncompressed: weights do not compress), DEST/SPLIT_MANIFEST
+    python benchmarks/ferry.py join SRC DEST      # those pieces (checked) back into DEST/NAME/FILE
 
 (``quality_experiment.sh state-out``, ``ferry-groups``, ``regen-out`` and ``regen-in``: regeneration
-shards, many small JSON files that compress well, travel as ``pack`` pieces.)
+shards, many small JSON files that compress well, travel as ``pack`` pieces; ``export-out``: a trained drafter's
+export, one weights file larger than a returned file, travels as ``split`` pieces.)
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ MAX_CARRY_BYTES = 58 * 2**20
 #: one ``pack`` piece: under a returned file's 16 MiB with room for the tar headers
 MAX_PIECE_BYTES = 14 * 2**20
 MANIFEST = "pack-manifest.json"
+SPLIT_MANIFEST = "split-manifest.json"
 
 
 def sha256_file(path: Path) -> str:
@@ -176,6 +181,109 @@ def unpack(src: Path, dest: Path) -> tuple[list[str], list[str]]:
     return written, kept
 
 
+def split(dirs: dict[str, Path], dest: Path, max_piece_bytes: int = MAX_PIECE_BYTES) -> dict:
+    """Cut the plain files of each folder in ``dirs`` (``{name: folder}``) into byte pieces of at most
+    ``max_piece_bytes`` in ``dest`` (``NAME.FILE.pNNN``), and write ``dest/SPLIT_MANIFEST``:
+    ``{"files": {"NAME/FILE": {"sha256", "bytes", "pieces": [piece, ...]}}, "pieces": {piece: sha256}}``.
+
+    For files larger than one returned file (a drafter's export: ~145 MB of weights for the SmolLM2 P-EAGLE head),
+    which ``pack`` refuses; nothing is compressed (float weights gain little and xz would cost the machine's
+    minutes). ``dest`` is emptied of earlier pieces first; each piece and the manifest are written to a temporary
+    name and renamed.
+
+    Returns:
+        the manifest.
+
+    Raises:
+        ValueError: a folder in ``dirs`` is missing or holds no file; a name that is not one plain word
+            (letters, digits, ``-``, ``_``).
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in list(dest.glob("*.p[0-9][0-9][0-9]")) + [dest / SPLIT_MANIFEST]:
+        old.unlink(missing_ok=True)
+    files, pieces = {}, {}
+    for name, folder in dirs.items():
+        if not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise ValueError(f"split: {name!r} is not a plain name (letters, digits, '-', '_')")
+        if not folder.is_dir() or not files_of(folder):
+            raise ValueError(f"split: {folder} is not a folder with files (name {name}): export the drafter first")
+        for f in files_of(folder):
+            h, parts, i = hashlib.sha256(), [], 0
+            with open(f, "rb") as src:
+                while True:
+                    block = src.read(max_piece_bytes)
+                    if not block and parts:
+                        break
+                    h.update(block)
+                    piece = f"{name}.{f.name}.p{i:03d}"
+                    tmp = dest / f".{piece}.tmp"
+                    tmp.write_bytes(block)
+                    os.replace(tmp, dest / piece)
+                    pieces[piece] = hashlib.sha256(block).hexdigest()
+                    parts.append(piece)
+                    i += 1
+                    if len(block) < max_piece_bytes:
+                        break
+            files[f"{name}/{f.name}"] = {"sha256": h.hexdigest(), "bytes": f.stat().st_size, "pieces": parts}
+    manifest = {"files": files, "pieces": pieces}
+    tmp = dest / f".{SPLIT_MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, dest / SPLIT_MANIFEST)
+    return manifest
+
+
+def join(src: Path, dest: Path) -> list[str]:
+    """Put the files that ``split`` cut back together: ``src/SPLIT_MANIFEST`` and its pieces (e.g. the ``export-out``
+    batches gathered in one folder) into ``dest/NAME/FILE``.
+
+    Every piece is checked before anything is written, and each joined file's sha256 and size against the manifest;
+    a file is written to a temporary name and renamed. An existing file with the manifest's content is left as it
+    is; one with other content is refused (a drafter of another run).
+
+    Returns:
+        the ``NAME/FILE`` paths written.
+
+    Raises:
+        ValueError: no manifest in ``src``; a piece missing or damaged (named, with what to do); a joined file that
+            does not match the manifest; a file in ``dest`` with other content.
+    """
+    mf = src / SPLIT_MANIFEST
+    if not mf.is_file():
+        raise ValueError(f"join: no {SPLIT_MANIFEST} in {src}: gather every batch of export-out in one folder")
+    manifest = json.loads(mf.read_text())
+    missing = [p for p in manifest["pieces"] if not (src / p).is_file()]
+    if missing:
+        raise ValueError(f"join: {len(missing)} pieces missing in {src} (first: {missing[0]}): bring back every "
+                         "batch of export-out (quality_experiment.sh prints how many there are)")
+    for piece, digest in manifest["pieces"].items():
+        if sha256_file(src / piece) != digest:
+            raise ValueError(f"join: {src / piece} is damaged (sha256 differs from {SPLIT_MANIFEST}): fetch it again")
+    written = []
+    for rel, info in manifest["files"].items():
+        name, fname = rel.split("/", 1)
+        if name != Path(name).name or fname != Path(fname).name or name in ("", ".", ".."):
+            raise ValueError(f"join: {SPLIT_MANIFEST} names {rel!r}, not NAME/FILE")
+        out = dest / name / fname
+        if out.exists():
+            if sha256_file(out) != info["sha256"]:
+                raise ValueError(f"join: {out} exists with other content: join into an empty folder")
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{fname}.tmp"
+        h = hashlib.sha256()
+        with open(tmp, "wb") as w:
+            for piece in info["pieces"]:
+                block = (src / piece).read_bytes()
+                h.update(block)
+                w.write(block)
+        if h.hexdigest() != info["sha256"] or tmp.stat().st_size != info["bytes"]:
+            tmp.unlink()
+            raise ValueError(f"join: {rel} joined from {len(info['pieces'])} pieces does not match {SPLIT_MANIFEST}")
+        os.replace(tmp, out)
+        written.append(rel)
+    return written
+
+
 def main(argv=None) -> None:
     """The command line above. Exits with a message naming the folder or file for a missing source folder, a
     file too large for one call, a batch that does not exist, or a non-empty ``carry`` destination (an earlier
@@ -186,11 +294,28 @@ def main(argv=None) -> None:
     o.add_argument("src", type=Path)
     o.add_argument("i", type=int)
     o.add_argument("dest", type=Path)
-    for cmd in ("carry", "pack", "unpack"):
+    for cmd in ("carry", "pack", "unpack", "join"):
         c = sub.add_parser(cmd)
         c.add_argument("src", type=Path)
         c.add_argument("dest", type=Path)
+    sp = sub.add_parser("split")
+    sp.add_argument("dest", type=Path)
+    sp.add_argument("dirs", nargs="+", help="NAME=DIR: DIR's files, recorded as NAME/FILE")
     a = p.parse_args(argv)
+    if a.cmd in ("split", "join"):
+        try:
+            if a.cmd == "split":
+                bad = [d for d in a.dirs if "=" not in d]
+                if bad:
+                    raise ValueError(f"split: {bad[0]!r} is not NAME=DIR")
+                m = split({d.split("=", 1)[0]: Path(d.split("=", 1)[1]) for d in a.dirs}, a.dest)
+                print(f"split: {len(m['files'])} files in {len(m['pieces'])} pieces in {a.dest}")
+            else:
+                written = join(a.src, a.dest)
+                print(f"join: {len(written)} files written under {a.dest}")
+        except ValueError as e:
+            sys.exit(str(e))
+        return
     if a.cmd in ("pack", "unpack"):
         try:
             if a.cmd == "pack":

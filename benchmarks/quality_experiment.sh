@@ -32,6 +32,8 @@
 #   bash benchmarks/quality_experiment.sh state-out I   # batch I of that state to $OUT (one call's 64 MiB)
 #   bash benchmarks/quality_experiment.sh ferry-groups SRC DEST   # CPU side: batches gathered in SRC -> carry groups
 #   bash benchmarks/quality_experiment.sh state-in   # a fresh machine: the carried .ferry/b*/ into $WORK/state
+#   bash benchmarks/quality_experiment.sh export-out I  # batch I of the finished drafters' exports to $OUT (then,
+#                                                    # CPU side: python benchmarks/ferry.py join GATHERED DEST)
 #
 # Inputs expected in the working tree (ignored folders carried to the device), built HERE by `stage`:
 #   bash benchmarks/quality_experiment.sh stage   # CPU, after `bash setup.sh` (STAGE_DIR: another folder;
@@ -505,6 +507,23 @@ PY
     # 8 files and 62 MiB a batch (what one device call brings back); prints how many batches there are. On the
     # CPU side, gather the batches in one folder, then `ferry-groups` it for the next machine
     python3 benchmarks/ferry.py out "$WORK/state" "${2:?batch index}" "${OUT:?set OUT}" ;;
+  export-out)  # I: batch I (0, 1, ...) of the finished drafters' exports (DRAFTERS; $(legdir)/export) to $OUT, cut in
+    # byte pieces of 14 MiB (ferry.py split; again whenever an export is newer than the pieces), at most 8 files and
+    # 62 MiB a batch; prints how many batches there are (~145 MB: 3 for P-EAGLE). A drafter trained in a lease is
+    # otherwise lost with the machine. On the CPU side, gather the batches in one folder, then `python
+    # benchmarks/ferry.py join GATHERED DEST`: DEST/NAME/ is the export (every piece and file checked), for
+    # `peagle-train check`, vLLM's loader, an evaluation or a push
+    xp="$WORK/export-pieces"; dirs=(); fresh=1
+    for R in "${RECIPES[@]}"; do
+      e="$(legdir "$R")/export"
+      [ -f "$e/config.json" ] || { echo "export-out: no export in $e: the drafter's run has not finished" >&2; exit 2; }
+      dirs+=("$(basename "$R" .yaml)=$e")
+      [ -f "$xp/split-manifest.json" ] && [ -z "$(find "$e" -type f -newer "$xp/split-manifest.json")" ] || fresh=0
+    done
+    [ "$fresh" = 1 ] && [ "$(python3 -c "import json, sys; print(' '.join(sorted({k.split('/')[0] for k in
+      json.load(open(sys.argv[1]))['files']})))" "$xp/split-manifest.json")" = "$(for d in "${dirs[@]}"; do
+      echo "${d%%=*}"; done | sort | xargs)" ] || python3 benchmarks/ferry.py split "$xp" "${dirs[@]}"
+    python3 benchmarks/ferry.py out "$xp" "${2:?batch index}" "${OUT:?set OUT}" ;;
   ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ..., each one carry of a device call
     # (<= 58 MiB: the call's 64 MiB carry the working tree too; carry DEST/bI, then `state-in`). DEST must be empty
     # or absent (pieces of an earlier leg would mix with these); .ferry/ is git-ignored

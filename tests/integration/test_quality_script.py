@@ -1079,3 +1079,74 @@ def test_the_tracked_tree_leaves_room_for_the_largest_carry():
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     total = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
     assert total < 24 * 2**20, f"tracked tree {total / 2**20:.1f} MiB: move large data out of the repository"
+
+
+def test_ferry_split_and_join_move_a_file_larger_than_a_piece(tmp_path):
+    """``ferry.py split`` cuts each file into byte pieces under the limit (a drafter's weights: larger than one
+    returned file) and ``join`` puts them back byte-identical; a missing or damaged piece, or a file of another run
+    where the joined one would go, is refused, naming it."""
+    import ferry  # benchmarks/ is on sys.path (conftest)
+
+    exp = tmp_path / "export"
+    exp.mkdir()
+    weights = os.urandom(250_000)
+    (exp / "model.safetensors").write_bytes(weights)
+    (exp / "config.json").write_text('{"a": 1}')
+    (exp / "empty.txt").write_text("")
+    m = ferry.split({"peagle": exp}, tmp_path / "pieces", max_piece_bytes=100_000)
+    assert m["files"]["peagle/model.safetensors"]["pieces"] == [f"peagle.model.safetensors.p00{i}" for i in range(3)]
+    assert all((tmp_path / "pieces" / p).stat().st_size <= 100_000 for p in m["pieces"])
+    assert len(m["files"]["peagle/empty.txt"]["pieces"]) == 1
+    assert ferry.join(tmp_path / "pieces", tmp_path / "back") == ["peagle/config.json", "peagle/empty.txt",
+                                                                    "peagle/model.safetensors"]
+    assert (tmp_path / "back" / "peagle" / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "back" / "peagle" / "empty.txt").read_bytes() == b""
+    assert ferry.join(tmp_path / "pieces", tmp_path / "back") == []  # the same content: left as it is
+    (tmp_path / "back" / "peagle" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="exists with other content"):
+        ferry.join(tmp_path / "pieces", tmp_path / "back")
+    piece = tmp_path / "pieces" / "peagle.model.safetensors.p001"
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    with pytest.raises(ValueError, match="p001 is damaged"):
+        ferry.join(tmp_path / "pieces", tmp_path / "other")
+    piece.unlink()
+    with pytest.raises(ValueError, match="1 pieces missing .*p001"):
+        ferry.join(tmp_path / "pieces", tmp_path / "other")
+    assert not (tmp_path / "other").exists()  # nothing written before every piece is checked
+    with pytest.raises(ValueError, match="not a folder with files"):
+        ferry.split({"eagle3": tmp_path / "nowhere"}, tmp_path / "p2")
+
+
+def test_export_out_brings_a_finished_drafters_export_back_in_batches(tmp_path):
+    """``quality_experiment.sh export-out I``: the export of each drafter in DRAFTERS, cut in 14 MiB pieces once,
+    sent in batches under a call's limits; the gathered batches join into the same files. A drafter whose run has
+    not finished (no export) is named; an export rewritten later is cut again."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    work = tmp_path / "work"
+    exp = work / "peagle" / "export"
+    exp.mkdir(parents=True)
+    weights = os.urandom(20 * 2**20)  # two pieces of at most 14 MiB
+    (exp / "model.safetensors").write_bytes(weights)
+    (exp / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    env = os.environ | {"WORK": str(work), "DRAFTERS": "peagle",
+                        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    back = tmp_path / "back"
+    r = _step(env | {"OUT": str(back / "0")}, "export-out", "0")
+    assert r.returncode == 0 and "split: 2 files in 3 pieces" in r.stdout and "batch 0 of 1" in r.stdout, r.stdout + r.stderr
+    assert sorted(f.name for f in (back / "0").iterdir()) == [
+        "smollm2-135m-peagle-gpu.config.json.p000", "smollm2-135m-peagle-gpu.model.safetensors.p000",
+        "smollm2-135m-peagle-gpu.model.safetensors.p001", "split-manifest.json"]
+    r = _step(env | {"OUT": str(back / "0b")}, "export-out", "0")  # the pieces are kept while the export is unchanged
+    assert r.returncode == 0 and "split:" not in r.stdout, r.stdout + r.stderr
+    import ferry
+
+    assert ferry.join(back / "0", tmp_path / "joined") == ["smollm2-135m-peagle-gpu/config.json",
+                                                           "smollm2-135m-peagle-gpu/model.safetensors"]
+    assert (tmp_path / "joined" / "smollm2-135m-peagle-gpu" / "model.safetensors").read_bytes() == weights
+    os.utime(exp / "config.json", (os.path.getmtime(work / "export-pieces" / "split-manifest.json") + 5,) * 2)
+    r = _step(env | {"OUT": str(back / "1")}, "export-out", "0")
+    assert r.returncode == 0 and "split: 2 files" in r.stdout, r.stdout + r.stderr
+    r = _step(env | {"OUT": str(back / "2"), "DRAFTERS": "peagle eagle3"}, "export-out", "0")
+    assert r.returncode == 2 and "no export in" in r.stderr and "eagle3/export" in r.stderr
