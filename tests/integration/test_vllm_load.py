@@ -290,3 +290,46 @@ def test_vllm_loads_a_gpt_oss_shaped_export(vllm_cpu, tmp_path, Vd):
         tgt = drafter.draft_to_target(torch.arange(Vd or V))
         torch.testing.assert_close(logits[:, tgt], drafter.lm_head(x))
         assert torch.equal(logits.argmax(-1), drafter.draft_to_target(drafter.lm_head(x).argmax(-1)))
+
+
+def test_vllm_loads_the_smollm2_gpu_recipes_drafter(vllm_cpu, tmp_path):
+    """The drafter ``recipes/smollm2-135m-peagle-gpu.yaml`` trains (run 7 of docs/results.md: 4 layers of the
+    target's shape, the whole 49,152-token vocabulary, mask token 16, K = 8, aux layers 2 / 15 / 27), at SmolLM2's
+    real configuration (9 query heads, 3 key/value heads, hidden 576), exported as the trainer's export step writes
+    it and loaded by vLLM against a SmolLM2 target folder: what serving run 7's drafter runs."""
+    from peagle_train.features.target import default_aux_layer_ids, random_target_config
+    from peagle_train.methods import get_method
+    from peagle_train.model.drafter import Drafter, make_drafter_config
+    from peagle_train.recipe import load_config, validate_against_target
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-peagle-gpu.yaml")
+    tconf = random_target_config("pkg:peagle_train/smollm2-135m-instruct.json")
+    validate_against_target(cfg, tconf)
+    target_dir = tmp_path / "smollm2"
+    tconf.save_pretrained(str(target_dir))
+    aux = default_aux_layer_ids(tconf.num_hidden_layers)
+    assert aux == [2, 15, 27] and cfg.drafter.draft_vocab_size in (None, tconf.vocab_size)
+    # as the trainer builds it (peagle_train.trainer.setup): the recipe's shape, K and the method's own fields
+    dcfg = make_drafter_config(tconf, aux_layer_ids=aux, draft_vocab_size=tconf.vocab_size, K=cfg.train.K,
+                               **cfg.drafter.shape_fields(), **get_method(cfg.train.method).drafter_fields(cfg))
+    assert (dcfg.num_hidden_layers, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.hidden_size) == (4, 9, 3, 576)
+    assert dcfg.parallel_drafting and dcfg.mask_token_id == 16
+    torch.manual_seed(0)
+    drafter = Drafter(dcfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(torch.randn_like(p) * 0.02 + (1.0 if p.ndim == 1 else 0.0))
+    out = export_vllm(drafter, tmp_path / "draft", target_name=str(target_dir), target_config=tconf,
+                      dtype=torch.float32)
+    assert check_export(out, target=str(target_dir)) == []
+    v = vllm_load(target_dir, out, num_speculative_tokens=cfg.train.K - 1, parallel=True)
+    assert type(v.model).__name__ == "Eagle3LlamaForCausalLM" and v.aux_layers == tuple(aux)
+    assert v.proposer.parallel_drafting_token_id == 16 and v.model.model.fc_input_size == 3 * 576
+    assert_vllm_holds_our_weights(v.model, drafter)
+    x, feats = torch.randn(5, 576), torch.randn(5, 3 * 576)
+    with torch.no_grad():
+        torch.testing.assert_close(v.model.combine_hidden_states(feats), drafter.project_aux(feats))
+        torch.testing.assert_close(v.model.combine_hidden_states(v.model.mask_hidden.view(-1)),
+                                   drafter.mask_hidden_projected())
+        logits = v.model.compute_logits(x)
+        torch.testing.assert_close(logits, drafter.lm_head(x))
