@@ -408,6 +408,21 @@ def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | P
     return results
 
 
+
+def worker_loop(part: dict, sets: list[str]) -> dict:
+    """One eval worker's decoding over ``sets`` of its part (``run_eval(worker=...)``'s dict): ``{"worker": rank,
+    "device": device name, "seconds": wall seconds of its target-alone and speculative loops (prefill included),
+    "new_tokens": the tokens those loops generated, "tokens_per_s"}``. Summed over every served K and the
+    target-alone pass, so workers with equal shares compare by ``seconds``."""
+    secs, toks = 0.0, 0
+    for name in sets:
+        r = _RawSet.from_dict(part["datasets"][name])
+        secs += r.base.total_s + sum(st.total_s for v in r.per_k.values() for st in v)
+        toks += r.base.new_tokens + sum(st.new_tokens for v in r.per_k.values() for st in v)
+    hw = part.get("hardware") or {}
+    return {"worker": part["worker"][0], "device": hw.get("device_name") or hw.get("device"), "seconds": secs,
+            "new_tokens": toks, "tokens_per_s": toks / secs if secs > 0 else None}
+
 def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     """The report of ``world`` eval workers (:func:`run_eval` with ``worker``), from their parts in
     ``out_dir/parts/``: each set's sequences of all workers pooled as one process pools them (acceptance
@@ -417,6 +432,9 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     ``partial``: also when some workers stopped before their last set (their parts say ``"complete": false``):
     the report of the sets every worker finished, each set whole (all its prompts), with ``"partial":
     {"sets_left_out": [...]}``; without it such parts are refused.
+
+    The report also holds ``worker_loops`` (:func:`worker_loop` per worker: its device, decoding seconds and tokens)
+    and, where the workers ran on more than one kind of device, ``worker_devices``.
 
     Returns / Raises: as :func:`run_eval`; also FileNotFoundError naming the missing parts (run those workers),
     ConfigError (a ValueError; the CLI's exit 2) naming a part that is not JSON, was made with other settings
@@ -466,6 +484,9 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     devices = [h.get("device_name") or h.get("device") for h in hardware]
     if len(set(devices)) > 1:  # e.g. CPU workers beside a GPU's (quality_experiment.sh EVAL_CPU_WORKERS)
         head["worker_devices"] = devices
+    # each worker's decoding (target alone and every served K, over the sets all of them finished): which device
+    # bounded the evaluation's wall time, and at what rate each kind decodes beside the others
+    head["worker_loops"] = [worker_loop(p, common) for p in parts]
     left_out = [n for n in planned(parts[0]) if n not in common]
     if left_out:
         head["partial"] = {"sets_left_out": left_out}

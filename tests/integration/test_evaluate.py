@@ -253,6 +253,13 @@ def test_eval_workers_merge_into_the_single_process_report(tmp_path):
     two = merge_eval(tmp_path / "two", 2)
     assert json.loads((tmp_path / "two" / "eval.json").read_text())["workers"] == 2 and one["workers"] == 1
     assert "partial" not in two and "worker_devices" not in two  # one kind of device: nothing to say
+    # each worker's loops: its share of the sequences' tokens (all served K and target alone) and their seconds
+    loops = two["worker_loops"]
+    assert [w["worker"] for w in loops] == [0, 1] and all(w["seconds"] > 0 and w["new_tokens"] > 0 for w in loops)
+    every = sum(one["datasets"][n]["target_alone"]["new_tokens"] + sum(r["new_tokens"] for r in one["datasets"][n]["by_K"])
+                for n in ("mt_bench", "humaneval"))
+    assert sum(w["new_tokens"] for w in loops) == every
+    assert loops[0]["tokens_per_s"] == pytest.approx(loops[0]["new_tokens"] / loops[0]["seconds"])
     assert two["lossless"] == one["lossless"] and two["lossless"]["checked"] == 2 * 8 * 3
     # workers on different devices (CPU workers beside a GPU's): the report names each worker's
     p1 = tmp_path / "two" / "parts" / "worker-1-of-2.json"
