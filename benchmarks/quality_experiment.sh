@@ -525,7 +525,7 @@ PY
       echo "${d%%=*}"; done | sort | xargs)" ] || python3 benchmarks/ferry.py split "$xp" "${dirs[@]}"
     python3 benchmarks/ferry.py out "$xp" "${2:?batch index}" "${OUT:?set OUT}" ;;
   ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ..., each one carry of a device call
-    # (<= 58 MiB: the call's 64 MiB carry the working tree too; carry DEST/bI, then `state-in`). DEST must be empty
+    # (<= 43 MiB: the call's 64 MiB carry the tracked tree too, up to 21 MiB; carry DEST/bI, then `state-in`). DEST must be empty
     # or absent (pieces of an earlier leg would mix with these); .ferry/ is git-ignored
     python3 benchmarks/ferry.py carry "${2:?src}" "${3:?dest}" ;;
   state-in)  # the carried groups (FERRY/b*/, default .ferry, from `ferry-groups`) into $WORK/state; the state is checked (sha256 of
