@@ -35,7 +35,8 @@ def load_curve(path: Path) -> dict:
 
 
 def plot_curves(curves: list[tuple[str, dict]], out_png: Path) -> Path:
-    """Write ``out_png``: ``walk_al`` (solid, dots) and ``sim_al`` (dashed) of each ``(label, curve)`` against
+    """Write ``out_png``: ``walk_al`` (solid, dots), ``sim_al`` (dashed) and, where the rows have it,
+    ``walk_al_heldout`` (dotted, squares) of each ``(label, curve)`` against
     GPU-minutes (left) and millions of tokens seen (right). Returns ``out_png``."""
     import matplotlib
 
@@ -51,6 +52,10 @@ def plot_curves(curves: list[tuple[str, dict]], out_png: Path) -> Path:
             sim = [(xi, r.get("sim_al")) for xi, r in zip(x, rows) if r.get("sim_al") is not None]
             if sim:
                 ax.plot(*zip(*sim), "--", color=colour, alpha=0.6, label=f"{label}: simulated AL")
+            held = [(xi, r.get("walk_al_heldout")) for xi, r in zip(x, rows) if r.get("walk_al_heldout") is not None]
+            if held:
+                ax.plot(*zip(*held), "s:", color=colour, alpha=0.8, markersize=3,
+                        label=f"{label}: walk AL, held-out prompts")
     k = curves[0][1].get("K", 7) if curves else 7
     axes[0].set_xlabel("GPU-minutes of training")
     axes[1].set_xlabel("target tokens seen (millions)")

@@ -13,7 +13,10 @@ writes one JSON:
   time up to that step, summed over launches, in minutes: ``elapsed_s`` / 60; loading and saving are
   not counted), ``tokens_seen`` (target tokens trained up to and including that step, all ranks),
   ``eval_loss`` and, at ``--K``, ``walk_al`` (``eval_walk_al``: the reference loop's acceptance
-  length replayed on the eval split) and ``sim_al`` (``eval_sim_al``); ``acc1_copyable`` / ``acc1_fresh``
+  length replayed on the eval split), ``sim_al`` (``eval_sim_al``) and ``walk_al_heldout``
+  (``eval_walk_al_heldout``: the same walk on the eval sequences of the eval stage's ``heldout`` prompts, the
+  figure the decoding loop measured within 0.4 % in run 7 of docs/results.md; None where the log lacks it);
+  ``acc1_copyable`` / ``acc1_fresh``
   (the first drafted position's accuracy on copyable / fresh labels; None in logs older than them) and
   ``acc_copyable`` / ``acc_fresh`` (the same at every depth, lists);
 * ``loss``: ``[step, gpu_minutes, loss]`` every ``--every`` steps (default 10) and the last step;
@@ -57,6 +60,7 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
     def row(h: dict, ev: dict, seen: int) -> dict:  # step record h, its evaluation ev
         return {"step": h["step"], "gpu_minutes": minutes(h), "tokens_seen": seen, "eval_loss": ev["eval_loss"],
                 "walk_al": at_k(ev.get("eval_walk_al"), k), "sim_al": at_k(ev.get("eval_sim_al"), k),
+                "walk_al_heldout": at_k(ev.get("eval_walk_al_heldout"), k),
                 "acc1_copyable": ev.get("eval_acc1_copyable"), "acc1_fresh": ev.get("eval_acc1_fresh"),
                 "acc_copyable": ev.get("eval_acc_copyable"), "acc_fresh": ev.get("eval_acc_fresh")}
 
