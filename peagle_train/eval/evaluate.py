@@ -408,7 +408,6 @@ def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | P
     return results
 
 
-
 def worker_loop(part: dict, sets: list[str]) -> dict:
     """One eval worker's decoding over ``sets`` of its part (``run_eval(worker=...)``'s dict): ``{"worker": rank,
     "device": device name, "seconds": wall seconds of its target-alone and speculative loops (prefill included),
@@ -422,6 +421,7 @@ def worker_loop(part: dict, sets: list[str]) -> dict:
     hw = part.get("hardware") or {}
     return {"worker": part["worker"][0], "device": hw.get("device_name") or hw.get("device"), "seconds": secs,
             "new_tokens": toks, "tokens_per_s": toks / secs if secs > 0 else None}
+
 
 def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     """The report of ``world`` eval workers (:func:`run_eval` with ``worker``), from their parts in
