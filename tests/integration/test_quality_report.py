@@ -90,7 +90,7 @@ def test_must_show_record_of_the_committed_run3(tmp_path):
 def test_must_show_record_of_run7_without_an_eagle3_arm(tmp_path):
     """Run 7 trained P-EAGLE alone (DRAFTERS=peagle): the record holds its figures, EAGLE-3's are null and the ratio
     checks short ("not measured"); a cost pass of one process gives the drafting cost; the committed quality.json is
-    this build (commit aside)."""
+    this build."""
     import must_show_quality as ms
 
     run7 = ROOT / "docs" / "data" / "quality" / "run7"
