@@ -12,7 +12,8 @@ several calls. :func:`plan` groups files in order so that each group fits one ca
                                                   # (DEST/pack-NNN.tar) and DEST/pack-manifest.json (sha256s)
     python benchmarks/ferry.py unpack SRC DEST    # the pieces of SRC (checked) into DEST; files there are kept
     python benchmarks/ferry.py split DEST NAME=DIR ...   # each DIR's files cut into byte pieces of <= 14 MiB in
-                                                  # DEST (uncompressed: weights do not compress), DEST/SPLIT_MANIFEST
+                                                  # DEST (uncompressed: weights do not compress), DEST/SPLIT_MANIFEST;
+                                                  # nothing done where DEST holds the pieces of the same files
     python benchmarks/ferry.py join SRC DEST      # those pieces (checked) back into DEST/NAME/FILE
 
 (``quality_experiment.sh state-out``, ``ferry-groups``, ``regen-out`` and ``regen-in``: regeneration
@@ -236,6 +237,20 @@ def split(dirs: dict[str, Path], dest: Path, max_piece_bytes: int = MAX_PIECE_BY
     return manifest
 
 
+def split_is_current(dirs: dict[str, Path], dest: Path) -> bool:
+    """Whether ``dest`` already holds the ``split`` pieces of exactly these folders' files (the same ``NAME/FILE``
+    entries and sizes in ``dest/SPLIT_MANIFEST``) and no file there changed after them (modified later than the
+    manifest): ``export-out`` then sends the pieces it cut before instead of cutting them again for every batch."""
+    mf = dest / SPLIT_MANIFEST
+    if not mf.is_file() or not all(folder.is_dir() for folder in dirs.values()):
+        return False
+    files = json.loads(mf.read_text())["files"]
+    now = {f"{name}/{f.name}": f for name, folder in dirs.items() for f in files_of(folder)}
+    made = mf.stat().st_mtime
+    return now.keys() == files.keys() and all(f.stat().st_size == files[k]["bytes"] and f.stat().st_mtime <= made
+                                              for k, f in now.items())
+
+
 def join(src: Path, dest: Path) -> list[str]:
     """Put the files that ``split`` cut back together: ``src/SPLIT_MANIFEST`` and its pieces (e.g. the ``export-out``
     batches gathered in one folder) into ``dest/NAME/FILE``.
@@ -312,7 +327,10 @@ def main(argv=None) -> None:
                 bad = [d for d in a.dirs if "=" not in d]
                 if bad:
                     raise ValueError(f"split: {bad[0]!r} is not NAME=DIR")
-                m = split({d.split("=", 1)[0]: Path(d.split("=", 1)[1]) for d in a.dirs}, a.dest)
+                dirs = {d.split("=", 1)[0]: Path(d.split("=", 1)[1]) for d in a.dirs}
+                if split_is_current(dirs, a.dest):  # (nothing printed: the pieces of an earlier call are sent)
+                    return
+                m = split(dirs, a.dest)
                 print(f"split: {len(m['files'])} files in {len(m['pieces'])} pieces in {a.dest}")
             else:
                 written = join(a.src, a.dest)

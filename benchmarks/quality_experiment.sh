@@ -513,16 +513,13 @@ PY
     # otherwise lost with the machine. On the CPU side, gather the batches in one folder, then `python
     # benchmarks/ferry.py join GATHERED DEST`: DEST/NAME/ is the export (every piece and file checked), for
     # `peagle-train check`, vLLM's loader, an evaluation or a push
-    xp="$WORK/export-pieces"; dirs=(); fresh=1
+    xp="$WORK/export-pieces"; dirs=()
     for R in "${RECIPES[@]}"; do
       e="$(legdir "$R")/export"
       [ -f "$e/config.json" ] || { echo "export-out: no export in $e: the drafter's run has not finished" >&2; exit 2; }
       dirs+=("$(basename "$R" .yaml)=$e")
-      [ -f "$xp/split-manifest.json" ] && [ -z "$(find "$e" -type f -newer "$xp/split-manifest.json")" ] || fresh=0
     done
-    [ "$fresh" = 1 ] && [ "$(python3 -c "import json, sys; print(' '.join(sorted({k.split('/')[0] for k in
-      json.load(open(sys.argv[1]))['files']})))" "$xp/split-manifest.json")" = "$(for d in "${dirs[@]}"; do
-      echo "${d%%=*}"; done | sort | xargs)" ] || python3 benchmarks/ferry.py split "$xp" "${dirs[@]}"
+    python3 benchmarks/ferry.py split "$xp" "${dirs[@]}"  # (kept as they are where they hold these exports already)
     python3 benchmarks/ferry.py out "$xp" "${2:?batch index}" "${OUT:?set OUT}" ;;
   ferry-groups)  # SRC DEST: (CPU side) the files of SRC split into DEST/b0, b1, ..., each one carry of a device call
     # (<= 43 MiB: the call's 64 MiB carry the tracked tree too, up to 21 MiB; carry DEST/bI, then `state-in`). DEST must be empty

@@ -408,19 +408,15 @@ def _report(head: dict, raw: dict[str, _RawSet], ks: list[int], out_dir: str | P
     return results
 
 
-def worker_loop(part: dict, sets: list[str]) -> dict:
-    """One eval worker's decoding over ``sets`` of its part (``run_eval(worker=...)``'s dict): ``{"worker": rank,
-    "device": device name, "seconds": wall seconds of its target-alone and speculative loops (prefill included),
-    "new_tokens": the tokens those loops generated, "tokens_per_s"}``. Summed over every served K and the
-    target-alone pass, so workers with equal shares compare by ``seconds``."""
-    secs, toks = 0.0, 0
-    for name in sets:
-        r = _RawSet.from_dict(part["datasets"][name])
-        secs += r.base.total_s + sum(st.total_s for v in r.per_k.values() for st in v)
-        toks += r.base.new_tokens + sum(st.new_tokens for v in r.per_k.values() for st in v)
-    hw = part.get("hardware") or {}
-    return {"worker": part["worker"][0], "device": hw.get("device_name") or hw.get("device"), "seconds": secs,
-            "new_tokens": toks, "tokens_per_s": toks / secs if secs > 0 else None}
+def worker_loop(rank: int, device: str | None, shares: list[_RawSet]) -> dict:
+    """One eval worker's decoding over its ``shares`` (its part of each set, :meth:`_RawSet.from_dict`):
+    ``{"worker": rank, "device": device, "seconds": wall seconds of its target-alone and speculative loops
+    (prefill included), "new_tokens": the tokens those loops generated, "tokens_per_s"}``. Summed over every served
+    K and the target-alone pass, so workers with equal shares compare by ``seconds``."""
+    secs = sum(r.base.total_s + sum(st.total_s for v in r.per_k.values() for st in v) for r in shares)
+    toks = sum(r.base.new_tokens + sum(st.new_tokens for v in r.per_k.values() for st in v) for r in shares)
+    return {"worker": rank, "device": device, "seconds": secs, "new_tokens": toks,
+            "tokens_per_s": toks / secs if secs > 0 else None}
 
 
 def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
@@ -470,10 +466,8 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     common = [n for n in planned(parts[0]) if all(n in p["datasets"] for p in parts)]
     if not common:
         raise ConfigError(f"eval merge: no set was finished by all {world} workers: run them again")
-    raw = {}
-    for name in common:
-        shares = [_RawSet.from_dict(p["datasets"][name]) for p in parts]
-        raw[name] = functools.reduce(_RawSet.add, shares)
+    shares = {name: [_RawSet.from_dict(p["datasets"][name]) for p in parts] for name in common}  # [set][worker]
+    raw = {name: functools.reduce(_RawSet.add, shares[name]) for name in common}
     head = {k: parts[0][k] for k in (*keys, "hardware")}
     kinds = sorted({p.get("target_runner") or "dynamic" for p in parts})  # parts made before the key: dynamic
     fallbacks = [f"worker {p['worker'][0]}: {p['target_runner_fallback']}" for p in parts if p.get("target_runner_fallback")]
@@ -486,7 +480,8 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
         head["worker_devices"] = devices
     # each worker's decoding (target alone and every served K, over the sets all of them finished): which device
     # bounded the evaluation's wall time, and at what rate each kind decodes beside the others
-    head["worker_loops"] = [worker_loop(p, common) for p in parts]
+    head["worker_loops"] = [worker_loop(p["worker"][0], devices[i], [shares[n][i] for n in common])
+                            for i, p in enumerate(parts)]
     left_out = [n for n in planned(parts[0]) if n not in common]
     if left_out:
         head["partial"] = {"sets_left_out": left_out}
