@@ -240,11 +240,15 @@ def split(dirs: dict[str, Path], dest: Path, max_piece_bytes: int = MAX_PIECE_BY
 def split_is_current(dirs: dict[str, Path], dest: Path) -> bool:
     """Whether ``dest`` already holds the ``split`` pieces of exactly these folders' files (the same ``NAME/FILE``
     entries and sizes in ``dest/SPLIT_MANIFEST``) and no file there changed after them (modified later than the
-    manifest): ``export-out`` then sends the pieces it cut before instead of cutting them again for every batch."""
+    manifest): ``export-out`` then sends the pieces it cut before instead of cutting them again for every batch.
+    A manifest that is not ``split``'s JSON counts as not current (the pieces are cut again). Raises nothing."""
     mf = dest / SPLIT_MANIFEST
     if not mf.is_file() or not all(folder.is_dir() for folder in dirs.values()):
         return False
-    files = json.loads(mf.read_text())["files"]
+    try:
+        files = json.loads(mf.read_text())["files"]
+    except (ValueError, KeyError, TypeError):  # a damaged manifest: cut again (split rewrites it)
+        return False
     now = {f"{name}/{f.name}": f for name, folder in dirs.items() for f in files_of(folder)}
     made = mf.stat().st_mtime
     return now.keys() == files.keys() and all(f.stat().st_size == files[k]["bytes"] and f.stat().st_mtime <= made
