@@ -19,9 +19,14 @@ The record is written whatever the checks say; ``all_hold`` says whether the iss
 Usage::
 
     python benchmarks/must_show_quality.py RESULTS_DIR OUT.json [--commit SHA] [--sources-prefix PATH]
+        [--eagle3 DIR --eagle3-commit SHA]
 
 ``--sources-prefix``: the repository path RESULTS_DIR is committed under, e.g. ``docs/data/quality/run4``
-(default: RESULTS_DIR as given).
+(default: RESULTS_DIR as given). ``--eagle3``: the EAGLE-3 arm's result folder when it trained in a lease of its
+own (a repository path; default: RESULTS_DIR). Its ``data_meta.json`` must equal RESULTS_DIR's (the same prepared
+data, else ValueError); the check ``arms_equal_gpu_minutes_and_device`` holds when both arms trained within 2 % of
+the same GPU-minutes on the same device, and the ratio checks hold only with it (issue 20: "at equal GPU-minutes
+and equal data").
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ RATIO_FLOOR = 1.2          # P-EAGLE / EAGLE-3 at K = 7, both sets
 DEEP_GAIN_FLOOR = 0.15     # AL(7) - AL(3), both sets
 SIM_GAP_MAX = 0.05         # |simulated - measured| / measured, heldout, K = 7
 COST_RATIO_MAX = 1.3       # drafting ms per round, K = 7 / K = 1
+ARM_MINUTES_TOL = 0.02     # |GPU-minutes of P-EAGLE - EAGLE-3| / P-EAGLE's: "equal GPU-minutes"
 MIN_PROMPTS = 20
 
 
@@ -83,21 +89,34 @@ def _train_figures(results: Path, name: str) -> tuple[float, int | None, str]:
     return float(secs) / 60.0, m.get("tokens_seen"), f"{name}-train-metrics.json"
 
 
-def build(results: Path, commit: str, prefix: str) -> dict:
-    """The must-show record of the experiment in ``results`` (see the module docstring).
+def build(results: Path, commit: str, prefix: str, eagle3: Path | None = None,
+          eagle3_commit: str | None = None) -> dict:
+    """The must-show record of the experiment in ``results`` (see the module docstring); ``eagle3``: the EAGLE-3
+    arm's folder when it trained in a lease of its own (its files cited by that path; ``eagle3_commit`` the commit it
+    ran, default ``commit``).
 
     Raises:
+        ValueError: ``eagle3``'s data_meta.json differs from ``results``' (the arms did not train on the same data).
         FileNotFoundError: P-EAGLE's eval report or train figures, EAGLE-3's train figures where its eval report is
             there, or data_meta.json, is missing (no EAGLE-3 eval report: its figures are null, its checks short).
         KeyError: an eval report lacks MT-Bench, HumanEval, heldout or one of K = 1, 3, 5, 7, or a key the eval stage
             writes (``lossless``, ``hardware``, ``max_new_tokens``); data_meta.json lacks ``splits.train.tokens``.
     """
     ev = {"peagle": _read(results / f"{NAMES['peagle']}-eval.json")}
+    meta = _read(results / "data_meta.json")
+    # each arm's folder and the repository path its files are cited by
+    where = {"peagle": (results, prefix), "eagle3": (results, prefix) if eagle3 is None else (eagle3, str(eagle3))}
+    if eagle3 is not None:
+        _read(eagle3 / f"{NAMES['eagle3']}-eval.json")  # named when missing, before the data check
+        if _read(eagle3 / "data_meta.json") != meta:
+            raise ValueError(f"{eagle3}/data_meta.json differs from {results}/data_meta.json: the EAGLE-3 arm did not "
+                             "train on the P-EAGLE arm's prepared data; the ratio needs both on the same data "
+                             "(quality_experiment.sh restore from the same PREPARED_IN)")
     # a run of P-EAGLE alone (DRAFTERS=peagle: the lease too short for both arms) has no EAGLE-3 report: its figures
     # are null and the ratio checks SHORT, "not measured"; a present report is read whole (a broken one still raises)
-    if (results / f"{NAMES['eagle3']}-eval.json").exists():
-        ev["eagle3"] = _read(results / f"{NAMES['eagle3']}-eval.json")
-    meta = _read(results / "data_meta.json")
+    e3_dir = where["eagle3"][0]
+    if (e3_dir / f"{NAMES['eagle3']}-eval.json").exists():
+        ev["eagle3"] = _read(e3_dir / f"{NAMES['eagle3']}-eval.json")
     src = {}
     al: dict = {}
     acc: dict = {}
@@ -106,11 +125,11 @@ def build(results: Path, commit: str, prefix: str) -> dict:
         acc[d] = {m: _row(ev[m], d, 7)["per_position_acceptance"] for m in ev}
         al[d].setdefault("eagle3", None)
         acc[d].setdefault("eagle3", None)
-        src[f"al.{d}"] = src[f"acc_by_position.{d}"] = ", ".join(f"{prefix}/{NAMES[m]}-eval.json" for m in ev)
+        src[f"al.{d}"] = src[f"acc_by_position.{d}"] = ", ".join(f"{where[m][1]}/{NAMES[m]}-eval.json" for m in ev)
     gpu_min, tokens = {"eagle3": None}, {"eagle3": None}
     for m in ev:
-        gpu_min[m], tokens[m], f = _train_figures(results, NAMES[m])
-        src[f"gpu_minutes.{m}"] = f"{prefix}/{f}"
+        gpu_min[m], tokens[m], f = _train_figures(where[m][0], NAMES[m])
+        src[f"gpu_minutes.{m}"] = f"{where[m][1]}/{f}"
     prompts = min(ev[m]["datasets"][d]["num_prompts"] for m in ev for d in SETS)
     # simulated (end of training, heldout prompts, same horizon) vs the loop's measurement, K = 7
     pe = ev["peagle"]
@@ -149,6 +168,12 @@ def build(results: Path, commit: str, prefix: str) -> dict:
                                          "holds": workers == 1 and cost <= COST_RATIO_MAX},
         "sim_vs_measured_within_5pct": {"value": gap, "holds": gap is not None and gap <= SIM_GAP_MAX},
     }
+    devices = {m: ev[m]["hardware"].get("device_name") for m in ev}
+    equal_arms = True
+    if "eagle3" in ev:  # the ratio is the issue's only at equal GPU-minutes on the same device (data: checked above)
+        rel = abs(gpu_min["peagle"] - gpu_min["eagle3"]) / gpu_min["peagle"]
+        equal_arms = rel <= ARM_MINUTES_TOL and devices["peagle"] == devices["eagle3"]
+        checks["arms_equal_gpu_minutes_and_device"] = {"value": rel, "devices": devices, "holds": equal_arms}
     for d in SETS:
         p7, p3 = al[d]["peagle"]["7"], al[d]["peagle"]["3"]
         checks[f"al7_{d}_ge_{AL_FLOOR[d]}"] = {"value": p7, "holds": p7 >= AL_FLOOR[d]}
@@ -156,10 +181,11 @@ def build(results: Path, commit: str, prefix: str) -> dict:
             checks[f"ratio_k7_{d}_ge_1.2"] = {"value": None, "holds": False, "why": "EAGLE-3 not measured in this run"}
         else:
             r = p7 / al[d]["eagle3"]["7"]
-            checks[f"ratio_k7_{d}_ge_1.2"] = {"value": r, "holds": r >= RATIO_FLOOR}
+            checks[f"ratio_k7_{d}_ge_1.2"] = {"value": r, "holds": r >= RATIO_FLOOR and equal_arms}
         checks[f"al7_minus_al3_{d}_ge_0.15"] = {"value": p7 - p3, "holds": p7 - p3 >= DEEP_GAIN_FLOOR}
         checks[f"acc4_{d}_gt_0"] = {"value": deep(d), "holds": deep(d) > 0}
-    return {"commit": commit, "gpu_minutes": gpu_min, "train_tokens": train_tokens,
+    return {"commit": commit, "eagle3_commit": (eagle3_commit or commit) if "eagle3" in ev else None,
+            "gpu_minutes": gpu_min, "train_tokens": train_tokens,
             "tokens_seen": tokens, "prompts_per_set": prompts, "max_new_tokens": pe["max_new_tokens"],
             "al": al, "acc_by_position": acc, "sim_vs_measured_rel_err": gap, "lossless": lossless,
             "draft_cost_k7_over_k1": cost, "eval_workers": workers,
@@ -187,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--commit", default=os.environ.get("PEAGLE_COMMIT", "unknown"))
     ap.add_argument("--sources-prefix", default=None)
+    ap.add_argument("--eagle3", type=Path, default=None, help="the EAGLE-3 arm's result folder (a lease of its own)")
+    ap.add_argument("--eagle3-commit", default=None, help="the commit the EAGLE-3 arm ran (default: --commit)")
     a = ap.parse_args(argv)
     try:
-        rec = build(a.results, a.commit, a.sources_prefix or str(a.results).rstrip("/"))
-    except (FileNotFoundError, KeyError) as e:  # the message names the file, set or K; nothing is written
+        rec = build(a.results, a.commit, a.sources_prefix or str(a.results).rstrip("/"),
+                    None if a.eagle3 is None else Path(str(a.eagle3).rstrip("/")), a.eagle3_commit)
+    except (FileNotFoundError, KeyError, ValueError) as e:  # the message names the file, set or K; nothing is written
         sys.exit(f"must_show_quality: {e.args[0] if e.args else e}")
     write_record(a.out, rec)
     return 0

@@ -19,7 +19,10 @@ for ``name`` in ``smollm2-135m-peagle-gpu`` and ``smollm2-135m-eagle3-gpu``, and
 
 Usage::
 
-    python benchmarks/quality_report.py RESULTS_DIR
+    python benchmarks/quality_report.py RESULTS_DIR [--eagle3 DIR] [--out DIR]
+
+``--eagle3``: the EAGLE-3 arm's folder when it trained in a lease of its own (default: RESULTS_DIR, where the
+P-EAGLE arm's files are); ``--out``: where the three files go (default: RESULTS_DIR).
 """
 from __future__ import annotations
 
@@ -36,15 +39,22 @@ def _load(results: Path, name: str, kind: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _load_evals(results: Path) -> tuple[dict, list[str]]:
-    """``({"peagle"|"eagle3": eval report or None}, datasets present)``.
+def _arm_dirs(results: Path, eagle3: Path | None) -> dict[str, Path]:
+    """``{"peagle": results, "eagle3": eagle3 or results}``: the folder each drafter's files are read from."""
+    return {"peagle": results, "eagle3": results if eagle3 is None else eagle3}
+
+
+def _load_evals(results: Path, eagle3: Path | None = None) -> tuple[dict, list[str]]:
+    """``({"peagle"|"eagle3": eval report or None}, datasets present)``; EAGLE-3's from ``eagle3`` when given.
 
     Raises:
-        FileNotFoundError: neither drafter has an eval report in ``results``.
+        FileNotFoundError: neither drafter has an eval report in its folder.
     """
-    ev = {m: _load(results, n, "eval") for m, n in NAMES.items()}
+    dirs = _arm_dirs(results, eagle3)
+    ev = {m: _load(dirs[m], n, "eval") for m, n in NAMES.items()}
     if not any(ev.values()):
-        raise FileNotFoundError(f"no <name>-eval.json in {results}: run the experiment's eval step first")
+        raise FileNotFoundError(f"no <name>-eval.json in {', '.join(sorted({str(d) for d in dirs.values()}))}: "
+                                "run the experiment's eval step first")
     datasets = [d for d in ("mt_bench", "humaneval", "heldout") if any(e and d in e["datasets"] for e in ev.values())]
     return ev, datasets
 
@@ -59,14 +69,17 @@ def _fmt(x, nd=2) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
-def build(results: Path, evals: tuple[dict, list[str]] | None = None) -> tuple[str, dict]:
-    """(Markdown, JSON-able dict) of the comparison; missing runs show as '—'.
+def build(results: Path, evals: tuple[dict, list[str]] | None = None,
+          eagle3: Path | None = None) -> tuple[str, dict]:
+    """(Markdown, JSON-able dict) of the comparison; missing runs show as '—'. ``eagle3``: the EAGLE-3 arm's
+    folder when it trained in a lease of its own (default ``results``).
 
     Raises:
-        FileNotFoundError: neither drafter has an eval report in ``results``.
+        FileNotFoundError: neither drafter has an eval report in its folder.
     """
-    ev, datasets = evals or _load_evals(results)
-    tr = {m: _load(results, n, "train-metrics") for m, n in NAMES.items()}
+    ev, datasets = evals or _load_evals(results, eagle3)
+    dirs = _arm_dirs(results, eagle3)
+    tr = {m: _load(dirs[m], n, "train-metrics") for m, n in NAMES.items()}
     out: dict = {"acceptance_length": {}, "draft_ms": {}, "speedup": {}, "sim_vs_measured": {}, "train": {}}
     md = ["## Acceptance length (reference loop, batch 1, greedy)", "",
           "| dataset | K | P-EAGLE AL | EAGLE-3 AL | ratio |", "|---|---|---|---|---|"]
@@ -116,7 +129,8 @@ def build(results: Path, evals: tuple[dict, list[str]] | None = None) -> tuple[s
     return "\n".join(md) + "\n", out
 
 
-def plot(results: Path, out_png: Path, evals: tuple[dict, list[str]] | None = None) -> Path:
+def plot(results: Path, out_png: Path, evals: tuple[dict, list[str]] | None = None,
+         eagle3: Path | None = None) -> Path:
     """``comparison.png``: acceptance length vs served K per dataset and drafting ms per round vs K,
     P-EAGLE and EAGLE-3 side by side (matplotlib, Agg backend).
 
@@ -128,7 +142,7 @@ def plot(results: Path, out_png: Path, evals: tuple[dict, list[str]] | None = No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev, datasets = evals or _load_evals(results)
+    ev, datasets = evals or _load_evals(results, eagle3)
     fig, axes = plt.subplots(1, len(datasets) + 1, figsize=(4 * (len(datasets) + 1), 3.4))
     ks = list(range(1, 8))
     styles = {"peagle": ("P-EAGLE", "-o"), "eagle3": ("EAGLE-3", "--s")}
@@ -157,12 +171,15 @@ def plot(results: Path, out_png: Path, evals: tuple[dict, list[str]] | None = No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path, help="folder with the experiment's small result files")
+    ap.add_argument("--eagle3", type=Path, default=None, help="the EAGLE-3 arm's folder (a lease of its own)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for comparison.{md,json,png} (default: results)")
     args = ap.parse_args(argv)
-    evals = _load_evals(args.results)
-    md, data = build(args.results, evals)
-    (args.results / "comparison.md").write_text(md)
-    (args.results / "comparison.json").write_text(json.dumps(data, indent=1))
-    plot(args.results, args.results / "comparison.png", evals)
+    out = args.out or args.results
+    evals = _load_evals(args.results, args.eagle3)
+    md, data = build(args.results, evals, args.eagle3)
+    (out / "comparison.md").write_text(md)
+    (out / "comparison.json").write_text(json.dumps(data, indent=1))
+    plot(args.results, out / "comparison.png", evals)
     print(md)
     return 0
 

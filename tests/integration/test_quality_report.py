@@ -33,6 +33,27 @@ def test_comparison_tables(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_comparison_of_arms_from_two_folders(tmp_path):
+    """--eagle3: the EAGLE-3 arm's files from a folder of their own (a lease of its own), the tables and plot written
+    to --out; the committed run 8 comparison is this build of run 7 and run 8."""
+    names = quality_report.NAMES
+    pe, e3, out = (tmp_path / n for n in ("pe", "e3", "out"))
+    for d in (pe, e3, out):
+        d.mkdir()
+    (pe / f"{names['peagle']}-eval.json").write_text(json.dumps(_eval(2.4, [4.0] * 7)))
+    (e3 / f"{names['eagle3']}-eval.json").write_text(json.dumps(_eval(2.0, [1.0 * k for k in range(1, 8)])))
+    (e3 / f"{names['eagle3']}-train-metrics.json").write_text(json.dumps({"steps": 3, "final": {"eval_loss": 0.5}}))
+    md, data = quality_report.build(pe, eagle3=e3)
+    assert data["acceptance_length"]["mt_bench/K7"]["ratio"] == pytest.approx(1.2) and data["train"]["eagle3"]["steps"] == 3
+    assert quality_report.main([str(pe), "--eagle3", str(e3), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.json", "comparison.md", "comparison.png"]
+    assert not (pe / "comparison.md").exists()
+    run7, run8 = (ROOT / "docs" / "data" / "quality" / r for r in ("run7", "run8"))
+    md8, data8 = quality_report.build(run7, eagle3=run8)
+    assert md8 == (run8 / "comparison.md").read_text()
+    assert data8["acceptance_length"]["mt_bench/K7"]["ratio"] == pytest.approx(1.128, abs=1e-3)
+
+
 def test_missing_reports_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="eval step"):
         quality_report.build(tmp_path)
@@ -89,8 +110,7 @@ def test_must_show_record_of_the_committed_run3(tmp_path):
 
 def test_must_show_record_of_run7_without_an_eagle3_arm(tmp_path):
     """Run 7 trained P-EAGLE alone (DRAFTERS=peagle): the record holds its figures, EAGLE-3's are null and the ratio
-    checks short ("not measured"); a cost pass of one process gives the drafting cost; the committed quality.json is
-    this build."""
+    checks short ("not measured"); a cost pass of one process gives the drafting cost."""
     import must_show_quality as ms
 
     run7 = ROOT / "docs" / "data" / "quality" / "run7"
@@ -105,10 +125,63 @@ def test_must_show_record_of_run7_without_an_eagle3_arm(tmp_path):
     assert c["draft_cost_k7_over_k1_le_1.3"]["eval_workers"] == 1 and c["draft_cost_k7_over_k1_le_1.3"]["holds"]
     assert rec["all_hold"] is False and rec["prompts_per_set"] == 20 and rec["lossless"] is True
     assert "eagle3" not in rec["sources"]["al.mt_bench"]
+    assert "arms_equal_gpu_minutes_and_device" not in c and rec["eagle3_commit"] is None
     for s in rec["sources"].values():
         assert all((ROOT / p.strip()).is_file() for p in s.split(",")), s
+
+
+def test_must_show_record_of_run7_with_run8s_eagle3_arm(tmp_path):
+    """The EAGLE-3 arm trained in a lease of its own (run 8, same data and minutes): its folder is read beside run 7's
+    P-EAGLE files, its files cited by their path, the ratio measured (1.13, short of 1.2); arms on different data are
+    refused, arms of unequal minutes or devices do not count for the ratio; the committed quality.json is this build."""
+    import must_show_quality as ms
+
+    run7, run8 = (ROOT / "docs" / "data" / "quality" / r for r in ("run7", "run8"))
+    rec = ms.build(run7, "fe7bad0", "docs/data/quality/run7", run8, "ae7ff49")
+    assert rec["al"]["mt_bench"]["eagle3"]["7"] == pytest.approx(1.9775, abs=1e-3)
+    assert rec["al"]["humaneval"]["eagle3"]["7"] == pytest.approx(1.5451, abs=1e-3)
+    assert rec["gpu_minutes"]["eagle3"] == pytest.approx(12.01, abs=0.01) and rec["tokens_seen"]["eagle3"] == 29737372
+    c = rec["checks"]
+    assert c["arms_equal_gpu_minutes_and_device"]["holds"] and c["arms_equal_gpu_minutes_and_device"]["value"] < 0.002
+    for d in ("mt_bench", "humaneval"):
+        r = c[f"ratio_k7_{d}_ge_1.2"]
+        assert r["value"] == pytest.approx(rec["al"][d]["peagle"]["7"] / rec["al"][d]["eagle3"]["7"])
+        assert 1.1 < r["value"] < 1.2 and not r["holds"]
+    assert rec["commit"] == "fe7bad0" and rec["eagle3_commit"] == "ae7ff49"
+    assert str(run8) + "/smollm2-135m-eagle3-gpu-eval.json" in rec["sources"]["al.mt_bench"]
+    # the committed record: built with repository paths (python benchmarks/must_show_quality.py docs/data/quality/run7
+    # docs/data/must_show/quality.json --commit fe7bad0 --sources-prefix docs/data/quality/run7 --eagle3
+    # docs/data/quality/run8 --eagle3-commit ae7ff49, run from the repository root)
     committed = json.loads((ROOT / "docs" / "data" / "must_show" / "quality.json").read_text())
-    assert committed == json.loads(json.dumps(rec))
+    rel = json.loads(json.dumps(rec).replace(str(run8), "docs/data/quality/run8"))
+    assert committed == rel
+    for s in committed["sources"].values():
+        assert all((ROOT / p.strip()).is_file() for p in s.split(",")), s
+    # an EAGLE-3 arm on other data is refused, naming both files; nothing is built
+    other = tmp_path / "e3"
+    other.mkdir()
+    for f in run8.iterdir():
+        if f.is_file():
+            (other / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((run8 / "data_meta.json").read_text())
+    (other / "data_meta.json").write_text(json.dumps(meta | {"splits": meta["splits"] | {"train": {"tokens": 1}}}))
+    with pytest.raises(ValueError, match="data_meta.json differs"):
+        ms.build(run7, "a", "x", other, "b")
+    with pytest.raises(SystemExit, match="differs"):
+        ms.main([str(run7), str(tmp_path / "q.json"), "--eagle3", str(other)])
+    assert not (tmp_path / "q.json").exists()
+    # unequal minutes: the arms check and so the ratio checks fail, whatever the ratio
+    (other / "data_meta.json").write_bytes((run8 / "data_meta.json").read_bytes())
+    curve = json.loads((run8 / "smollm2-135m-eagle3-gpu-curve.json").read_text())
+    (other / "smollm2-135m-eagle3-gpu-curve.json").write_text(json.dumps(curve | {"gpu_minutes": 6.0}))
+    ev = json.loads((run8 / "smollm2-135m-eagle3-gpu-eval.json").read_text())
+    for d in ev["datasets"].values():
+        for row in d["by_K"]:
+            row["acceptance_length"] = 1.01
+    (other / "smollm2-135m-eagle3-gpu-eval.json").write_text(json.dumps(ev))
+    c2 = ms.build(run7, "a", "x", other, "b")["checks"]
+    assert not c2["arms_equal_gpu_minutes_and_device"]["holds"] and c2["ratio_k7_mt_bench_ge_1.2"]["value"] > 2
+    assert not c2["ratio_k7_mt_bench_ge_1.2"]["holds"]
 
 
 def test_must_show_record_names_a_missing_report(tmp_path):
