@@ -15,6 +15,8 @@ several calls. :func:`plan` groups files in order so that each group fits one ca
                                                   # DEST (uncompressed: weights do not compress), DEST/SPLIT_MANIFEST;
                                                   # nothing done where DEST holds the pieces of the same files
     python benchmarks/ferry.py join SRC DEST      # those pieces (checked) back into DEST/NAME/FILE
+    python benchmarks/ferry.py out-next SRC DEST  # the files of SRC not sent before (a split's manifest first),
+                                                  # as many as fit beside what DEST holds (8 files, 62 MiB in all)
 
 (``quality_experiment.sh state-out``, ``ferry-groups``, ``regen-out`` and ``regen-in``: regeneration
 shards, many small JSON files that compress well, travel as ``pack`` pieces; ``export-out``: a trained drafter's
@@ -46,6 +48,8 @@ MAX_CARRY_BYTES = 64 * 2**20 - MAX_TREE_BYTES
 MAX_PIECE_BYTES = 14 * 2**20
 MANIFEST = "pack-manifest.json"
 SPLIT_MANIFEST = "split-manifest.json"
+#: out_next's record of what it sent from a folder (hidden: ``files_of`` skips it, so it never travels itself)
+SENT = ".sent.json"
 
 
 def sha256_file(path: Path) -> str:
@@ -307,6 +311,53 @@ def join(src: Path, dest: Path) -> list[str]:
     return written
 
 
+def out_next(src: Path, dest: Path, max_files: int = MAX_FILES, max_bytes: int = MAX_GROUP_BYTES) -> list[str]:
+    """Copy to ``dest`` the files of ``src`` that no earlier ``out_next`` sent, ``SPLIT_MANIFEST`` first and then
+    in name order, as many as fit beside what ``dest`` already holds (``max_files`` files and ``max_bytes`` bytes
+    in all, a device call's returned files: the ``wait`` step's log and results come first); record them as sent
+    in ``src/SENT``.
+
+    Each ``wait`` call of a lease thus brings back the next pieces of a finished drafter's export while the
+    evaluation runs, with no call of its own (``export-out I`` sends a batch again by its index). The record
+    belongs to one cut of the pieces: when ``SPLIT_MANIFEST`` changed (the export was cut again), everything is
+    sent again. Files are copied under a temporary name and renamed; the record is written after the copies.
+
+    Returns:
+        the names copied (empty: everything was sent, or the first unsent file does not fit; files stay in order).
+
+    Raises:
+        ValueError: ``src`` is not a folder.
+    """
+    if not src.is_dir():
+        raise ValueError(f"out-next: {src} is not a folder: cut the export first (ferry.py split)")
+    mf = src / SPLIT_MANIFEST
+    cut = sha256_file(mf) if mf.is_file() else None
+    rec_path = src / SENT
+    try:
+        rec = json.loads(rec_path.read_text())
+    except (FileNotFoundError, ValueError):
+        rec = {}
+    sent = set(rec.get("sent", [])) if rec.get("cut") == cut else set()
+    todo = [f for f in sorted(files_of(src), key=lambda f: (f.name != SPLIT_MANIFEST, f.name)) if f.name not in sent]
+    dest.mkdir(parents=True, exist_ok=True)
+    held = files_of(dest)
+    n_files, n_bytes = len(held), sum(f.stat().st_size for f in held)
+    copied = []
+    for f in todo:
+        size = f.stat().st_size
+        if n_files + 1 > max_files or n_bytes + size > max_bytes:
+            break
+        tmp = dest / f".{f.name}.tmp"
+        shutil.copy2(f, tmp)
+        os.replace(tmp, dest / f.name)
+        copied.append(f.name)
+        n_files, n_bytes = n_files + 1, n_bytes + size
+    tmp = src / f"{SENT}.tmp"
+    tmp.write_text(json.dumps({"cut": cut, "sent": sorted(sent | set(copied))}))
+    os.replace(tmp, rec_path)
+    return copied
+
+
 def main(argv=None) -> None:
     """The command line above. Exits with a message naming the folder or file for a missing source folder, a
     file too large for one call, a batch that does not exist, or a non-empty ``carry`` destination (an earlier
@@ -321,6 +372,9 @@ def main(argv=None) -> None:
         c = sub.add_parser(cmd)
         c.add_argument("src", type=Path)
         c.add_argument("dest", type=Path)
+    on = sub.add_parser("out-next")
+    on.add_argument("src", type=Path)
+    on.add_argument("dest", type=Path)
     sp = sub.add_parser("split")
     sp.add_argument("dest", type=Path)
     sp.add_argument("dirs", nargs="+", help="NAME=DIR: DIR's files, recorded as NAME/FILE")
@@ -341,6 +395,17 @@ def main(argv=None) -> None:
                 print(f"join: {len(written)} files written under {a.dest}")
         except ValueError as e:
             sys.exit(str(e))
+        return
+    if a.cmd == "out-next":
+        try:
+            copied = out_next(a.src, a.dest)
+        except ValueError as e:
+            sys.exit(str(e))
+        left = [f.name for f in files_of(a.src)
+                if f.name not in json.loads((a.src / SENT).read_text())["sent"]]
+        print(f"out-next: {len(copied)} files of {a.src} sent in this call"
+              + (f" ({', '.join(copied)})" if copied else "")
+              + (f"; {len(left)} left for the next calls" if left else "; all of them sent"))
         return
     if a.cmd in ("pack", "unpack"):
         try:

@@ -552,7 +552,8 @@ PY
     # NAME-eval-partial/: its workers' parts so far and the report of the sets all of them finished),
     # prepared.tar.xz (+ .sha256) once prepare has tokenised and only if it fits one returned file (16 MiB: the
     # tokens of a large prepare do not), and the regeneration shards finished so far (batch 0 of regen-out, 4 files at most; xz-compressed text, ~20x
-    # smaller than the shards: carry them in as .regen/ and `regen-in`, then prepare tokenises them again)
+    # smaller than the shards: carry them in as .regen/ and `regen-in`, then prepare tokenises them again), then the
+    # next pieces of the finished drafters' exports that fit (below)
     secs=${2:?seconds}; end=$((SECONDS + secs)); seen=0
     while [ ! -f "$WORK/plan.done" ] && [ $SECONDS -lt $end ]; do
       n=$(wc -l < "$WORK/plan.log"); [ "$n" -gt "$seen" ] && tail -n +$((seen + 1)) "$WORK/plan.log" | head -n 200 | cut -c1-300
@@ -585,6 +586,19 @@ PY
     # only when this machine regenerated some: carried shards are where they came from (packing them again took
     # seconds of every call in run 5)
     if new_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi
+    # the finished drafters' exports: cut in 14 MiB pieces once, then each call sends the pieces not sent yet that
+    # fit beside the files above (ferry.py out-next), so the evaluation's waits bring the export back with no call
+    # of their own; EXPORT_BACK=0: not. On the CPU side gather the calls' pieces in one folder, then ferry.py join
+    if [ "${EXPORT_BACK:-1}" = 1 ]; then
+      dirs=()
+      for R in "${RECIPES[@]}"; do
+        e="$(legdir "$R")/export"; [ -f "$e/config.json" ] && dirs+=("$(basename "$R" .yaml)=$e")
+      done
+      if [ "${#dirs[@]}" -gt 0 ]; then
+        python3 benchmarks/ferry.py split "$WORK/export-pieces" "${dirs[@]}" && \
+          python3 benchmarks/ferry.py out-next "$WORK/export-pieces" "$OUT" || echo "wait: the export pieces failed"
+      fi
+    fi
     [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   decode-profile)  # after setup: the target's forward per query length through each TargetRunner kind, timed and
     # profiled (benchmarks/decode_profile.py; DP_FLAGS: its flags) -> $RESULTS/decode_profile.json; about a minute

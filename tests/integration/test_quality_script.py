@@ -1157,3 +1157,64 @@ def test_export_out_brings_a_finished_drafters_export_back_in_batches(tmp_path):
     assert r.returncode == 0 and "split: 2 files" in r.stdout, r.stdout + r.stderr
     r = _step(env | {"OUT": str(back / "2"), "DRAFTERS": "peagle eagle3"}, "export-out", "0")
     assert r.returncode == 2 and "no export in" in r.stderr and "eagle3/export" in r.stderr
+
+
+def test_ferry_out_next_sends_what_fits_beside_the_calls_files_once(tmp_path):
+    """``ferry.out_next``: the split manifest first, then the pieces in name order, as many as fit beside the files
+    the call returns already (file count and bytes); what was sent is not sent again, until the pieces are cut again
+    (another manifest); the record itself never travels."""
+    import ferry
+
+    src, d1, d2, d3 = (tmp_path / n for n in ("src", "d1", "d2", "d3"))
+    src.mkdir()
+    for name, n in (("a.p000", 40), ("a.p001", 40), ("b.p000", 10)):
+        (src / name).write_bytes(b"x" * n)
+    (src / ferry.SPLIT_MANIFEST).write_text('{"cut": 1}')
+    d1.mkdir()
+    (d1 / "plan.log").write_bytes(b"l" * 10)
+    assert ferry.out_next(src, d1, max_files=8, max_bytes=99) == [ferry.SPLIT_MANIFEST, "a.p000"]  # 10+10+40+40 > 99
+    assert ferry.out_next(src, d2, max_files=2, max_bytes=1000) == ["a.p001", "b.p000"]
+    assert ferry.out_next(src, d3) == [] and not (d3 / ferry.SENT).exists()
+    (src / ferry.SPLIT_MANIFEST).write_text('{"cut": 2}')  # cut again: everything goes again
+    assert ferry.out_next(src, tmp_path / "d4")[0] == ferry.SPLIT_MANIFEST
+    with pytest.raises(ValueError, match="not a folder"):
+        ferry.out_next(tmp_path / "nowhere", d3)
+
+
+def test_wait_brings_a_finished_drafters_export_back_over_its_calls(tmp_path):
+    """``wait`` after the drafter's run finished: each call returns, beside the log and the results, the export's
+    pieces not returned before (a 70 MiB export: 4 pieces in the first call, the last one in the second, none in
+    the third); the gathered calls join into the export. EXPORT_BACK=0 returns none."""
+    env = _setup(tmp_path) | {"DRAFTERS": "peagle"}
+    work = tmp_path / "work"
+    exp = work / "peagle" / "export"
+    exp.mkdir(parents=True)
+    weights = os.urandom(70 * 2**20)  # five 14 MiB pieces: more than one call returns
+    (exp / "model.safetensors").write_bytes(weights)
+    (exp / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (work / "plan.done").write_text("")
+    (work / "plan.log").write_text("plan: eval\n")
+    r = _step(env | {"OUT": str(tmp_path / "c0"), "EXPORT_BACK": "0"}, "wait", "1")
+    assert r.returncode == 0 and not [f for f in (tmp_path / "c0").iterdir() if ".p0" in f.name], r.stdout + r.stderr
+    names = []
+    for i in range(3):
+        out = tmp_path / f"c{i + 1}"
+        r = _step(env | {"OUT": str(out)}, "wait", "1")
+        assert r.returncode == 0, r.stdout + r.stderr
+        files = list(out.iterdir())
+        assert len(files) <= 8 and sum(f.stat().st_size for f in files) <= 62 * 2**20
+        names.append(sorted(f.name for f in files if f.name not in ("plan.log", "results.tar.xz")))
+    assert names[0] == ["smollm2-135m-peagle-gpu.config.json.p000"] + [
+        f"smollm2-135m-peagle-gpu.model.safetensors.p00{i}" for i in range(4)] + ["split-manifest.json"]
+    assert names[1] == ["smollm2-135m-peagle-gpu.model.safetensors.p004"] and names[2] == []
+    assert "all of them sent" in r.stdout
+    gathered = tmp_path / "gathered"
+    gathered.mkdir()
+    for i in (1, 2):
+        for f in (tmp_path / f"c{i}").glob("*"):
+            if f.name not in ("plan.log", "results.tar.xz"):
+                shutil.copy(f, gathered / f.name)
+    import ferry
+
+    ferry.join(gathered, tmp_path / "joined")
+    assert (tmp_path / "joined" / "smollm2-135m-peagle-gpu" / "model.safetensors").read_bytes() == weights
