@@ -313,8 +313,10 @@ PY
     # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
     # (NAME-compile-choice.json says why)
     # EVAL_CPU_WORKERS=M (default 0): M more workers on the machine's CPU cores (no GPU; eager target forward,
-    # EVAL_CPU_THREADS threads each, default 2) beside the GPU's, each every (N+M)-th prompt: the batch-1 loop is
-    # bound by the host, and processes sharing one GPU take turns on it (8 gave less than 2.2x one, run 6)
+    # EVAL_CPU_THREADS threads each, default 2) beside the GPU's: the batch-1 loop is bound by the host, and
+    # processes sharing one GPU take turns on it (8 gave less than 2.2x one, run 6). The workers claim prompts
+    # (--eval-claim: each takes the next prompt none has taken), so the faster ones decode more (run 8: 2 GPU
+    # workers finished their equal shares in ~350 s, the 7 CPU workers in ~550); EVAL_CLAIM=0: every (N+M)-th
     ngpu=$(ngpus)
     nw=${EVAL_WORKERS:-1}
     [[ "$nw" =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_WORKERS must be a whole number >= 1, got '$nw'" >&2; exit 2; }
@@ -357,15 +359,17 @@ PY
       ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}"
           "eval.compile_target=${compiled[$name]}" --quiet)
       if [ "$world" -gt 1 ]; then
+        claim=()  # one name per evaluation: claims of an earlier one are not seen
+        [ "${EVAL_CLAIM:-1}" = 0 ] || claim=(--eval-claim "$name-$(date +%s)-$$")
         ( pids=()
           for r in $(seq 0 $((world - 1))); do
             if [ "$r" -lt "$nw" ]; then
               # one CPU thread each: the loop's work is on the GPU, and 2N processes share the host's cores
-              OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-worker "$r/$world" > /dev/null \
+              OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$gpu cli "${ev[@]}" --eval-worker "$r/$world" "${claim[@]}" > /dev/null \
                 2> "$WORK/$name-eval-$r.err" &
             else  # a CPU worker: no GPU visible, the target's forward eager (a compiled CPU forward pays its compile)
               OMP_NUM_THREADS=${EVAL_CPU_THREADS:-2} CUDA_VISIBLE_DEVICES="" cli \
-                "${ev[@]/#eval.compile_target=*/eval.compile_target=false}" --eval-worker "$r/$world" > /dev/null \
+                "${ev[@]/#eval.compile_target=*/eval.compile_target=false}" --eval-worker "$r/$world" "${claim[@]}" > /dev/null \
                 2> "$WORK/$name-eval-$r.err" &
             fi
             pids+=($!)

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--eval-worker", metavar="RANK/WORLD", default=None,
                            help="decode only prompts i %% WORLD == RANK of each set and write their statistics to "
                                 "eval/parts/ (run WORLD of them, e.g. at once on one GPU, then --eval-merge WORLD)")
+            s.add_argument("--eval-claim", metavar="NAME", default=None,
+                           help="with --eval-worker: take the next prompt no worker has taken (claim files in "
+                                "eval/parts/claims-NAME/) instead of every WORLD-th, so faster workers decode more; "
+                                "NAME is shared by the workers of one evaluation, a new one for each")
             s.add_argument("--eval-merge", metavar="WORLD", type=int, default=None,
                            help="no decoding: the report of the WORLD worker parts in eval/parts/")
             s.add_argument("--eval-partial", action="store_true",
@@ -103,7 +107,7 @@ def _stage(args) -> object:
     if args.command == "export":
         return str(stages.run_export(cfg, progress))
     if eval_worker is not None:
-        return stages.run_eval(cfg, progress, worker=eval_worker)
+        return stages.run_eval(cfg, progress, worker=eval_worker, claim=args.eval_claim)
     return {**stages.run_eval(cfg, progress, merge=args.eval_merge, partial=args.eval_partial), "report": report}
 
 
@@ -127,7 +131,8 @@ def _eval_worker(args) -> tuple[int, int] | None:
 
     Raises:
         ConfigError: not ``RANK/WORLD`` with ``0 <= RANK < WORLD``; given with ``--eval-merge``; ``--eval-merge`` < 1;
-            ``--eval-partial`` without ``--eval-merge``.
+            ``--eval-partial`` without ``--eval-merge``; ``--eval-claim`` without ``--eval-worker`` or not one plain
+            word.
     """
     from peagle_train.core.config import ConfigError
 
@@ -136,7 +141,12 @@ def _eval_worker(args) -> tuple[int, int] | None:
     if args.eval_partial and args.eval_merge is None:
         raise ConfigError("--eval-partial goes with --eval-merge WORLD (it reports the sets every worker finished)")
     if args.eval_worker is None:
+        if getattr(args, "eval_claim", None) is not None:
+            raise ConfigError("--eval-claim goes with --eval-worker RANK/WORLD (the workers share the claim name)")
         return None
+    claim = getattr(args, "eval_claim", None)
+    if claim is not None and (not claim or not all(c.isalnum() or c in "-_" for c in claim)):
+        raise ConfigError(f"--eval-claim {claim!r}: one plain word (letters, digits, '-', '_')")
     if args.eval_merge is not None:
         raise ConfigError("give --eval-worker (decode a share) or --eval-merge (report the shares), not both")
     rank, world = _rank_world("--eval-worker", args.eval_worker, "0/4")

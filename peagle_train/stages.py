@@ -589,14 +589,16 @@ def heldout_prompts(out_dir: Path, n: int) -> list:
 
 @stage_lines("eval")
 def run_eval(cfg: RunConfig, progress: bool = True, worker: tuple[int, int] | None = None,
-             merge: int | None = None, partial: bool = False) -> dict:
+             merge: int | None = None, partial: bool = False, claim: str | None = None) -> dict:
     """Speculative decoding with the *exported* drafter on the eval prompts; report under ``<output_dir>/eval``.
 
     ``progress``: the stage lines (:func:`stage_lines`) and the evaluator's bars per dataset × K.
     ``worker = (rank, world)``: only every ``world``-th prompt of each set, raw statistics to
     ``eval/parts/`` (:func:`peagle_train.eval.evaluate.run_eval`), no report; ``merge = world``: no decoding,
     the report of the ``world`` parts (:func:`peagle_train.eval.evaluate.merge_eval`; ``partial``: of the sets
-    every worker finished) and the model card.
+    every worker finished) and the model card. ``claim`` (with ``worker``): the workers take the next untaken prompt
+    of each set instead of every ``world``-th (faster workers decode more; the name is shared by one evaluation's
+    workers).
     Several workers share one GPU well: the batch-1 loop leaves it mostly idle."""
     from data_prep.eval_prompts import load_eval_prompts
     from peagle_train.eval import evaluate
@@ -615,7 +617,8 @@ def run_eval(cfg: RunConfig, progress: bool = True, worker: tuple[int, int] | No
         results = evaluate.run_eval(target, drafter, cfg.eval, out / "eval", target_name=target_name,
                                     drafter_name=f"{cfg.train.method} drafter", trained_K=cfg.train.K,
                                     load_prompts=lambda name, n: heldout_prompts(out, n) if name == "heldout"
-                                    else load_eval_prompts(name, n), progress=progress, worker=worker)
+                                    else load_eval_prompts(name, n), progress=progress, worker=worker,
+                                    claim=claim)
         if worker is not None:
             return {"eval_worker": list(worker), "part": str(evaluate.part_path(out / "eval", *worker))}
     # the model card carries the eval table next to the serve command

@@ -185,6 +185,7 @@ def run_eval(
     decode: Callable[[list[int]], str] | None = None,
     progress: bool = True,
     worker: tuple[int, int] | None = None,
+    claim: str | None = None,
 ) -> dict:
     """Evaluate a drafter against its target and write the report.
 
@@ -205,12 +206,19 @@ def run_eval(
             ``world`` parts are there, :func:`merge_eval` writes the report they make together (the same
             acceptance lengths, per-position acceptance and lossless check as one process; timings then come
             from ``world`` processes sharing the device).
+        claim: with ``worker``: a name the ``world`` workers of one evaluation share (any word: letters, digits,
+            ``-``, ``_``). Instead of every ``world``-th prompt, each worker takes the next prompt no worker has
+            taken (a claim file ``out_dir/parts/claims-CLAIM/SET.PROMPT`` created exclusively, :func:`claim_prompt`),
+            so faster workers (a GPU's beside the CPU's) decode more of each set; the part is written after every
+            prompt and lists the prompts it holds, and :func:`merge_eval` takes a set whose prompts all parts
+            together cover. A new name starts a new evaluation (claims of another name are not seen).
 
     Returns:
         the report's dict (``eval.json``); with ``worker``, the part's dict.
 
     Raises:
-        ValueError: ``k_max`` above ``trained_K`` for a parallel-drafting drafter (spec §4); ``worker`` out of range.
+        ValueError: ``k_max`` above ``trained_K`` for a parallel-drafting drafter (spec §4); ``worker`` out of range;
+            ``claim`` without ``worker`` or not one plain word.
         LosslessError: any greedy speculative output differs from target-alone greedy decoding, after the
             report (listing every mismatch) has been written (not raised by a worker: :func:`merge_eval` does).
         FileNotFoundError / ValueError: from the prompt loader (missing eval set distribution).
@@ -220,6 +228,9 @@ def run_eval(
         raise ValueError(f"eval.k_max={cfg.k_max} exceeds the drafter's trained K={trained_K} (served K <= trained K)")
     if worker is not None and not 0 <= worker[0] < worker[1]:
         raise ValueError(f"eval worker {worker[0]}/{worker[1]}: need 0 <= rank < world (e.g. 0/4 .. 3/4)")
+    if claim is not None and (worker is None or not claim or not all(c.isalnum() or c in "-_" for c in claim)):
+        raise ValueError(f"eval claim {claim!r}: give it with worker=(rank, world), one plain word "
+                         "(letters, digits, '-', '_') shared by the evaluation's workers")
     load_prompts = load_prompts or _default_loader
     if encode is None:
         from data_prep.template import build_prompt_ids
@@ -231,6 +242,7 @@ def run_eval(
     eos = eos_ids(target)
     ks = cfg.served_ks()
     raw: dict[str, _RawSet] = {}
+    taken: dict[str, list[int]] = {}  # claim: the prompts of each set this worker decoded
     warm = [False]
     if worker is not None:  # a part left by an earlier run must not stand for this one if this worker stops early
         part_path(out_dir, *worker).unlink(missing_ok=True)
@@ -242,27 +254,57 @@ def run_eval(
                 "target_runner": runner.kind, "target_runner_fallback": runner.fallback,
                 "target_runner_cudagraph_skips": list(runner.cudagraph_skips)}
 
-    def write_part(runner: TargetRunner) -> dict:
+    def write_part(runner: TargetRunner, done: bool) -> dict:
         # written after every set: a worker stopped later (a job's time limit) leaves the sets it finished,
         # "complete": false until the last one (merge_eval's partial merge reads them)
         part = {**head(runner), "worker": list(worker), "datasets_planned": list(cfg.datasets),
-                "complete": len(raw) == len(cfg.datasets), "datasets": {n: r.to_dict() for n, r in raw.items()}}
+                "complete": done, "datasets": {n: r.to_dict() for n, r in raw.items()},
+                "claim": claim, "prompts": taken if claim is not None else None}
         path = part_path(out_dir, *worker)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, part, indent=None)  # each write whole or not at all
         return part
 
     with TargetRunner(target, static=cfg.compile_target, compile=cfg.compile_target) as runner:
-        for name in cfg.datasets:
+        for si, name in enumerate(cfg.datasets):
             prompts = load_prompts(name, cfg.num_prompts)
-            mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
-            raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm,
-                                    progress, runner)
-            if worker is not None:
-                part = write_part(runner)
+            last = si == len(cfg.datasets) - 1
+            if claim is None:
+                mine = [pi for pi in range(len(prompts)) if worker is None or pi % worker[1] == worker[0]]
+                raw[name] = _decode_set(target, drafter, name, prompts, mine, cfg, ks, eos, encode, decode, warm,
+                                        progress, runner)
+                if worker is not None:
+                    part = write_part(runner, last)
+                continue
+            raw[name], taken[name] = _RawSet.empty(len(prompts), ks), []
+            for pi in range(len(prompts)):
+                if not claim_prompt(out_dir, claim, name, pi, worker[0]):
+                    continue
+                one = _decode_set(target, drafter, name, prompts, [pi], cfg, ks, eos, encode, decode, warm,
+                                  False, runner)
+                raw[name] = raw[name].add(one)
+                taken[name].append(pi)
+                part = write_part(runner, False)  # after every prompt: a worker stopped later loses one prompt
+            part = write_part(runner, last)
     if worker is not None:
         return part
     return _report(head(runner), raw, ks, out_dir, workers=1)
+
+
+def claim_prompt(out_dir: str | Path, claim: str, name: str, prompt: int, rank: int) -> bool:
+    """Take prompt ``prompt`` of set ``name`` for the worker ``rank`` of the evaluation named ``claim``: create
+    ``out_dir/parts/claims-CLAIM/NAME.PROMPT`` exclusively (``O_CREAT | O_EXCL``, atomic on a local file
+    system), holding the rank. Returns True when this call created it (the prompt is this worker's), False when
+    another worker's call did."""
+    d = Path(out_dir) / "parts" / f"claims-{claim}"
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(d / f"{name}.{prompt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(rank))
+    return True
 
 
 def part_path(out_dir: str | Path, rank: int, world: int) -> Path:
@@ -290,6 +332,12 @@ class _RawSet:
                 "per_k": {str(k): [st.to_dict() for st in v] for k, v in self.per_k.items()},
                 "bad_k": {str(k): v for k, v in self.bad_k.items()}, "found": self.found,
                 "copyable": None if self.copyable is None else list(self.copyable)}
+
+    @staticmethod
+    def empty(num_prompts: int, ks: list[int]) -> "_RawSet":
+        """A share of no sequences of a set of ``num_prompts`` prompts served at ``ks`` (what :meth:`add` starts
+        from)."""
+        return _RawSet(num_prompts, TargetStats(), {k: [] for k in ks}, {k: 0 for k in ks}, [], 0, [0, 0])
 
     @staticmethod
     def from_dict(d: dict) -> "_RawSet":
@@ -419,6 +467,19 @@ def worker_loop(rank: int, device: str | None, shares: list[_RawSet]) -> dict:
             "tokens_per_s": toks / secs if secs > 0 else None}
 
 
+def _claimed_whole(parts: list[dict], name: str, world: int) -> bool:
+    """Whether the parts of a claiming evaluation (:func:`run_eval` with ``claim``) together hold every prompt of
+    set ``name`` exactly once. Raises ConfigError naming the prompt when two parts hold the same one (claims of
+    two evaluations under one name: run them again under a new one)."""
+    held = [pi for p in parts for pi in (p.get("prompts") or {}).get(name, [])]
+    if len(held) != len(set(held)):
+        dup = next(pi for pi in held if held.count(pi) > 1)
+        raise ConfigError(f"eval merge: prompt {dup} of {name} is in two of the {world} parts: the claims of two "
+                          "evaluations mixed; run the workers again under a new claim name")
+    sizes = {p["datasets"][name]["num_prompts"] for p in parts if name in p["datasets"]}
+    return len(sizes) == 1 and set(held) == set(range(sizes.pop()))
+
+
 def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     """The report of ``world`` eval workers (:func:`run_eval` with ``worker``), from their parts in
     ``out_dir/parts/``: each set's sequences of all workers pooled as one process pools them (acceptance
@@ -427,7 +488,8 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
 
     ``partial``: also when some workers stopped before their last set (their parts say ``"complete": false``):
     the report of the sets every worker finished, each set whole (all its prompts), with ``"partial":
-    {"sets_left_out": [...]}``; without it such parts are refused.
+    {"sets_left_out": [...]}``; without it such parts are refused. Workers that claimed their prompts
+    (``claim``): a set is whole when the parts together hold each of its prompts, whichever worker decoded it.
 
     The report also holds ``worker_loops`` (:func:`worker_loop` per worker: its device, decoding seconds and tokens)
     and, where the workers ran on more than one kind of device, ``worker_devices``.
@@ -435,7 +497,7 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     Returns / Raises: as :func:`run_eval`; also FileNotFoundError naming the missing parts (run those workers),
     ConfigError (a ValueError; the CLI's exit 2) naming a part that is not JSON, was made with other settings
     (K values, datasets, tokens) than worker 0's, or is incomplete (without ``partial``; with it, when no set
-    was finished by every worker).
+    was finished by every worker); parts of different claim names, or one prompt in two parts.
     """
     parts = []
     missing = []
@@ -458,15 +520,26 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
         if diff:
             raise ConfigError(f"eval merge: worker {p['worker'][0]}/{world} was run with other settings than worker "
                              f"0/{world} ({', '.join(diff)}): run all workers with the same recipe")
+    claims = {p.get("claim") for p in parts}
+    if len(claims) > 1:
+        raise ConfigError(f"eval merge: the {world} parts come from different evaluations (claims "
+                          f"{', '.join(sorted(map(str, claims)))}): run all workers of one evaluation again")
+    claim = claims.pop()
     stopped = [p for p in parts if p.get("complete") is False]
     if stopped and not partial:
         names = ", ".join(f"{p['worker'][0]} (finished: {', '.join(p['datasets']) or 'none'})" for p in stopped)
         raise ConfigError(f"eval merge: {len(stopped)} of {world} workers stopped before their last set: {names}; "
                           "run them again, or report the sets every worker finished with --eval-partial")
-    common = [n for n in planned(parts[0]) if all(n in p["datasets"] for p in parts)]
+    if claim is None:  # every world-th prompt: a set is whole when every worker finished it
+        common = [n for n in planned(parts[0]) if all(n in p["datasets"] for p in parts)]
+    else:  # claimed prompts: a set is whole when the parts together hold each of its prompts once
+        common = [n for n in planned(parts[0]) if _claimed_whole(parts, n, world)]
     if not common:
         raise ConfigError(f"eval merge: no set was finished by all {world} workers: run them again")
-    shares = {name: [_RawSet.from_dict(p["datasets"][name]) for p in parts] for name in common}  # [set][worker]
+    ks = parts[0]["k_values"]
+    shares = {name: [_RawSet.from_dict(p["datasets"][name]) if name in p["datasets"]  # [set][worker]
+                     else _RawSet.empty(next(q["datasets"][name]["num_prompts"] for q in parts
+                                             if name in q["datasets"]), ks) for p in parts] for name in common}
     raw = {name: functools.reduce(_RawSet.add, shares[name]) for name in common}
     head = {k: parts[0][k] for k in (*keys, "hardware")}
     kinds = sorted({p.get("target_runner") or "dynamic" for p in parts})  # parts made before the key: dynamic
@@ -485,4 +558,4 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     left_out = [n for n in planned(parts[0]) if n not in common]
     if left_out:
         head["partial"] = {"sets_left_out": left_out}
-    return _report(head, raw, parts[0]["k_values"], out_dir, workers=world)
+    return _report(head, raw, ks, out_dir, workers=world)

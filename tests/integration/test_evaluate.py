@@ -229,6 +229,18 @@ def test_run_eval_shows_a_bar_per_dataset_and_K_unless_quiet(tmp_path, capsys):
     assert "eval[" not in capsys.readouterr().err
 
 
+def _five_prompts_one_process(tmp_path):
+    """The workers' tests' setting: ``(target, drafter, prompts, loader, cfg, one)``, ``one`` the report of one
+    process over 5 prompts of two sets, both turns, K <= 3 (written under ``tmp_path / "one"``)."""
+    target, drafter = tiny_pair(K=3)
+    prompts = PROMPTS + [["count to five."], ["say hi."]]
+    loader = lambda name, n: prompts[:n]  # noqa: E731
+    cfg = EvalConfig(datasets=["mt_bench", "humaneval"], num_prompts=5, max_new_tokens=10, k_max=3, both_turns=True)
+    one = run_eval(target, drafter, cfg, tmp_path / "one", target_name="t", drafter_name="d", trained_K=3,
+                   load_prompts=loader, progress=False)
+    return target, drafter, prompts, loader, cfg, one
+
+
 def test_eval_workers_merge_into_the_single_process_report(tmp_path):
     """``run_eval(worker=(r, n))`` decodes every n-th prompt and writes its raw statistics to ``parts/``;
     ``merge_eval`` pools the n parts into the report one process writes: the same sequences, rounds, acceptance
@@ -236,12 +248,7 @@ def test_eval_workers_merge_into_the_single_process_report(tmp_path):
     settings is named, and a mismatch found by a worker is raised by the merge."""
     from peagle_train.eval.evaluate import merge_eval
 
-    target, drafter = tiny_pair(K=3)
-    prompts = PROMPTS + [["count to five."], ["say hi."]]
-    loader = lambda name, n: prompts[:n]  # noqa: E731
-    cfg = EvalConfig(datasets=["mt_bench", "humaneval"], num_prompts=5, max_new_tokens=10, k_max=3, both_turns=True)
-    one = run_eval(target, drafter, cfg, tmp_path / "one", target_name="t", drafter_name="d", trained_K=3,
-                   load_prompts=loader, progress=False)
+    target, drafter, prompts, loader, cfg, one = _five_prompts_one_process(tmp_path)
     for r in range(2):
         part = run_eval(target, drafter, cfg, tmp_path / "two", target_name="t", drafter_name="d", trained_K=3,
                         load_prompts=loader, progress=False, worker=(r, 2))
@@ -353,6 +360,90 @@ def test_a_worker_stopped_early_leaves_the_sets_it_finished_and_a_partial_merge_
     assert not (tmp_path / "two" / "parts" / "worker-1-of-2.json").exists()
 
 
+def test_claiming_workers_take_the_next_untaken_prompt_and_merge_into_the_single_process_report(tmp_path):
+    """``run_eval(worker=..., claim=NAME)``: each prompt goes to the worker whose claim file for it was created first
+    (``claim_prompt``: exclusive creation), so the shares follow the workers' speed, not ``i % world``. Two workers at
+    once (threads) and two one after the other (the first takes every prompt, the second none) both merge into the
+    one-process report; a worker stopped in its second set is covered by one that took that set's prompts, so even
+    the partial merge has both sets; parts of two claim names, or one prompt in two parts, are refused."""
+    import threading
+
+    from peagle_train.eval.evaluate import claim_prompt, merge_eval
+
+    assert claim_prompt(tmp_path / "c", "a", "mt_bench", 3, 0) is True
+    assert claim_prompt(tmp_path / "c", "a", "mt_bench", 3, 1) is False
+    assert claim_prompt(tmp_path / "c", "b", "mt_bench", 3, 1) is True  # another evaluation's name: its own claims
+    assert (tmp_path / "c" / "parts" / "claims-a" / "mt_bench.3").read_text() == "0"
+
+    target, drafter, prompts, loader, cfg, one = _five_prompts_one_process(tmp_path)
+    same = ("K", "rounds", "acceptance_length", "per_position_acceptance", "new_tokens", "mismatches")
+
+    def agrees(rep):
+        for name in ("mt_bench", "humaneval"):
+            a, b = one["datasets"][name], rep["datasets"][name]
+            assert (a["num_sequences"], a["target_alone"]["new_tokens"]) == (b["num_sequences"],
+                                                                               b["target_alone"]["new_tokens"])
+            for x, y in zip(a["by_K"], b["by_K"]):
+                assert {k: x[k] for k in same} == {k: y[k] for k in same}
+
+    def work(out, r, claim, load=loader, errors=None, pair=(target, drafter)):
+        try:
+            run_eval(*pair, cfg, out, target_name="t", drafter_name="d", trained_K=3, load_prompts=load,
+                     progress=False, worker=(r, 2), claim=claim)
+        except Exception as e:  # noqa: BLE001 -- re-raised by the test's thread below
+            errors.append(e)
+
+    errors: list = []
+    # two processes' worth: each thread its own (identical, seeded) target and drafter, as each worker process has
+    pairs = [(target, drafter), tiny_pair(K=3)]
+    threads = [threading.Thread(target=work, args=(tmp_path / "two", r, "run1", loader, errors, pairs[r]))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    parts = [json.loads((tmp_path / "two" / "parts" / f"worker-{r}-of-2.json").read_text()) for r in range(2)]
+    for name in ("mt_bench", "humaneval"):
+        held = [pi for p in parts for pi in p["prompts"][name]]
+        assert sorted(held) == list(range(5)), held  # every prompt once, whichever worker took it
+    agrees(merge_eval(tmp_path / "two", 2))
+    # one after the other: the first takes every prompt, the second's sets are empty shares
+    for r in range(2):
+        work(tmp_path / "seq", r, "run2", errors=errors)
+    second = json.loads((tmp_path / "seq" / "parts" / "worker-1-of-2.json").read_text())
+    assert second["prompts"] == {"mt_bench": [], "humaneval": []} and second["complete"] is True
+    rep = merge_eval(tmp_path / "seq", 2)
+    agrees(rep)
+    assert rep["worker_loops"][1]["new_tokens"] == 0
+    # the first worker stopped in its second set: the second took that set's prompts, so both sets are whole
+    def stops_at_humaneval(name, n):
+        if name == "humaneval":
+            raise TimeoutError("the job's time is up")
+        return prompts[:n]
+
+    work(tmp_path / "cut", 0, "run3", stops_at_humaneval, errors)
+    assert isinstance(errors.pop(), TimeoutError)
+    work(tmp_path / "cut", 1, "run3", errors=errors)
+    assert not errors
+    with pytest.raises(ValueError, match="stopped before their last set"):
+        merge_eval(tmp_path / "cut", 2)
+    got = merge_eval(tmp_path / "cut", 2, partial=True)
+    assert "partial" not in got
+    agrees(got)
+    # parts of two evaluations, or one prompt twice, are refused
+    p1 = tmp_path / "seq" / "parts" / "worker-1-of-2.json"
+    p1.write_text(json.dumps(second | {"claim": "other"}))
+    with pytest.raises(ValueError, match="different evaluations"):
+        merge_eval(tmp_path / "seq", 2)
+    p1.write_text(json.dumps(second | {"prompts": {"mt_bench": [0], "humaneval": []}}))
+    with pytest.raises(ValueError, match="prompt 0 of mt_bench is in two of the 2 parts"):
+        merge_eval(tmp_path / "seq", 2)
+    with pytest.raises(ValueError, match="give it with worker"):
+        run_eval(target, drafter, cfg, tmp_path / "x", target_name="t", drafter_name="d", trained_K=3,
+                 load_prompts=loader, progress=False, claim="run4")
+
+
 def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
     """``peagle-train eval RECIPE --eval-worker R/W`` / ``--eval-merge W``: a malformed or out-of-range worker, both
     flags at once, or a merge of fewer than one worker exit 2 with the fix, before the target loads."""
@@ -366,7 +457,9 @@ def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
                         (["--eval-worker", "one/2"], "expected RANK/WORLD"),
                         (["--eval-worker", "0/2", "--eval-merge", "2"], "not both"),
                         (["--eval-merge", "0"], "give the number of workers"),
-                        (["--eval-partial"], "--eval-partial goes with --eval-merge")):
+                        (["--eval-partial"], "--eval-partial goes with --eval-merge"),
+                        (["--eval-claim", "x"], "--eval-claim goes with --eval-worker"),
+                        (["--eval-worker", "0/2", "--eval-claim", "a b"], "one plain word")):
         assert main(["eval", recipe, out, *flags, "--quiet"]) == 2, flags
         assert said in capsys.readouterr().err, flags
     assert not (tmp_path / "run").exists()

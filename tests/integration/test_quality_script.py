@@ -773,6 +773,9 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
         mine = [c["args"] for c in calls if f"output_dir={tmp_path / 'w' / name}" in c["args"]]
         workers = sorted(a[a.index("--eval-worker") + 1] for a in mine if "--eval-worker" in a)
         assert workers == ["0/3", "1/3", "2/3"], mine
+        # the workers of one evaluation claim prompts under one name, the other drafter's under its own
+        claims = {a[a.index("--eval-claim") + 1] for a in mine if "--eval-worker" in a}
+        assert len(claims) == 1 and next(iter(claims)).startswith(f"smollm2-135m-{name}-gpu-"), mine
         merge = [a for a in mine if "--eval-merge" in a]
         assert len(merge) == 1 and merge[0][merge[0].index("--eval-merge") + 1] == "3"
         assert mine.index(merge[0]) > max(i for i, a in enumerate(mine) if "--eval-worker" in a)
@@ -788,6 +791,10 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
         assert "datasets" not in json.loads((run / "eval" / "eval.json").read_text())
         assert (run / "eval-cost" / "eval.json").is_file() and not (run / "eval-all").exists()
     assert {c["gpu"] for c in calls} == {"0"}
+    (tmp_path / "calls.jsonl").unlink()
+    r = _step(env | {"EVAL_CLAIM": "0"}, "eval")  # every world-th prompt, as before claims
+    assert r.returncode == 0 and not [c for c in (tmp_path / "calls.jsonl").read_text().splitlines()
+                                      if "--eval-claim" in c]
     r = _step(env | {"EVAL_WORKERS": "0"}, "eval")
     assert r.returncode == 2 and "EVAL_WORKERS must be a whole number >= 1" in r.stderr
     # EVAL_CPU_WORKERS=2: two more workers per drafter with no GPU visible and the target's forward eager; the
