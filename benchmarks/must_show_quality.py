@@ -152,8 +152,9 @@ def build(results: Path, commit: str, prefix: str, eagle3: Path | None = None,
     lossless = all(e["lossless"]["passed"] for e in ev.values())
     train_tokens = meta["splits"]["train"]["tokens"]
     src["train_tokens"] = f"{prefix}/data_meta.json"
-    for k in ("lossless", "target_copyable", "max_new_tokens", "device"):
+    for k in ("target_copyable", "max_new_tokens", "device"):
         src[k] = f"{prefix}/{NAMES['peagle']}-eval.json"
+    src["lossless"] = src["al.mt_bench"]  # every arm's check
     src["draft_cost_k7_over_k1"] = f"{prefix}/{cost_file.name if timed is not pe else NAMES['peagle'] + '-eval.json'}"
 
     def deep(d):  # accepted fraction at the fourth drafted position, P-EAGLE, K = 7
