@@ -109,7 +109,8 @@ def acceptance_by_copyable(parts: list[tuple[int, int, dict]], answers: dict) ->
     accepting draft 1) and ``mean_accepted``; plus ``sequences`` used and ``skipped`` (length mismatch).
 
     Sequences are matched by position: worker ``r`` of ``N`` decoded the prompts ``i % N == r`` of a set in
-    order, each prompt's turns in order (``peagle_train.eval.evaluate``), as ``answers`` lists them.
+    order (or, claiming its prompts, those its part lists under ``prompts``, in that order), each prompt's turns in
+    order (``peagle_train.eval.evaluate``), as ``answers`` lists them.
     Raises SystemExit naming the set when ``answers`` lacks it or a worker's sequence count does not match."""
     eos = answers.get("eos")
     out: dict = {}
@@ -124,7 +125,9 @@ def acceptance_by_copyable(parts: list[tuple[int, int, dict]], answers: dict) ->
         used = skipped = 0
         for r, world, part in parts:
             d = part["datasets"][name]
-            mine = [s for pi in sorted(by_prompt) if pi % world == r for s in by_prompt[pi]]
+            taken = (part.get("prompts") or {}).get(name)  # claiming workers list theirs, in decoding order
+            order = taken if part.get("claim") is not None else [pi for pi in sorted(by_prompt) if pi % world == r]
+            mine = [s for pi in order for s in by_prompt.get(pi, [])]
             if len(mine) != d["sequences"]:
                 sys.exit(f"acceptance_by_copyable: set {name}, worker {r}/{world}: {d['sequences']} sequences in the "
                          f"eval, {len(mine)} in the answers file: same recipe, prompts and both_turns?")

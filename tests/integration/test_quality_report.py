@@ -225,7 +225,8 @@ def test_eval_repetition_keeps_the_answer_ids_in_decoding_order():
 
 def test_acceptance_by_copyable_classes_each_round_by_the_token_it_drafts(tmp_path):
     """Rounds are placed on the answer from their accepted counts (the prefill gives position 0) and classed by the
-    copyable flag of the token they draft first; workers' prompts are matched by ``i % N == r``; a sequence of
+    copyable flag of the token they draft first; workers' prompts are matched by ``i % N == r`` (claiming workers':
+    by the prompts their parts list); a sequence of
     another length is skipped and counted; a missing rank or a sequence count that does not match is refused."""
     import acceptance_by_copyable as abc
 
@@ -263,6 +264,13 @@ def test_acceptance_by_copyable_classes_each_round_by_the_token_it_drafts(tmp_pa
     assert abc.lookup_walk([1, 2], loop, 3) == [0, 0, 0, 0, 3, 3]
     walks = [[0, 0, 0, 0, 3, 3], [0] * 12, [0] * 4]
     assert row["lookup_al"] == pytest.approx(sum(a + 1 for w in walks for a in w) / 22, abs=1e-4)
+    # claiming workers (peagle-train eval --eval-claim): each part lists its prompts; here worker 0 took prompt 1 and
+    # worker 1 prompts 0 and 2: the same rounds, the same classes
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / "worker-0-of-2.json").write_text(json.dumps({"claim": "x", "prompts": {"mt_bench": [1]}, **w1}))
+    (claimed / "worker-1-of-2.json").write_text(json.dumps({"claim": "x", "prompts": {"mt_bench": [0, 2]}, **w0}))
+    assert abc.main([str(claimed), str(tmp_path / "answers.json")])["sets"]["mt_bench"]["per_k"]["3"] == row
     w1["datasets"]["mt_bench"]["per_k"]["3"][0]["new_tokens"] = 12  # decoded differently there: left out
     (parts / "worker-1-of-2.json").write_text(json.dumps(w1))
     assert abc.main([str(parts), str(tmp_path / "answers.json")])["sets"]["mt_bench"]["skipped"] == 1
