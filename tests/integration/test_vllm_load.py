@@ -333,3 +333,46 @@ def test_vllm_loads_the_smollm2_gpu_recipes_drafter(vllm_cpu, tmp_path):
                                    drafter.mask_hidden_projected())
         logits = v.model.compute_logits(x)
         torch.testing.assert_close(logits, drafter.lm_head(x))
+
+
+@pytest.mark.skipif(not os.environ.get("PEAGLE_VLLM_EXPORT"),
+                    reason="set PEAGLE_VLLM_EXPORT=DIR (a trained drafter's export) to load it in vLLM")
+def test_vllm_loads_a_trained_export(vllm_cpu, tmp_path):
+    """A trained drafter's export as it came back from the GPU machine (``PEAGLE_VLLM_EXPORT=DIR``, e.g. joined by
+    ``benchmarks/ferry.py join``; ``PEAGLE_VLLM_TARGET_CONFIG``: the target's configuration, default SmolLM2's): our
+    contract check passes against that target, vLLM loads it as it serves it (dtype of the export, its trained K,
+    parallel drafting when the export says so) and holds every weight bit for bit; the aux projection, the mask
+    slots' hidden state and the logits compute what ours compute. What issue 20 asks of the final drafter's export."""
+    from peagle_train.export.writer import load_exported
+    from peagle_train.features.target import random_target_config
+
+    out = Path(os.environ["PEAGLE_VLLM_EXPORT"])
+    tconf = random_target_config(os.environ.get("PEAGLE_VLLM_TARGET_CONFIG",
+                                                "pkg:peagle_train/smollm2-135m-instruct.json"))
+    target_dir = tmp_path / "target"
+    tconf.save_pretrained(str(target_dir))
+    assert check_export(out, target=str(target_dir)) == []
+    raw = json.loads((out / "config.json").read_text())
+    parallel = raw.get("parallel_drafting") is True
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+    drafter = load_exported(out)
+    K = drafter.config.num_parallel_depths if parallel else 3
+    v = vllm_load(target_dir, out, num_speculative_tokens=max(1, K - 1) if parallel else K, parallel=parallel,
+                  dtype=dtype)
+    assert type(v.model).__name__ == "Eagle3LlamaForCausalLM"
+    aux = list(drafter.config.eagle_aux_hidden_state_layer_ids)
+    assert v.aux_layers == tuple(aux)
+    if parallel:
+        assert v.proposer.parallel_drafting_token_id == drafter.mask_token_id
+    assert_vllm_holds_our_weights(v.model, drafter)
+    feats = torch.randn(5, len(aux) * tconf.hidden_size)
+    x = torch.randn(5, drafter.config.hidden_size)
+    tol = {} if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)  # bf16: vLLM computes in bf16, ours in fp32
+    with torch.no_grad():
+        cast = next(v.model.parameters()).dtype
+        torch.testing.assert_close(v.model.combine_hidden_states(feats.to(cast)).float(),
+                                   drafter.project_aux(feats.to(cast).float()), **tol)
+        logits = v.model.compute_logits(x.to(cast)).float()
+        ours = drafter.lm_head(x.to(cast).float())
+        tgt = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
+        torch.testing.assert_close(logits[:, tgt], ours, **tol)
