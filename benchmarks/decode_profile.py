@@ -7,7 +7,10 @@ Why: run 6 (docs/results.md) measured 16 ms a token for the compiled SmolLM2-135
 verification on an H100, where the GPU work of a 135M forward is near a millisecond; the full evaluation did
 not fit a lease. This says whether the compiled forward replays one CUDA graph (``cudagraph_skips``: inductor's
 reasons when it does not), how much of a call is the device's work (``device_ms_per_call`` from the profile)
-and what the host does in the rest.
+and what the host does in the rest. The kinds: ``dynamic`` (eager, ``DynamicCache``), ``static`` (eager, one static
+cache), ``inductor`` (the static forward compiled, inductor's kernels launched without CUDA graphs: no graph replay
+and none of cudagraph trees' per-call bookkeeping) and ``compiled`` (the same with CUDA graphs, what
+``eval.compile_target: true`` runs); the last kind is profiled.
 
 Each kind: a random prompt of ``--prompt-tokens`` is prefilled (eager, as the loop does), then per length ``L``
 ``--warmup`` calls and ``--calls`` timed calls of ``forward(L tokens, want_aux=True)`` each followed by
@@ -38,7 +41,7 @@ SMOKE = ["recipes/smollm2-135m.yaml", "target.gguf_package=null", "target.gguf_f
          "target.device=cpu", "target.dtype=float32",
          "target.random_init_from_config=pkg:peagle_train/llama-3.1-8b-tiny.json"]
 KINDS = {"dynamic": dict(static=False, compile=False), "static": dict(static=True, compile=False),
-         "compiled": dict(static=True, compile=True)}
+         "inductor": dict(static=True, compile="inductor"), "compiled": dict(static=True, compile=True)}
 
 
 def parse_args(argv):

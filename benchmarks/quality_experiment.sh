@@ -308,7 +308,8 @@ PY
   eval)  # EVAL_WORKERS=N (default 1): N eval processes per drafter, each every N-th prompt, all at once (both
     # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge).
     # EVAL_COMPILE: 1 (default, as the GPU recipes) the target's forward compiled (eval.compile_target: one static
-    # KV cache, CUDA graphs; run 6: the same rounds, 1.9x faster); 0 eager; auto: first the one-process
+    # KV cache, CUDA graphs; run 6: the same rounds, 1.9x faster); inductor: compiled without CUDA graphs
+    # (eval.compile_target=inductor; decode-profile times both); 0 eager; auto: first the one-process
     # drafting-cost pass of each drafter both ways (NAME-cost-eval.json, NAME-cost-eval-compiled.json), then
     # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
     # (NAME-compile-choice.json says why)
@@ -324,7 +325,7 @@ PY
     [[ "$ncpu" =~ ^[0-9]+$ ]] || { echo "EVAL_CPU_WORKERS must be a whole number >= 0, got '$ncpu'" >&2; exit 2; }
     world=$((nw + ncpu))
     comp=${EVAL_COMPILE:-1}
-    case $comp in 0|1|auto) ;; *) echo "EVAL_COMPILE must be 0, 1 or auto, got '$comp'" >&2; exit 2 ;; esac
+    case $comp in 0|1|auto|inductor) ;; *) echo "EVAL_COMPILE must be 0, 1, inductor or auto, got '$comp'" >&2; exit 2 ;; esac
     cost_pass() {  # RECIPE COMPILE(true|false) SUFFIX: K = 1 and 7 on the first COST_PROMPTS MT-Bench prompts, both
       # turns, one process alone -> $RESULTS/NAME-cost-evalSUFFIX.json (its folder kept as eval-costSUFFIX)
       local R=$1 name out; name=$(basename "$1" .yaml); out=$(legdir "$1")
@@ -341,7 +342,8 @@ PY
     }
     declare -A compiled=()
     for R in "${RECIPES[@]}"; do  # the automatic choice first, each drafter alone on the GPU
-      name=$(basename "$R" .yaml); compiled[$name]=$([ "$comp" = 1 ] && echo true || echo false)
+      name=$(basename "$R" .yaml)
+      case $comp in 1) compiled[$name]=true ;; inductor) compiled[$name]=inductor ;; *) compiled[$name]=false ;; esac
       [ "$comp" = auto ] || continue
       cost_pass "$R" false "" && cost_pass "$R" true "-compiled"
       if [ -f "$RESULTS/$name-cost-eval.json" ] && [ -f "$RESULTS/$name-cost-eval-compiled.json" ]; then

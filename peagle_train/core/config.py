@@ -316,9 +316,10 @@ class EvalConfig(Section):
         None, description="Only these served K (each 1..k_max, e.g. [1, 3, 5, 7]: AL at 3, 5, 7 and the drafting "
         "cost of K = 7 against K = 1 at 4/7 of the decoding time); None = every K = 1..k_max.")
     both_turns: bool = True
-    compile_target: bool = Field(
+    compile_target: bool | Literal["cuda-graphs", "inductor"] = Field(
         False, description="The target's forward in the decoding loop with one static KV cache, each query length "
-        "compiled with CUDA graphs on a GPU (peagle_train/decoding/target_runner.py): the same tokens and "
+        "compiled on a GPU (peagle_train/decoding/target_runner.py): true or 'cuda-graphs' replays a CUDA graph "
+        "per call, 'inductor' runs inductor's fused kernels without CUDA graphs; the same tokens and "
         "acceptances, less launch overhead per round for a small target; eager on a CPU; refused for "
         "sliding-window targets. Timings then compare both drafters and the target alone on compiled forwards.")
 

@@ -8,7 +8,9 @@ Two kinds, the same results:
 * **static** (``eval.compile_target``): one ``StaticCache`` of ``max_len`` positions kept for every request
   of the run, so that the target's forward has the same shapes in every round; on CUDA each query
   length (1 for the target alone, ``K + 1`` for a verification) is compiled once by ``torch.compile`` with
-  mode ``"reduce-overhead"`` (CUDA graphs), the prompt's prefill stays eager. Rejected drafts are
+  mode ``"reduce-overhead"`` (CUDA graphs; ``compile="cuda-graphs"`` or ``True``) or, with
+  ``compile="inductor"``, with inductor's fused kernels launched one by one (no CUDA-graph replay and none of
+  its per-call bookkeeping); the prompt's prefill stays eager. Rejected drafts are
   dropped by moving the cache's write position back; their stale keys are overwritten by the next
   forward before anything attends to them, and the causal mask (built from the positions) never lets
   a query see a key past its own position. This is how vLLM and ``transformers``' compiled
@@ -65,28 +67,39 @@ class TargetRunner:
     Args:
         target: the loaded target.
         static: one ``StaticCache`` reused by every request (``False``: a ``DynamicCache`` per request).
-        compile: static only: compile the forward of each query length with CUDA graphs (CUDA devices only;
-            on a CPU the static forward runs eagerly, which the tests use to check it equals the dynamic one).
+        compile: static only: compile the forward of each query length (CUDA devices only; on a CPU the static
+            forward runs eagerly, which the tests use to check it equals the dynamic one): ``True`` or
+            ``"cuda-graphs"`` replays a CUDA graph per call (``mode="reduce-overhead"``), ``"inductor"`` runs
+            inductor's kernels without CUDA graphs; ``False`` eager.
         block: static only: the cache holds a multiple of this many positions, grown (and the compiled
             forwards recompiled, once per new size) when a request needs more. The default holds every
             evaluation prompt of this project in one size, so each query length compiles once per run.
 
     Raises:
-        ValueError: ``static`` for a target with sliding-window layers; ``compile`` without ``static``.
+        ValueError: ``static`` for a target with sliding-window layers; ``compile`` without ``static``; a
+            ``compile`` that is none of the above.
     """
+
+    #: ``compile`` values and the ``torch.compile`` keywords of each
+    COMPILE_MODES = {"cuda-graphs": {"mode": "reduce-overhead"}, "inductor": {}}
 
     #: compiled shapes allowed before torch.compile gives up (query lengths x cache sizes x aux on/off; torch's
     #: default of 8 would run the rest eagerly without a word)
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, target: Target, *, static: bool = False, compile: bool = False, block: int = 4096):
+    def __init__(self, target: Target, *, static: bool = False, compile: bool | str = False, block: int = 4096):
+        mode = "cuda-graphs" if compile is True else compile or None
+        if mode is not None and mode not in self.COMPILE_MODES:
+            raise ValueError(f"TargetRunner: compile={compile!r}; give True, 'cuda-graphs', 'inductor' or False")
         if compile and not static:
             raise ValueError("TargetRunner: compile needs static=True (CUDA graphs need a static KV cache)")
         if static and has_sliding_window(target.config):
             raise ValueError("TargetRunner: a static KV cache is not supported for sliding-window targets "
                              "(GPT-OSS); set eval.compile_target: false")
         self.target, self.static, self.block = target, static, block
-        self.compile = compile and static and target.device.type == "cuda"
+        self.compile = bool(mode) and static and target.device.type == "cuda"
+        #: how the compiled forward runs (``COMPILE_MODES``); None: eager
+        self.compile_mode = mode if self.compile else None
         self._kw = cache_kwarg(type(target.model))
         self._cache = None
         self._len = 0  # committed positions, counted on the host (no device sync per round)
@@ -125,7 +138,7 @@ class TargetRunner:
             self._max_len = -(-need // self.block) * self.block
             self._cache = StaticCache(config=self.target.config, max_cache_len=self._max_len)
             if self.compile and self.fallback is None:  # a new cache size is a new shape: compile again
-                self._step = torch.compile(self.target.model, mode="reduce-overhead", dynamic=False)
+                self._step = torch.compile(self.target.model, dynamic=False, **self.COMPILE_MODES[self.compile_mode])
         else:
             self._set_length(0)
 
@@ -166,7 +179,8 @@ class TargetRunner:
                 self._skip_log.attach()
                 with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit,
                                                                     self.RECOMPILE_LIMIT)):
-                    torch.compiler.cudagraph_mark_step_begin()
+                    if self.compile_mode == "cuda-graphs":
+                        torch.compiler.cudagraph_mark_step_begin()
                     out = self._step(**kw)
                 logits = out.logits[0].clone()  # the next replay overwrites the graph's output buffers
             except Exception as e:  # noqa: BLE001 -- a compile failure must not lose the evaluation: eager from here
@@ -184,12 +198,15 @@ class TargetRunner:
 
     @property
     def kind(self) -> str:
-        """``dynamic``, ``static``, ``static+cuda-graphs``, or ``static+compiled`` when inductor ran a compiled
-        forward without CUDA graphs (:attr:`cudagraph_skips` says why): what the forwards of the next rounds use."""
+        """``dynamic``, ``static``, ``static+cuda-graphs``, ``static+inductor`` (``compile="inductor"``), or
+        ``static+compiled`` when inductor ran a CUDA-graph forward without its graphs (:attr:`cudagraph_skips` says
+        why): what the forwards of the next rounds use."""
         if not self.static:
             return "dynamic"
         if self._step is None:
             return "static"
+        if self.compile_mode == "inductor":
+            return "static+inductor"
         return "static+compiled" if self.cudagraph_skips else "static+cuda-graphs"
 
     def drop(self, n: int) -> None:

@@ -265,7 +265,7 @@ def run_eval(
         write_json_atomic(path, part, indent=None)  # each write whole or not at all
         return part
 
-    with TargetRunner(target, static=cfg.compile_target, compile=cfg.compile_target) as runner:
+    with TargetRunner(target, static=bool(cfg.compile_target), compile=cfg.compile_target) as runner:
         for si, name in enumerate(cfg.datasets):
             prompts = load_prompts(name, cfg.num_prompts)
             last = si == len(cfg.datasets) - 1

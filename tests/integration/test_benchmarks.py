@@ -745,7 +745,7 @@ def test_cache_report_cpu_smoke(tmp_path, capsys):
 
 def test_decode_profile_cpu_smoke(tmp_path, capsys):
     """``benchmarks/decode_profile.py --smoke``: the target's forward per query length through each kind of
-    TargetRunner (dynamic, static, compiled: eager on a CPU), each call leaving the cache at its length, and a
+    TargetRunner (dynamic, static, inductor, compiled: the last two eager on a CPU), each call leaving the cache at its length, and a
     profile of the last kind's calls; the runners leave no hook on the target and the command is recorded."""
     import decode_profile
 
@@ -755,9 +755,9 @@ def test_decode_profile_cpu_smoke(tmp_path, capsys):
     meta = result["meta"]
     assert meta["command"] == f"python benchmarks/decode_profile.py --smoke --lengths 1 3 --out {out}"
     assert meta["layers"] == 8 and meta["gpu"] is None and "commit" in meta
-    assert list(result["kinds"]) == ["dynamic", "static", "compiled"]
+    assert list(result["kinds"]) == ["dynamic", "static", "inductor", "compiled"]
     runners = [r["runner"] for r in result["kinds"].values()]
-    assert runners == ["dynamic", "static", "static"]  # compile: CUDA only
+    assert runners == ["dynamic", "static", "static", "static"]  # compile (inductor alone or with CUDA graphs): CUDA only
     for r in result["kinds"].values():
         assert set(r["per_length"]) == {"1", "3"} and all(x["median_ms"] > 0 for x in r["per_length"].values())
         assert r["fallback"] is None and r["cudagraph_skips"] == []

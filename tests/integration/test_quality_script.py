@@ -854,14 +854,14 @@ def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(
         run = tmp_path / "w" / name
         assert (run / "eval-cost" / "eval.json").is_file() and (run / "eval-cost-compiled" / "eval.json").is_file()
         assert "datasets" not in json.loads((run / "eval" / "eval.json").read_text())  # the merged report
-    for setting, want in (("1", "true"), (None, "true"), ("0", "false")):  # unset: the GPU recipes' own default
+    for setting, want in (("1", "true"), (None, "true"), ("0", "false"), ("inductor", "inductor")):  # unset: the GPU recipes' own default
         (tmp_path / "calls.jsonl").unlink()
         e = {k: v for k, v in env.items() if k != "EVAL_COMPILE"} | {"EVAL_WORKERS": "1"}
         r = _step(e if setting is None else e | {"EVAL_COMPILE": setting}, "eval")
         calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
         assert r.returncode == 0 and len(calls) == 2 and all(f"eval.compile_target={want}" in c for c in calls)
     r = _step(env | {"EVAL_COMPILE": "yes"}, "eval")
-    assert r.returncode == 2 and "EVAL_COMPILE must be 0, 1 or auto" in r.stderr
+    assert r.returncode == 2 and "EVAL_COMPILE must be 0, 1, inductor or auto" in r.stderr
 
 
 def test_compile_choice_refuses_other_rounds_slower_runs_and_bad_files(tmp_path):

@@ -663,3 +663,39 @@ def test_picking_a_rounds_drafts_at_once_equals_picking_them_row_by_row():
     rows = [session._pick(r, True, 0.7, g2) for r in logits]
     assert ids.tolist() == [int(r[0]) for r in rows] and torch.equal(q, torch.stack([r[1] for r in rows]))
     assert q.shape == (3, session.drafter.t2d.numel())
+
+
+def test_target_runner_compile_modes_compile_as_named_and_only_cuda_graphs_marks_steps(monkeypatch):
+    """``compile=True`` / ``"cuda-graphs"`` compiles with ``mode="reduce-overhead"`` and marks a CUDA-graph step before
+    each call; ``"inductor"`` compiles with inductor's defaults (no CUDA graphs), marks nothing and names its kind
+    ``static+inductor``; both decode as the eager forward. Another value is refused; on a CPU nothing compiles (the
+    compiled forward is CUDA's), and ``eval.compile_target`` takes the same values."""
+    from peagle_train.core.config import EvalConfig
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    target = make_target()
+    ids = torch.arange(9)
+    want = target.model(input_ids=ids[None]).logits[0]
+    made, marks = [], []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: made.append(kw) or model)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    for compile, kwargs, kind, marked in ((True, {"dynamic": False, "mode": "reduce-overhead"}, "static+cuda-graphs", 2),
+                                          ("cuda-graphs", {"dynamic": False, "mode": "reduce-overhead"},
+                                           "static+cuda-graphs", 2),
+                                          ("inductor", {"dynamic": False}, "static+inductor", 0)):
+        made.clear(), marks.clear()
+        with TargetRunner(target, static=True, compile=compile, block=16) as r:
+            assert not r.compile and r.compile_mode is None and r.kind == "static"  # a CPU: eager
+            r.compile, r.compile_mode = True, "cuda-graphs" if compile is True else compile  # as on a GPU
+            r.start(12)
+            assert made == [kwargs]
+            r.forward(ids[:5], want_aux=False, prefill=True)
+            for a, b in ((5, 7), (7, 9)):
+                torch.testing.assert_close(r.forward(ids[a:b], want_aux=True)[0], want[a:b], rtol=1e-5, atol=1e-5)
+            assert len(marks) == marked and r.kind == kind
+    with pytest.raises(ValueError, match="compile='graphs'"):
+        TargetRunner(target, static=True, compile="graphs")
+    assert EvalConfig(compile_target="inductor").compile_target == "inductor"
+    assert EvalConfig(compile_target=True).compile_target is True
+    with pytest.raises(ValueError):
+        EvalConfig(compile_target="graphs")
