@@ -16,6 +16,16 @@ figures compared. ``true`` only when all of these hold:
 
 Raises SystemExit naming the file when a report is missing or is not an ``eval.json``.
 Stdlib only: it runs on the GPU machine before anything is installed there.
+
+From a decode profile instead (``benchmarks/decode_profile.py``, ``quality_experiment.sh decode-profile``; about a
+minute, no evaluation)::
+
+    python benchmarks/compile_choice.py --profile decode_profile.json [--out CHOICE.json]
+
+prints the ``eval.compile_target`` value of the fastest kind it timed (:func:`choose_from_profile`):
+``true`` (CUDA graphs), ``inductor`` (compiled, no CUDA graphs) or ``false`` (eager), and why. The profile does
+not decode prompts, so the rounds are not compared here; the evaluation's own lossless check still holds each run
+to the target's tokens.
 """
 from __future__ import annotations
 
@@ -69,12 +79,58 @@ def choose(eager: dict, compiled: dict) -> tuple[bool, str, dict]:
                   f"({figures['compiled_s']} s against {figures['eager_s']} s)"), figures
 
 
-def main(argv: list[str] | None = None) -> bool:
+#: the decode profile's kinds that are ``eval.compile_target`` settings (false: the eager ``dynamic`` kind the
+#: evaluation then runs), each with the runner kinds that show the forward really ran that way (a compiled kind that
+#: fell back to eager does not count)
+PROFILE_KINDS = {"dynamic": ("false", ("dynamic",)), "inductor": ("inductor", ("static+inductor",)),
+                 "compiled": ("true", ("static+cuda-graphs", "static+compiled"))}
+
+
+def choose_from_profile(profile: dict) -> tuple[str, str, dict]:
+    """``(eval.compile_target value, reason, figures)`` from a ``decode_profile.py`` JSON: of its kinds ``dynamic``
+    (eager), ``inductor`` and ``compiled`` that ran as named (``runner``, no ``fallback``), the one with the least
+    milliseconds per call summed over the profiled query lengths (medians). ``figures``: each kind's sum and runner.
+    None that ran as named: ``false`` (eager). Raises SystemExit when ``profile`` has no ``kinds``."""
+    kinds = profile.get("kinds")
+    if not isinstance(kinds, dict):
+        sys.exit("compile_choice: the profile has no 'kinds' (a benchmarks/decode_profile.py JSON?)")
+    figures, ok = {}, {}
+    for kind, (value, runners) in PROFILE_KINDS.items():
+        row = kinds.get(kind)
+        if not row:
+            continue
+        ms = round(sum(r["median_ms"] for r in row["per_length"].values()), 3)
+        figures[kind] = {"ms_per_call_summed": ms, "runner": row.get("runner"), "fallback": row.get("fallback")}
+        if row.get("runner") in runners and not row.get("fallback"):
+            ok[kind] = ms
+    if not ok:
+        return "false", "no kind of the profile ran as named: eager", figures
+    best = min(ok, key=ok.get)
+    others = ", ".join(f"{k} {v} ms" for k, v in ok.items() if k != best)
+    return PROFILE_KINDS[best][0], f"{best} {ok[best]} ms a call summed over the lengths" + (
+        f" (against {others})" if others else ""), figures
+
+
+def main(argv: list[str] | None = None) -> bool | str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("eager", type=Path)
-    p.add_argument("compiled", type=Path)
+    p.add_argument("eager", type=Path, nargs="?")
+    p.add_argument("compiled", type=Path, nargs="?")
+    p.add_argument("--profile", type=Path, default=None, help="choose from a decode_profile.py JSON instead")
     p.add_argument("--out", type=Path, default=None, help="also write {use_compiled, reason, ...figures} here")
     a = p.parse_args(argv)
+    if a.profile is not None:
+        try:
+            prof = json.loads(a.profile.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(f"compile_choice: {a.profile}: {e}")
+        value, reason, figures = choose_from_profile(prof)
+        print(value)
+        print(reason)
+        if a.out is not None:
+            a.out.write_text(json.dumps({"compile_target": value, "reason": reason, "kinds": figures}, indent=1))
+        return value
+    if a.eager is None or a.compiled is None:
+        p.error("give EAGER_EVAL.json COMPILED_EVAL.json, or --profile decode_profile.json")
     use, reason, figures = choose(_load(a.eager), _load(a.compiled))
     print("true" if use else "false")
     print(reason)

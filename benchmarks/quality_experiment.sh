@@ -309,7 +309,9 @@ PY
     # drafters' on one GPU too: the batch-1 loop leaves it mostly idle), then one merge per drafter (--eval-merge).
     # EVAL_COMPILE: 1 (default, as the GPU recipes) the target's forward compiled (eval.compile_target: one static
     # KV cache, CUDA graphs; run 6: the same rounds, 1.9x faster); inductor: compiled without CUDA graphs
-    # (eval.compile_target=inductor; decode-profile times both); 0 eager; auto: first the one-process
+    # (eval.compile_target=inductor; decode-profile times both); profile: the fastest kind of the lease's
+    # decode-profile step ($RESULTS/decode_profile.json, benchmarks/compile_choice.py --profile; none: 1); 0 eager;
+    # auto: first the one-process
     # drafting-cost pass of each drafter both ways (NAME-cost-eval.json, NAME-cost-eval-compiled.json), then
     # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
     # (NAME-compile-choice.json says why)
@@ -325,7 +327,18 @@ PY
     [[ "$ncpu" =~ ^[0-9]+$ ]] || { echo "EVAL_CPU_WORKERS must be a whole number >= 0, got '$ncpu'" >&2; exit 2; }
     world=$((nw + ncpu))
     comp=${EVAL_COMPILE:-1}
-    case $comp in 0|1|auto|inductor) ;; *) echo "EVAL_COMPILE must be 0, 1, inductor or auto, got '$comp'" >&2; exit 2 ;; esac
+    case $comp in 0|1|auto|inductor|profile) ;;
+      *) echo "EVAL_COMPILE must be 0, 1, inductor, profile or auto, got '$comp'" >&2; exit 2 ;; esac
+    if [ "$comp" = profile ]; then  # one choice for every drafter: the profile times the target's forward alone
+      if [ -f "$RESULTS/decode_profile.json" ]; then
+        choice=$(python3 benchmarks/compile_choice.py --profile "$RESULTS/decode_profile.json" \
+          --out "$RESULTS/compile-choice-profile.json") || exit 2
+        comp=$(head -n 1 <<< "$choice"); echo "eval: target forward from decode-profile: $comp ($(sed -n 2p <<< "$choice"))"
+        case $comp in true) comp=1 ;; false) comp=0 ;; esac
+      else
+        comp=1; echo "eval: EVAL_COMPILE=profile without $RESULTS/decode_profile.json (run decode-profile first): CUDA graphs"
+      fi
+    fi
     cost_pass() {  # RECIPE COMPILE(true|false) SUFFIX: K = 1 and 7 on the first COST_PROMPTS MT-Bench prompts, both
       # turns, one process alone -> $RESULTS/NAME-cost-evalSUFFIX.json (its folder kept as eval-costSUFFIX)
       local R=$1 name out; name=$(basename "$1" .yaml); out=$(legdir "$1")

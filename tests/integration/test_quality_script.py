@@ -861,7 +861,52 @@ def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(
         calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
         assert r.returncode == 0 and len(calls) == 2 and all(f"eval.compile_target={want}" in c for c in calls)
     r = _step(env | {"EVAL_COMPILE": "yes"}, "eval")
-    assert r.returncode == 2 and "EVAL_COMPILE must be 0, 1, inductor or auto" in r.stderr
+    assert r.returncode == 2 and "EVAL_COMPILE must be 0, 1, inductor, profile or auto" in r.stderr
+    # EVAL_COMPILE=profile: the fastest kind of the lease's decode-profile, for every drafter; without one, CUDA graphs
+    e = {k: v for k, v in env.items() if k != "EVAL_COMPILE"} | {"EVAL_WORKERS": "1", "EVAL_COMPILE": "profile"}
+    res.mkdir(parents=True, exist_ok=True)
+    for profile, want in ((None, "true"), ({"inductor": 3.0, "compiled": 9.0, "dynamic": 20.0}, "inductor"),
+                          ({"inductor": 30.0, "compiled": 9.0, "dynamic": 20.0}, "true"),
+                          ({"inductor": 30.0, "compiled": 29.0, "dynamic": 20.0}, "false")):
+        (res / "decode_profile.json").unlink(missing_ok=True)
+        if profile is not None:
+            runner = {"dynamic": "dynamic", "inductor": "static+inductor", "compiled": "static+cuda-graphs"}
+            (res / "decode_profile.json").write_text(json.dumps({"kinds": {
+                k: {"per_length": {"1": {"median_ms": ms}}, "runner": runner[k], "fallback": None}
+                for k, ms in profile.items()}}))
+        (tmp_path / "calls.jsonl").unlink(missing_ok=True)
+        r = _step(e, "eval")
+        calls = [json.loads(x)["args"] for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+        assert r.returncode == 0 and calls and all(f"eval.compile_target={want}" in c for c in calls), r.stdout
+        assert ("without" in r.stdout) if profile is None else (f"from decode-profile: {want}" in r.stdout)
+
+
+def test_compile_choice_from_a_decode_profile_takes_the_fastest_kind_that_ran_as_named(tmp_path):
+    """``compile_choice.py --profile``: the least summed milliseconds among static / inductor / compiled, counting a
+    compiled kind only when its runner shows it compiled (not a fallback to eager); none such: eager; a file
+    without kinds is refused."""
+    import compile_choice  # benchmarks/ is on sys.path (conftest)
+
+    def kind(ms1, ms8, runner, fallback=None):
+        return {"per_length": {"1": {"median_ms": ms1}, "8": {"median_ms": ms8}}, "runner": runner, "fallback": fallback}
+
+    prof = {"kinds": {"dynamic": kind(15.0, 18.0, "dynamic"), "static": kind(1.0, 1.0, "static"),
+                      "inductor": kind(2.0, 2.5, "static+inductor"), "compiled": kind(14.0, 16.0, "static+cuda-graphs")}}
+    value, reason, figures = compile_choice.choose_from_profile(prof)
+    assert value == "inductor" and reason.startswith("inductor 4.5 ms") and "compiled 30.0 ms" in reason
+    assert "static" not in figures  # eager with a static cache is no compile_target setting (false runs dynamic)
+    prof["kinds"]["inductor"] = kind(2.0, 2.5, "static", fallback="RuntimeError: x")  # fell back: not counted
+    assert compile_choice.choose_from_profile(prof)[0] == "true"
+    prof["kinds"]["compiled"] = kind(1.0, 1.0, "static")  # did not compile: not counted either
+    assert compile_choice.choose_from_profile(prof)[0] == "false"
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    assert compile_choice.main(["--profile", str(tmp_path / "p.json"), "--out", str(tmp_path / "c.json")]) == "false"
+    assert json.loads((tmp_path / "c.json").read_text())["compile_target"] == "false"
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no 'kinds'"):
+        compile_choice.main(["--profile", str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit):
+        compile_choice.main([])
 
 
 def test_compile_choice_refuses_other_rounds_slower_runs_and_bad_files(tmp_path):
