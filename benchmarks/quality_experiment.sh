@@ -14,13 +14,15 @@
 #                                                    # continues from those shards
 #   bash benchmarks/quality_experiment.sh lease STEP ...   # the steps in the background (e.g. prepare "leg 8" eval),
 #   bash benchmarks/quality_experiment.sh wait SECONDS     # then calls back to back: what they made so far to $OUT
-#                                                    # (regeneration shards only where this machine made some)
+#                                                    # (regeneration shards only where this machine made some;
+#                                                    # a finished drafter's export, the pieces not yet returned)
 #   bash benchmarks/quality_experiment.sh restore    # instead of prepare: unpack .prepared/prepared.tar.xz (the
 #                                                    # prepared data an earlier prepare shipped back, ~10 MB)
 #   bash benchmarks/quality_experiment.sh pack       # $WORK/peagle's prepared data -> $RESULTS/prepared.tar.xz (+ .sha256)
 #   bash benchmarks/quality_experiment.sh train      # P-EAGLE then EAGLE-3, same data, same minutes each
 #   bash benchmarks/quality_experiment.sh eval       # reference decoding loop, both drafters, K = 1..7
-#                                                    # (EVAL_WORKERS=N: N processes per drafter, then a merge)
+#                                                    # (EVAL_WORKERS=N: N processes per drafter claiming prompts,
+#                                                    # then a merge; EVAL_COMPILE=1|0|inductor|profile|auto)
 #   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
 #   bash benchmarks/quality_experiment.sh decode-profile   # the target's forward in the decoding loop per kind
