@@ -615,7 +615,9 @@ PY
       for R in "${RECIPES[@]}"; do
         e="$(legdir "$R")/export"; [ -f "$e/config.json" ] && dirs+=("$(basename "$R" .yaml)=$e")
       done
-      if [ "${#dirs[@]}" -gt 0 ]; then
+      # every drafter's export, or what there is once the plan ended (a drafter whose run failed has none): cutting
+      # again when a later export appears would send the earlier one's pieces again
+      if [ "${#dirs[@]}" -gt 0 ] && { [ "${#dirs[@]}" -eq "${#RECIPES[@]}" ] || [ -f "$WORK/plan.done" ]; }; then
         python3 benchmarks/ferry.py split "$WORK/export-pieces" "${dirs[@]}" && \
           python3 benchmarks/ferry.py out-next "$WORK/export-pieces" "$OUT" || echo "wait: the export pieces failed"
       fi

@@ -1260,6 +1260,15 @@ def test_wait_brings_a_finished_drafters_export_back_over_its_calls(tmp_path):
         f"smollm2-135m-peagle-gpu.model.safetensors.p00{i}" for i in range(4)] + ["split-manifest.json"]
     assert names[1] == ["smollm2-135m-peagle-gpu.model.safetensors.p004"] and names[2] == []
     assert "all of them sent" in r.stdout
+    # DRAFTERS of two, the plan still running: nothing is cut until both exports are there (cutting again later
+    # would send the first one's pieces twice); once the plan ended, what there is
+    (work / "plan.done").unlink()
+    both = env | {"DRAFTERS": "peagle eagle3"}
+    r = _step(both | {"OUT": str(tmp_path / "two")}, "wait", "1")
+    assert r.returncode == 0 and "out-next" not in r.stdout, r.stdout + r.stderr
+    (work / "plan.done").write_text("")
+    r = _step(both | {"OUT": str(tmp_path / "three")}, "wait", "1")
+    assert r.returncode == 0 and "all of them sent" in r.stdout, r.stdout + r.stderr  # the same cut: nothing again
     gathered = tmp_path / "gathered"
     gathered.mkdir()
     for i in (1, 2):
