@@ -114,7 +114,7 @@ def acceptance_by_copyable(parts: list[tuple[int, int, dict]], answers: dict) ->
     Raises SystemExit naming the set when ``answers`` lacks it or a worker's sequence count does not match."""
     eos = answers.get("eos")
     out: dict = {}
-    for name in parts[0][2]["datasets"]:
+    for name in dict.fromkeys(n for _, _, part in parts for n in part["datasets"]):  # every worker's sets, in order
         if name not in answers["sets"]:
             continue  # e.g. heldout: token prompts, not decoded by eval_repetition
         seqs = answers["sets"][name]
@@ -124,8 +124,10 @@ def acceptance_by_copyable(parts: list[tuple[int, int, dict]], answers: dict) ->
         res: dict = {}
         used = skipped = 0
         for r, world, part in parts:
+            if part.get("claim") is not None and name not in part["datasets"]:
+                continue  # a claiming worker that stopped before this set: the others hold its prompts
             d = part["datasets"][name]
-            taken = (part.get("prompts") or {}).get(name)  # claiming workers list theirs, in decoding order
+            taken = (part.get("prompts") or {}).get(name) or []  # claiming workers list theirs, in decoding order
             order = taken if part.get("claim") is not None else [pi for pi in sorted(by_prompt) if pi % world == r]
             mine = [s for pi in order for s in by_prompt.get(pi, [])]
             if len(mine) != d["sequences"]:

@@ -23,10 +23,11 @@ Usage::
 
 ``--sources-prefix``: the repository path RESULTS_DIR is committed under, e.g. ``docs/data/quality/run4``
 (default: RESULTS_DIR as given). ``--eagle3``: the EAGLE-3 arm's result folder when it trained in a lease of its
-own (a repository path; default: RESULTS_DIR). Its ``data_meta.json`` must equal RESULTS_DIR's (the same prepared
-data, else ValueError); the check ``arms_equal_gpu_minutes_and_device`` holds when both arms trained within 2 % of
-the same GPU-minutes on the same device, and the ratio checks hold only with it (issue 20: "at equal GPU-minutes
-and equal data").
+own (a repository path; default: RESULTS_DIR). Its ``data_meta.json`` must equal RESULTS_DIR's but for the
+prepare's wall ``seconds`` (the same prepared data, else ValueError); the check ``arms_equal_gpu_minutes_and_device``
+holds when both arms trained within 2 % of the same GPU-minutes and were evaluated on the same kind of device (the
+eval reports' ``hardware``; the experiment trains and evaluates an arm in one lease, and the training files do not
+name the device), and the ratio checks hold only with it (issue 20: "at equal GPU-minutes and equal data").
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def build(results: Path, commit: str, prefix: str, eagle3: Path | None = None,
     where = {"peagle": (results, prefix), "eagle3": (results, prefix) if eagle3 is None else (eagle3, str(eagle3))}
     if eagle3 is not None:
         _read(eagle3 / f"{NAMES['eagle3']}-eval.json")  # named when missing, before the data check
-        if _read(eagle3 / "data_meta.json") != meta:
+        timeless = lambda m: {k: v for k, v in m.items() if k != "seconds"}  # noqa: E731 (prepare's wall time)
+        if timeless(_read(eagle3 / "data_meta.json")) != timeless(meta):
             raise ValueError(f"{eagle3}/data_meta.json differs from {results}/data_meta.json: the EAGLE-3 arm did not "
                              "train on the P-EAGLE arm's prepared data; the ratio needs both on the same data "
                              "(quality_experiment.sh restore from the same PREPARED_IN)")
@@ -171,7 +173,8 @@ def build(results: Path, commit: str, prefix: str, eagle3: Path | None = None,
     }
     devices = {m: ev[m]["hardware"].get("device_name") for m in ev}
     equal_arms = True
-    if "eagle3" in ev:  # the ratio is the issue's only at equal GPU-minutes on the same device (data: checked above)
+    if "eagle3" in ev:  # the ratio is the issue's only at equal GPU-minutes on one kind of card (data: checked above;
+        # the device is the eval's: an arm trains and evaluates in one lease, and its training files do not name it)
         rel = abs(gpu_min["peagle"] - gpu_min["eagle3"]) / gpu_min["peagle"]
         equal_arms = rel <= ARM_MINUTES_TOL and devices["peagle"] == devices["eagle3"]
         checks["arms_equal_gpu_minutes_and_device"] = {"value": rel, "devices": devices, "holds": equal_arms}

@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for comparison.{md,json,png} (default: results)")
     args = ap.parse_args(argv)
     out = args.out or args.results
+    out.mkdir(parents=True, exist_ok=True)
     evals = _load_evals(args.results, args.eagle3)
     md, data = build(args.results, evals, args.eagle3)
     (out / "comparison.md").write_text(md)

@@ -211,7 +211,9 @@ def run_eval(
             taken (a claim file ``out_dir/parts/claims-CLAIM/SET.PROMPT`` created exclusively, :func:`claim_prompt`),
             so faster workers (a GPU's beside the CPU's) decode more of each set; the part is written after every
             prompt and lists the prompts it holds, and :func:`merge_eval` takes a set whose prompts all parts
-            together cover. A new name starts a new evaluation (claims of another name are not seen).
+            together cover. A new name starts a new evaluation (claims of another name are not seen); a worker run
+            again under the same name continues from its part (with the same settings), releasing the prompt it was
+            decoding when it stopped (:func:`release_claims`).
 
     Returns:
         the report's dict (``eval.json``); with ``worker``, the part's dict.
@@ -244,7 +246,10 @@ def run_eval(
     raw: dict[str, _RawSet] = {}
     taken: dict[str, list[int]] = {}  # claim: the prompts of each set this worker decoded
     warm = [False]
-    if worker is not None:  # a part left by an earlier run must not stand for this one if this worker stops early
+    # a claiming worker run again under its evaluation's name continues from its part (the prompts it decoded are
+    # claimed for good); any other part left by an earlier run must not stand for this one if this worker stops early
+    resumed = _resumable_part(out_dir, worker, claim, cfg, ks, method.name, trained_K) if claim is not None else None
+    if worker is not None and resumed is None:
         part_path(out_dir, *worker).unlink(missing_ok=True)
 
     def head(runner: TargetRunner) -> dict:
@@ -277,6 +282,11 @@ def run_eval(
                     part = write_part(runner, last)
                 continue
             raw[name], taken[name] = _RawSet.empty(len(prompts), ks), []
+            if resumed is not None:
+                if name in resumed["datasets"]:
+                    raw[name] = _RawSet.from_dict(resumed["datasets"][name])
+                    taken[name] = list(resumed["prompts"][name])
+                release_claims(out_dir, claim, name, worker[0], keep=taken[name])
             for pi in range(len(prompts)):
                 if not claim_prompt(out_dir, claim, name, pi, worker[0]):
                     continue
@@ -305,6 +315,37 @@ def claim_prompt(out_dir: str | Path, claim: str, name: str, prompt: int, rank: 
     with os.fdopen(fd, "w") as f:
         f.write(str(rank))
     return True
+
+
+def release_claims(out_dir: str | Path, claim: str, name: str, rank: int, keep: list[int]) -> list[int]:
+    """Delete the claim files of set ``name`` that worker ``rank`` created under ``claim`` for prompts its part does
+    not hold (``keep``): the prompt it was decoding when it stopped, which any worker may then take. Returns the
+    prompts released."""
+    d = Path(out_dir) / "parts" / f"claims-{claim}"
+    freed = []
+    for f in d.glob(f"{name}.*") if d.is_dir() else []:
+        pi = f.name[len(name) + 1:]
+        if pi.isdigit() and int(pi) not in keep and f.read_text().strip() == str(rank):
+            f.unlink(missing_ok=True)
+            freed.append(int(pi))
+    return sorted(freed)
+
+
+def _resumable_part(out_dir, worker, claim: str, cfg: EvalConfig, ks: list[int], method: str,
+                    trained_K: int) -> dict | None:
+    """The part worker ``worker`` wrote earlier under the claim name ``claim`` with the same settings (served K,
+    new tokens, turns, sets, method), which it continues from; None when there is none (or another evaluation's, a
+    damaged one)."""
+    path = part_path(out_dir, *worker)
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    same = (old.get("claim") == claim and old.get("k_values") == ks and old.get("max_new_tokens") == cfg.max_new_tokens
+            and old.get("both_turns") == cfg.both_turns and old.get("datasets_planned") == list(cfg.datasets)
+            and old.get("method") == method and old.get("trained_K") == trained_K
+            and isinstance(old.get("prompts"), dict))
+    return old if same else None
 
 
 def part_path(out_dir: str | Path, rank: int, world: int) -> Path:
@@ -480,6 +521,15 @@ def _claimed_whole(parts: list[dict], name: str, world: int) -> bool:
     return len(sizes) == 1 and set(held) == set(range(sizes.pop()))
 
 
+def _missing_prompts(parts: list[dict], name: str) -> list[int] | str:
+    """The prompts of set ``name`` no claiming part holds (``"the whole set"`` when no part has the set)."""
+    sizes = [p["datasets"][name]["num_prompts"] for p in parts if name in p["datasets"]]
+    if not sizes:
+        return "the whole set"
+    held = {pi for p in parts for pi in (p.get("prompts") or {}).get(name, [])}
+    return [pi for pi in range(sizes[0]) if pi not in held]
+
+
 def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
     """The report of ``world`` eval workers (:func:`run_eval` with ``worker``), from their parts in
     ``out_dir/parts/``: each set's sequences of all workers pooled as one process pools them (acceptance
@@ -534,6 +584,11 @@ def merge_eval(out_dir: str | Path, world: int, partial: bool = False) -> dict:
         common = [n for n in planned(parts[0]) if all(n in p["datasets"] for p in parts)]
     else:  # claimed prompts: a set is whole when the parts together hold each of its prompts once
         common = [n for n in planned(parts[0]) if _claimed_whole(parts, n, world)]
+        if not partial and len(common) < len(planned(parts[0])):  # every worker done, yet a set not whole
+            gaps = {n: _missing_prompts(parts, n) for n in planned(parts[0]) if n not in common}
+            raise ConfigError(f"eval merge: the {world} parts leave prompts undecoded ({gaps}): run the workers "
+                              f"again under the same --eval-claim {claim} (each continues from its part), or report "
+                              "the whole sets with --eval-partial")
     if not common:
         raise ConfigError(f"eval merge: no set was finished by all {world} workers: run them again")
     ks = parts[0]["k_values"]

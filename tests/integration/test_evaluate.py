@@ -444,6 +444,58 @@ def test_claiming_workers_take_the_next_untaken_prompt_and_merge_into_the_single
                  load_prompts=loader, progress=False, claim="run4")
 
 
+def test_a_claiming_worker_run_again_continues_from_its_part_and_a_merge_refuses_undecoded_prompts(tmp_path):
+    """A claiming worker stopped in its second set, run again under the same claim name, keeps the prompts its part
+    holds (not decoded again), takes back the prompt it was decoding when it stopped (its claim file without a
+    result: released) and finishes; the merge then equals one process's report. Parts that all say complete but leave
+    a prompt undecoded are refused by the plain merge, naming it; under another claim name nothing is continued."""
+    from peagle_train.eval.evaluate import merge_eval, release_claims
+
+    target, drafter, prompts, loader, cfg, one = _five_prompts_one_process(tmp_path)
+    out = tmp_path / "two"
+    seen = []
+
+    def counting(name, n):
+        seen.append(name)
+        return prompts[:n]
+
+    def stops_at_humaneval(name, n):
+        if name == "humaneval":
+            raise TimeoutError("the job's time is up")
+        return prompts[:n]
+
+    run = lambda r, load, claim="c1": run_eval(target, drafter, cfg, out, target_name="t", drafter_name="d",  # noqa: E731
+                                               trained_K=3, load_prompts=load, progress=False, worker=(r, 2),
+                                               claim=claim)
+    with pytest.raises(TimeoutError):
+        run(0, stops_at_humaneval)
+    first = json.loads((out / "parts" / "worker-0-of-2.json").read_text())
+    assert first["prompts"] == {"mt_bench": [0, 1, 2, 3, 4]} and first["complete"] is False
+    (out / "parts" / "claims-c1" / "humaneval.2").write_text("0")  # the prompt it was decoding when it stopped
+    assert release_claims(out, "c1", "humaneval", 1, keep=[]) == []  # another worker's claims are not released
+    part = run(0, counting)  # the same name: continues
+    assert part["complete"] is True and part["prompts"]["mt_bench"] == [0, 1, 2, 3, 4]
+    assert part["prompts"]["humaneval"] == [0, 1, 2, 3, 4]  # prompt 2 released and taken back
+    assert part["datasets"]["mt_bench"] == first["datasets"]["mt_bench"]  # kept as it was, not decoded again
+    run(1, loader)
+    rep = merge_eval(out, 2)
+    for name in ("mt_bench", "humaneval"):
+        a, b = one["datasets"][name], rep["datasets"][name]
+        assert (a["num_sequences"], a["target_alone"]["new_tokens"]) == (b["num_sequences"], b["target_alone"]["new_tokens"])
+        assert [x["acceptance_length"] for x in a["by_K"]] == [y["acceptance_length"] for y in b["by_K"]]
+    # complete parts that leave a prompt undecoded (a claims folder reused): the plain merge names it
+    p0 = out / "parts" / "worker-0-of-2.json"
+    held = json.loads(p0.read_text())
+    held["prompts"]["humaneval"] = [0, 1, 3, 4]
+    p0.write_text(json.dumps(held))
+    with pytest.raises(ValueError, match=r"leave prompts undecoded \({'humaneval': \[2\]}\)"):
+        merge_eval(out, 2)
+    assert list(merge_eval(out, 2, partial=True)["datasets"]) == ["mt_bench"]
+    # another claim name: the part is not continued (a new evaluation)
+    part = run(0, loader, claim="c2")
+    assert part["prompts"] == {"mt_bench": [0, 1, 2, 3, 4], "humaneval": [0, 1, 2, 3, 4]} and part["claim"] == "c2"
+
+
 def test_eval_worker_flags_are_checked_before_anything_loads(tmp_path, capsys):
     """``peagle-train eval RECIPE --eval-worker R/W`` / ``--eval-merge W``: a malformed or out-of-range worker, both
     flags at once, or a merge of fewer than one worker exit 2 with the fix, before the target loads."""

@@ -164,6 +164,8 @@ def test_must_show_record_of_run7_with_run8s_eagle3_arm(tmp_path):
         if f.is_file():
             (other / f.name).write_bytes(f.read_bytes())
     meta = json.loads((run8 / "data_meta.json").read_text())
+    (other / "data_meta.json").write_text(json.dumps(meta | {"seconds": 1.0}))  # prepared again: same data, other time
+    assert ms.build(run7, "a", "x", other, "b")["al"]["mt_bench"]["eagle3"] is not None
     (other / "data_meta.json").write_text(json.dumps(meta | {"splits": meta["splits"] | {"train": {"tokens": 1}}}))
     with pytest.raises(ValueError, match="data_meta.json differs"):
         ms.build(run7, "a", "x", other, "b")
