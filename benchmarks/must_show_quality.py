@@ -107,18 +107,18 @@ def build(results: Path, commit: str, prefix: str, eagle3: Path | None = None,
     meta = _read(results / "data_meta.json")
     # each arm's folder and the repository path its files are cited by
     where = {"peagle": (results, prefix), "eagle3": (results, prefix) if eagle3 is None else (eagle3, str(eagle3))}
+    # a run of P-EAGLE alone (DRAFTERS=peagle: the lease too short for both arms) has no EAGLE-3 report: its figures
+    # are null and the ratio checks SHORT, "not measured"; a present report is read whole (a broken one still raises),
+    # and an arm of its own (--eagle3) must have one
+    e3_eval = where["eagle3"][0] / f"{NAMES['eagle3']}-eval.json"
+    if eagle3 is not None or e3_eval.exists():
+        ev["eagle3"] = _read(e3_eval)
     if eagle3 is not None:
-        _read(eagle3 / f"{NAMES['eagle3']}-eval.json")  # named when missing, before the data check
         timeless = lambda m: {k: v for k, v in m.items() if k != "seconds"}  # noqa: E731 (prepare's wall time)
         if timeless(_read(eagle3 / "data_meta.json")) != timeless(meta):
             raise ValueError(f"{eagle3}/data_meta.json differs from {results}/data_meta.json: the EAGLE-3 arm did not "
                              "train on the P-EAGLE arm's prepared data; the ratio needs both on the same data "
                              "(quality_experiment.sh restore from the same PREPARED_IN)")
-    # a run of P-EAGLE alone (DRAFTERS=peagle: the lease too short for both arms) has no EAGLE-3 report: its figures
-    # are null and the ratio checks SHORT, "not measured"; a present report is read whole (a broken one still raises)
-    e3_dir = where["eagle3"][0]
-    if (e3_dir / f"{NAMES['eagle3']}-eval.json").exists():
-        ev["eagle3"] = _read(e3_dir / f"{NAMES['eagle3']}-eval.json")
     src = {}
     al: dict = {}
     acc: dict = {}

@@ -134,7 +134,7 @@ def _eval_worker(args) -> tuple[int, int] | None:
             ``--eval-partial`` without ``--eval-merge``; ``--eval-claim`` without ``--eval-worker`` or not one plain
             word.
     """
-    from peagle_train.core.config import ConfigError
+    from peagle_train.core.config import ConfigError, check_claim_name
 
     if args.eval_merge is not None and args.eval_merge < 1:
         raise ConfigError(f"--eval-merge {args.eval_merge}: give the number of workers (>= 1)")
@@ -144,9 +144,8 @@ def _eval_worker(args) -> tuple[int, int] | None:
         if getattr(args, "eval_claim", None) is not None:
             raise ConfigError("--eval-claim goes with --eval-worker RANK/WORLD (the workers share the claim name)")
         return None
-    claim = getattr(args, "eval_claim", None)
-    if claim is not None and (not claim or not all(c.isalnum() or c in "-_" for c in claim)):
-        raise ConfigError(f"--eval-claim {claim!r}: one plain word (letters, digits, '-', '_')")
+    if getattr(args, "eval_claim", None) is not None:
+        check_claim_name(args.eval_claim, "--eval-claim")
     if args.eval_merge is not None:
         raise ConfigError("give --eval-worker (decode a share) or --eval-merge (report the shares), not both")
     rank, world = _rank_world("--eval-worker", args.eval_worker, "0/4")

@@ -20,6 +20,15 @@ class ConfigError(ValueError):
     """A recipe is invalid; the message names the file and the dotted key."""
 
 
+def check_claim_name(claim: str, where: str) -> str:
+    """An eval claim name (``peagle-train eval --eval-claim``): one plain word, letters, digits, ``-`` and ``_``
+    (it names a folder, ``eval/parts/claims-NAME``). Returns it. Raises ConfigError naming ``where`` otherwise."""
+    if not claim or not all(c.isalnum() or c in "-_" for c in claim):
+        raise ConfigError(f"{where} {claim!r}: one plain word (letters, digits, '-', '_') shared by the evaluation's "
+                          "workers")
+    return claim
+
+
 class TargetConfig(Section):
     """The frozen target (verifier) model."""
 

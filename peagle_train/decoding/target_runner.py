@@ -97,9 +97,8 @@ class TargetRunner:
             raise ValueError("TargetRunner: a static KV cache is not supported for sliding-window targets "
                              "(GPT-OSS); set eval.compile_target: false")
         self.target, self.static, self.block = target, static, block
-        self.compile = bool(mode) and static and target.device.type == "cuda"
-        #: how the compiled forward runs (``COMPILE_MODES``); None: eager
-        self.compile_mode = mode if self.compile else None
+        #: how the compiled forward runs (``COMPILE_MODES``); None: eager (no compile asked, or not on CUDA)
+        self.compile_mode = mode if static and target.device.type == "cuda" else None
         self._kw = cache_kwarg(type(target.model))
         self._cache = None
         self._len = 0  # committed positions, counted on the host (no device sync per round)
@@ -115,6 +114,11 @@ class TargetRunner:
         self.cudagraph_skips: list[str] = []
         self._skip_log = _SkipLog(self.cudagraph_skips)
         self._close = weakref.finalize(self, _remove_hooks, handles, self._skip_log)
+
+    @property
+    def compile(self) -> bool:
+        """Whether the forwards (not the prefill) run compiled: :attr:`compile_mode` is set."""
+        return self.compile_mode is not None
 
     def close(self) -> None:
         """Remove the runner's hooks from the target (also done when the runner is garbage-collected)."""

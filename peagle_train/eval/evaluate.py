@@ -41,7 +41,7 @@ import torch
 
 from data_prep.loops import copyable_flags
 from peagle_train.core.atomic import write_json_atomic
-from peagle_train.core.config import ConfigError, EvalConfig
+from peagle_train.core.config import ConfigError, EvalConfig, check_claim_name
 from peagle_train.decoding.speculative import (
     SpecStats,
     TargetStats,
@@ -230,9 +230,10 @@ def run_eval(
         raise ValueError(f"eval.k_max={cfg.k_max} exceeds the drafter's trained K={trained_K} (served K <= trained K)")
     if worker is not None and not 0 <= worker[0] < worker[1]:
         raise ValueError(f"eval worker {worker[0]}/{worker[1]}: need 0 <= rank < world (e.g. 0/4 .. 3/4)")
-    if claim is not None and (worker is None or not claim or not all(c.isalnum() or c in "-_" for c in claim)):
-        raise ValueError(f"eval claim {claim!r}: give it with worker=(rank, world), one plain word "
-                         "(letters, digits, '-', '_') shared by the evaluation's workers")
+    if claim is not None:
+        if worker is None:
+            raise ValueError(f"eval claim {claim!r}: give it with worker=(rank, world)")
+        check_claim_name(claim, "eval claim")
     load_prompts = load_prompts or _default_loader
     if encode is None:
         from data_prep.template import build_prompt_ids
@@ -305,7 +306,7 @@ def claim_prompt(out_dir: str | Path, claim: str, name: str, prompt: int, rank: 
     """Take prompt ``prompt`` of set ``name`` for the worker ``rank`` of the evaluation named ``claim``: create
     ``out_dir/parts/claims-CLAIM/NAME.PROMPT`` exclusively (``O_CREAT | O_EXCL``, atomic on a local file
     system), holding the rank. Returns True when this call created it (the prompt is this worker's), False when
-    another worker's call did."""
+    another worker's call did. Raises OSError when the folder cannot be made or written."""
     d = Path(out_dir) / "parts" / f"claims-{claim}"
     d.mkdir(parents=True, exist_ok=True)
     try:
@@ -320,7 +321,8 @@ def claim_prompt(out_dir: str | Path, claim: str, name: str, prompt: int, rank: 
 def release_claims(out_dir: str | Path, claim: str, name: str, rank: int, keep: list[int]) -> list[int]:
     """Delete the claim files of set ``name`` that worker ``rank`` created under ``claim`` for prompts its part does
     not hold (``keep``): the prompt it was decoding when it stopped, which any worker may then take. Returns the
-    prompts released."""
+    prompts released (none when the claims folder does not exist). Raises OSError when a claim file cannot be read
+    or removed."""
     d = Path(out_dir) / "parts" / f"claims-{claim}"
     freed = []
     for f in d.glob(f"{name}.*") if d.is_dir() else []:
@@ -517,12 +519,12 @@ def _claimed_whole(parts: list[dict], name: str, world: int) -> bool:
         dup = next(pi for pi in held if held.count(pi) > 1)
         raise ConfigError(f"eval merge: prompt {dup} of {name} is in two of the {world} parts: the claims of two "
                           "evaluations mixed; run the workers again under a new claim name")
-    sizes = {p["datasets"][name]["num_prompts"] for p in parts if name in p["datasets"]}
-    return len(sizes) == 1 and set(held) == set(range(sizes.pop()))
+    return _missing_prompts(parts, name) == []
 
 
 def _missing_prompts(parts: list[dict], name: str) -> list[int] | str:
-    """The prompts of set ``name`` no claiming part holds (``"the whole set"`` when no part has the set)."""
+    """The prompts of set ``name`` no claiming part holds, ascending (``"the whole set"`` when no part has the
+    set; its size is the ``num_prompts`` the parts record, the same in every part of one evaluation)."""
     sizes = [p["datasets"][name]["num_prompts"] for p in parts if name in p["datasets"]]
     if not sizes:
         return "the whole set"

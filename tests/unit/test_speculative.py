@@ -686,7 +686,7 @@ def test_target_runner_compile_modes_compile_as_named_and_only_cuda_graphs_marks
         made.clear(), marks.clear()
         with TargetRunner(target, static=True, compile=compile, block=16) as r:
             assert not r.compile and r.compile_mode is None and r.kind == "static"  # a CPU: eager
-            r.compile, r.compile_mode = True, "cuda-graphs" if compile is True else compile  # as on a GPU
+            r.compile_mode = "cuda-graphs" if compile is True else compile  # as on a GPU
             r.start(12)
             assert made == [kwargs]
             r.forward(ids[:5], want_aux=False, prefill=True)
