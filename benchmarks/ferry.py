@@ -271,22 +271,27 @@ def join(src: Path, dest: Path) -> list[str]:
         the ``NAME/FILE`` paths written.
 
     Raises:
-        ValueError: no manifest in ``src``; a piece missing or damaged (named, with what to do); a joined file that
-            does not match the manifest; a file in ``dest`` with other content.
+        ValueError: no manifest in ``src``, or one that is not split's; a piece missing or damaged (named, with what
+            to do); a joined file that does not match the manifest; a file in ``dest`` with other content.
     """
     mf = src / SPLIT_MANIFEST
     if not mf.is_file():
         raise ValueError(f"join: no {SPLIT_MANIFEST} in {src}: gather every batch of export-out in one folder")
-    manifest = json.loads(mf.read_text())
-    missing = [p for p in manifest["pieces"] if not (src / p).is_file()]
+    try:
+        manifest = json.loads(mf.read_text())
+        pieces, files = manifest["pieces"], manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"join: {mf} is not split's manifest ({type(e).__name__}: {e}): bring it back again "
+                         "(export-out's batch 0 holds it)") from None
+    missing = [p for p in pieces if not (src / p).is_file()]
     if missing:
         raise ValueError(f"join: {len(missing)} pieces missing in {src} (first: {missing[0]}): bring back every "
                          "batch of export-out (quality_experiment.sh prints how many there are)")
-    for piece, digest in manifest["pieces"].items():
+    for piece, digest in pieces.items():
         if sha256_file(src / piece) != digest:
             raise ValueError(f"join: {src / piece} is damaged (sha256 differs from {SPLIT_MANIFEST}): fetch it again")
     written = []
-    for rel, info in manifest["files"].items():
+    for rel, info in files.items():
         name, fname = rel.split("/", 1)
         if name != Path(name).name or fname != Path(fname).name or name in ("", ".", ".."):
             raise ValueError(f"join: {SPLIT_MANIFEST} names {rel!r}, not NAME/FILE")
