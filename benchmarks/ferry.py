@@ -15,8 +15,9 @@ several calls. :func:`plan` groups files in order so that each group fits one ca
                                                   # DEST (uncompressed: weights do not compress), DEST/SPLIT_MANIFEST;
                                                   # nothing done where DEST holds the pieces of the same files
     python benchmarks/ferry.py join SRC DEST      # those pieces (checked) back into DEST/NAME/FILE
-    python benchmarks/ferry.py out-next SRC DEST  # the files of SRC not sent before (a split's manifest first),
-                                                  # as many as fit beside what DEST holds (8 files, 62 MiB in all)
+    python benchmarks/ferry.py out-next SRC DEST  # the files of SRC not sent before with the same content (a
+                                                  # split's manifest first), as many as fit beside what DEST holds
+                                                  # (8 files, 62 MiB in all)
 
 (``quality_experiment.sh state-out``, ``ferry-groups``, ``regen-out`` and ``regen-in``: regeneration
 shards, many small JSON files that compress well, travel as ``pack`` pieces; ``export-out``: a trained drafter's
@@ -316,16 +317,44 @@ def join(src: Path, dest: Path) -> list[str]:
     return written
 
 
+def _sent_record(src: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """``out_next``'s record of ``src`` (``{name: sha256}`` sent; an older or damaged record counts as nothing
+    sent) and the sha256 of each file there now (from the split manifest's ``pieces`` where listed, else hashed).
+    Raises nothing."""
+    try:
+        listed = json.loads((src / SPLIT_MANIFEST).read_text())["pieces"]
+        listed = listed if isinstance(listed, dict) else {}
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        listed = {}
+    try:
+        sent = json.loads((src / SENT).read_text())["sent"]
+        sent = sent if isinstance(sent, dict) else {}  # an older record (names only): none kept
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        sent = {}
+    return sent, {f.name: listed.get(f.name) or sha256_file(f) for f in files_of(src)}
+
+
+def unsent(src: Path) -> list[str]:
+    """Names of the files of ``src`` that ``out_next`` has not sent with their present content. Raises nothing
+    for a missing record (then every file)."""
+    sent, digest = _sent_record(src)
+    return [n for n in sorted(digest) if sent.get(n) != digest[n]]
+
+
 def out_next(src: Path, dest: Path, max_files: int = MAX_FILES, max_bytes: int = MAX_GROUP_BYTES) -> list[str]:
-    """Copy to ``dest`` the files of ``src`` that no earlier ``out_next`` sent, ``SPLIT_MANIFEST`` first and then
-    in name order, as many as fit beside what ``dest`` already holds (``max_files`` files and ``max_bytes`` bytes
-    in all, a device call's returned files: the ``wait`` step's log and results come first); record them as sent
-    in ``src/SENT``.
+    """Copy to ``dest`` the files of ``src`` that no earlier ``out_next`` sent with the same content,
+    ``SPLIT_MANIFEST`` first and then in name order, as many as fit beside what ``dest`` already holds
+    (``max_files`` files and ``max_bytes`` bytes in all, a device call's returned files: the ``wait`` step's log
+    and results come first); record them (name and sha256) as sent in ``src/SENT``.
 
     Each ``wait`` call of a lease thus brings back the next pieces of a finished drafter's export while the
-    evaluation runs, with no call of its own (``export-out I`` sends a batch again by its index). The record
-    belongs to one cut of the pieces: when ``SPLIT_MANIFEST`` changed (the export was cut again), everything is
-    sent again. Files are copied under a temporary name and renamed; the record is written after the copies.
+    evaluation runs, with no call of its own (``export-out I`` sends a batch again by its index). The record is by
+    content, not by cut: when the export is cut again because one of its files changed (the evaluation's merge
+    rewrites the model card, ``README.md``, after the weights were cut and partly sent: run 9), only the pieces
+    whose bytes changed and the new manifest go again; a piece's sha256 is taken from the manifest's ``pieces``
+    where it is listed there, else hashed. Gather the calls' files in call order on the other side (a later
+    manifest replaces an earlier one). Files are copied under a temporary name and renamed; the record is written
+    after the copies.
 
     Returns:
         the names copied (empty: everything was sent, or the first unsent file does not fit; files stay in order).
@@ -335,15 +364,9 @@ def out_next(src: Path, dest: Path, max_files: int = MAX_FILES, max_bytes: int =
     """
     if not src.is_dir():
         raise ValueError(f"out-next: {src} is not a folder: cut the export first (ferry.py split)")
-    mf = src / SPLIT_MANIFEST
-    cut = sha256_file(mf) if mf.is_file() else None
-    rec_path = src / SENT
-    try:
-        rec = json.loads(rec_path.read_text())
-    except (FileNotFoundError, ValueError):
-        rec = {}
-    sent = set(rec.get("sent", [])) if rec.get("cut") == cut else set()
-    todo = [f for f in sorted(files_of(src), key=lambda f: (f.name != SPLIT_MANIFEST, f.name)) if f.name not in sent]
+    sent, digest = _sent_record(src)
+    todo = [f for f in sorted(files_of(src), key=lambda f: (f.name != SPLIT_MANIFEST, f.name))
+            if sent.get(f.name) != digest[f.name]]
     dest.mkdir(parents=True, exist_ok=True)
     held = files_of(dest)
     n_files, n_bytes = len(held), sum(f.stat().st_size for f in held)
@@ -358,8 +381,8 @@ def out_next(src: Path, dest: Path, max_files: int = MAX_FILES, max_bytes: int =
         copied.append(f.name)
         n_files, n_bytes = n_files + 1, n_bytes + size
     tmp = src / f"{SENT}.tmp"
-    tmp.write_text(json.dumps({"cut": cut, "sent": sorted(sent | set(copied))}))
-    os.replace(tmp, rec_path)
+    tmp.write_text(json.dumps({"sent": {**sent, **{n: digest[n] for n in copied}}}, indent=0))
+    os.replace(tmp, src / SENT)
     return copied
 
 
@@ -406,8 +429,7 @@ def main(argv=None) -> None:
             copied = out_next(a.src, a.dest)
         except ValueError as e:
             sys.exit(str(e))
-        left = [f.name for f in files_of(a.src)
-                if f.name not in json.loads((a.src / SENT).read_text())["sent"]]
+        left = unsent(a.src)
         print(f"out-next: {len(copied)} files of {a.src} sent in this call"
               + (f" ({', '.join(copied)})" if copied else "")
               + (f"; {len(left)} left for the next calls" if left else "; all of them sent"))

@@ -607,9 +607,12 @@ PY
     # only when this machine regenerated some: carried shards are where they came from (packing them again took
     # seconds of every call in run 5)
     if new_shards; then FERRY_MAX_FILES=4 bash "$0" regen-out 0; fi
-    # the finished drafters' exports: cut in 14 MiB pieces once, then each call sends the pieces not sent yet that
+    # the finished drafters' exports: cut in 14 MiB pieces, then each call sends the pieces not sent yet that
     # fit beside the files above (ferry.py out-next), so the evaluation's waits bring the export back with no call
-    # of their own; EXPORT_BACK=0: not. On the CPU side gather the calls' pieces in one folder, then ferry.py join
+    # of their own; EXPORT_BACK=0: not. The evaluation's merge rewrites README.md after the first cut: the export
+    # is cut again and only its changed pieces and manifest go again (out-next records content, run 9 sent the
+    # weights' first pieces twice). On the CPU side gather the calls' pieces in one folder in call order, then
+    # ferry.py join
     if [ "${EXPORT_BACK:-1}" = 1 ]; then
       dirs=()
       for R in "${RECIPES[@]}"; do

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ablation_report  # benchmarks/ is on sys.path (conftest)
@@ -1213,8 +1214,8 @@ def test_export_out_brings_a_finished_drafters_export_back_in_batches(tmp_path):
 
 def test_ferry_out_next_sends_what_fits_beside_the_calls_files_once(tmp_path):
     """``ferry.out_next``: the split manifest first, then the pieces in name order, as many as fit beside the files
-    the call returns already (file count and bytes); what was sent is not sent again, until the pieces are cut again
-    (another manifest); the record itself never travels."""
+    the call returns already (file count and bytes); what was sent is not sent again with the same content: a new
+    manifest and a changed piece go again, the unchanged pieces do not; the record itself never travels."""
     import ferry
 
     src, d1, d2, d3 = (tmp_path / n for n in ("src", "d1", "d2", "d3"))
@@ -1227,8 +1228,13 @@ def test_ferry_out_next_sends_what_fits_beside_the_calls_files_once(tmp_path):
     assert ferry.out_next(src, d1, max_files=8, max_bytes=99) == [ferry.SPLIT_MANIFEST, "a.p000"]  # 10+10+40+40 > 99
     assert ferry.out_next(src, d2, max_files=2, max_bytes=1000) == ["a.p001", "b.p000"]
     assert ferry.out_next(src, d3) == [] and not (d3 / ferry.SENT).exists()
-    (src / ferry.SPLIT_MANIFEST).write_text('{"cut": 2}')  # cut again: everything goes again
-    assert ferry.out_next(src, tmp_path / "d4")[0] == ferry.SPLIT_MANIFEST
+    assert ferry.unsent(src) == []
+    (src / ferry.SPLIT_MANIFEST).write_text('{"cut": 2}')  # cut again, one piece changed: those two go again
+    (src / "b.p000").write_bytes(b"y" * 12)
+    assert ferry.unsent(src) == ["b.p000", ferry.SPLIT_MANIFEST]
+    assert ferry.out_next(src, tmp_path / "d4") == [ferry.SPLIT_MANIFEST, "b.p000"]
+    (src / ferry.SENT).write_text('{"cut": "x", "sent": ["a.p000"]}')  # an older record (names only): all again
+    assert ferry.out_next(src, tmp_path / "d5") == [ferry.SPLIT_MANIFEST, "a.p000", "a.p001", "b.p000"]
     with pytest.raises(ValueError, match="not a folder"):
         ferry.out_next(tmp_path / "nowhere", d3)
 
@@ -1248,17 +1254,23 @@ def test_wait_brings_a_finished_drafters_export_back_over_its_calls(tmp_path):
     (work / "plan.log").write_text("plan: eval\n")
     r = _step(env | {"OUT": str(tmp_path / "c0"), "EXPORT_BACK": "0"}, "wait", "1")
     assert r.returncode == 0 and not [f for f in (tmp_path / "c0").iterdir() if ".p0" in f.name], r.stdout + r.stderr
+    (exp / "README.md").write_text("the card before the evaluation\n")
     names = []
     for i in range(3):
+        if i == 1:  # the evaluation's merge rewrites the card after the first cut (run 9): the weights stay sent
+            time.sleep(0.05)
+            (exp / "README.md").write_text("the card with the evaluation's table\n")
         out = tmp_path / f"c{i + 1}"
         r = _step(env | {"OUT": str(out)}, "wait", "1")
         assert r.returncode == 0, r.stdout + r.stderr
         files = list(out.iterdir())
         assert len(files) <= 8 and sum(f.stat().st_size for f in files) <= 62 * 2**20
         names.append(sorted(f.name for f in files if f.name not in ("plan.log", "results.tar.xz")))
-    assert names[0] == ["smollm2-135m-peagle-gpu.config.json.p000"] + [
-        f"smollm2-135m-peagle-gpu.model.safetensors.p00{i}" for i in range(4)] + ["split-manifest.json"]
-    assert names[1] == ["smollm2-135m-peagle-gpu.model.safetensors.p004"] and names[2] == []
+    assert names[0] == ["smollm2-135m-peagle-gpu.README.md.p000", "smollm2-135m-peagle-gpu.config.json.p000"] + [
+        f"smollm2-135m-peagle-gpu.model.safetensors.p00{i}" for i in range(3)] + ["split-manifest.json"]
+    assert names[1] == ["smollm2-135m-peagle-gpu.README.md.p000"] + [
+        f"smollm2-135m-peagle-gpu.model.safetensors.p00{i}" for i in (3, 4)] + ["split-manifest.json"]
+    assert names[2] == []
     assert "all of them sent" in r.stdout
     # DRAFTERS of two, the plan still running: nothing is cut until both exports are there (cutting again later
     # would send the first one's pieces twice); once the plan ended, what there is
@@ -1279,3 +1291,4 @@ def test_wait_brings_a_finished_drafters_export_back_over_its_calls(tmp_path):
 
     ferry.join(gathered, tmp_path / "joined")
     assert (tmp_path / "joined" / "smollm2-135m-peagle-gpu" / "model.safetensors").read_bytes() == weights
+    assert "evaluation's table" in (tmp_path / "joined" / "smollm2-135m-peagle-gpu" / "README.md").read_text()
