@@ -23,9 +23,14 @@ minute, no evaluation)::
     python benchmarks/compile_choice.py --profile decode_profile.json [--out CHOICE.json]
 
 prints the ``eval.compile_target`` value of the fastest kind it timed (:func:`choose_from_profile`):
-``true`` (CUDA graphs), ``inductor`` (compiled, no CUDA graphs) or ``false`` (eager), and why. The profile does
-not decode prompts, so the rounds are not compared here; the evaluation's own lossless check still holds each run
-to the target's tokens.
+``true`` (CUDA graphs), ``inductor`` (compiled, no CUDA graphs) or ``false`` (eager), and why, over every
+attention implementation the profile timed (``decode_profile.py --attn``), then a third line ``attn=NAME``: the
+``target.attn_implementation`` the evaluation should load the target with, empty (``attn=``) where the fastest is
+the recipe's own attention (profiles made before ``--attn`` are all the recipe's own). ``--out`` also records
+``attn_implementation`` (the fastest entry's, None where the profile does not say) and ``attn_override``. The
+profile does not decode prompts, so the rounds are not compared here; the evaluation's own lossless check still
+holds each run to the target's tokens (eager and SDPA attention compute the same scores: the same greedy tokens,
+tests/unit/test_speculative.py).
 """
 from __future__ import annotations
 
@@ -86,29 +91,42 @@ PROFILE_KINDS = {"dynamic": ("false", ("dynamic",)), "inductor": ("inductor", ("
                  "compiled": ("true", ("static+cuda-graphs", "static+compiled"))}
 
 
-def choose_from_profile(profile: dict) -> tuple[str, str, dict]:
-    """``(eval.compile_target value, reason, figures)`` from a ``decode_profile.py`` JSON: of its kinds ``dynamic``
-    (eager), ``inductor`` and ``compiled`` that ran as named (``runner``, no ``fallback``), the one with the least
-    milliseconds per call summed over the profiled query lengths (medians). ``figures``: each kind's sum and runner.
-    None that ran as named: ``false`` (eager). Raises SystemExit when ``profile`` has no ``kinds``."""
+def choose_from_profile(profile: dict) -> tuple[str, str, dict, dict]:
+    """``(eval.compile_target value, reason, figures, attention)`` from a ``decode_profile.py`` JSON: of its
+    entries of kinds ``dynamic`` (eager), ``inductor`` and ``compiled`` that ran as named (``runner``, no
+    ``fallback``), each with the recipe's own attention (``KIND``) or another (``KIND@ATTN``), the one with the
+    least milliseconds per call summed over the profiled query lengths (medians). ``figures``: each entry's sum,
+    runner, fallback and ``attn`` (None in profiles made before ``--attn``). ``attention``: ``entry`` (the fastest
+    entry's key), ``attn_implementation`` (its ``attn``) and ``attn_override`` (the ``target.attn_implementation``
+    the evaluation needs for it: set for a ``KIND@ATTN`` entry, None for the recipe's own attention). None that ran
+    as named: ``false`` (eager), all three None. Raises SystemExit when ``profile`` has no ``kinds``."""
     kinds = profile.get("kinds")
     if not isinstance(kinds, dict):
         sys.exit("compile_choice: the profile has no 'kinds' (a benchmarks/decode_profile.py JSON?)")
     figures, ok = {}, {}
-    for kind, (value, runners) in PROFILE_KINDS.items():
-        row = kinds.get(kind)
-        if not row:
+    for key, row in kinds.items():
+        kind, _, other = key.partition("@")
+        if kind not in PROFILE_KINDS or not row:
             continue
         ms = round(sum(r["median_ms"] for r in row["per_length"].values()), 3)
-        figures[kind] = {"ms_per_call_summed": ms, "runner": row.get("runner"), "fallback": row.get("fallback")}
-        if row.get("runner") in runners and not row.get("fallback"):
-            ok[kind] = ms
+        figures[key] = {"ms_per_call_summed": ms, "runner": row.get("runner"), "fallback": row.get("fallback"),
+                        "attn": row.get("attn") or other or None}
+        if row.get("runner") in PROFILE_KINDS[kind][1] and not row.get("fallback"):
+            ok[key] = ms
     if not ok:
-        return "false", "no kind of the profile ran as named: eager", figures
+        return "false", "no kind of the profile ran as named: eager", figures, dict.fromkeys(
+            ("entry", "attn_implementation", "attn_override"))
+
+    def label(key):  # the kind, and its attention where the profile names it
+        attn = figures[key]["attn"]
+        return key.partition("@")[0] + (f" ({attn} attention)" if attn else "")
+
     best = min(ok, key=ok.get)
-    others = ", ".join(f"{k} {v} ms" for k, v in ok.items() if k != best)
-    return PROFILE_KINDS[best][0], f"{best} {ok[best]} ms a call summed over the lengths" + (
-        f" (against {others})" if others else ""), figures
+    others = ", ".join(f"{label(k)} {v} ms" for k, v in ok.items() if k != best)
+    attention = {"entry": best, "attn_implementation": figures[best]["attn"],
+                 "attn_override": figures[best]["attn"] if "@" in best else None}
+    return PROFILE_KINDS[best.partition("@")[0]][0], f"{label(best)} {ok[best]} ms a call summed over the lengths" + (
+        f" (against {others})" if others else ""), figures, attention
 
 
 def main(argv: list[str] | None = None) -> bool | str:
@@ -123,11 +141,13 @@ def main(argv: list[str] | None = None) -> bool | str:
             prof = json.loads(a.profile.read_text())
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"compile_choice: {a.profile}: {e}")
-        value, reason, figures = choose_from_profile(prof)
+        value, reason, figures, attention = choose_from_profile(prof)
         print(value)
         print(reason)
+        print(f"attn={attention['attn_override'] or ''}")  # quality_experiment.sh eval: an override where set
         if a.out is not None:
-            a.out.write_text(json.dumps({"compile_target": value, "reason": reason, "kinds": figures}, indent=1))
+            a.out.write_text(json.dumps({"compile_target": value, "reason": reason, **attention, "kinds": figures},
+                                        indent=1))
         return value
     if a.eager is None or a.compiled is None:
         p.error("give EAGER_EVAL.json COMPILED_EVAL.json, or --profile decode_profile.json")

@@ -17,17 +17,27 @@ Each kind: a random prompt of ``--prompt-tokens`` is prefilled (eager, as the lo
 ``drop(L - 1)`` (the cache one position longer after each, as a round that rejects every draft); the median and
 p10/p90 per call, and what Dynamo did meanwhile (``dynamo``: graphs made, graph breaks).
 
+``--attn NAME ...`` (``target.attn_implementation`` values, e.g. ``sdpa eager``): every kind again per attention
+implementation of the target, each a fresh load of the same weights. Why: the H100 profile of the compiled
+SmolLM2 forward spent ~13 ms of its ~20 ms in SDPA's float32 memory-efficient kernel (9 heads, batch 1, a query
+of 1-8 tokens: next to no parallelism), where eager attention is a matmul and a softmax that inductor fuses.
+The entries of the attention the recipe loads by itself (its ``target.attn_implementation``, else transformers'
+choice: ``meta["attn_default"]``) keep the plain kind names (``compiled``), the others are ``KIND@ATTN``
+(``compiled@eager``); every entry records its ``attn`` (the model's ``config._attn_implementation``). Without
+``--attn``: the recipe's own attention alone, as before.
+
 GPU (the evaluation's target: the recipe's GGUF in float32)::
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode_profile.py recipes/smollm2-135m-peagle-gpu.yaml \\
         target.dtype=float32 [target.gguf_file=... target.gguf_package=null] --out $OUT/decode_profile.json
 
-CPU smoke (CI, ``tests/integration/test_benchmarks.py``): ``--smoke --out x.json`` (the tiny Llama configuration,
-float32; the compiled kind runs eagerly on a CPU, as in the evaluation).
+CPU smoke (CI, ``tests/integration/test_benchmarks.py``): ``--smoke [--attn sdpa eager] --out x.json`` (the tiny
+Llama configuration, float32; the compiled kind runs eagerly on a CPU, as in the evaluation).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -46,8 +56,8 @@ KINDS = {"dynamic": dict(static=False, compile=False), "static": dict(static=Tru
 
 def parse_args(argv):
     """The command line (module docstring) as an ``argparse.Namespace``; ``--smoke`` fills in the tiny CPU
-    recipe and few calls. Raises SystemExit (argparse's message) without a recipe or with a length, call count or
-    prompt length below 1."""
+    recipe and few calls; ``attn``: the ``--attn`` names without repeats (None: the recipe's own). Raises SystemExit
+    (argparse's message) without a recipe or with a length, call count or prompt length below 1."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", nargs="?", help="recipe YAML (then key=value overrides)")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value")
@@ -57,6 +67,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the compiles happen here)")
     p.add_argument("--profile-calls", type=int, default=10, help="profiled calls of the compiled kind, longest L")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--attn", nargs="+", default=None, metavar="NAME",
+                   help="attention implementations to time each kind with (target.attn_implementation, e.g. sdpa "
+                        "eager); default: the recipe's own")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny Llama configuration, a few calls")
     p.add_argument("--out", help="JSON file")
     a = p.parse_args(argv)
@@ -67,7 +80,30 @@ def parse_args(argv):
         p.error("give a recipe (or --smoke)")
     if min(a.lengths) < 1 or a.calls < 1 or a.prompt_tokens < 1:
         p.error("--lengths, --calls and --prompt-tokens must be >= 1")
+    if a.attn is not None:
+        a.attn = list(dict.fromkeys(a.attn))
     return a
+
+
+def default_attn(target_cfg) -> str:
+    """The attention implementation the target of ``target_cfg`` (a ``TargetConfig``) gets when loaded as the
+    recipe says (no override): its ``attn_implementation`` as transformers resolves it, or transformers' own choice
+    where that is None (``sdpa`` where the architecture supports it, else ``eager``). Read from the model built
+    on the meta device (no weights, no memory); where that build fails, the recipe's name (or ``sdpa``).
+    Raises what :func:`peagle_train.features.target.materialise_target` raises (TargetLoadError)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from peagle_train.features.target import materialise_target
+
+    config = AutoConfig.from_pretrained(str(materialise_target(target_cfg)))
+    name = target_cfg.attn_implementation
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **({} if name is None else {"attn_implementation": name}))
+        return model.config._attn_implementation
+    except Exception:  # noqa: BLE001 -- the real load says what is wrong with the name; here only a label
+        return name or "sdpa"
 
 
 def _sync(device) -> None:
@@ -131,9 +167,12 @@ def profile_calls(runner, ids, L: int, calls: int, top: int = 15) -> dict:
 
 def main(argv=None) -> dict:
     """Run the profile (module docstring) and return its JSON dict, also written to ``--out``: ``meta`` (command,
-    commit, device, versions) and per kind ``per_length`` (milliseconds per call), ``runner``, ``fallback``,
-    ``cudagraph_skips`` and, for the last kind, ``profile``. Raises what loading the recipe or target raises
-    (ConfigError, TargetLoadError)."""
+    commit, device, versions, ``attn_default`` and the ``attn`` implementations timed, in order) and per kind and
+    attention implementation (``KIND``, or ``KIND@ATTN`` for one other than the recipe's own) ``per_length``
+    (milliseconds per call), ``attn``, ``runner``, ``fallback``, ``cudagraph_skips`` and, for the last kind of each
+    attention implementation, ``profile``. An ``--attn`` name that loads as an implementation already timed is
+    skipped (said on stdout). Raises what loading the recipe or target raises (ConfigError, TargetLoadError: an
+    attention implementation transformers refuses)."""
     import torch
 
     from benchmarks.train_step import provenance
@@ -144,47 +183,68 @@ def main(argv=None) -> dict:
     args = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(args)
     cfg = load_config(a.recipe, a.overrides)
-    t0 = time.perf_counter()
-    target = load_target(cfg.target, with_tokenizer=False)
-    load_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(0)
-    V = target.config.vocab_size
-    prompt = torch.randint(0, V, (a.prompt_tokens,), generator=g).to(target.device)
-    new = torch.randint(0, V, (max(a.lengths),), generator=g).to(target.device)
+    attn_default = default_attn(cfg.target)
     import transformers
-
-    out = {"meta": {**provenance(args), "command": " ".join(["python", "benchmarks/decode_profile.py", *args]),
-                    "recipe": a.recipe, "overrides": a.overrides, "dtype": cfg.target.dtype,
-                    "device": str(target.device),
-                    "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "layers": target.config.num_hidden_layers, "prompt_tokens": a.prompt_tokens, "load_s": load_s,
-                    "timing": f"median of {a.calls} calls of forward(L, want_aux=True) + drop(L - 1) after {a.warmup}, "
-                              "device synced around each"}, "kinds": {}}
     from torch._dynamo.utils import counters
 
+    out, prompt, new = None, None, None
     grows = (a.warmup + a.calls) * len(a.lengths) + a.profile_calls + max(a.lengths)  # one position a call
-    with torch.no_grad():
-        for kind in a.kinds:
-            with TargetRunner(target, **KINDS[kind]) as runner:
-                runner.start(a.prompt_tokens + grows)
-                runner.forward(prompt, want_aux=False, prefill=True)
-                stats0, breaks0 = dict(counters["stats"]), dict(counters["graph_break"])
-                t = time.perf_counter()
-                row = {"per_length": time_calls(runner, new, a.lengths, a.calls, a.warmup),
-                       "seconds_with_warmup": time.perf_counter() - t}
-                if kind == a.kinds[-1] and a.profile_calls > 0:
-                    row["profile"] = profile_calls(runner, new, max(a.lengths), a.profile_calls)
-                # what Dynamo did meanwhile: graphs made (one per query length expected), graph breaks (none)
-                row["dynamo"] = {"stats": {k: v - stats0.get(k, 0) for k, v in counters["stats"].items()
-                                           if v != stats0.get(k, 0)},
-                                 "graph_breaks": {k: v - breaks0.get(k, 0) for k, v in counters["graph_break"].items()
-                                                  if v != breaks0.get(k, 0)}}
-                row |= {"runner": runner.kind, "fallback": runner.fallback, "cudagraph_skips": runner.cudagraph_skips}
-                out["kinds"][kind] = row
-            per = ", ".join(f"L={L}: {r['median_ms']:.2f} ms" for L, r in row["per_length"].items())
-            print(f"{kind:>9} ({row['runner']}): {per}" + (f"; cudagraph skips: {row['cudagraph_skips']}"
-                                                          if row["cudagraph_skips"] else ""), flush=True)
+    for n, name in enumerate(a.attn or [None]):
+        tcfg = cfg.target if name is None else cfg.target.model_copy(update={"attn_implementation": name})
+        t0 = time.perf_counter()
+        target = load_target(tcfg, with_tokenizer=False)
+        load_s = time.perf_counter() - t0
+        attn = target.config._attn_implementation
+        if out is None:  # the same prompt and tokens for every attention implementation (the same weights)
+            g = torch.Generator().manual_seed(0)
+            V = target.config.vocab_size
+            prompt = torch.randint(0, V, (a.prompt_tokens,), generator=g).to(target.device)
+            new = torch.randint(0, V, (max(a.lengths),), generator=g).to(target.device)
+            out = {"meta": {**provenance(args),
+                            "command": " ".join(["python", "benchmarks/decode_profile.py", *args]),
+                            "recipe": a.recipe, "overrides": a.overrides, "dtype": cfg.target.dtype,
+                            "device": str(target.device),
+                            "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,
+                            "torch": torch.__version__, "transformers": transformers.__version__,
+                            "layers": target.config.num_hidden_layers, "prompt_tokens": a.prompt_tokens,
+                            "load_s": load_s, "attn_default": attn_default, "attn": [],
+                            "timing": f"median of {a.calls} calls of forward(L, want_aux=True) + drop(L - 1) after "
+                                      f"{a.warmup}, device synced around each"}, "kinds": {}}
+        if attn in out["meta"]["attn"]:
+            print(f"--attn {name}: loads as {attn}, timed already; skipped", flush=True)
+            del target
+            continue
+        out["meta"]["attn"].append(attn)
+        suffix = "" if attn == attn_default else f"@{attn}"
+        if n:  # the next implementation compiles from nothing, as the first did (no cache entries of the last)
+            torch._dynamo.reset()
+        with torch.no_grad():
+            for kind in a.kinds:
+                with TargetRunner(target, **KINDS[kind]) as runner:
+                    runner.start(a.prompt_tokens + grows)
+                    runner.forward(prompt, want_aux=False, prefill=True)
+                    stats0, breaks0 = dict(counters["stats"]), dict(counters["graph_break"])
+                    t = time.perf_counter()
+                    row = {"attn": attn, "per_length": time_calls(runner, new, a.lengths, a.calls, a.warmup),
+                           "seconds_with_warmup": time.perf_counter() - t}
+                    if kind == a.kinds[-1] and a.profile_calls > 0:
+                        row["profile"] = profile_calls(runner, new, max(a.lengths), a.profile_calls)
+                    # what Dynamo did meanwhile: graphs made (one per query length expected), graph breaks (none)
+                    row["dynamo"] = {"stats": {k: v - stats0.get(k, 0) for k, v in counters["stats"].items()
+                                               if v != stats0.get(k, 0)},
+                                     "graph_breaks": {k: v - breaks0.get(k, 0)
+                                                      for k, v in counters["graph_break"].items()
+                                                      if v != breaks0.get(k, 0)}}
+                    row |= {"runner": runner.kind, "fallback": runner.fallback,
+                            "cudagraph_skips": runner.cudagraph_skips}
+                    out["kinds"][kind + suffix] = row
+                per = ", ".join(f"L={L}: {r['median_ms']:.2f} ms" for L, r in row["per_length"].items())
+                print(f"{kind + suffix:>9} ({row['runner']}, {attn}): {per}"
+                      + (f"; cudagraph skips: {row['cudagraph_skips']}" if row["cudagraph_skips"] else ""), flush=True)
+        del target  # the next implementation's load: one target in memory at a time
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))

@@ -26,7 +26,8 @@
 #   bash benchmarks/quality_experiment.sh ablate     # P-EAGLE variants (K, COD r, data size), simulated AL
 #   bash benchmarks/quality_experiment.sh report     # comparison.md / comparison.json (quality_report.py)
 #   bash benchmarks/quality_experiment.sh decode-profile   # the target's forward in the decoding loop per kind
-#                                                    # (eager, static, compiled), timed and profiled
+#                                                    # (eager, static, compiled) and attention (SDPA, eager),
+#                                                    # timed and profiled
 #   DRAFTERS=peagle bash benchmarks/quality_experiment.sh leg 6   # train / leg / eval for P-EAGLE alone (default:
 #                                                    # DRAFTERS="peagle eagle3"), when a lease is too short for both
 #   bash benchmarks/quality_experiment.sh leg MIN    # instead of train: both drafters MIN more minutes of one long run
@@ -312,7 +313,10 @@ PY
     # EVAL_COMPILE: 1 (default, as the GPU recipes) the target's forward compiled (eval.compile_target: one static
     # KV cache, CUDA graphs; run 6: the same rounds, 1.9x faster); inductor: compiled without CUDA graphs
     # (eval.compile_target=inductor; decode-profile times both); profile: the fastest kind of the lease's
-    # decode-profile step ($RESULTS/decode_profile.json, benchmarks/compile_choice.py --profile; none: 1); 0 eager;
+    # decode-profile step ($RESULTS/decode_profile.json, benchmarks/compile_choice.py --profile; none: 1), with the
+    # attention implementation it was fastest with (target.attn_implementation=NAME for the GPU workers, the merge
+    # and the cost pass where that is not the recipe's own: the kernel changes, not the scores; CPU workers keep
+    # the recipe's, which the profile did not time on a CPU); 0 eager;
     # auto: first the one-process
     # drafting-cost pass of each drafter both ways (NAME-cost-eval.json, NAME-cost-eval-compiled.json), then
     # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
@@ -331,12 +335,15 @@ PY
     comp=${EVAL_COMPILE:-1}
     case $comp in 0|1|auto|inductor|profile) ;;
       *) echo "EVAL_COMPILE must be 0, 1, inductor, profile or auto, got '$comp'" >&2; exit 2 ;; esac
+    attn_ovr=()  # the target's attention implementation when the profile found another one faster (none: the recipe's)
     if [ "$comp" = profile ]; then  # one choice for every drafter: the profile times the target's forward alone
       if [ -f "$RESULTS/decode_profile.json" ]; then
         choice=$(python3 benchmarks/compile_choice.py --profile "$RESULTS/decode_profile.json" \
           --out "$RESULTS/compile-choice-profile.json") || exit 2
         comp=$(head -n 1 <<< "$choice"); echo "eval: target forward from decode-profile: $comp ($(sed -n 2p <<< "$choice"))"
         case $comp in true) comp=1 ;; false) comp=0 ;; esac
+        attn=$(sed -n 3p <<< "$choice"); attn=${attn#attn=}  # third line attn=NAME, empty: the recipe's own
+        [ -z "$attn" ] || attn_ovr=("target.attn_implementation=$attn")
       else
         comp=1; echo "eval: EVAL_COMPILE=profile without $RESULTS/decode_profile.json (run decode-profile first): CUDA graphs"
       fi
@@ -347,7 +354,7 @@ PY
       rm -rf "$out/eval-cost$3"; [ ! -d "$out/eval" ] || mv "$out/eval" "$out/eval-before-cost"
       # COST_TIMEOUT (seconds, default 300): a compile that does not end in time must not hold the lease
       CUDA_VISIBLE_DEVICES=0 timeout "${COST_TIMEOUT:-300}" "${CLI[@]}" eval "$R" "${OVR[@]}" "output_dir=$out" \
-          "target.dtype=${EVAL_DTYPE:-float32}" \
+          "target.dtype=${EVAL_DTYPE:-float32}" "${attn_ovr[@]}" \
           "eval.datasets=[mt_bench]" "eval.num_prompts=${COST_PROMPTS:-4}" "eval.k_values=[1,7]" \
           "eval.compile_target=$2" --quiet > /dev/null 2> "$WORK/$name-cost$3.err" \
         && cp "$out/eval/eval.json" "$RESULTS/$name-cost-eval$3.json" \
@@ -372,9 +379,11 @@ PY
     for R in "${RECIPES[@]}"; do
       gpu=$(( ngpu > 1 ? i : 0 )); i=$((i + 1))
       name=$(basename "$R" .yaml)
-      # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key)
-      ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}"
-          "eval.compile_target=${compiled[$name]}" --quiet)
+      # the target in float32 for the lossless check whatever dtype trained (target.dtype is an eval runtime key);
+      # evc: a CPU worker's (eager forward, the recipe's attention)
+      ev=(eval "$R" "${OVR[@]}" "output_dir=$(legdir "$R")" "target.dtype=${EVAL_DTYPE:-float32}")
+      evc=("${ev[@]}" eval.compile_target=false --quiet)
+      ev+=("${attn_ovr[@]}" "eval.compile_target=${compiled[$name]}" --quiet)
       if [ "$world" -gt 1 ]; then
         claim=()  # one name per evaluation: claims of an earlier one are not seen
         [ "${EVAL_CLAIM:-1}" = 0 ] || claim=(--eval-claim "$name-$(date +%s)-$$")
@@ -386,8 +395,7 @@ PY
                 2> "$WORK/$name-eval-$r.err" &
             else  # a CPU worker: no GPU visible, the target's forward eager (a compiled CPU forward pays its compile)
               OMP_NUM_THREADS=${EVAL_CPU_THREADS:-2} CUDA_VISIBLE_DEVICES="" cli \
-                "${ev[@]/#eval.compile_target=*/eval.compile_target=false}" --eval-worker "$r/$world" "${claim[@]}" > /dev/null \
-                2> "$WORK/$name-eval-$r.err" &
+                "${evc[@]}" --eval-worker "$r/$world" "${claim[@]}" > /dev/null 2> "$WORK/$name-eval-$r.err" &
             fi
             pids+=($!)
           done
@@ -628,9 +636,12 @@ PY
     [ -f "$WORK/plan.done" ] && echo "wait: the plan finished" || echo "wait: the plan is still running" ;;
   decode-profile)  # after setup: the target's forward per query length through each TargetRunner kind, timed and
     # profiled (benchmarks/decode_profile.py; DP_FLAGS: its flags) -> $RESULTS/decode_profile.json; about a minute
+    # per attention implementation. SDPA and eager attention both: SDPA's float32 kernel took ~13 ms of the ~20 ms
+    # compiled forward on an H100 (batch 1, a few query tokens), and eval's EVAL_COMPILE=profile takes the faster
+    # (DP_FLAGS="--attn sdpa": one; a later --attn wins)
     # shellcheck disable=SC2086
-    python3 benchmarks/decode_profile.py "$P" "${OVR[@]}" "target.dtype=${EVAL_DTYPE:-float32}" ${DP_FLAGS:-} \
-      --out "$RESULTS/decode_profile.json"
+    python3 benchmarks/decode_profile.py "$P" "${OVR[@]}" "target.dtype=${EVAL_DTYPE:-float32}" --attn sdpa eager \
+      ${DP_FLAGS:-} --out "$RESULTS/decode_profile.json"
     ship decode_profile.json ;;
   report)  # side-by-side tables from the small result files (benchmarks/quality_report.py)
     python3 benchmarks/quality_report.py "$RESULTS" ;;

@@ -756,6 +756,9 @@ def test_decode_profile_cpu_smoke(tmp_path, capsys):
     assert meta["command"] == f"python benchmarks/decode_profile.py --smoke --lengths 1 3 --out {out}"
     assert meta["layers"] == 8 and meta["gpu"] is None and "commit" in meta
     assert list(result["kinds"]) == ["dynamic", "static", "inductor", "compiled"]
+    # no --attn: the recipe's own attention (transformers' choice for the tiny Llama), recorded
+    assert meta["attn_default"] == "sdpa" and meta["attn"] == ["sdpa"]
+    assert all(r["attn"] == "sdpa" for r in result["kinds"].values())
     runners = [r["runner"] for r in result["kinds"].values()]
     assert runners == ["dynamic", "static", "static", "static"]  # compile (inductor alone or with CUDA graphs): CUDA only
     for r in result["kinds"].values():
@@ -767,3 +770,26 @@ def test_decode_profile_cpu_smoke(tmp_path, capsys):
     assert "profile" not in result["kinds"]["dynamic"]
     with pytest.raises(SystemExit):
         decode_profile.parse_args(["--smoke", "--lengths", "0"])
+
+
+def test_decode_profile_times_each_attention_implementation(tmp_path):
+    """``decode_profile.py --smoke --attn eager sdpa``: every kind again per attention implementation, each a load
+    of the same weights; the recipe's own attention (``sdpa``, transformers' choice for the tiny Llama) keeps the
+    plain kind names, eager's entries are ``KIND@eager``; each entry records its ``attn``, the last kind of each
+    implementation is profiled, and a repeated name is timed once."""
+    import decode_profile
+
+    out = tmp_path / "dp.json"
+    result = decode_profile.main(["--smoke", "--lengths", "1", "2", "--kinds", "dynamic", "compiled",
+                                  "--attn", "eager", "sdpa", "eager", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["meta"]["attn_default"] == "sdpa" and result["meta"]["attn"] == ["eager", "sdpa"]
+    kinds = result["kinds"]
+    assert list(kinds) == ["dynamic@eager", "compiled@eager", "dynamic", "compiled"]
+    assert [r["attn"] for r in kinds.values()] == ["eager", "eager", "sdpa", "sdpa"]
+    assert [r["runner"] for r in kinds.values()] == ["dynamic", "static"] * 2
+    assert ["profile" in r for r in kinds.values()] == [False, True] * 2
+    for r in kinds.values():
+        assert set(r["per_length"]) == {"1", "2"} and r["fallback"] is None
+    assert decode_profile.parse_args(["--smoke", "--attn", "sdpa", "sdpa"]).attn == ["sdpa"]
+    assert decode_profile.parse_args(["--smoke"]).attn is None

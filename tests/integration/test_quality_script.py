@@ -893,8 +893,10 @@ def test_compile_choice_from_a_decode_profile_takes_the_fastest_kind_that_ran_as
 
     prof = {"kinds": {"dynamic": kind(15.0, 18.0, "dynamic"), "static": kind(1.0, 1.0, "static"),
                       "inductor": kind(2.0, 2.5, "static+inductor"), "compiled": kind(14.0, 16.0, "static+cuda-graphs")}}
-    value, reason, figures = compile_choice.choose_from_profile(prof)
+    value, reason, figures, attention = compile_choice.choose_from_profile(prof)
     assert value == "inductor" and reason.startswith("inductor 4.5 ms") and "compiled 30.0 ms" in reason
+    # a profile made before decode_profile.py --attn: the recipe's own attention, no override
+    assert attention == {"entry": "inductor", "attn_implementation": None, "attn_override": None}
     assert "static" not in figures  # eager with a static cache is no compile_target setting (false runs dynamic)
     prof["kinds"]["inductor"] = kind(2.0, 2.5, "static", fallback="RuntimeError: x")  # fell back: not counted
     assert compile_choice.choose_from_profile(prof)[0] == "true"
@@ -903,11 +905,103 @@ def test_compile_choice_from_a_decode_profile_takes_the_fastest_kind_that_ran_as
     (tmp_path / "p.json").write_text(json.dumps(prof))
     assert compile_choice.main(["--profile", str(tmp_path / "p.json"), "--out", str(tmp_path / "c.json")]) == "false"
     assert json.loads((tmp_path / "c.json").read_text())["compile_target"] == "false"
+    assert json.loads((tmp_path / "c.json").read_text())["attn_override"] is None
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="no 'kinds'"):
         compile_choice.main(["--profile", str(tmp_path / "bad.json")])
     with pytest.raises(SystemExit):
         compile_choice.main([])
+
+
+def test_compile_choice_from_a_decode_profile_takes_the_fastest_attention_implementation_too(tmp_path, capsys):
+    """``compile_choice.py --profile`` on a profile of ``decode_profile.py --attn sdpa eager``: the fastest entry over
+    every kind and attention implementation; a ``KIND@ATTN`` entry (not the recipe's own attention) gives the
+    third line ``attn=NAME`` and ``attn_override`` in ``--out``, the recipe's own gives ``attn=`` (no override);
+    an eager-attention entry that fell back to eager forward is not counted."""
+    import compile_choice  # benchmarks/ is on sys.path (conftest)
+
+    def kind(ms, runner, attn, fallback=None):
+        return {"attn": attn, "per_length": {"1": {"median_ms": ms}, "8": {"median_ms": ms}}, "runner": runner,
+                "fallback": fallback}
+
+    # H100, SmolLM2-135M float32: SDPA's memory-efficient kernel dominates the compiled forward
+    prof = {"meta": {"attn_default": "sdpa", "attn": ["sdpa", "eager"]}, "kinds": {
+        "dynamic": kind(21.0, "dynamic", "sdpa"), "static": kind(20.0, "static", "sdpa"),
+        "inductor": kind(19.0, "static+inductor", "sdpa"), "compiled": kind(19.7, "static+cuda-graphs", "sdpa"),
+        "dynamic@eager": kind(9.0, "dynamic", "eager"), "static@eager": kind(1.0, "static", "eager"),
+        "inductor@eager": kind(6.0, "static+inductor", "eager"),
+        "compiled@eager": kind(4.0, "static+cuda-graphs", "eager")}}
+    value, reason, figures, attention = compile_choice.choose_from_profile(prof)
+    assert value == "true" and attention == {"entry": "compiled@eager", "attn_implementation": "eager",
+                                             "attn_override": "eager"}
+    assert reason.startswith("compiled (eager attention) 8.0 ms") and "compiled (sdpa attention) 39.4 ms" in reason
+    assert "static@eager" not in figures and figures["inductor@eager"]["attn"] == "eager"
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    assert compile_choice.main(["--profile", str(tmp_path / "p.json"), "--out", str(tmp_path / "c.json")]) == "true"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "true" and lines[2] == "attn=eager"
+    got = json.loads((tmp_path / "c.json").read_text())
+    assert (got["compile_target"], got["attn_implementation"], got["attn_override"]) == ("true", "eager", "eager")
+    # the eager entries' compiles fell back: the inductor one is still the fastest eager forward that compiled...
+    prof["kinds"]["compiled@eager"] = kind(4.0, "static", "eager", fallback="RuntimeError: x")
+    value, _, _, attention = compile_choice.choose_from_profile(prof)
+    assert (value, attention["attn_override"]) == ("inductor", "eager")
+    # ... and with none of them faster, the recipe's own attention: no override, the third line empty
+    for k in ("dynamic@eager", "inductor@eager"):
+        prof["kinds"][k]["per_length"] = {"1": {"median_ms": 50.0}}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    assert compile_choice.main(["--profile", str(tmp_path / "p.json"), "--out", str(tmp_path / "c.json")]) == "inductor"
+    assert capsys.readouterr().out.splitlines()[2] == "attn="
+    got = json.loads((tmp_path / "c.json").read_text())
+    assert (got["entry"], got["attn_implementation"], got["attn_override"]) == ("inductor", "sdpa", None)
+
+
+def test_eval_compile_profile_loads_the_target_with_the_attention_the_profile_chose(tmp_path):
+    """``EVAL_COMPILE=profile`` with a decode profile whose fastest entry is ``compiled@eager``: the GPU workers, the
+    merge and the cost pass run ``target.attn_implementation=eager`` with ``eval.compile_target=true``; the CPU
+    workers keep the recipe's attention (the profile timed the GPU's forward) and their eager forward. The fastest
+    entry on the recipe's own attention (or an older profile): no override anywhere."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1",
+                        "FAKE_LOG": str(tmp_path / "calls.jsonl"), "EVAL_WORKERS": "2", "EVAL_CPU_WORKERS": "1",
+                        "EVAL_COMPILE": "profile", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    res = tmp_path / "w" / "results"
+    res.mkdir(parents=True)
+    runner = {"dynamic": "dynamic", "inductor": "static+inductor", "compiled": "static+cuda-graphs"}
+
+    def profile(ms: dict) -> None:
+        (res / "decode_profile.json").write_text(json.dumps({"kinds": {
+            k: {"attn": "eager" if "@" in k else "sdpa", "per_length": {"1": {"median_ms": v}},
+                "runner": runner[k.partition("@")[0]], "fallback": None} for k, v in ms.items()}}))
+
+    for ms, attn in (({"dynamic": 21.0, "compiled": 19.7, "dynamic@eager": 9.0, "compiled@eager": 4.0}, "eager"),
+                     ({"dynamic": 21.0, "compiled": 3.0, "dynamic@eager": 9.0, "compiled@eager": 4.0}, None)):
+        profile(ms)
+        (tmp_path / "calls.jsonl").unlink(missing_ok=True)
+        r = _step(env, "eval")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "eval: target forward from decode-profile: true (compiled (" in r.stdout
+        calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+        for name in ("peagle", "eagle3"):
+            mine = [c for c in calls if f"output_dir={tmp_path / 'w' / name}" in c["args"]]
+            cpu = [c for c in mine if c["gpu"] == ""]
+            gpu = [c for c in mine if c["gpu"] != ""]
+            assert len(cpu) == 1 and len(gpu) == 4  # 2 GPU workers, the merge, the cost pass
+            assert any("--eval-merge" in c["args"] for c in gpu)
+            assert any("eval.k_values=[1,7]" in c["args"] for c in gpu)
+            for c in gpu:
+                assert [a for a in c["args"] if a.startswith("target.attn_implementation=")] == (
+                    [f"target.attn_implementation={attn}"] if attn else []), c["args"]
+                assert "eval.compile_target=true" in c["args"]
+            assert not any(a.startswith("target.attn_implementation=") for a in cpu[0]["args"])
+            assert "eval.compile_target=false" in cpu[0]["args"]
+        choice = json.loads((res / "compile-choice-profile.json").read_text())
+        assert choice["attn_override"] == attn
 
 
 def test_compile_choice_refuses_other_rounds_slower_runs_and_bad_files(tmp_path):
@@ -1051,8 +1145,8 @@ def test_regen_in_takes_several_carried_folders(tmp_path):
 
 def test_decode_profile_step_profiles_the_recipes_target_and_ships_the_json(tmp_path):
     """``decode-profile``: benchmarks/decode_profile.py on the P-EAGLE recipe's target with the script's overrides
-    (here a tiny random Llama on the CPU instead of the GGUF), in float32 unless EVAL_DTYPE says otherwise, its
-    JSON in $RESULTS and $OUT."""
+    (here a tiny random Llama on the CPU instead of the GGUF), in float32 unless EVAL_DTYPE says otherwise, with
+    SDPA and eager attention (the step's ``--attn sdpa eager``), its JSON in $RESULTS and $OUT."""
     env = _setup(tmp_path) | {
         "OUT": str(tmp_path / "out"),
         "EXTRA_OVERRIDES": "target.gguf_file=null target.gguf_package=null target.gguf_sha256=null target.device=cpu "
@@ -1063,7 +1157,10 @@ def test_decode_profile_step_profiles_the_recipes_target_and_ships_the_json(tmp_
     got = json.loads((tmp_path / "out" / "decode_profile.json").read_text())
     assert got == json.loads((tmp_path / "work" / "results" / "decode_profile.json").read_text())
     assert got["meta"]["recipe"] == "recipes/smollm2-135m-peagle-gpu.yaml" and got["meta"]["dtype"] == "float32"
-    assert list(got["kinds"]) == ["dynamic", "compiled"] and got["kinds"]["compiled"]["profile"]["calls"] == 1
+    # SDPA (the recipe's own) and eager attention, each kind and the profile of each
+    assert list(got["kinds"]) == ["dynamic", "compiled", "dynamic@eager", "compiled@eager"]
+    assert got["kinds"]["compiled"]["profile"]["calls"] == 1 and got["kinds"]["compiled@eager"]["profile"]["calls"] == 1
+    assert got["meta"]["attn"] == ["sdpa", "eager"]
 
 
 def test_wait_reports_the_sets_the_eval_workers_finished_when_the_evaluation_is_cut(tmp_path):

@@ -540,6 +540,39 @@ def test_static_target_runner_decodes_as_the_dynamic_one(parallel):
     assert sizes == [48, 48, 64]  # 5+20+(7+1) = 33 -> 48, 12+20+8 = 40 fits, 30+20+8 = 58 -> 64
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["peagle", "eagle3"])
+def test_eager_attention_target_decodes_as_the_sdpa_one(parallel):
+    """The target on eager attention (matmul + softmax: ``target.attn_implementation=eager``, which
+    ``EVAL_COMPILE=profile`` picks where decode_profile.py finds it faster) gives the SDPA target's greedy tokens and
+    acceptances, target alone and speculative, through the dynamic cache and the static runner (stale keys
+    masked), float32; the two are the same weights, only the kernel differs."""
+    from peagle_train.decoding.target_runner import TargetRunner
+
+    sdpa = make_target(c_quantile=0.75)
+    sdpa.model.set_attn_implementation("sdpa")
+    eager = make_target(c_quantile=0.75)
+    eager.model.set_attn_implementation("eager")
+    assert (sdpa.model.config._attn_implementation, eager.model.config._attn_implementation) == ("sdpa", "eager")
+    V = sdpa.config.vocab_size
+    drafters = [make_drafter(sdpa, parallel=parallel, bias_token=C, bias=2.0),  # long acceptances
+                make_drafter(sdpa, parallel=parallel, std=0.3, seed=2)]  # rejections
+    hist = collections.Counter()
+    for static in (False, True):
+        runners = [TargetRunner(t, static=static, block=16) for t in (sdpa, eager)]
+        for length in (5, 12, 30):
+            p = torch.randint(0, V - 1, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+            ref = [target_generate(t, p, 20, runner=r)[0] for t, r in zip((sdpa, eager), runners)]
+            assert ref[0] == ref[1], (static, length)
+            for K, d in itertools.product((1, 3, 7), drafters):
+                (out_s, st_s), (out_e, st_e) = (speculative_generate(t, d, p, K, 20, runner=r)
+                                                for t, r in zip((sdpa, eager), runners))
+                assert out_s == out_e == ref[0] and st_s.accepted == st_e.accepted, (static, length, K)
+                hist.update(("none" if a == 0 else "all" if a == K else "some") for a in st_s.accepted)
+        for r in runners:
+            r.close()
+    assert hist["none"] > 0 and hist["some"] > 0 and hist["all"] > 0, hist  # every drop: K, part of K, none
+
+
 def test_static_target_runner_refuses_what_it_cannot_hold():
     from peagle_train.decoding.target_runner import TargetRunner
 
