@@ -25,8 +25,9 @@ minute, no evaluation)::
 prints the ``eval.compile_target`` value of the fastest kind it timed (:func:`choose_from_profile`):
 ``true`` (CUDA graphs), ``inductor`` (compiled, no CUDA graphs) or ``false`` (eager), and why, over every
 attention implementation the profile timed (``decode_profile.py --attn``), then a third line ``attn=NAME``: the
-``target.attn_implementation`` the evaluation should load the target with, empty (``attn=``) where the fastest is
-the recipe's own attention (profiles made before ``--attn`` are all the recipe's own). ``--out`` also records
+``target.attn_implementation`` the evaluation should load the target with: the one the fastest entry was timed
+with, the recipe's own included (so the evaluation runs what was timed), empty (``attn=``) only for a profile made
+before ``--attn``, which does not record it. ``--out`` also records
 ``attn_implementation`` (the fastest entry's, None where the profile does not say) and ``attn_override``. The
 profile does not decode prompts, so the rounds are not compared here; the evaluation's own lossless check still
 holds each run to the target's tokens (eager and SDPA attention compute the same scores: the same greedy tokens,
@@ -98,8 +99,9 @@ def choose_from_profile(profile: dict) -> tuple[str, str, dict, dict]:
     least milliseconds per call summed over the profiled query lengths (medians). ``figures``: each entry's sum,
     runner, fallback and ``attn`` (None in profiles made before ``--attn``). ``attention``: ``entry`` (the fastest
     entry's key), ``attn_implementation`` (its ``attn``) and ``attn_override`` (the ``target.attn_implementation``
-    the evaluation needs for it: set for a ``KIND@ATTN`` entry, None for the recipe's own attention). None that ran
-    as named: ``false`` (eager), all three None. Raises SystemExit when ``profile`` has no ``kinds``."""
+    the evaluation loads the target with: the entry's recorded ``attn`` whenever the profile records one, the
+    recipe's own included, so the evaluation runs what was timed whatever the recipe's default resolves to; None in
+    profiles made before ``--attn``). None that ran as named: ``false`` (eager), all three None. Raises SystemExit when ``profile`` has no ``kinds``."""
     kinds = profile.get("kinds")
     if not isinstance(kinds, dict):
         sys.exit("compile_choice: the profile has no 'kinds' (a benchmarks/decode_profile.py JSON?)")
@@ -124,7 +126,7 @@ def choose_from_profile(profile: dict) -> tuple[str, str, dict, dict]:
     best = min(ok, key=ok.get)
     others = ", ".join(f"{label(k)} {v} ms" for k, v in ok.items() if k != best)
     attention = {"entry": best, "attn_implementation": figures[best]["attn"],
-                 "attn_override": figures[best]["attn"] if "@" in best else None}
+                 "attn_override": figures[best]["attn"]}
     return PROFILE_KINDS[best.partition("@")[0]][0], f"{label(best)} {ok[best]} ms a call summed over the lengths" + (
         f" (against {others})" if others else ""), figures, attention
 

@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 MAX_FILES = 8
@@ -208,6 +209,7 @@ def split(dirs: dict[str, Path], dest: Path, max_piece_bytes: int = MAX_PIECE_BY
         ValueError: a folder in ``dirs`` is missing or holds no file; a name that is not one plain word
             (letters, digits, ``-``, ``_``).
     """
+    started = time.time()  # split_is_current: a file modified after this was perhaps cut half-old
     dest.mkdir(parents=True, exist_ok=True)
     for old in list(dest.glob("*.p[0-9][0-9][0-9]")) + [dest / SPLIT_MANIFEST]:
         old.unlink(missing_ok=True)
@@ -235,7 +237,7 @@ def split(dirs: dict[str, Path], dest: Path, max_piece_bytes: int = MAX_PIECE_BY
                     if len(block) < max_piece_bytes:
                         break
             files[f"{name}/{f.name}"] = {"sha256": h.hexdigest(), "bytes": f.stat().st_size, "pieces": parts}
-    manifest = {"files": files, "pieces": pieces}
+    manifest = {"files": files, "pieces": pieces, "started": started}
     tmp = dest / f".{SPLIT_MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, dest / SPLIT_MANIFEST)
@@ -245,17 +247,20 @@ def split(dirs: dict[str, Path], dest: Path, max_piece_bytes: int = MAX_PIECE_BY
 def split_is_current(dirs: dict[str, Path], dest: Path) -> bool:
     """Whether ``dest`` already holds the ``split`` pieces of exactly these folders' files (the same ``NAME/FILE``
     entries and sizes in ``dest/SPLIT_MANIFEST``) and no file there changed after them (modified later than the
-    manifest): ``export-out`` then sends the pieces it cut before instead of cutting them again for every batch.
+    split began, its manifest's ``started``; the manifest's own time for one without it: a file rewritten while it
+    was being cut, as the evaluation's merge rewrites the model card, is cut again even at the same size):
+    ``export-out`` then sends the pieces it cut before instead of cutting them again for every batch.
     A manifest that is not ``split``'s JSON counts as not current (the pieces are cut again). Raises nothing."""
     mf = dest / SPLIT_MANIFEST
     if not mf.is_file() or not all(folder.is_dir() for folder in dirs.values()):
         return False
     try:
-        files = json.loads(mf.read_text())["files"]
-    except (ValueError, KeyError, TypeError):  # a damaged manifest: cut again (split rewrites it)
+        manifest = json.loads(mf.read_text())
+        files = manifest["files"]
+        made = float(manifest.get("started", mf.stat().st_mtime))
+    except (ValueError, KeyError, TypeError, AttributeError):  # a damaged manifest: cut again (split rewrites it)
         return False
     now = {f"{name}/{f.name}": f for name, folder in dirs.items() for f in files_of(folder)}
-    made = mf.stat().st_mtime
     return now.keys() == files.keys() and all(f.stat().st_size == files[k]["bytes"] and f.stat().st_mtime <= made
                                               for k, f in now.items())
 

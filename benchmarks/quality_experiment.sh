@@ -315,8 +315,8 @@ PY
     # (eval.compile_target=inductor; decode-profile times both); profile: the fastest kind of the lease's
     # decode-profile step ($RESULTS/decode_profile.json, benchmarks/compile_choice.py --profile; none: 1), with the
     # attention implementation it was fastest with (target.attn_implementation=NAME for the GPU workers, the merge
-    # and the cost pass where that is not the recipe's own: the kernel changes, not the scores; CPU workers keep
-    # the recipe's, which the profile did not time on a CPU); 0 eager;
+    # and the cost pass, named even where it is the recipe's own, so they run what was timed: the kernel changes,
+    # not the scores; CPU workers keep the recipe's, which the profile did not time on a CPU); 0 eager;
     # auto: first the one-process
     # drafting-cost pass of each drafter both ways (NAME-cost-eval.json, NAME-cost-eval-compiled.json), then
     # compiled only where benchmarks/compile_choice.py finds the same rounds and a faster loop
@@ -335,14 +335,14 @@ PY
     comp=${EVAL_COMPILE:-1}
     case $comp in 0|1|auto|inductor|profile) ;;
       *) echo "EVAL_COMPILE must be 0, 1, inductor, profile or auto, got '$comp'" >&2; exit 2 ;; esac
-    attn_ovr=()  # the target's attention implementation when the profile found another one faster (none: the recipe's)
+    attn_ovr=()  # the target's attention implementation the profile's fastest entry was timed with (none: the recipe's)
     if [ "$comp" = profile ]; then  # one choice for every drafter: the profile times the target's forward alone
       if [ -f "$RESULTS/decode_profile.json" ]; then
         choice=$(python3 benchmarks/compile_choice.py --profile "$RESULTS/decode_profile.json" \
           --out "$RESULTS/compile-choice-profile.json") || exit 2
         comp=$(head -n 1 <<< "$choice"); echo "eval: target forward from decode-profile: $comp ($(sed -n 2p <<< "$choice"))"
         case $comp in true) comp=1 ;; false) comp=0 ;; esac
-        attn=$(sed -n 3p <<< "$choice"); attn=${attn#attn=}  # third line attn=NAME, empty: the recipe's own
+        attn=$(sed -n 3p <<< "$choice"); attn=${attn#attn=}  # third line attn=NAME, empty: a profile without it
         [ -z "$attn" ] || attn_ovr=("target.attn_implementation=$attn")
       else
         comp=1; echo "eval: EVAL_COMPILE=profile without $RESULTS/decode_profile.json (run decode-profile first): CUDA graphs"
@@ -626,8 +626,9 @@ PY
       for R in "${RECIPES[@]}"; do
         e="$(legdir "$R")/export"; [ -f "$e/config.json" ] && dirs+=("$(basename "$R" .yaml)=$e")
       done
-      # every drafter's export, or what there is once the plan ended (a drafter whose run failed has none): cutting
-      # again when a later export appears would send the earlier one's pieces again
+      # every drafter's export, or what there is once the plan ended (a drafter whose run failed has none): a cut
+      # made when a later export appears resends no piece already sent (out-next records content), but cutting
+      # 145 MB again at every call costs the machine's time
       if [ "${#dirs[@]}" -gt 0 ] && { [ "${#dirs[@]}" -eq "${#RECIPES[@]}" ] || [ -f "$WORK/plan.done" ]; }; then
         python3 benchmarks/ferry.py split "$WORK/export-pieces" "${dirs[@]}" && \
           python3 benchmarks/ferry.py out-next "$WORK/export-pieces" "$OUT" || echo "wait: the export pieces failed"

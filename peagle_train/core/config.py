@@ -110,7 +110,7 @@ class DrafterConfig(Section):
         "trains (a separate parameter, merged into the shipped embed_tokens at export; EAGLE-3: the whole table "
         "frozen). Drops V x H parameters from AdamW, the gradients and the portable state (SmolLM2: 28.3M of "
         "72.3M; GPT-OSS-20B: 579M); PERF_NOTES lead 4. Needs H == T (the table comes from the target). Measured: "
-        "with lm_head frozen too, SmolLM2's P-EAGLE head lost 5-6 % of AL(7) in 12 H100-minutes and was behind "
+        "with lm_head frozen too, SmolLM2's P-EAGLE head lost 4-6 % of AL(7) in 12 H100-minutes and was behind "
         "at equal steps (docs/results.md, run 9).")
     lm_head: Literal["trainable", "frozen"] = Field(
         "trainable", description="'trainable': the drafter's lm_head (the target head's draft-vocab rows) is trained. "

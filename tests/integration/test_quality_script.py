@@ -916,7 +916,8 @@ def test_compile_choice_from_a_decode_profile_takes_the_fastest_kind_that_ran_as
 def test_compile_choice_from_a_decode_profile_takes_the_fastest_attention_implementation_too(tmp_path, capsys):
     """``compile_choice.py --profile`` on a profile of ``decode_profile.py --attn sdpa eager``: the fastest entry over
     every kind and attention implementation; a ``KIND@ATTN`` entry (not the recipe's own attention) gives the
-    third line ``attn=NAME`` and ``attn_override`` in ``--out``, the recipe's own gives ``attn=`` (no override);
+    third line ``attn=NAME`` and ``attn_override`` in ``--out``, the recipe's own too (``attn=sdpa``: the evaluation
+    loads what was timed);
     an eager-attention entry that fell back to eager forward is not counted."""
     import compile_choice  # benchmarks/ is on sys.path (conftest)
 
@@ -946,21 +947,21 @@ def test_compile_choice_from_a_decode_profile_takes_the_fastest_attention_implem
     prof["kinds"]["compiled@eager"] = kind(4.0, "static", "eager", fallback="RuntimeError: x")
     value, _, _, attention = compile_choice.choose_from_profile(prof)
     assert (value, attention["attn_override"]) == ("inductor", "eager")
-    # ... and with none of them faster, the recipe's own attention: no override, the third line empty
+    # ... and with none of them faster, the recipe's own attention, named all the same
     for k in ("dynamic@eager", "inductor@eager"):
         prof["kinds"][k]["per_length"] = {"1": {"median_ms": 50.0}}
     (tmp_path / "p.json").write_text(json.dumps(prof))
     assert compile_choice.main(["--profile", str(tmp_path / "p.json"), "--out", str(tmp_path / "c.json")]) == "inductor"
-    assert capsys.readouterr().out.splitlines()[2] == "attn="
+    assert capsys.readouterr().out.splitlines()[2] == "attn=sdpa"
     got = json.loads((tmp_path / "c.json").read_text())
-    assert (got["entry"], got["attn_implementation"], got["attn_override"]) == ("inductor", "sdpa", None)
+    assert (got["entry"], got["attn_implementation"], got["attn_override"]) == ("inductor", "sdpa", "sdpa")
 
 
 def test_eval_compile_profile_loads_the_target_with_the_attention_the_profile_chose(tmp_path):
     """``EVAL_COMPILE=profile`` with a decode profile whose fastest entry is ``compiled@eager``: the GPU workers, the
     merge and the cost pass run ``target.attn_implementation=eager`` with ``eval.compile_target=true``; the CPU
     workers keep the recipe's attention (the profile timed the GPU's forward) and their eager forward. The fastest
-    entry on the recipe's own attention (or an older profile): no override anywhere."""
+    entry on the recipe's own attention: that one named (``sdpa``); an older profile (no ``attn``): no override."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     fake = tmp_path / "fake_cli.py"
@@ -974,18 +975,20 @@ def test_eval_compile_profile_loads_the_target_with_the_attention_the_profile_ch
     res.mkdir(parents=True)
     runner = {"dynamic": "dynamic", "inductor": "static+inductor", "compiled": "static+cuda-graphs"}
 
-    def profile(ms: dict) -> None:
+    def profile(ms: dict, old: bool = False) -> None:
         (res / "decode_profile.json").write_text(json.dumps({"kinds": {
-            k: {"attn": "eager" if "@" in k else "sdpa", "per_length": {"1": {"median_ms": v}},
+            k: {**({} if old else {"attn": "eager" if "@" in k else "sdpa"}), "per_length": {"1": {"median_ms": v}},
                 "runner": runner[k.partition("@")[0]], "fallback": None} for k, v in ms.items()}}))
 
-    for ms, attn in (({"dynamic": 21.0, "compiled": 19.7, "dynamic@eager": 9.0, "compiled@eager": 4.0}, "eager"),
-                     ({"dynamic": 21.0, "compiled": 3.0, "dynamic@eager": 9.0, "compiled@eager": 4.0}, None)):
-        profile(ms)
+    for ms, attn, old in (
+            ({"dynamic": 21.0, "compiled": 19.7, "dynamic@eager": 9.0, "compiled@eager": 4.0}, "eager", False),
+            ({"dynamic": 21.0, "compiled": 3.0, "dynamic@eager": 9.0, "compiled@eager": 4.0}, "sdpa", False),
+            ({"dynamic": 21.0, "compiled": 3.0}, None, True)):
+        profile(ms, old)
         (tmp_path / "calls.jsonl").unlink(missing_ok=True)
         r = _step(env, "eval")
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "eval: target forward from decode-profile: true (compiled (" in r.stdout
+        assert "eval: target forward from decode-profile: true (compiled " in r.stdout
         calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
         for name in ("peagle", "eagle3"):
             mine = [c for c in calls if f"output_dir={tmp_path / 'w' / name}" in c["args"]]
@@ -1272,6 +1275,31 @@ def test_ferry_split_and_join_move_a_file_larger_than_a_piece(tmp_path):
     assert not (tmp_path / "other").exists()  # nothing written before every piece is checked
     with pytest.raises(ValueError, match="not a folder with files"):
         ferry.split({"eagle3": tmp_path / "nowhere"}, tmp_path / "p2")
+
+
+def test_ferry_split_is_current_sees_a_file_rewritten_while_it_was_cut(tmp_path):
+    """``ferry.split_is_current``: the same files and sizes, none modified since the split began: current; a file
+    rewritten after the split began (the evaluation's merge rewriting the card while the export is cut), even at the
+    same size and before the manifest was written: not current, so the next ``wait`` cuts it again."""
+    import ferry
+
+    exp, dest = tmp_path / "export", tmp_path / "pieces"
+    exp.mkdir()
+    (exp / "README.md").write_text("card A\n")
+    (exp / "model.safetensors").write_bytes(b"w" * 100)
+    ferry.split({"d": exp}, dest)
+    assert ferry.split_is_current({"d": exp}, dest)
+    started = json.loads((dest / ferry.SPLIT_MANIFEST).read_text())["started"]
+    (exp / "README.md").write_text("card B\n")  # same size
+    made = (dest / ferry.SPLIT_MANIFEST).stat().st_mtime_ns
+    mid = (int(started * 1e9) + made) // 2  # after the split began, before its manifest was written
+    os.utime(exp / "README.md", ns=(mid, mid))
+    assert started < (exp / "README.md").stat().st_mtime <= (dest / ferry.SPLIT_MANIFEST).stat().st_mtime
+    assert not ferry.split_is_current({"d": exp}, dest)
+    ferry.split({"d": exp}, dest)
+    assert ferry.split_is_current({"d": exp}, dest)
+    (dest / ferry.SPLIT_MANIFEST).write_text("[1, 2]")  # not split's JSON: cut again
+    assert not ferry.split_is_current({"d": exp}, dest)
 
 
 def test_export_out_brings_a_finished_drafters_export_back_in_batches(tmp_path):
