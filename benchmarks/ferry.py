@@ -340,8 +340,14 @@ def _sent_record(src: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def unsent(src: Path) -> list[str]:
-    """Names of the files of ``src`` that ``out_next`` has not sent with their present content. Raises nothing
-    for a missing record (then every file)."""
+    """Names of the files of ``src`` that ``out_next`` has not sent with their present content (every file where
+    there is no record), sorted.
+
+    Raises:
+        ValueError: ``src`` is not a folder (named, as ``out_next`` says it).
+    """
+    if not src.is_dir():
+        raise ValueError(f"out-next: {src} is not a folder: cut the export first (ferry.py split)")
     sent, digest = _sent_record(src)
     return [n for n in sorted(digest) if sent.get(n) != digest[n]]
 

@@ -726,19 +726,27 @@ elif args[0] == "eval":
 '''
 
 
+def _fake_eval_env(tmp_path: Path, work: Path | None = None, **extra: str) -> dict:
+    """The environment of a ``quality_experiment.sh`` step run against ``FAKE_TRAIN_EVAL`` (written to
+    ``tmp_path/fake_cli.py``): one GPU, calls logged to ``tmp_path/calls.jsonl``, ``WORK`` ``work`` (default
+    ``tmp_path/w``), no ``OUT``; ``extra`` added."""
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = os.environ | {"WORK": str(work or tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1",
+                        "FAKE_LOG": str(tmp_path / "calls.jsonl")} | extra
+    env.pop("OUT", None)
+    return env
+
+
 def test_train_and_eval_use_the_run_folders_under_work_and_eval_runs_the_target_in_float32(tmp_path):
     """``train`` and ``eval`` work in $WORK/peagle and $WORK/eagle3 (where prepare and restore put the data), not
     the recipes' fixed output_dir, so another WORK works; eval runs the target in float32 (EVAL_DTYPE) whatever
     dtype the drafters trained with (e.g. EXTRA_OVERRIDES=target.dtype=bfloat16 for a faster prepare)."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    fake = tmp_path / "fake_cli.py"
-    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
-    fake.chmod(0o755)
     work = tmp_path / "elsewhere"
-    env = os.environ | {"WORK": str(work), "PEAGLE_CLI": str(fake), "NGPU": "1", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
-                        "EXTRA_OVERRIDES": "target.dtype=bfloat16"}
-    env.pop("OUT", None)
+    env = _fake_eval_env(tmp_path, work, EXTRA_OVERRIDES="target.dtype=bfloat16")
     for step in ("train", "eval"):
         r = _step(env, step)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -761,12 +769,7 @@ def test_eval_workers_share_the_gpu_then_each_drafter_is_merged(tmp_path):
     drafting cost (``NAME-cost-eval.json``); a bad count is refused."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    fake = tmp_path / "fake_cli.py"
-    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
-    fake.chmod(0o755)
-    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1",
-                        "FAKE_LOG": str(tmp_path / "calls.jsonl"), "EVAL_WORKERS": "3"}
-    env.pop("OUT", None)
+    env = _fake_eval_env(tmp_path, EVAL_WORKERS="3")
     r = _step(env, "eval")
     assert r.returncode == 0, r.stdout + r.stderr
     calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
@@ -828,13 +831,8 @@ def test_eval_compile_auto_times_both_forwards_first_and_compiles_where_it_pays(
     refused."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    fake = tmp_path / "fake_cli.py"
-    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
-    fake.chmod(0o755)
-    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1", "FAKE_REAL_EVAL": "1",
-                        "FAKE_NO_GRAPHS": "eagle3", "FAKE_LOG": str(tmp_path / "calls.jsonl"), "EVAL_WORKERS": "2",
-                        "EVAL_COMPILE": "auto", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("OUT", None)
+    env = _fake_eval_env(tmp_path, FAKE_REAL_EVAL="1", FAKE_NO_GRAPHS="eagle3", EVAL_WORKERS="2", EVAL_COMPILE="auto",
+                         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     r = _step(env, "eval")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "eval of smollm2-135m-peagle-gpu: compiled target forward: true (same rounds and acceptance, 2.0x" in r.stdout
@@ -964,13 +962,8 @@ def test_eval_compile_profile_loads_the_target_with_the_attention_the_profile_ch
     entry on the recipe's own attention: that one named (``sdpa``); an older profile (no ``attn``): no override."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    fake = tmp_path / "fake_cli.py"
-    fake.write_text(FAKE_TRAIN_EVAL.format(python=sys.executable))
-    fake.chmod(0o755)
-    env = os.environ | {"WORK": str(tmp_path / "w"), "PEAGLE_CLI": str(fake), "NGPU": "1",
-                        "FAKE_LOG": str(tmp_path / "calls.jsonl"), "EVAL_WORKERS": "2", "EVAL_CPU_WORKERS": "1",
-                        "EVAL_COMPILE": "profile", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("OUT", None)
+    env = _fake_eval_env(tmp_path, EVAL_WORKERS="2", EVAL_CPU_WORKERS="1", EVAL_COMPILE="profile",
+                         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     res = tmp_path / "w" / "results"
     res.mkdir(parents=True)
     runner = {"dynamic": "dynamic", "inductor": "static+inductor", "compiled": "static+cuda-graphs"}
