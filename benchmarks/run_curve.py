@@ -15,7 +15,9 @@ writes one JSON:
   ``eval_loss`` and, at ``--K``, ``walk_al`` (``eval_walk_al``: the reference loop's acceptance
   length replayed on the eval split), ``sim_al`` (``eval_sim_al``) and ``walk_al_heldout``
   (``eval_walk_al_heldout``: the same walk on the eval sequences of the eval stage's ``heldout`` prompts, the
-  figure the decoding loop measured within 0.4 % in run 7 of docs/results.md; None where the log lacks it);
+  figure the decoding loop measured within 0.4 % in run 7 of docs/results.md; None where the log lacks it),
+  ``walk_al_<set>`` for each set of ``train.eval_walk_sets`` (``eval_walk_al_sets``: the walk on the target's
+  answers to that set's prompts, e.g. ``walk_al_humaneval``; only where the run logged them);
   ``acc1_copyable`` / ``acc1_fresh``
   (the first drafted position's accuracy on copyable / fresh labels; None in logs older than them) and
   ``acc_copyable`` / ``acc_fresh`` (the same at every depth, lists);
@@ -61,6 +63,7 @@ def run_curve(run_dir: Path, k: int = 7, every: int = 10) -> dict:
         return {"step": h["step"], "gpu_minutes": minutes(h), "tokens_seen": seen, "eval_loss": ev["eval_loss"],
                 "walk_al": at_k(ev.get("eval_walk_al"), k), "sim_al": at_k(ev.get("eval_sim_al"), k),
                 "walk_al_heldout": at_k(ev.get("eval_walk_al_heldout"), k),
+                **{f"walk_al_{name}": at_k(al, k) for name, al in (ev.get("eval_walk_al_sets") or {}).items()},
                 "acc1_copyable": ev.get("eval_acc1_copyable"), "acc1_fresh": ev.get("eval_acc1_fresh"),
                 "acc_copyable": ev.get("eval_acc_copyable"), "acc_fresh": ev.get("eval_acc_fresh")}
 

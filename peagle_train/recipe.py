@@ -50,6 +50,11 @@ class RunConfig(Section):
                 f"eval.datasets has 'heldout' with eval.num_prompts={self.eval.num_prompts} but train.eval_sequences="
                 f"{self.train.eval_sequences}: the training log's eval_walk_al_heldout would cover fewer prompts than "
                 "the eval stage measures; raise train.eval_sequences or lower eval.num_prompts")
+        if self.train.eval_walk_sets and self.train.features != "online":
+            raise ValueError(
+                f"train.eval_walk_sets={list(self.train.eval_walk_sets)} needs train.features: online (the target "
+                "answers the sets' prompts inside the trainer; a feature cache holds no features for them); "
+                "set train.features=online or train.eval_walk_sets=[]")
         get_method(self.train.method).validate_recipe(self)  # ValueError: unknown method, or a rule of the method
         return self
 

@@ -252,6 +252,12 @@ class TrainConfig(Section):
                                "compilation).")
     eval_every: int | None = Field(None, ge=1, description="Steps between evaluations (None = at the end only).")
     eval_sequences: int = Field(32, ge=1, description="Eval-split sequences used for the in-training eval.")
+    eval_walk_sets: list[Literal["mt_bench", "humaneval", "arena_hard"]] = Field(
+        default_factory=list, description="Evaluation prompt sets the in-training eval also walks "
+        "(eval_walk_al_sets: AL per served K): the target answers the first eval.num_prompts prompts of each greedily "
+        "at the first evaluation (both MT-Bench turns with eval.both_turns, eval.max_new_tokens), and the walk "
+        "replays the decoding loop on them from the training grid's predictions (peagle_train.trainer.walk_sets). "
+        "Needs train.features: online. [] = off.")
     save_every: int | None = Field(None, ge=1)
     keep_last: int = Field(2, ge=1)
     state_out: str | None = Field(

@@ -22,7 +22,8 @@ def peak_memory() -> dict:
 
 def flat_metrics(rec: dict, prefix: str) -> dict[str, float]:
     """Scalars for the trackers: ``{prefix}/{key}``; per-depth lists become ``{key}_d{depth}``, the
-    ``eval_sim_al`` dict ``sim_al_k{K}``; booleans and strings are dropped.
+    ``eval_sim_al`` dict ``sim_al_k{K}``, the ``eval_walk_al_sets`` dict of dicts ``walk_al_sets_{set}_k{K}``;
+    booleans and strings are dropped.
 
     Example: ``flat_metrics({"loss": 1.0, "acc": [0.5, 0.25]}, "train")`` →
     ``{"train/loss": 1.0, "train/acc_d0": 0.5, "train/acc_d1": 0.25}``.
@@ -37,7 +38,11 @@ def flat_metrics(rec: dict, prefix: str) -> dict[str, float]:
         elif isinstance(v, list):
             out.update({f"{prefix}/{name}_d{d}": float(x) for d, x in enumerate(v)})
         elif isinstance(v, dict):
-            out.update({f"{prefix}/{name}_k{kk}": float(x) for kk, x in v.items()})
+            for kk, x in v.items():
+                if isinstance(x, dict):  # eval_walk_al_sets: {set: {K: AL}} -> walk_al_sets_{set}_k{K}
+                    out.update({f"{prefix}/{name}_{kk}_k{k2}": float(y) for k2, y in x.items()})
+                else:
+                    out[f"{prefix}/{name}_k{kk}"] = float(x)
     return out
 
 

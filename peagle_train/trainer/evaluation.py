@@ -36,8 +36,13 @@ class InTrainingEval:
 
     def _eval_grid(self, i: int, device=None):
         """Eval sequence ``i``'s grid with every chain kept to depth K - 1 (the method's eval grid)."""
-        ids = torch.tensor(self.eval_ids[i], dtype=torch.long, device=device)
-        tokens = {"input_ids": ids, "loss_mask": torch.tensor(self.eval_masks[i], dtype=torch.bool, device=device),
+        return self._grid_of(self.eval_ids[i], self.eval_masks[i], device)
+
+    def _grid_of(self, ids, mask, device=None):
+        """The method's eval grid (every chain kept to depth K - 1) of one sequence: ``ids`` token ids and
+        ``mask`` its loss mask (equal-length lists or 1-D tensors)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=device)
+        tokens = {"input_ids": ids, "loss_mask": torch.as_tensor(mask, dtype=torch.bool, device=device),
                   "doc_ids": torch.zeros_like(ids)}
         return self.method.build_grid(tokens, self.cfg, train=False)
 
@@ -76,11 +81,12 @@ class InTrainingEval:
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
         walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
         copy = self.acc.reduce(copy.to(self.device), reduction="sum").cpu()
+        sets = {name: _al_by_k(w, self.tc.K) for name, w in self._walk_sets().items()}
         self.model.train()
-        al = lambda w: {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan")  # noqa: E731
-                        for k in range(1, self.tc.K + 1)}
+        al = lambda w: _al_by_k(w, self.tc.K)  # noqa: E731
         ratio = lambda a, b: float(a / b) if b > 0 else float("nan")  # noqa: E731
-        return {"eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
+        return {**({"eval_walk_al_sets": sets} if sets else {}),
+                "eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
                 "eval_cond_acc": st.conditional_accuracy(),
                 "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
                 "eval_walk_al": al(walk[0]), "eval_walk_al_heldout": al(walk[1]),
@@ -88,6 +94,62 @@ class InTrainingEval:
                 "eval_copyable_share": ratio(copy[1, 0], copy[1, 0] + copy[3, 0]),
                 "eval_acc_copyable": [ratio(a, b) for a, b in zip(copy[0], copy[1])],
                 "eval_acc_fresh": [ratio(a, b) for a, b in zip(copy[2], copy[3])]}
+
+    def _walk_sets(self) -> dict[str, torch.Tensor]:
+        """``{set: [2, K]}`` float64 (tokens, rounds) per served K of the walk on the target's own answers to each
+        set of ``train.eval_walk_sets`` (:mod:`peagle_train.trainer.walk_sets`, made once per launch on first use),
+        each answer walked to ``eval.max_new_tokens`` as the decoding loop measures it; summed over ranks (each
+        rank runs the same number of forwards, as :meth:`evaluate`). ``{}`` without sets."""
+        if not self.tc.eval_walk_sets:
+            return {}
+        if self._walk_refs is None:
+            from peagle_train.features.online import OnlineFeatures
+            from peagle_train.trainer.walk_sets import reference_sequences
+
+            target = getattr(self.eval_features, "target", None)
+            if target is None or getattr(target, "tokenizer", None) is None:
+                raise RuntimeError("train.eval_walk_sets needs the online target with its tokenizer "
+                                   "(train.features: online; run_train loads it so)")
+            ev = self.cfg.eval
+            refs = reference_sequences(target, list(self.tc.eval_walk_sets), ev.num_prompts, ev.max_new_tokens,
+                                       ev.both_turns, extra_tokens=self.tc.K + 1)
+            self._walk_refs = {}
+            for name, seqs in refs.items():
+                ids = [p + a for p, a in seqs]
+                masks = [[0] * len(p) + [1] * len(a) for p, a in seqs]
+                self._walk_refs[name] = (ids, masks, OnlineFeatures(target, ids, self.eval_features.batch_tokens))
+        world, rank = self.acc.num_processes, self.acc.process_index
+        out = {}
+        for name, (ids, masks, feats) in self._walk_refs.items():
+            walk = torch.zeros(2, self.tc.K, dtype=torch.float64)
+            for r in range(math.ceil(len(ids) / world)):
+                j = r * world + rank
+                i = j % len(ids)
+                packed = pack(feats.get([i]), pack_tokens([ids[i]], [masks[i]]), self.device)
+                grid = self._grid_of(ids[i], masks[i], self.device)
+                with self.acc.autocast():
+                    _, pred = self._forward(packed, grid, 1.0)
+                if j < len(ids):
+                    right = self._right(packed, grid, pred)
+                    walk += self._walk_counts(grid, right, len(ids[i]), masks[i], self.cfg.eval.max_new_tokens)
+            out[name] = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
+        return out
+
+    def _walk_counts(self, grid, correct: torch.Tensor, n: int, mask, horizon: int | None) -> torch.Tensor:
+        """``[2, K]`` float64: accepted tokens (drafts + 1 a round) and rounds per served K of
+        :func:`~peagle_train.peagle.spec_stats.walk_accepted` over the first assistant turn of one sequence of
+        ``n`` tokens with loss mask ``mask``, to ``horizon`` new tokens (None: the whole turn); zeros when the
+        sequence has no prompt."""
+        out = torch.zeros(2, self.tc.K, dtype=torch.float64)
+        first = first_supervised(mask) or 0
+        if first < 1:
+            return out
+        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, grid.loss_weight > 0, n, self.tc.K)
+        for k in range(1, self.tc.K + 1):
+            acc = self.method.accepted_walk(ok_t, sup_t, first, k, horizon)
+            out[0, k - 1] += sum(a + 1 for a in acc)
+            out[1, k - 1] += len(acc)
+        return out
 
     def _right(self, packed, grid, pred) -> torch.Tensor:
         """``[E]`` bool: the element's draft equals the target's greedy token and that token is in the draft vocab
@@ -142,18 +204,14 @@ class InTrainingEval:
         ``i``'s first assistant turn, from ``correct`` (``[E]`` bool per grid element, :meth:`_right`): row 0
         the whole turn, row 1 (only when ``matched``: one of the first ``eval.num_prompts`` sequences, as the
         eval stage's ``heldout`` set) its first ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
-        sup = grid.loss_weight > 0
-        n = len(self.eval_ids[i])
-        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, sup, n, self.tc.K)
-        first = first_supervised(self.eval_masks[i]) or 0
+        n, mask = len(self.eval_ids[i]), self.eval_masks[i]
         out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
-        if first < 1:
-            return out
-        for k in range(1, self.tc.K + 1):
-            for row, horizon in ((0, None), (1, self.cfg.eval.max_new_tokens)):
-                if row == 1 and not matched:
-                    continue
-                acc = self.method.accepted_walk(ok_t, sup_t, first, k, horizon)
-                out[row, 0, k - 1] += sum(a + 1 for a in acc)
-                out[row, 1, k - 1] += len(acc)
+        out[0] = self._walk_counts(grid, correct, n, mask, None)
+        if matched:
+            out[1] = self._walk_counts(grid, correct, n, mask, self.cfg.eval.max_new_tokens)
         return out
+
+
+def _al_by_k(w: torch.Tensor, K: int) -> dict[int, float]:
+    """``{k: tokens / rounds}`` for k = 1..K from ``w`` ``[2, K]`` (row 0 tokens, row 1 rounds); NaN without rounds."""
+    return {k: float(w[0, k - 1] / w[1, k - 1]) if w[1, k - 1] > 0 else float("nan") for k in range(1, K + 1)}

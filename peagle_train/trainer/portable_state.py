@@ -45,8 +45,8 @@ PARTS_FORMAT = "peagle-train-state-parts/1"
 #: written, logging, profiling, host-side prefetch, the in-training eval): not part of the fingerprint.
 LAUNCH_ONLY_TRAIN_KEYS = frozenset({
     "state_in", "state_out", "state_moments", "state_part_mib", "save_every", "keep_last", "log_every",
-    "prefetch", "profile_steps", "profile_start", "report_to", "eval_every", "eval_sequences", "gc_every",
-    "compile_cache"})
+    "prefetch", "profile_steps", "profile_start", "report_to", "eval_every", "eval_sequences", "eval_walk_sets",
+    "gc_every", "compile_cache"})
 #: ``target.*`` keys that may differ between machines (where the model lies): the target's shape is compared instead.
 MACHINE_TARGET_KEYS = frozenset({"path", "tokenizer"})
 

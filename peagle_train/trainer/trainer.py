@@ -159,6 +159,7 @@ class Trainer(InTrainingEval, Checkpoints):
         after_prepare(self.acc, self.model)
         self._ranks: dict[int, int] | None = None  # heldout rank per eval sequence (_heldout_rank), built on first use
         self._copyable_cache: dict = {}  # eval sequence -> [n] bool copyable tokens (InTrainingEval._copyable)
+        self._walk_refs: dict | None = None  # train.eval_walk_sets: {set: (ids, masks, features)}, made on first use
         self._eval_items: list[int] | None = None
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)
@@ -709,7 +710,8 @@ def run_train(cfg: RunConfig, progress: bool = True, stop_at: int | None = None,
         check_caches_match(feats, {s: data[s]["input_ids"] for s in feats}, target=str(tpath), aux_layer_ids=aux_ids,
                            hidden_size=tconf.hidden_size, vocab_size=tconf.vocab_size, dtype=cfg.data.cache_dtype)
     else:
-        target = load_target(feature_target(cfg.target), with_tokenizer=False)
+        # train.eval_walk_sets: the in-training eval renders the sets' prompts with the target's chat template
+        target = load_target(feature_target(cfg.target), with_tokenizer=bool(cfg.train.eval_walk_sets))
         feats = {s: OnlineFeatures(target, data[s]["input_ids"], batch_tokens=cfg.train.target_batch_tokens)
                  for s in ("train", "eval")}
     trainer = Trainer(cfg, data, feats, tconf, aux_ids, accelerator=acc, layout=layout)

@@ -234,7 +234,7 @@ for s in range(step0 + 1, step0 + 6):  # a leg: 5 steps, an evaluation every 5, 
     rec = {{"step": s, "loss": 10.0 - s, "tokens": 100, "elapsed_s": 6.0 * s}}
     if s % 5 == 0:
         rec.update({{"eval_loss": 5.0 - s / 10, "eval_walk_al": {{"7": 1.0 + s / 10}}, "eval_sim_al": {{"7": 1.1 + s / 10}},
-                    "eval_walk_al_heldout": {{"7": 0.9 + s / 10}},
+                    "eval_walk_al_heldout": {{"7": 0.9 + s / 10}}, "eval_walk_al_sets": {{"humaneval": {{"7": 0.8 + s / 10}}}},
                     "eval_acc1_copyable": 0.4, "eval_acc1_fresh": 0.3, "eval_acc_copyable": [0.4, 0.2],
                     "eval_acc_fresh": [0.3, 0.1]}})
     history.append(rec)
@@ -301,7 +301,7 @@ def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
     curve = json.loads((tmp_path / "one" / "results" / "smollm2-135m-peagle-gpu-curve.json").read_text())
     assert (curve["steps"], curve["gpu_minutes"], curve["tokens_seen"], curve["finished"]) == (5, 0.5, 500, False)
     assert curve["curve"] == [{"step": 5, "gpu_minutes": 0.5, "tokens_seen": 500, "eval_loss": 4.5, "walk_al": 1.5,
-                               "sim_al": 1.6, "walk_al_heldout": 1.4, "acc1_copyable": 0.4, "acc1_fresh": 0.3, "acc_copyable": [0.4, 0.2],
+                               "sim_al": 1.6, "walk_al_heldout": 1.4, "walk_al_humaneval": 1.3, "acc1_copyable": 0.4, "acc1_fresh": 0.3, "acc_copyable": [0.4, 0.2],
                                "acc_fresh": [0.3, 0.1]}]
     # back from the machine: 2 states x (manifest + 5 pieces) = 12 files, 8 a call
     back = tmp_path / "back"
@@ -335,6 +335,7 @@ def test_two_legs_on_two_machines_with_the_state_ferried_between(tmp_path):
     curve = json.loads((tmp_path / "two" / "results" / "smollm2-135m-eagle3-gpu-curve.json").read_text())
     assert (curve["steps"], curve["gpu_minutes"], curve["tokens_seen"], curve["finished"]) == (10, 1.0, 1000, True)
     assert [c["step"] for c in curve["curve"]] == [5, 10] and curve["curve"][-1]["walk_al"] == 2.0
+    assert curve["curve"][-1]["walk_al_humaneval"] == 1.8  # train.eval_walk_sets: the walk per set
     # the finished run's summary, its end-of-run eval included (what must_show_quality.py reads)
     m = json.loads((tmp_path / "two" / "results" / "smollm2-135m-peagle-gpu-train-metrics.json").read_text())
     assert m["final"]["eval_walk_al_heldout"]["7"] == 2.05 and "history" not in m
