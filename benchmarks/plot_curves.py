@@ -34,9 +34,20 @@ def load_curve(path: Path) -> dict:
     return data
 
 
+def set_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The walk on each evaluation set of ``train.eval_walk_sets`` (run_curve's ``walk_al_<set>`` columns, e.g.
+    ``walk_al_humaneval``; not ``walk_al_heldout``): ``{set: [(row index, AL), ...]}`` over the rows that have
+    it, sets in name order. Example: rows ``[{"walk_al_humaneval": 1.2}, {}, {"walk_al_humaneval": 1.5}]`` give
+    ``{"humaneval": [(0, 1.2), (2, 1.5)]}``."""
+    names = sorted({k for r in rows for k in r if k.startswith("walk_al_") and k != "walk_al_heldout"})
+    return {k.removeprefix("walk_al_"): [(i, r[k]) for i, r in enumerate(rows) if r.get(k) is not None]
+            for k in names}
+
+
 def plot_curves(curves: list[tuple[str, dict]], out_png: Path) -> Path:
     """Write ``out_png``: ``walk_al`` (solid, dots), ``sim_al`` (dashed) and, where the rows have it,
-    ``walk_al_heldout`` (dotted, squares) of each ``(label, curve)`` against
+    ``walk_al_heldout`` (dotted, squares) and the ``walk_al_<set>`` of :func:`set_series` (dash-dot, triangles)
+    of each ``(label, curve)`` against
     GPU-minutes (left) and millions of tokens seen (right). Returns ``out_png``."""
     import matplotlib
 
@@ -56,6 +67,9 @@ def plot_curves(curves: list[tuple[str, dict]], out_png: Path) -> Path:
             if held:
                 ax.plot(*zip(*held), "s:", color=colour, alpha=0.8, markersize=3,
                         label=f"{label}: walk AL, held-out prompts")
+            for j, (name, pts) in enumerate(set_series(rows).items()):  # train.eval_walk_sets
+                ax.plot([x[i] for i, _ in pts], [v for _, v in pts], "^v<>D"[j % 5] + "-.", color=colour, alpha=0.8,
+                        markersize=4, label=f"{label}: walk AL, {name}")
     k = curves[0][1].get("K", 7) if curves else 7
     axes[0].set_xlabel("GPU-minutes of training")
     axes[1].set_xlabel("target tokens seen (millions)")

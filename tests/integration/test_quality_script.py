@@ -384,6 +384,15 @@ def test_plot_curves_draws_both_drafters_and_names_a_bad_file(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     plot_curves.main([str(tmp_path / "lc2.png"), str(pe), "--label", "P-EAGLE"])
     assert (tmp_path / "lc2.png").is_file()
+    # train.eval_walk_sets: a series per set where the rows have it (held-out is its own series)
+    rows = [{"walk_al_humaneval": 1.2, "walk_al_heldout": 1.4}, {}, {"walk_al_humaneval": 1.5, "walk_al_mt_bench": 1.7}]
+    assert plot_curves.set_series(rows) == {"humaneval": [(0, 1.2), (2, 1.5)], "mt_bench": [(2, 1.7)]}
+    data = json.loads(pe.read_text())
+    for i, r in enumerate(data["curve"]):
+        r["walk_al_humaneval"] = 1.1 + i / 10
+    pe.write_text(json.dumps(data))
+    plot_curves.main([str(tmp_path / "lc3.png"), str(pe)])
+    assert (tmp_path / "lc3.png").stat().st_size > 10_000
     bad = tmp_path / "bad-curve.json"
     bad.write_text(json.dumps({"K": 7, "curve": []}))
     with pytest.raises(SystemExit, match="bad-curve.json: no curve rows"):
