@@ -38,7 +38,8 @@ OVR=(target.gguf_package=null target.gguf_file=null target.gguf_sha256=null
      target.random_init_from_config=pkg:peagle_train/smollm2-135m-instruct.json target.tokenizer=.gpu/tok
      regen.enabled=false "data.mix=[]"  # data.mix=[]: the staged prepare is the first 10,036 conversations (speed only)
      drafter.init_layers=random  # a random-weight target has no layers to start from (and a cached run no target)
-     "train.eval_walk_sets=[]")  # speed runs: no eval-set answers from a random target (and a cached run has none)
+     "train.eval_walk_sets=[]"  # speed runs: no eval-set answers from a random target (and a cached run has none)
+     "eval.datasets=[mt_bench,humaneval]")  # no held-out set: train.eval_sequences may be below eval.num_prompts
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # PEAGLE_CLI: another executable with the same arguments (tests/integration/test_throughput_script.py)
 cli() { if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; elif [ -x .venv/bin/peagle-train ]; then
