@@ -28,7 +28,7 @@ _PREPARED = ("data", "features")  # made from the target/data/regen sections onl
 _TRAINED = ("drafter", "checkpoints", "export", "eval", "train_metrics.json")  # also from drafter/train
 # keys that change logging/bookkeeping or the time budget, not what is computed: a run may continue with new values
 _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", "train.save_every",
-                      "train.keep_last", "train.eval_sequences", "train.max_minutes",
+                      "train.keep_last", "train.eval_sequences", "train.eval_walk_sets", "train.max_minutes",
                       "train.profile_steps", "train.profile_start",  # what is recorded, not what is trained
                       "train.gc_every",  # when Python's garbage collector runs
                       # which kernel computes the target's attention, not what it computes: kernels that agree

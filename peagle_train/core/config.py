@@ -255,7 +255,9 @@ class TrainConfig(Section):
     eval_walk_sets: list[Literal["mt_bench", "humaneval", "arena_hard"]] = Field(
         default_factory=list, description="Evaluation prompt sets the in-training eval also walks "
         "(eval_walk_al_sets: AL per served K): the target answers the first eval.num_prompts prompts of each greedily "
-        "at the first evaluation (both MT-Bench turns with eval.both_turns, eval.max_new_tokens), and the walk "
+        "at the first evaluation of each launch (both MT-Bench turns with eval.both_turns, eval.max_new_tokens; "
+        "seconds logged as eval_walk_sets_answers_s, the walk's as eval_walk_sets_s, both in the run's time like "
+        "every evaluation), and the walk "
         "replays the decoding loop on them from the training grid's predictions (peagle_train.trainer.walk_sets). "
         "Needs train.features: online. [] = off.")
     save_every: int | None = Field(None, ge=1)

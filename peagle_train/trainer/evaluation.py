@@ -8,6 +8,7 @@ and the acceptance walk.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -81,11 +82,15 @@ class InTrainingEval:
         st = DepthStats.from_stacked(self.acc.reduce(stats.stacked(), reduction="sum"))
         walk = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
         copy = self.acc.reduce(copy.to(self.device), reduction="sum").cpu()
+        made = self._walk_refs is None  # this launch's first evaluation makes the sets' answers (timed, logged)
+        t0 = time.perf_counter()
         sets = {name: _al_by_k(w, self.tc.K) for name, w in self._walk_sets().items()}
+        sets_s = time.perf_counter() - t0
         self.model.train()
         al = lambda w: _al_by_k(w, self.tc.K)  # noqa: E731
         ratio = lambda a, b: float(a / b) if b > 0 else float("nan")  # noqa: E731
-        return {**({"eval_walk_al_sets": sets} if sets else {}),
+        return {**({"eval_walk_al_sets": sets, "eval_walk_sets_s": sets_s} if sets else {}),
+                **({"eval_walk_sets_answers_s": self._walk_refs_s} if sets and made else {}),
                 "eval_loss": float(tot[0] / max(tot[1], 1.0)), "eval_acc": st.accuracy(),
                 "eval_cond_acc": st.conditional_accuracy(),
                 "eval_sim_al": {k: st.simulated_acceptance_length(k) for k in range(1, self.tc.K + 1)},
@@ -97,7 +102,9 @@ class InTrainingEval:
 
     def _walk_sets(self) -> dict[str, torch.Tensor]:
         """``{set: [2, K]}`` float64 (tokens, rounds) per served K of the walk on the target's own answers to each
-        set of ``train.eval_walk_sets`` (:mod:`peagle_train.trainer.walk_sets`, made once per launch on first use),
+        set of ``train.eval_walk_sets`` (:mod:`peagle_train.trainer.walk_sets`, made once per launch on first use,
+        their seconds in ``self._walk_refs_s``; :meth:`evaluate` logs them as ``eval_walk_sets_answers_s`` and the
+        walk's seconds as ``eval_walk_sets_s``: both count in the run's time as every evaluation does),
         each answer walked to ``eval.max_new_tokens`` as the decoding loop measures it; summed over ranks (each
         rank runs the same number of forwards, as :meth:`evaluate`). ``{}`` without sets."""
         if not self.tc.eval_walk_sets:
@@ -111,6 +118,7 @@ class InTrainingEval:
                 raise RuntimeError("train.eval_walk_sets needs the online target with its tokenizer "
                                    "(train.features: online; run_train loads it so)")
             ev = self.cfg.eval
+            t0 = time.perf_counter()
             refs = reference_sequences(target, list(self.tc.eval_walk_sets), ev.num_prompts, ev.max_new_tokens,
                                        ev.both_turns, extra_tokens=self.tc.K + 1)
             self._walk_refs = {}
@@ -118,6 +126,7 @@ class InTrainingEval:
                 ids = [p + a for p, a in seqs]
                 masks = [[0] * len(p) + [1] * len(a) for p, a in seqs]
                 self._walk_refs[name] = (ids, masks, OnlineFeatures(target, ids, self.eval_features.batch_tokens))
+            self._walk_refs_s = time.perf_counter() - t0
         world, rank = self.acc.num_processes, self.acc.process_index
         out = {}
         for name, (ids, masks, feats) in self._walk_refs.items():

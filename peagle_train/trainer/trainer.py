@@ -160,6 +160,7 @@ class Trainer(InTrainingEval, Checkpoints):
         self._ranks: dict[int, int] | None = None  # heldout rank per eval sequence (_heldout_rank), built on first use
         self._copyable_cache: dict = {}  # eval sequence -> [n] bool copyable tokens (InTrainingEval._copyable)
         self._walk_refs: dict | None = None  # train.eval_walk_sets: {set: (ids, masks, features)}, made on first use
+        self._walk_refs_s = 0.0  # seconds the target took to answer the sets (InTrainingEval._walk_sets)
         self._eval_items: list[int] | None = None
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier launches of this run (set by resume)

@@ -12,7 +12,9 @@ evaluation's own prompts without running the loop (issue 20: HumanEval is the se
 
 An answer runs ``extra_tokens`` past ``eval.max_new_tokens`` (the trainer passes ``train.K + 1``): the loop's last
 round verifies drafts beyond the horizon, and the walk needs their labels
-(``tests/unit/test_speculative.py::test_walked_training_predictions_equal_the_decoding_loop``).
+(``tests/unit/test_speculative.py::test_walked_training_predictions_equal_the_decoding_loop``). An answer ends at the
+target's end token, so a last round whose drafts run past it is walked short (the loop may count drafts there that
+the walk has no labels for), as on the eval split.
 
 Answers are decoded in batches (left-padded, one ``generate`` call per batch and turn), so that they cost seconds
 on a GPU, not the loop's minutes; batched and single-sequence greedy decoding agree up to the target dtype's
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import GenerationConfig
 
 #: ``(name, n) -> prompts``: each prompt the list of its user turns (:func:`data_prep.eval_prompts.load_eval_prompts`)
 PromptLoader = Callable[[str, int], list[list[str]]]
@@ -64,10 +67,18 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, eos: l
             att[r, width - len(p):] = 1
         # eagerly: the trainer compiles the online target's layers for its training shapes (train.compile_target),
         # and decoding's one-token steps over a growing cache would recompile them
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=pad, num_beams=1, temperature=None, top_p=None, top_k=None)
+        # a bare GenerationConfig in place of the target's own for the call (generate merges the model's into one
+        # passed to it): plain greedy whatever the target asks (a repetition penalty, suppressed tokens), as the
+        # decoding loop takes the argmax of the logits
+        plain = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                 pad_token_id=pad)
+        own = model.generation_config
+        model.generation_config = plain
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=plain)
+        finally:
+            model.generation_config = own
         for row in gen[:, width:].tolist():
             cut = next((j + 1 for j, t in enumerate(row) if eos and t in eos), len(row))
             out.append(row[:cut])

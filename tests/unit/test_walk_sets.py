@@ -61,13 +61,14 @@ def test_reference_sequences_render_second_turns_on_the_cut_first_answer():
     target = make_target(c_quantile=0.2)
     target.model.double()
     target.tokenizer = WordTokenizer()
-    H, extra = 6, 3
+    H, extra = 2, 3
     refs = reference_sequences(target, ["mt_bench", "humaneval"], 2, H, both_turns=True, extra_tokens=extra,
                                load_prompts=fake_loader, encode=fake_encode)
     assert [len(refs["mt_bench"]), len(refs["humaneval"])] == [4, 2]  # two turns each, one turn each
     for (p, a), user in zip(refs["humaneval"], SETS["humaneval"]):
         assert p == fake_encode([{"role": "user", "content": user[0]}])
         assert 1 <= len(a) <= H + extra and a == target_generate(target, p, H + extra, eos_token_id=[2])[0]
+    assert any(len(refs["mt_bench"][i][1]) > H for i in range(2))  # a first answer longer than the history's cut
     for i, turns in enumerate(SETS["mt_bench"][:2]):
         _, a1 = refs["mt_bench"][i]
         p2, _ = refs["mt_bench"][2 + i]
@@ -108,8 +109,12 @@ def _trainer(monkeypatch, method):
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_trainer_walk_on_eval_sets_equals_the_decoding_loop(monkeypatch, method):
     trainer, target, drafter, cfg = _trainer(monkeypatch, method)
-    got = trainer.evaluate()["eval_walk_al_sets"]
+    first = trainer.evaluate()
+    got = first["eval_walk_al_sets"]
     assert sorted(got) == ["humaneval", "mt_bench"]
+    assert first["eval_walk_sets_answers_s"] > 0 and first["eval_walk_sets_s"] >= first["eval_walk_sets_answers_s"]
+    again = trainer.evaluate()  # the answers are made once a launch: the next evaluation reuses them
+    assert "eval_walk_sets_answers_s" not in again and again["eval_walk_al_sets"] == got
     H = cfg.eval.max_new_tokens
     drafter.eval()
     best = 0
@@ -171,3 +176,28 @@ def test_real_smollm2_answers_equal_the_eval_stages_references():
                 history.append({"role": "assistant", "content": target.tokenizer.decode(shown, skip_special_tokens=True)})
         order = [0, 2, 1, 3] if name == "mt_bench" else [0, 1]  # reference_sequences: all first turns, then seconds
         assert refs[name] == [want[i] for i in order], name
+
+
+def test_greedy_answers_ignore_the_targets_generation_config():
+    """A target whose generation_config asks for a repetition penalty still gets plain greedy answers (the
+    decoding loop takes the logits' argmax)."""
+    target = make_target(c_quantile=0.5)
+    target.model.double()
+    target.model.generation_config.repetition_penalty = 1.5
+    target.model.generation_config.no_repeat_ngram_size = 2
+    p = [10, 11, 12, 13, 14, 15, 16]
+    ref, _ = target_generate(target, p, 9, eos_token_id=[C])
+    assert greedy_answers(target, [p], 9, [C]) == [ref] and len(set(ref)) < len(ref)  # repeats: a penalty would bite
+    assert target.model.generation_config.repetition_penalty == 1.5  # the target's own config is back
+
+
+def test_recorded_only_keys_leave_a_run_folder_and_a_portable_state_usable():
+    """Keys that change what the in-training eval records, not what is trained, neither change a run folder's
+    identity (a folder trained without the walk on eval sets is resumed and evaluated with it) nor a portable
+    state's fingerprint."""
+    from peagle_train.stages import _NON_IDENTITY_KEYS
+    from peagle_train.trainer.portable_state import LAUNCH_ONLY_TRAIN_KEYS
+
+    for k in ("eval_every", "eval_sequences", "eval_walk_sets", "log_every", "save_every", "keep_last", "report_to",
+              "profile_steps", "profile_start", "gc_every"):
+        assert f"train.{k}" in _NON_IDENTITY_KEYS and k in LAUNCH_ONLY_TRAIN_KEYS, k
