@@ -52,7 +52,7 @@ from peagle_train.decoding.speculative import (
 )
 from peagle_train.decoding.target_runner import TargetRunner
 from peagle_train.eval.report import write_report
-from peagle_train.features.target import Target
+from peagle_train.features.target import Target, eos_ids
 from peagle_train.methods import method_of_config
 from peagle_train.model.drafter import Drafter
 
@@ -98,18 +98,6 @@ def hardware_info(device: torch.device) -> dict:
         "python": platform.python_version(),
     }
     return info
-
-
-def eos_ids(target: Target) -> list[int] | None:
-    """End-of-sequence ids: the model's ``generation_config.eos_token_id`` (int or list), else the
-    tokenizer's ``eos_token_id``, else None."""
-    gen = getattr(target.model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None and target.tokenizer is not None:
-        eos = getattr(target.tokenizer, "eos_token_id", None)
-    if eos is None:
-        return None
-    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
 def _default_loader(name: str, n: int) -> list[list[str]]:

@@ -600,3 +600,16 @@ def load_target(cfg: TargetConfig, with_tokenizer: bool = True) -> Target:
     if tok is not None and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return Target(model=model, tokenizer=tok, aux_layer_ids=list(ids), path=str(path))
+
+
+def eos_ids(target: Target) -> list[int] | None:
+    """End-of-sequence ids: the model's ``generation_config.eos_token_id`` (int or list), else the
+    tokenizer's ``eos_token_id``, else None (the eval stage's decoding loop and the trainer's answers to the
+    evaluation sets, ``train.eval_walk_sets``, stop at the first)."""
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None and target.tokenizer is not None:
+        eos = getattr(target.tokenizer, "eos_token_id", None)
+    if eos is None:
+        return None
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]

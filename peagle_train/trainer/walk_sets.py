@@ -39,7 +39,7 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, eos: l
         target: :class:`~peagle_train.features.target.Target` (its model on the device it runs on).
         prompts: token id lists (any lengths; left-padded inside a batch, masked).
         max_new_tokens: the most tokens generated per prompt.
-        eos: end-of-sequence ids (:func:`peagle_train.eval.evaluate.eos_ids`): an answer ends with the first of
+        eos: end-of-sequence ids (:func:`peagle_train.features.target.eos_ids`): an answer ends with the first of
             them, which it keeps (the loop verifies the end token too); None: every answer runs to the cap.
         batch_size: prompts per ``generate`` call.
 
@@ -108,7 +108,7 @@ def reference_sequences(target, names: list[str], num_prompts: int, max_new_toke
         ValueError: a set name without prompts, ``extra_tokens < 0``; the loaders' errors (a missing data file).
     """
     from data_prep.template import build_prompt_ids
-    from peagle_train.eval.evaluate import eos_ids
+    from peagle_train.features.target import eos_ids
 
     if extra_tokens < 0:
         raise ValueError(f"extra_tokens={extra_tokens}: need >= 0")

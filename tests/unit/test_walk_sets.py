@@ -154,7 +154,7 @@ def test_real_smollm2_answers_equal_the_eval_stages_references():
 
     from data_prep.eval_prompts import load_eval_prompts
     from data_prep.template import build_prompt_ids
-    from peagle_train.eval.evaluate import eos_ids
+    from peagle_train.features.target import eos_ids
     from peagle_train.features.target import load_target
     from peagle_train.recipe import load_config
 
