@@ -66,11 +66,7 @@ class InTrainingEval:
             j = r * world + rank
             counted = j < len(items)
             i = items[j % len(items)]
-            feats = self.eval_features.get([i])
-            packed = pack(feats, pack_tokens([self.eval_ids[i]], [self.eval_masks[i]]), self.device)
-            grid = self._eval_grid(i, self.device)
-            with self.acc.autocast():
-                loss, pred = self._forward(packed, grid, 1.0)
+            packed, grid, loss, pred = self._predict(self.eval_features, i, self.eval_ids[i], self.eval_masks[i])
             if counted:
                 loss_sum += float(loss)
                 count += supervised_count(grid)
@@ -99,6 +95,15 @@ class InTrainingEval:
                 "eval_copyable_share": ratio(copy[1, 0], copy[1, 0] + copy[3, 0]),
                 "eval_acc_copyable": [ratio(a, b) for a, b in zip(copy[0], copy[1])],
                 "eval_acc_fresh": [ratio(a, b) for a, b in zip(copy[2], copy[3])]}
+
+    def _predict(self, features, i: int, ids, mask):
+        """One sequence through the drafter on its eval grid (no COD drop): ``(packed, grid, loss, pred)``, with
+        ``features.get([i])`` its target features, ``ids`` / ``mask`` its tokens and loss mask."""
+        packed = pack(features.get([i]), pack_tokens([ids], [mask]), self.device)
+        grid = self._grid_of(ids, mask, self.device)
+        with self.acc.autocast():
+            loss, pred = self._forward(packed, grid, 1.0)
+        return packed, grid, loss, pred
 
     def _walk_sets(self) -> dict[str, torch.Tensor]:
         """``{set: [2, K]}`` float64 (tokens, rounds) per served K of the walk on the target's own answers to each
@@ -134,26 +139,29 @@ class InTrainingEval:
             for r in range(math.ceil(len(ids) / world)):
                 j = r * world + rank
                 i = j % len(ids)
-                packed = pack(feats.get([i]), pack_tokens([ids[i]], [masks[i]]), self.device)
-                grid = self._grid_of(ids[i], masks[i], self.device)
-                with self.acc.autocast():
-                    _, pred = self._forward(packed, grid, 1.0)
+                packed, grid, _, pred = self._predict(feats, i, ids[i], masks[i])
                 if j < len(ids):
                     right = self._right(packed, grid, pred)
-                    walk += self._walk_counts(grid, right, len(ids[i]), masks[i], self.cfg.eval.max_new_tokens)
+                    walk += self._walk_counts(self._chains(grid, right, len(ids[i])), masks[i],
+                                              self.cfg.eval.max_new_tokens)
             out[name] = self.acc.reduce(walk.to(self.device), reduction="sum").cpu()
         return out
 
-    def _walk_counts(self, grid, correct: torch.Tensor, n: int, mask, horizon: int | None) -> torch.Tensor:
+    def _chains(self, grid, correct: torch.Tensor, n: int):
+        """``(ok, sup)`` of :func:`~peagle_train.peagle.spec_stats.chain_matrix` for one sequence of ``n`` tokens
+        from its grid and ``correct`` (``[E]`` bool per grid element, :meth:`_right`)."""
+        return chain_matrix(grid.anchor, grid.depth, correct, grid.loss_weight > 0, n, self.tc.K)
+
+    def _walk_counts(self, chains, mask, horizon: int | None) -> torch.Tensor:
         """``[2, K]`` float64: accepted tokens (drafts + 1 a round) and rounds per served K of
-        :func:`~peagle_train.peagle.spec_stats.walk_accepted` over the first assistant turn of one sequence of
-        ``n`` tokens with loss mask ``mask``, to ``horizon`` new tokens (None: the whole turn); zeros when the
-        sequence has no prompt."""
+        :func:`~peagle_train.peagle.spec_stats.walk_accepted` over the first assistant turn of one sequence with
+        loss mask ``mask`` and chains ``chains`` (:meth:`_chains`), to ``horizon`` new tokens (None: the whole
+        turn); zeros when the sequence has no prompt."""
         out = torch.zeros(2, self.tc.K, dtype=torch.float64)
         first = first_supervised(mask) or 0
         if first < 1:
             return out
-        ok_t, sup_t = chain_matrix(grid.anchor, grid.depth, correct, grid.loss_weight > 0, n, self.tc.K)
+        ok_t, sup_t = chains
         for k in range(1, self.tc.K + 1):
             acc = self.method.accepted_walk(ok_t, sup_t, first, k, horizon)
             out[0, k - 1] += sum(a + 1 for a in acc)
@@ -213,11 +221,11 @@ class InTrainingEval:
         ``i``'s first assistant turn, from ``correct`` (``[E]`` bool per grid element, :meth:`_right`): row 0
         the whole turn, row 1 (only when ``matched``: one of the first ``eval.num_prompts`` sequences, as the
         eval stage's ``heldout`` set) its first ``eval.max_new_tokens`` tokens, the decoding loop's horizon."""
-        n, mask = len(self.eval_ids[i]), self.eval_masks[i]
+        mask, chains = self.eval_masks[i], self._chains(grid, correct, len(self.eval_ids[i]))  # once for both rows
         out = torch.zeros(2, 2, self.tc.K, dtype=torch.float64)
-        out[0] = self._walk_counts(grid, correct, n, mask, None)
+        out[0] = self._walk_counts(chains, mask, None)
         if matched:
-            out[1] = self._walk_counts(grid, correct, n, mask, self.cfg.eval.max_new_tokens)
+            out[1] = self._walk_counts(chains, mask, self.cfg.eval.max_new_tokens)
         return out
 
 
