@@ -84,12 +84,16 @@ draw_curves() {  # PNG CURVE.json ...: the run_curve JSONs that exist, in one PN
   [ "${#curves[@]}" -eq 0 ] || python3 benchmarks/plot_curves.py "$png" "${curves[@]}" \
     || echo "$(basename "$png"): plot failed" >&2
 }
-CARRIED=$WORK/regen-carried.list  # shards that came in (regen-in, restore): `wait` does not send them back
-note_carried() { have_shards || return 0; (cat "$CARRIED" 2>/dev/null; cd "$WORK/peagle/data/regen" && ls -- *.json) \
+# shards that came in (regen-in, restore), as sha256sum lines: `wait` does not send them back. By content, not
+# name: a carried partial shard that prepare grew (a data.mix entry appended conversations) is new
+CARRIED=$WORK/regen-carried.list
+note_carried() { have_shards || return 0; (cat "$CARRIED" 2>/dev/null; cd "$WORK/peagle/data/regen" && sha256sum -- *.json) \
   | sort -u > "$CARRIED.tmp" && mv "$CARRIED.tmp" "$CARRIED"; }
-new_shards() {  # a shard this machine regenerated (not carried in): true
+new_shards() {  # a shard this machine regenerated or grew (not carried in as it is): true
   have_shards || return 1
-  local f; for f in "$WORK/peagle/data/regen"/*.json; do grep -qxF "$(basename "$f")" "$CARRIED" 2>/dev/null || return 0; done
+  local f; for f in "$WORK/peagle/data/regen"/*.json; do
+    grep -qxF "$(cd "$WORK/peagle/data/regen" && sha256sum -- "$(basename "$f")")" "$CARRIED" 2>/dev/null || return 0
+  done
   return 1
 }
 PREPARED=(peagle/run_config.yaml peagle/data/train.safetensors peagle/data/eval.safetensors

@@ -329,10 +329,16 @@ class _Tally:
     def fail_if_empty(self, kept: int) -> None:
         """Raise :class:`DataError` (drop counts with example rows, and the fix) when nothing was kept."""
         if kept == 0:
-            detail = "; ".join(f"{r}: {n} (rows {self.examples.get(r)})" for r, n in self.dropped.items())
+            parts = [f"{r}: {n} (rows {self.examples.get(r)})" for r, n in self.dropped.items()]
+            if self.duplicates:
+                parts.append(f"repeats of an earlier conversation: {self.duplicates} (rows {self.duplicate_rows})")
+            if self.overlap:  # data.decontaminate: these were usable, but overlap an evaluation set's prompts
+                sets = ", ".join(f"{k} {n}" for k, n in sorted(self.overlap.items()))
+                parts.append(f"overlapping evaluation prompts ({sets}; rows {self.overlap_rows}; data.decontaminate)")
+            detail = "; ".join(parts) if parts else "nothing (file is empty)" if self.read == 0 else "nothing"
             raise DataError(
                 f"{self.path}: no usable conversation (a user turn followed by an assistant turn) in "
-                f"{self.read} records read; dropped {detail or 'nothing (file is empty)'}; point data.path "
+                f"{self.read} records read; dropped {detail}; point data.path "
                 f"at conversations with at least one user turn answered by an assistant turn"
             )
 

@@ -347,6 +347,11 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
     loses the work on the shards not written yet, never a conversation twice). Its report's ``group`` names the
     run's shards. A worker also checks the shards on disk that it reuses.
 
+    A shard on disk made from the first conversations of what it now holds (a split's last, partial shard,
+    after a ``data.mix`` entry appended conversations to the split) keeps its answers: only the appended
+    conversations are generated, and the shard is rewritten whole with both parts (report under
+    ``grown_from``); until then the earlier file stays as it was, so a kill loses nothing.
+
     ``regen.train_shards = n`` (train split only): shards ``n`` and later are neither generated nor
     returned, so prepare tokenises the first ``n * regen.shard_size`` train conversations."""
     from data_prep.regenerate import check_regen_memory, regenerate
@@ -366,16 +371,27 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
         return convs[i * size:(i + 1) * size]
 
     saved: dict[int, dict] = {}  # the shards' contents (a worker keeps none: it returns only indices)
+    grown: dict[int, dict] = {}  # shards on disk made from a prefix of what they now hold: only the rest is generated
     for i in shards:  # every shard on disk checked before any is generated
         if path(i).exists():
-            mine["reused"].append(i)
             shard, want = json.loads(path(i).read_text()), _sha256_json(part(i))
-            if shard.get("inputs_sha256", want) != want:
+            if shard.get("inputs_sha256", want) == want:
+                mine["reused"].append(i)
+                if worker is None:
+                    saved[i] = shard
+            elif _made_from_prefix(shard, part(i)):
+                grown[i] = shard
+            else:
                 raise ConfigError(
                     f"{path(i)}: this regeneration shard was made from other conversations than the recipe now selects "
                     "(data section or source file changed); delete the data/regen folder or choose another output_dir")
-            if worker is None:
-                saved[i] = shard
+    if grown:
+        print(f"prepare: {split} shard(s) {sorted(grown)} were made before conversations were appended to the split "
+              "(data.mix): their conversations are reused and only the appended ones are generated")
+
+    def rest(i: int) -> list:  # the conversations of shard i still to generate
+        return part(i)[grown[i]["report"]["conversations_in"]:] if i in grown else part(i)
+
     todo = [i for i in shards if i not in mine["reused"]]
     mine["written"] = list(todo)
     k = cfg.regen.shards_per_call
@@ -396,17 +412,19 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
             i = group[j]
             if len(group) > 1:
                 rep["group"]["shards"] = list(group)
+            if i in grown:  # the earlier prefix's answers first, then the appended conversations'
+                new, rep = grown[i]["conversations"] + new, _grown_report(grown[i]["report"], rep)
             shard = {"conversations": new, "report": rep, "inputs_sha256": _sha256_json(part(i))}
             write_json_atomic(path(i), shard, indent=None)
             if worker is None:
                 saved[i] = shard
 
         if len(group) == 1:
-            write(0, *regenerate(target.model, target.tokenizer, part(group[0]), regen_cfg,
+            write(0, *regenerate(target.model, target.tokenizer, rest(group[0]), regen_cfg,
                                  cfg.data.max_prompt_tokens, progress=progress))
         else:
-            regenerate(target.model, target.tokenizer, [c for i in group for c in part(i)], regen_cfg,
-                       cfg.data.max_prompt_tokens, progress=progress, parts=[len(part(i)) for i in group],
+            regenerate(target.model, target.tokenizer, [c for i in group for c in rest(i)], regen_cfg,
+                       cfg.data.max_prompt_tokens, progress=progress, parts=[len(rest(i)) for i in group],
                        on_part=write)
     if worker is not None:
         return mine
@@ -424,6 +442,34 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
                   sampling=reports[0]["sampling"] if reports else None, shards=len(reports),
                   shards_in_split=-(-len(convs) // size))  # more than shards: regen.train_shards stopped early
     return out, summed
+
+
+#: report counts that add up when a grown shard's earlier and appended parts are joined (_grown_report)
+_ADDITIVE_REPORT_KEYS = ("conversations_in", "conversations_out", "conversations_dropped", "conversations_cut",
+                         "turns_requested", "prompts_too_long", "empty_responses", "unfinished_responses",
+                         "unfinished_reasoning", "turns_generated", "generated_tokens", "generate_seconds",
+                         "looped_responses")
+
+
+def _made_from_prefix(shard: dict, convs: list) -> bool:
+    """Whether a shard on disk was made from the first ``conversations_in`` of ``convs`` and fewer than all of them:
+    a split's last, partial shard after conversations were appended to the split (a ``data.mix`` entry added)."""
+    n = shard.get("report", {}).get("conversations_in")
+    return (isinstance(n, int) and 0 < n < len(convs) and "inputs_sha256" in shard
+            and shard["inputs_sha256"] == _sha256_json(convs[:n]))
+
+
+def _grown_report(earlier: dict, appended: dict) -> dict:
+    """The report of a grown shard: the appended part's, its counts (``_ADDITIVE_REPORT_KEYS``) summed with the
+    earlier part's, ``tokens_per_s`` recomputed, the earlier part's report kept whole under ``grown_from``."""
+    out = dict(appended)
+    for k in _ADDITIVE_REPORT_KEYS:
+        if isinstance(earlier.get(k), (int, float)) and isinstance(appended.get(k), (int, float)):
+            out[k] = earlier[k] + appended[k]
+    secs = out.get("generate_seconds")
+    out["tokens_per_s"] = out.get("generated_tokens", 0) / secs if secs else None
+    out["grown_from"] = earlier
+    return out
 
 
 def _sha256_json(obj) -> str:

@@ -7,6 +7,7 @@ lost its ablation to a quoting bug this test catches (the default variant list w
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -1100,7 +1101,8 @@ def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tm
         assert (got / "train.safetensors").read_bytes() == (data / "train.safetensors").read_bytes()
     assert (tmp_path / "fresh" / "peagle" / "data" / "regen" / "train-00000.json").exists()
     # the restored shards count as carried: `wait` does not pack them again
-    assert (tmp_path / "fresh" / "regen-carried.list").read_text() == "train-00000.json\n"
+    digest = hashlib.sha256(b'{"conversations": []}').hexdigest()
+    assert (tmp_path / "fresh" / "regen-carried.list").read_text() == f"{digest}  train-00000.json\n"
 
     blob = bytearray((tmp_path / "carried" / "prepared.tar.xz").read_bytes())
     blob[100] ^= 0xFF
@@ -1139,6 +1141,13 @@ def test_regen_in_takes_several_carried_folders(tmp_path):
     back = tmp_path / "back"
     r = _step(env | {"OUT": str(back)}, "wait", "1")
     assert r.returncode == 0 and sorted(p.name for p in back.iterdir()) == ["plan.log", "results.tar.xz"], r.stdout
+    # a carried shard that prepare grew (same name, new content: a data.mix entry appended conversations) goes back
+    carried = (regen / "train-00001.json").read_text()
+    (regen / "train-00001.json").write_text(json.dumps({"conversations": [["train-00001.json"], ["grown here"]]}))
+    shutil.rmtree(back)
+    r = _step(env | {"OUT": str(back)}, "wait", "1")
+    assert r.returncode == 0 and {"pack-000.tar", "pack-manifest.json"} <= {p.name for p in back.iterdir()}, r.stdout
+    (regen / "train-00001.json").write_text(carried)
     (regen / "train-00002.json").write_text(json.dumps({"conversations": [["made here"]]}))
     shutil.rmtree(back)
     r = _step(env | {"OUT": str(back)}, "wait", "1")

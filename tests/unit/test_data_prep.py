@@ -1052,6 +1052,66 @@ def test_a_mix_entry_added_later_reuses_the_shards_made_before_it(tok, tiny_mode
     assert sorted(c[0]["content"] for c in answered) == [f"Name a colour ({i})." for i in range(3)]
 
 
+def test_a_partial_last_shard_grows_when_a_mix_entry_appends_conversations(tok, tiny_model, tmp_path, monkeypatch):
+    """The split's last shard was partial (3 conversations, shards of 2) when a ``data.mix`` entry appended 3 more:
+    the partial shard keeps its answer and gains only the appended conversation it now holds, then the next
+    shard is generated; a run killed while the shard grows leaves its file as it was; a shard whose first
+    conversations are not the recipe's is still refused."""
+    import json
+    from types import SimpleNamespace
+
+    import data_prep.regenerate as regen_mod
+    from peagle_train import stages
+    from peagle_train.core.config import ConfigError, TargetConfig
+    from peagle_train.recipe import RunConfig
+
+    main = write_jsonl(tmp_path / "main.jsonl", [{"messages": c} for c in REGEN_CONVS[:3]])
+    extra = write_jsonl(tmp_path / "extra.jsonl", [{"messages": conv(f"Name a colour ({i}).", "old")} for i in range(3)])
+    data = DataConfig(source="jsonl", path=str(main), num_conversations=3, max_turns=2, eval_fraction=0.0)
+    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"), data=data,
+                    regen=RegenConfig(max_new_tokens=4, batch_size=2, shard_size=2))
+    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
+    answered = []
+    real = regen_mod.regenerate
+    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
+                                                                                real(m, t, convs, *a, **k))[1])
+    before, _, _ = load_mixture(data)
+    first, rep1 = stages._regenerate_sharded(target, before, cfg, tmp_path / "regen", "train", False)
+    shard1 = tmp_path / "regen" / "train-00001.json"
+    old = json.loads(shard1.read_text())
+    assert old["report"]["conversations_in"] == 1 and rep1["shards"] == 2
+    grown = DataConfig(**{**data.model_dump(), "mix": [{"source": "jsonl", "path": str(extra), "num_conversations": 3}]})
+    after, _, _ = load_mixture(grown)
+    assert after[:3] == before and len(after) == 6
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(regen_mod, "regenerate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
+    assert json.loads(shard1.read_text()) == old  # the earlier part is intact after the kill
+    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
+                                                                                real(m, t, convs, *a, **k))[1])
+    answered.clear()
+    out, summed = stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
+    assert sorted(c[0]["content"] for c in answered) == [f"Name a colour ({i})." for i in range(3)]
+    assert out[:len(first)] == first and summed["shards"] == 3 and summed["conversations_in"] == 6
+    new = json.loads(shard1.read_text())
+    assert new["conversations"][:len(old["conversations"])] == old["conversations"]
+    assert new["report"]["conversations_in"] == 2 and new["report"]["grown_from"] == old["report"]
+    assert new["report"]["conversations_out"] == len(new["conversations"]) == 2
+    assert new["report"]["generated_tokens"] > old["report"]["generated_tokens"] > 0  # both parts counted
+    assert new["inputs_sha256"] == stages._sha256_json(after[2:4])
+    # a re-run reuses all three shards; a prefix that is not the recipe's first conversations is refused
+    monkeypatch.setattr(regen_mod, "regenerate", killed)
+    again, _ = stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
+    assert again == out
+    shard1.write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="train-00001.json.*other conversations"):
+        stages._regenerate_sharded(target, after[:2] + after[3:] + after[2:3], cfg, tmp_path / "regen", "train", False)
+
+
 def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, tiny_model, tmp_path, monkeypatch):
     """``regen.shards_per_call: 2``: shards still to generate are answered two at a time by one engine run (its
     batch refilled from the next shard's conversations), each written to its own file as soon as its last
