@@ -20,7 +20,8 @@ from pathlib import Path
 def regen_rate(regen: Path, t0: float, workers: int, now: float | None = None) -> dict:
     """``{"shards_written", "workers", "generated_tokens", "unfinished_responses", "wall_s", "tokens_per_s_wall",
     "sampling", "note"}`` of the shards in ``regen`` modified at or after ``t0`` (seconds); ``now``: the end
-    of the wall time (default: the current time). A missing folder counts no shard. A shard that is not
+    of the wall time (default: the current time). A missing folder counts no shard; a shard grown in the call
+    (its report's ``grown_from``: the part made before) counts only its appended part. A shard that is not
     JSON raises ``ValueError`` naming it."""
     now = time.time() if now is None else now
     new = [p for p in sorted(regen.glob("*.json")) if p.stat().st_mtime >= t0] if regen.is_dir() else []
@@ -31,9 +32,13 @@ def regen_rate(regen: Path, t0: float, workers: int, now: float | None = None) -
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}: not a regeneration shard ({e})") from None
     wall = max(now - t0, 0.0)
-    tokens = sum(r.get("generated_tokens", 0) for r in reports)
+
+    def made_here(r: dict, key: str) -> int:  # a grown shard's earlier part (grown_from) was made before this call
+        return r.get(key, 0) - (r.get("grown_from") or {}).get(key, 0)
+
+    tokens = sum(made_here(r, "generated_tokens") for r in reports)
     return {"shards_written": len(new), "workers": workers, "generated_tokens": tokens,
-            "unfinished_responses": sum(r.get("unfinished_responses", 0) for r in reports),
+            "unfinished_responses": sum(made_here(r, "unfinished_responses") for r in reports),
             "wall_s": round(wall, 1), "tokens_per_s_wall": round(tokens / wall, 1) if wall > 0 else None,
             "sampling": reports[0].get("sampling") if reports else None,
             "note": "wall time of the whole call: the target's load, compiles and the tokenisation included"}

@@ -6,9 +6,10 @@ code answers worst (HumanEval, docs/results.md). This builder turns every docume
 tree of Python files (by default the running interpreter's standard library, PSF licence) into a code
 request: an instruction, then the function's signature and docstring in a markdown block; the assistant
 turn is the function as written in the source (a placeholder: regeneration replaces it with the target's
-own answer). Rows are chat JSONL (``{"messages": [...], "origin": "module:qualname"}``), read by the
-``jsonl`` source (``data.mix: [{source: jsonl, path: ...}]``); the decontamination screen of the loader
-keeps any row that overlaps an evaluation prompt out, as for every source.
+own answer). Rows are chat records (``{"messages": [...], "origin": "module:qualname"}``) in a JSON array
+(``OUT.json[.gz]``, read by the ``sharegpt`` source's streaming reader, which needs no ``datasets``: the GPU
+recipes' ``data.mix`` entry) or JSON lines (``OUT.jsonl[.gz]``, the ``jsonl`` source); the decontamination
+screen of the loader keeps any row that overlaps an evaluation prompt out, as for every source.
 
 Worked example: ``posixpath.py`` defines ``def commonprefix(m): "Given a list of pathnames, returns the
 longest common leading component" ...``; its row's user turn is::
@@ -23,7 +24,7 @@ A method is shown inside its class (``class Name:`` then the indented stub). Fil
 path order and functions in source order; a stub seen before (same text) is skipped, so the output is a
 pure function of the tree's contents.
 
-Command line: ``python -m data_prep.code_prompts OUT.jsonl.gz [--root DIR]`` (written atomically; gzip
+Command line: ``python -m data_prep.code_prompts OUT.json.gz [--root DIR]`` (written atomically; gzip
 with a fixed timestamp, so equal inputs give equal bytes).
 """
 from __future__ import annotations
@@ -145,10 +146,13 @@ def chat_rows(prompts: list[CodePrompt]) -> list[dict]:
 
 
 def write_rows(rows: list[dict], out: Path) -> None:
-    """Write ``rows`` as JSON lines to ``out`` atomically (a temp file renamed); ``.gz`` names are gzipped
-    with timestamp 0 (the same rows give the same bytes)."""
+    """Write ``rows`` to ``out`` atomically (a temp file renamed): a JSON array, one row a line, for a name ending
+    in ``.json`` or ``.json.gz`` (read by the ``sharegpt`` source, which needs no ``datasets``), else JSON lines
+    (the ``jsonl`` source); ``.gz`` names are gzipped with timestamp 0 (the same rows give the same bytes)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+    array = out.name.endswith((".json", ".json.gz"))
+    data = ("[\n" + ",\n".join(lines) + "\n]\n" if array else "".join(x + "\n" for x in lines)).encode("utf-8")
     if out.suffix == ".gz":
         data = gzip.compress(data, compresslevel=9, mtime=0)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
@@ -164,7 +168,7 @@ def write_rows(rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path, help="chat JSONL to write (.jsonl or .jsonl.gz)")
+    ap.add_argument("out", type=Path, help="file to write: .json / .json.gz (a JSON array) or .jsonl / .jsonl.gz")
     ap.add_argument("--root", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="tree of Python files (default: this interpreter's standard library)")
     args = ap.parse_args(argv)

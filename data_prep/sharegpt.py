@@ -14,6 +14,7 @@ file that is not UTF-8 (byte offset and line), for the messages of readers that 
 """
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,20 @@ class DataError(ValueError):
     file and the row/field and says what to do; ``peagle-train`` prints it and exits 2."""
 
 
+def open_data(path: Path, mode: str = "rt"):
+    """Open a chat file for reading: ``mode`` ``"rt"`` (UTF-8 text) or ``"rb"``; a name ending in ``.gz`` is read
+    through gzip (offsets in error messages then count the uncompressed bytes)."""
+    if Path(path).suffix.lower() == ".gz":
+        return gzip.open(path, mode, encoding="utf-8") if mode == "rt" else gzip.open(path, mode)
+    return open(path, mode, encoding="utf-8") if mode == "rt" else open(path, mode)
+
+
 def first_invalid_utf8(path: Path, chunk_bytes: int = 1 << 20) -> tuple[int, int] | None:
     """Byte offset (0-based) and line (1-based) of the first byte of ``path`` that is not valid
     UTF-8, or None when the whole file decodes. Streams ``chunk_bytes`` at a time (a multi-byte
     character split between chunks is carried over)."""
     base, line, carry = 0, 1, b""
-    with open(path, "rb") as f:
+    with open_data(path, "rb") as f:
         while True:
             chunk = f.read(chunk_bytes)
             data = carry + chunk
@@ -65,7 +74,7 @@ def _text_position(path: Path, char_offset: int) -> tuple[int, int, int]:
     """(byte offset, line, column) of character ``char_offset`` of a UTF-8 text file; lines and
     columns 1-based, columns in characters. Streams the file; used on error paths only."""
     line, col, nbytes, left = 1, 1, 0, char_offset
-    with open(path, encoding="utf-8") as f:
+    with open_data(path, "rt") as f:
         while left > 0:
             text = f.read(min(left, 1 << 20))
             if not text:
@@ -112,7 +121,7 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[in
             column), or the file is not UTF-8 (names the first bad byte and its line).
     """
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with open_data(path, "rt") as f:
         buf, eof, pos = "", False, 0
         base = 0  # characters of the file before buf[0]
 

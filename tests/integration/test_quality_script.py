@@ -651,6 +651,20 @@ def test_regen_rate_does_not_count_a_shard_carried_in_the_same_second(tmp_path):
     assert json.loads(out.read_text())["shards_written"] == 0
 
 
+def test_regen_rate_counts_only_the_appended_part_of_a_grown_shard(tmp_path):
+    """A shard prepare grew in the call (a data.mix entry appended conversations to a partial shard) counts only
+    what the call generated: run 10's regen_rate.json counted shard 15's earlier 893,602 tokens too."""
+    import regen_rate
+
+    (tmp_path / "train-00015.json").write_text(json.dumps({"report": {
+        "generated_tokens": 942026, "unfinished_responses": 1385,
+        "grown_from": {"generated_tokens": 893602, "unfinished_responses": 1330}}}))
+    (tmp_path / "train-00016.json").write_text(json.dumps({"report": {"generated_tokens": 251555,
+                                                                      "unfinished_responses": 300}}))
+    rate = regen_rate.regen_rate(tmp_path, 0.0, 1, now=time.time() + 1)
+    assert (rate["generated_tokens"], rate["unfinished_responses"]) == (48424 + 251555, 55 + 300)
+
+
 def test_lease_runs_the_steps_in_the_background_and_wait_brings_back_what_they_made(tmp_path):
     """``lease prepare nonsense`` runs both steps in the background from a copy of the repository (a failed step is
     logged, the plan goes on); ``wait`` follows the log and sends back the log, the small results and, with

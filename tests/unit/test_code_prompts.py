@@ -1,5 +1,5 @@
 """data_prep.code_prompts: code requests from a tree of Python files, and the committed standard-library set the GPU
-recipes mix in (recipes/data/stdlib_code_prompts.jsonl.gz)."""
+recipes mix in (recipes/data/stdlib_code_prompts.json.gz)."""
 from __future__ import annotations
 
 import gzip
@@ -16,7 +16,7 @@ from data_prep.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts
 from data_prep.sharegpt import DataError
 from data_prep.sources import load_conversations
 
-COMMITTED = Path(__file__).resolve().parents[2] / "recipes" / "data" / "stdlib_code_prompts.jsonl.gz"
+COMMITTED = Path(__file__).resolve().parents[2] / "recipes" / "data" / "stdlib_code_prompts.json.gz"
 
 SOURCE = '''
 import os
@@ -102,19 +102,25 @@ def test_tree_prompts_skips_tests_and_excluded_folders_and_keeps_a_repeated_stub
         tree_prompts(tmp_path / "missing")
 
 
-def test_rows_rotate_the_instructions_are_written_atomically_and_read_by_the_jsonl_source(tmp_path):
+def test_rows_rotate_the_instructions_are_written_atomically_and_read_by_both_sources(tmp_path):
+    """A ``.json.gz`` name gives a JSON array (the ``sharegpt`` source's streaming reader takes it, no ``datasets``),
+    a ``.jsonl.gz`` name JSON lines (the ``jsonl`` source): the same conversations either way."""
     prompts = function_prompts(SOURCE, "m")
     rows = chat_rows(prompts)
     assert [r["messages"][0]["content"].split("\n")[0] for r in rows] == list(INSTRUCTIONS)
     assert rows[0]["messages"][0]["content"] == f"{INSTRUCTIONS[0]}\n```python\n{prompts[0].stub}\n```"
     assert rows[3]["messages"][1] == {"role": "assistant", "content": f"```python\n{prompts[3].reference}\n```"}
-    out = tmp_path / "code.jsonl.gz"
-    write_rows(rows, out)
-    first = out.read_bytes()
-    write_rows(rows, out)  # the same rows give the same bytes (gzip timestamp 0)
-    assert out.read_bytes() == first and sorted(p.name for p in tmp_path.iterdir()) == ["code.jsonl.gz"]
-    convs, rep = load_conversations(DataConfig(source="jsonl", path=str(out), num_conversations=10))
-    assert rep["kept"] == 4 and sorted(c[0]["content"] for c in convs) == sorted(r["messages"][0]["content"] for r in rows)
+    want = sorted(r["messages"][0]["content"] for r in rows)
+    for name, source in (("code.json.gz", "sharegpt"), ("code.jsonl.gz", "jsonl"), ("code.json", "sharegpt")):
+        out = tmp_path / name
+        write_rows(rows, out)
+        first = out.read_bytes()
+        write_rows(rows, out)  # the same rows give the same bytes (gzip timestamp 0)
+        assert out.read_bytes() == first
+        convs, rep = load_conversations(DataConfig(source=source, path=str(out), num_conversations=10))
+        assert rep["kept"] == 4 and sorted(c[0]["content"] for c in convs) == want, name
+    assert json.loads(gzip.decompress((tmp_path / "code.json.gz").read_bytes())) == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["code.json", "code.json.gz", "code.jsonl.gz"]  # no temp left
 
 
 def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_evaluation_prompt(tmp_path):
@@ -124,10 +130,10 @@ def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_eval
     interpreter is the one it was built with (CPython 3.11.7)."""
     from data_prep.decontaminate import eval_overlap_screen
 
-    rows = [json.loads(line) for line in gzip.open(COMMITTED, "rt", encoding="utf-8")]
+    rows = json.loads(gzip.decompress(COMMITTED.read_bytes()))
     assert len(rows) == 3051 and len({r["origin"] for r in rows}) == 3051
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
-    convs, rep = load_conversations(DataConfig(source="jsonl", path=str(COMMITTED), num_conversations=100000),
+    convs, rep = load_conversations(DataConfig(source="sharegpt", path=str(COMMITTED), num_conversations=100000),
                                     eval_overlap_screen(["mt_bench", "humaneval"]))
     assert rep["kept"] == 3051 and rep["eval_overlap"] == {}
     assert not any(HUMANEVAL_INSTRUCTION in r["messages"][0]["content"] for r in rows)  # not the eval's wrapper
@@ -140,5 +146,5 @@ def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_eval
                            eval_overlap_screen(["humaneval"]))
     if sys.version_info[:3] != (3, 11, 7) or sys.implementation.name != "cpython":
         pytest.skip(f"the committed set was built on CPython 3.11.7's standard library, this is {sys.version.split()[0]}")
-    main([str(tmp_path / "again.jsonl.gz"), "--root", sysconfig.get_paths()["stdlib"]])
-    assert (tmp_path / "again.jsonl.gz").read_bytes() == COMMITTED.read_bytes()
+    main([str(tmp_path / "again.json.gz"), "--root", sysconfig.get_paths()["stdlib"]])
+    assert (tmp_path / "again.json.gz").read_bytes() == COMMITTED.read_bytes()
