@@ -20,7 +20,8 @@ longest common leading component" ...``; its row's user turn is::
         \"\"\"Given a list of pathnames, returns the longest common leading component\"\"\"
     ```
 
-A method is shown inside its class (``class Name:`` then the indented stub). Files are read in sorted
+A method is shown inside its class (``class Name:`` then the stub indented by four spaces, its docstring's lines
+too, so they read four spaces deeper than in the source). Files are read in sorted
 path order and functions in source order; a stub seen before (same text) is skipped, so the output is a
 pure function of the tree's contents.
 
@@ -48,7 +49,8 @@ INSTRUCTIONS = (
     "Here is a Python function's signature and docstring. Write its body and show the complete function:",
 )
 
-#: folders of the standard library left out: tests, GUI and demo code, vendored and packaging helpers
+#: folders of the standard library left out: tests, the GUI packages and demos, vendored and packaging helpers
+#: (single modules stay, turtle.py among them)
 EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
                            "pydoc_data", "site-packages", "dist-packages", "distutils", "__phello__"})
 
@@ -67,11 +69,11 @@ def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     """``fn``'s signature with its docstring as the whole body (decorators dropped)."""
     doc = fn.body[0]
     bare = type(fn)(name=fn.name, args=fn.args, body=[doc], decorator_list=[], returns=fn.returns,
-                    type_comment=None, **({"type_params": []} if "type_params" in fn._fields else {}))
+                    type_comment=None, **({"type_params": fn.type_params} if "type_params" in fn._fields else {}))
     return ast.unparse(ast.fix_missing_locations(bare))
 
 
-def function_prompts(source: str, module: str, min_doc_chars: int = 40,
+def function_prompts(source: str | bytes, module: str, min_doc_chars: int = 40,
                      max_doc_chars: int = 2000) -> list[CodePrompt]:
     """The documented public functions of one Python file, in source order.
 
@@ -80,7 +82,8 @@ def function_prompts(source: str, module: str, min_doc_chars: int = 40,
     statement after it (a body to write).
 
     Args:
-        source: the file's text.
+        source: the file's text, or its bytes (decoded by ``ast.parse`` as Python does: UTF-8 or the file's
+            PEP 263 coding line).
         module: the dotted module name, for ``origin``.
         min_doc_chars, max_doc_chars: docstring length bounds (characters, after ``inspect.cleandoc``).
 
@@ -129,19 +132,30 @@ def tree_prompts(root: Path, excluded: frozenset[str] = EXCLUDED_DIRS) -> list[C
         if any(p in excluded or p.startswith("test") for p in parts[:-1]) or parts[-1].startswith("test"):
             continue
         module = ".".join(path.relative_to(root).with_suffix("").parts)
-        for p in function_prompts(path.read_text(encoding="utf-8", errors="replace"), module):
+        for p in function_prompts(path.read_bytes(), module):  # bytes: ast honours a PEP 263 coding line
             if p.stub not in seen:
                 seen.add(p.stub)
                 out.append(p)
     return out
 
 
+def _fenced(code: str) -> str:
+    """``code`` in a markdown python block whose fence is longer than any backtick run inside it."""
+    longest, run = 0, 0
+    for ch in code:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}python\n{code}\n{fence}"
+
+
 def chat_rows(prompts: list[CodePrompt]) -> list[dict]:
     """Chat rows of ``prompts``: row ``i`` asks with ``INSTRUCTIONS[i % 4]`` and the stub in a ```python
-    block; the assistant turn is the reference definition in one (replaced by regeneration)."""
+    block (a longer fence where the code holds three backticks); the assistant turn is the reference definition
+    in one (replaced by regeneration)."""
     return [{"messages": [
-        {"role": "user", "content": f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n```python\n{p.stub}\n```"},
-        {"role": "assistant", "content": f"```python\n{p.reference}\n```"}], "origin": p.origin}
+        {"role": "user", "content": f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n{_fenced(p.stub)}"},
+        {"role": "assistant", "content": _fenced(p.reference)}], "origin": p.origin}
         for i, p in enumerate(prompts)]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -133,6 +134,9 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[tuple[in
                 more = f.read(max(chunk_chars, len(buf) - pos) if need_more else chunk_chars)
             except UnicodeDecodeError:
                 raise not_utf8_error(path, "the file") from None
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a .gz file cut short, damaged or not gzip
+                raise DataError(f"{path}: not a readable gzip file ({type(e).__name__}: {e}); check it with "
+                                f"`gzip -t {path}`, or drop the .gz suffix if the file is plain JSON") from None
             eof = more == ""
             base += pos
             buf, pos = buf[pos:] + more, 0

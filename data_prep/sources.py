@@ -336,10 +336,13 @@ class _Tally:
                 sets = ", ".join(f"{k} {n}" for k, n in sorted(self.overlap.items()))
                 parts.append(f"overlapping evaluation prompts ({sets}; rows {self.overlap_rows}; data.decontaminate)")
             detail = "; ".join(parts) if parts else "nothing (file is empty)" if self.read == 0 else "nothing"
+            fix = ("point data.path at conversations with at least one user turn answered by an assistant turn"
+                   if self.dropped or not (self.duplicates or self.overlap) else
+                   "every usable one was a repeat or overlaps an evaluation set: take other conversations (data.skip, "
+                   "another file), or set data.decontaminate: false only if the overlap is intended")
             raise DataError(
                 f"{self.path}: no usable conversation (a user turn followed by an assistant turn) in "
-                f"{self.read} records read; dropped {detail}; point data.path "
-                f"at conversations with at least one user turn answered by an assistant turn"
+                f"{self.read} records read; dropped {detail}; {fix}"
             )
 
 

@@ -372,14 +372,23 @@ def _regenerate_sharded(target, convs, cfg: RunConfig, root: Path, split: str, p
 
     saved: dict[int, dict] = {}  # the shards' contents (a worker keeps none: it returns only indices)
     grown: dict[int, dict] = {}  # shards on disk made from a prefix of what they now hold: only the rest is generated
+    def later_shards_match(i: int) -> bool:  # every shard file after i is this layout's and made from its part
+        for p in root.glob(f"{split}-*.json"):
+            j = int(p.stem.rsplit("-", 1)[1])
+            if j > i and (j * size >= len(convs) or json.loads(p.read_text()).get("inputs_sha256") != _sha256_json(part(j))):
+                return False
+        return True
+
     for i in shards:  # every shard on disk checked before any is generated
         if path(i).exists():
             shard, want = json.loads(path(i).read_text()), _sha256_json(part(i))
-            if shard.get("inputs_sha256", want) == want:
+            n_in = shard.get("report", {}).get("conversations_in", len(part(i)))
+            if shard.get("inputs_sha256", want) == want and n_in == len(part(i)):
                 mine["reused"].append(i)
                 if worker is None:
                     saved[i] = shard
-            elif _made_from_prefix(shard, part(i)):
+            elif _made_from_prefix(shard, part(i)) and later_shards_match(i):
+                # (a later shard of another layout, e.g. a smaller regen.shard_size, means this one was not the last)
                 grown[i] = shard
             else:
                 raise ConfigError(
@@ -464,8 +473,8 @@ def _grown_report(earlier: dict, appended: dict) -> dict:
     earlier part's, ``tokens_per_s`` recomputed, the earlier part's report kept whole under ``grown_from``."""
     out = dict(appended)
     for k in _ADDITIVE_REPORT_KEYS:
-        if isinstance(earlier.get(k), (int, float)) and isinstance(appended.get(k), (int, float)):
-            out[k] = earlier[k] + appended[k]
+        if isinstance(earlier.get(k), (int, float)) or isinstance(appended.get(k), (int, float)):
+            out[k] = earlier.get(k, 0) + appended.get(k, 0)  # a count only one part has (e.g. looped_responses)
     secs = out.get("generate_seconds")
     out["tokens_per_s"] = out.get("generated_tokens", 0) / secs if secs else None
     out["grown_from"] = earlier

@@ -120,7 +120,20 @@ def test_rows_rotate_the_instructions_are_written_atomically_and_read_by_both_so
         convs, rep = load_conversations(DataConfig(source=source, path=str(out), num_conversations=10))
         assert rep["kept"] == 4 and sorted(c[0]["content"] for c in convs) == want, name
     assert json.loads(gzip.decompress((tmp_path / "code.json.gz").read_bytes())) == rows
+    blob = (tmp_path / "code.json.gz").read_bytes()
+    (tmp_path / "cut.json.gz").write_bytes(blob[: len(blob) // 2])  # a .gz cut short: named, not a traceback
+    with pytest.raises(DataError, match=r"cut.json.gz: not a readable gzip file .*gzip -t"):
+        load_conversations(DataConfig(source="sharegpt", path=str(tmp_path / "cut.json.gz")))
+    (tmp_path / "cut.json.gz").unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["code.json", "code.json.gz", "code.jsonl.gz"]  # no temp left
+
+
+def test_a_stub_holding_a_markdown_fence_gets_a_longer_one():
+    src = 'def show(x):\n    """Return x as markdown: ```python\\nx\\n``` with its fences kept."""\n    return x\n'
+    (row,) = chat_rows(function_prompts(src, "m"))
+    user = row["messages"][0]["content"]
+    assert user.split("\n")[1] == "````python" and user.endswith("\n````")
+    assert row["messages"][1]["content"].startswith("````python\n")
 
 
 def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_evaluation_prompt(tmp_path):
@@ -133,7 +146,7 @@ def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_eval
     rows = json.loads(gzip.decompress(COMMITTED.read_bytes()))
     assert len(rows) == 3051 and len({r["origin"] for r in rows}) == 3051
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
-    convs, rep = load_conversations(DataConfig(source="sharegpt", path=str(COMMITTED), num_conversations=100000),
+    _, rep = load_conversations(DataConfig(source="sharegpt", path=str(COMMITTED), num_conversations=100000),
                                     eval_overlap_screen(["mt_bench", "humaneval"]))
     assert rep["kept"] == 3051 and rep["eval_overlap"] == {}
     assert not any(HUMANEVAL_INSTRUCTION in r["messages"][0]["content"] for r in rows)  # not the eval's wrapper
@@ -141,7 +154,8 @@ def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_eval
     wrapped = dict(rows[0], messages=[{"role": "user", "content": f"{INSTRUCTIONS[0]}\n```python\n{problem}"},
                                       rows[0]["messages"][1]])
     write_rows([wrapped], tmp_path / "evalplus.jsonl")  # is screened out, as the set's rows would be
-    with pytest.raises(DataError, match=r"evalplus.jsonl: no usable .* overlapping evaluation prompts \(humaneval 1"):
+    with pytest.raises(DataError, match=r"evalplus.jsonl: no usable .* overlapping evaluation prompts \(humaneval 1.*"
+                                        r"overlaps an evaluation set: take other conversations"):
         load_conversations(DataConfig(source="jsonl", path=str(tmp_path / "evalplus.jsonl")),
                            eval_overlap_screen(["humaneval"]))
     if sys.version_info[:3] != (3, 11, 7) or sys.implementation.name != "cpython":

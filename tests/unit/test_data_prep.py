@@ -1110,6 +1110,27 @@ def test_a_partial_last_shard_grows_when_a_mix_entry_appends_conversations(tok, 
     shard1.write_text(json.dumps(old))
     with pytest.raises(ConfigError, match="train-00001.json.*other conversations"):
         stages._regenerate_sharded(target, after[:2] + after[3:] + after[2:3], cfg, tmp_path / "regen", "train", False)
+    # a larger regen.shard_size is another layout, not a grown shard: shard 0 of size 4 would "grow" from the old
+    # shard 0 of size 2, but the old shard 1 beside it is not the new layout's: refused
+    big = cfg.model_copy(update={"regen": cfg.regen.model_copy(update={"shard_size": 4})})
+    with pytest.raises(ConfigError, match="train-00000.json.*other conversations"):
+        stages._regenerate_sharded(target, after, big, tmp_path / "regen", "train", False)
+    # a shard without inputs_sha256 (older files) made from fewer conversations than its part now holds is refused,
+    # not reused short
+    legacy = {k: v for k, v in json.loads(shard1.read_text()).items() if k != "inputs_sha256"}
+    shard1.write_text(json.dumps(legacy))
+    with pytest.raises(ConfigError, match="train-00001.json.*other conversations"):
+        stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
+    # shards_per_call: the grown shard and the next one answered by one engine run, the same conversations asked
+    shard1.write_text(json.dumps(old))
+    (tmp_path / "regen" / "train-00002.json").unlink()
+    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
+                                                                                real(m, t, convs, *a, **k))[1])
+    answered.clear()
+    grouped = cfg.model_copy(update={"regen": cfg.regen.model_copy(update={"shards_per_call": 2})})
+    out2, summed2 = stages._regenerate_sharded(target, after, grouped, tmp_path / "regen", "train", False)
+    assert sorted(c[0]["content"] for c in answered) == [f"Name a colour ({i})." for i in range(3)]
+    assert out2[:len(first)] == first and summed2["conversations_in"] == 6
 
 
 def test_shards_per_call_answers_shards_in_one_run_and_writes_each_apart(tok, tiny_model, tmp_path, monkeypatch):
