@@ -284,37 +284,3 @@ def test_acceptance_by_copyable_classes_each_round_by_the_token_it_drafts(tmp_pa
     (parts / "worker-0-of-3.json").write_text(json.dumps(w0))
     with pytest.raises(SystemExit, match="several worker counts or a missing rank"):
         abc.main([str(parts), str(tmp_path / "answers.json")])
-
-
-def test_committed_prepared_pack_restores_into_the_gpu_recipes():
-    """docs/results.md (run 5): the committed prepared data is restored instead of regen-in + prepare. Its checksum
-    holds, and both GPU recipes with the pack's three overrides (``data.mix=[]``: the pack was made before the recipes
-    took the rest of ShareGPT) differ from its stamp only in drafter/train keys, which a prepared-only folder takes
-    (stages.claim_output_dir); a data, regen or target change would make it stale."""
-    import hashlib
-    import tarfile
-
-    import yaml
-
-    from peagle_train.recipe import load_config
-    from peagle_train.stages import stamp_differences
-
-    root = Path(__file__).resolve().parents[2]
-    pack = root / "docs" / "data" / "quality" / "prepared_run5" / "prepared.tar.xz"
-    want = (pack.parent / "prepared.tar.xz.sha256").read_text().split()[0]
-    assert hashlib.sha256(pack.read_bytes()).hexdigest() == want
-    with tarfile.open(pack, "r:xz") as t:
-        names = t.getnames()
-        stamp = yaml.safe_load(t.extractfile("peagle/run_config.yaml").read())
-    assert {"peagle/data/train.safetensors", "peagle/data/eval.safetensors", "peagle/data/meta.json"} <= set(names)
-    work = "/tmp/peagle_quality"  # quality_experiment.sh's WORK: the paths the stamp holds
-    ovr = ["target.gguf_package=null", f"target.gguf_file={work}/SmolLM2-135M-Instruct.Q4_1.gguf",
-           f"data.path={work}/sharegpt_prompts.json", "target.dtype=bfloat16", "regen.train_shards=6", "data.mix=[]"]
-    for recipe in ("smollm2-135m-peagle-gpu.yaml", "smollm2-135m-eagle3-gpu.yaml"):
-        cfg = load_config(str(root / "recipes" / recipe), ovr)
-        diffs = stamp_differences(cfg, stamp)
-        assert {d.split(".")[0] for d in diffs} <= {"drafter", "train"}, (recipe, diffs)
-    cfg = load_config(str(root / "recipes" / "smollm2-135m-peagle-gpu.yaml"), ovr[:3])
-    assert "regen.train_shards" in stamp_differences(cfg, stamp)  # without the overrides the pack does not fit
-    cfg = load_config(str(root / "recipes" / "smollm2-135m-peagle-gpu.yaml"), ovr[:-1])
-    assert "data.mix" in stamp_differences(cfg, stamp)  # nor without data.mix=[]
