@@ -35,6 +35,7 @@ import ast
 import gzip
 import json
 import os
+import re
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -141,11 +142,7 @@ def tree_prompts(root: Path, excluded: frozenset[str] = EXCLUDED_DIRS) -> list[C
 
 def _fenced(code: str) -> str:
     """``code`` in a markdown python block whose fence is longer than any backtick run inside it."""
-    longest, run = 0, 0
-    for ch in code:
-        run = run + 1 if ch == "`" else 0
-        longest = max(longest, run)
-    fence = "`" * max(3, longest + 1)
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", code)), default=0))
     return f"{fence}python\n{code}\n{fence}"
 
 

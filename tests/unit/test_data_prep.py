@@ -1018,33 +1018,46 @@ def test_a_mix_entry_without_path_reads_the_main_sources_file_and_split_and_the_
     assert card["data"]["mixed_with"] == {"1. jsonl: main.jsonl (local file)": {"kept": 2}}
 
 
+def _mix_growth(tok, tiny_model, tmp_path, monkeypatch, n_main: int):
+    """A jsonl recipe of ``REGEN_CONVS[:n_main]`` (shards of 2), the same recipe with a ``data.mix`` entry of 3
+    colour questions appended, the target, and the list the patched ``regenerate`` records every asked
+    conversation in (``record()`` installs the recorder again after a test swapped it)."""
+    from types import SimpleNamespace
+
+    import data_prep.regenerate as regen_mod
+    from peagle_train.core.config import TargetConfig
+    from peagle_train.recipe import RunConfig
+
+    main = write_jsonl(tmp_path / "main.jsonl", [{"messages": c} for c in REGEN_CONVS[:n_main]])
+    extra = write_jsonl(tmp_path / "extra.jsonl", [{"messages": conv(f"Name a colour ({i}).", "old")} for i in range(3)])
+    data = DataConfig(source="jsonl", path=str(main), num_conversations=n_main, max_turns=2, eval_fraction=0.0)
+    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"), data=data,
+                    regen=RegenConfig(max_new_tokens=4, batch_size=2, shard_size=2))
+    grown = DataConfig(**{**data.model_dump(), "mix": [{"source": "jsonl", "path": str(extra), "num_conversations": 3}]})
+    answered: list = []
+    real = regen_mod.regenerate
+
+    def record():
+        monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
+                                                                                    real(m, t, convs, *a, **k))[1])
+
+    record()
+    return cfg, grown, SimpleNamespace(model=tiny_model, tokenizer=tok), answered, record
+
+
 def test_a_mix_entry_added_later_reuses_the_shards_made_before_it(tok, tiny_model, tmp_path, monkeypatch):
     """A recipe that gains a ``data.mix`` entry after some shards were regenerated: the train split starts with
     the same conversations, so those shards pass their content check and are reused; only the shards holding
     the entry's conversations are generated."""
-    from types import SimpleNamespace
-
-    import data_prep.regenerate as regen_mod
     from peagle_train import stages
-    from peagle_train.core.config import TargetConfig
-    from peagle_train.recipe import RunConfig
 
-    main = write_jsonl(tmp_path / "main.jsonl", [{"messages": c} for c in REGEN_CONVS[:4]])
-    extra = write_jsonl(tmp_path / "extra.jsonl", [{"messages": conv(f"Name a colour ({i}).", "old")} for i in range(3)])
-    data = DataConfig(source="jsonl", path=str(main), num_conversations=4, max_turns=2, eval_fraction=0.0)
-    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"), data=data,
-                    regen=RegenConfig(max_new_tokens=4, batch_size=2, shard_size=2))
-    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
-    answered = []
-    real = regen_mod.regenerate
-    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
-                                                                                real(m, t, convs, *a, **k))[1])
+    cfg, grown, target, answered, _ = _mix_growth(tok, tiny_model, tmp_path, monkeypatch, 4)
+    data = cfg.data
     before, _, _ = load_mixture(data)
     first, _ = stages._regenerate_sharded(target, before, cfg, tmp_path / "regen", "train", False)
     assert len(answered) == 4 and sorted(p.name for p in (tmp_path / "regen").glob("*.json")) == [
         "train-00000.json", "train-00001.json"]
     answered.clear()
-    grown = DataConfig(**{**data.model_dump(), "mix": [{"source": "jsonl", "path": str(extra), "num_conversations": 3}]})
     after, _, rep = load_mixture(grown)
     assert after[:4] == before and rep["mix"][0]["train"] == 3
     out, summed = stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
@@ -1058,29 +1071,18 @@ def test_a_partial_last_shard_grows_when_a_mix_entry_appends_conversations(tok, 
     shard is generated; a run killed while the shard grows leaves its file as it was; a shard whose first
     conversations are not the recipe's is still refused."""
     import json
-    from types import SimpleNamespace
 
     import data_prep.regenerate as regen_mod
     from peagle_train import stages
-    from peagle_train.core.config import ConfigError, TargetConfig
-    from peagle_train.recipe import RunConfig
+    from peagle_train.core.config import ConfigError
 
-    main = write_jsonl(tmp_path / "main.jsonl", [{"messages": c} for c in REGEN_CONVS[:3]])
-    extra = write_jsonl(tmp_path / "extra.jsonl", [{"messages": conv(f"Name a colour ({i}).", "old")} for i in range(3)])
-    data = DataConfig(source="jsonl", path=str(main), num_conversations=3, max_turns=2, eval_fraction=0.0)
-    cfg = RunConfig(target=TargetConfig(name="tiny", path="unused"), data=data,
-                    regen=RegenConfig(max_new_tokens=4, batch_size=2, shard_size=2))
-    target = SimpleNamespace(model=tiny_model, tokenizer=tok)
-    answered = []
-    real = regen_mod.regenerate
-    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
-                                                                                real(m, t, convs, *a, **k))[1])
+    cfg, grown, target, answered, record = _mix_growth(tok, tiny_model, tmp_path, monkeypatch, 3)
+    data = cfg.data
     before, _, _ = load_mixture(data)
     first, rep1 = stages._regenerate_sharded(target, before, cfg, tmp_path / "regen", "train", False)
     shard1 = tmp_path / "regen" / "train-00001.json"
     old = json.loads(shard1.read_text())
     assert old["report"]["conversations_in"] == 1 and rep1["shards"] == 2
-    grown = DataConfig(**{**data.model_dump(), "mix": [{"source": "jsonl", "path": str(extra), "num_conversations": 3}]})
     after, _, _ = load_mixture(grown)
     assert after[:3] == before and len(after) == 6
 
@@ -1091,8 +1093,7 @@ def test_a_partial_last_shard_grows_when_a_mix_entry_appends_conversations(tok, 
     with pytest.raises(KeyboardInterrupt):
         stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
     assert json.loads(shard1.read_text()) == old  # the earlier part is intact after the kill
-    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
-                                                                                real(m, t, convs, *a, **k))[1])
+    record()
     answered.clear()
     out, summed = stages._regenerate_sharded(target, after, cfg, tmp_path / "regen", "train", False)
     assert sorted(c[0]["content"] for c in answered) == [f"Name a colour ({i})." for i in range(3)]
@@ -1124,8 +1125,7 @@ def test_a_partial_last_shard_grows_when_a_mix_entry_appends_conversations(tok, 
     # shards_per_call: the grown shard and the next one answered by one engine run, the same conversations asked
     shard1.write_text(json.dumps(old))
     (tmp_path / "regen" / "train-00002.json").unlink()
-    monkeypatch.setattr(regen_mod, "regenerate", lambda m, t, convs, *a, **k: (answered.extend(convs),
-                                                                                real(m, t, convs, *a, **k))[1])
+    record()
     answered.clear()
     grouped = cfg.model_copy(update={"regen": cfg.regen.model_copy(update={"shards_per_call": 2})})
     out2, summed2 = stages._regenerate_sharded(target, after, grouped, tmp_path / "regen", "train", False)
