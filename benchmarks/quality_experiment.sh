@@ -137,6 +137,25 @@ import sys, tarfile
 with tarfile.open(sys.argv[2], "r:xz") as t:
     t.extractall(sys.argv[1], filter="data")
 PY
+    # the pack names the files of the WORK it was made in (the GGUF, the prompts): a pack made elsewhere (e.g.
+    # rebuilt on the CPU side in another WORK) left the stamp's paths there, and train refused the folder as "a
+    # run of a different recipe (differs in: data.path, target.gguf_file)" (run 11's first leg). Those paths
+    # now name this WORK; the GGUF is checked by its sha256 at setup
+    python3 - "$WORK" <<'PY'
+import os, sys, yaml
+from pathlib import Path
+work = Path(sys.argv[1])
+stamp = work / "peagle" / "run_config.yaml"
+gguf = ((yaml.safe_load(stamp.read_text()) or {}).get("target") or {}).get("gguf_file") if stamp.exists() else None
+old = str(Path(gguf).parent) if gguf else None
+if old and old != str(work):
+    for f in (stamp, work / "peagle" / "data" / "meta.json"):
+        if f.exists():
+            tmp = f.with_name(f.name + ".tmp")
+            tmp.write_text(f.read_text().replace(old + "/", str(work) + "/"))
+            os.replace(tmp, f)
+    print(f"restore: the pack's paths under {old}/ now name {work}/")
+PY
   fi
   share_prepared "$WORK/eagle3"
   cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"

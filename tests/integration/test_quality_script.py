@@ -18,6 +18,7 @@ from pathlib import Path
 
 import ablation_report  # benchmarks/ is on sys.path (conftest)
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "quality_experiment.sh"
@@ -1102,7 +1103,10 @@ def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tm
     (data / "regen").mkdir()
     (data / "regen" / "train-00000.json").write_text('{"conversations": []}')
     (data / "train.safetensors").write_bytes(os.urandom(5000))
-    (Path(env["WORK"]) / "peagle" / "run_config.yaml").write_text("output_dir: x\n")
+    made = env["WORK"]  # the pack's paths name the WORK it was made in; restore moves them to its own
+    (Path(made) / "peagle" / "run_config.yaml").write_text(
+        f"output_dir: x\ntarget:\n  gguf_file: {made}/t.gguf\ndata:\n  path: {made}/p.json\n")
+    (data / "meta.json").write_text(json.dumps({"splits": {"train": {"sequences": 100}}, "path": f"{made}/p.json"}))
     r = _step(env | {"RESULTS": str(tmp_path / "carried")}, "pack")
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in (tmp_path / "carried").iterdir()) == ["prepared.tar.xz", "prepared.tar.xz.sha256"]
@@ -1114,6 +1118,11 @@ def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tm
         got = tmp_path / "fresh" / run / "data"
         assert (got / "train.safetensors").read_bytes() == (data / "train.safetensors").read_bytes()
     assert (tmp_path / "fresh" / "peagle" / "data" / "regen" / "train-00000.json").exists()
+    fresh_work = tmp_path / "fresh"
+    stamp = yaml.safe_load((fresh_work / "peagle" / "run_config.yaml").read_text())
+    assert stamp["target"]["gguf_file"] == f"{fresh_work}/t.gguf" and stamp["data"]["path"] == f"{fresh_work}/p.json"
+    assert json.loads((fresh_work / "peagle" / "data" / "meta.json").read_text())["path"] == f"{fresh_work}/p.json"
+    assert f"the pack's paths under {made}/ now name {fresh_work}/" in r.stdout
     # the restored shards count as carried: `wait` does not pack them again
     digest = hashlib.sha256(b'{"conversations": []}').hexdigest()
     assert (tmp_path / "fresh" / "regen-carried.list").read_text() == f"{digest}  train-00000.json\n"
