@@ -40,9 +40,13 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
     "n262144_step_s": (None, "not run"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
-    "zero2_tokens_per_s": ("strategies_545bea5_mb8.json", ["runs", {"key": "name", "is": "zero2"}, "tokens_per_s"]),
-    "fsdp2_tokens_per_s": ("strategies_545bea5_mb8.json", ["runs", {"key": "name", "is": "fsdp2"}, "tokens_per_s"]),
-    "plain_tokens_per_s": ("strategies_545bea5_mb8.json", ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
+    # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), one call on one H100
+    "zero2_tokens_per_s": ("strategies_f5b8066_h100_mb64.json",
+                           ["runs", {"key": "name", "is": "zero2"}, "tokens_per_s"]),
+    "fsdp2_tokens_per_s": ("strategies_f5b8066_h100_mb64.json",
+                           ["runs", {"key": "name", "is": "fsdp2"}, "tokens_per_s"]),
+    "plain_tokens_per_s": ("strategies_f5b8066_h100_mb64.json",
+                           ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
     # for gptoss_8k_fraction_of_peak: the step's TFLOP/s and the bf16 matmul rate measured in the same run
     "gptoss_8k_tflops": ("train_step_s9_trainer_gptoss_8192.json", ["rows", {"key": "N", "is": 8192}, "tflops"]),
     "gptoss_8k_peak_tflops": ("train_step_s9_trainer_gptoss_8192.json", ["meta", "bf16_matmul_tflops"]),

@@ -154,7 +154,7 @@ class Trainer(InTrainingEval, Checkpoints):
             by_steps = sched.lr_lambdas[0]
             sched.lr_lambdas[0] = lambda step: by_steps(
                 max(step, min(self.total_steps, int(self.time_fraction * self.total_steps))))
-        configure_deepspeed(self.acc, self.tc)
+        configure_deepspeed(self.acc, self.tc, self.layout.ds_config)
         self.model, self.opt, self.sched = self.acc.prepare(objective, opt, sched)
         after_prepare(self.acc, self.model)
         self._ranks: dict[int, int] | None = None  # heldout rank per eval sequence (_heldout_rank), built on first use

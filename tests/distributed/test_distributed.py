@@ -401,6 +401,43 @@ def test_impossible_layouts_fail_with_the_key_named(base, tmp_path):
         _cfg(base, "x", target_sharding="shard")
 
 
+def test_deepspeed_bf16_trains_fp32_weights_under_autocast_as_the_single_process_does(base):
+    """``train.mixed_precision: bf16`` under DeepSpeed with the shipped ``bf16.enabled: "auto"``: fp32 parameters
+    and DeepSpeed's ``torch_autocast`` (bf16), not DeepSpeed's bf16 mode (whose fp32 matmuls outside the drafter's
+    weights made ZeRO-2 0.69x plain); a file that names bf16 or torch_autocast keeps them; fp32 recipes untouched."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from peagle_train.distributed.strategy import configure_deepspeed
+
+    shipped = json.loads((REPO / "launch" / "deepspeed" / "zero2.json").read_text())
+
+    def filled(file_config: dict, mixed_precision: str) -> dict:
+        live = json.loads(json.dumps(file_config))
+        if mixed_precision == "bf16" and str(live.get("bf16", {}).get("enabled")) == "auto":
+            live["bf16"]["enabled"] = True  # what accelerate's set_mixed_precision made of "auto" before prepare
+        acc = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2,
+                              state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=live)))
+        configure_deepspeed(acc, _cfg(base, "x", mixed_precision=mixed_precision).train, file_config)
+        return live
+
+    c = filled(shipped, "bf16")
+    assert c["bf16"]["enabled"] is False and c["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert c["train_batch_size"] == 2 * c["train_micro_batch_size_per_gpu"] and c["gradient_clipping"] == 1.0
+    if _has("deepspeed"):  # DeepSpeed reads it as autocast in bf16 with its bf16 mode off
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        ds = DeepSpeedConfig(c | {"train_batch_size": c["train_micro_batch_size_per_gpu"]})
+        assert ds.torch_autocast_enabled and ds.torch_autocast_dtype == torch.bfloat16
+        assert not ds.bfloat16_config.enabled
+    assert "torch_autocast" not in filled(shipped, "no") and filled(shipped, "no")["bf16"]["enabled"] == "auto"
+    explicit = filled(shipped | {"bf16": {"enabled": True}}, "bf16")  # the file asks for DeepSpeed's bf16 mode
+    assert explicit["bf16"]["enabled"] is True and "torch_autocast" not in explicit
+    own = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": ["torch.nn.Linear"]}
+    assert filled(shipped | {"torch_autocast": own}, "bf16")["torch_autocast"] == own
+
+
 def test_impossible_layout_fails_at_start_of_a_launch(base, tmp_path):
     """2 ranks, a global batch of 3: both ranks stop before loading anything, naming the key."""
     cfg = _cfg(base, "bad", global_batch_size=3, max_steps=2)
