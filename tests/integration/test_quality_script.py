@@ -1452,3 +1452,45 @@ def test_wait_brings_a_finished_drafters_export_back_over_its_calls(tmp_path):
     ferry.join(gathered, tmp_path / "joined")
     assert (tmp_path / "joined" / "smollm2-135m-peagle-gpu" / "model.safetensors").read_bytes() == weights
     assert "evaluation's table" in (tmp_path / "joined" / "smollm2-135m-peagle-gpu" / "README.md").read_text()
+
+
+FAKE_EVAL_CPU = """#!{python}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if "--eval-merge" in args:
+    out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("output_dir=")))
+    (out / "eval").mkdir(exist_ok=True)
+    (out / "eval" / "eval.json").write_text("{{}}")
+"""
+
+
+def test_eval_cpu_runs_claiming_workers_on_the_export_then_merges_them(tmp_path):
+    """``benchmarks/eval_cpu.sh RUN``: W workers of the fp32 eager loop claim prompts under one name in RUN (the
+    GGUF and prompts named), then one merge of W parts; a RUN without an export is refused before any work."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(FAKE_EVAL_CPU.format(python=sys.executable))
+    fake.chmod(0o755)
+    run = tmp_path / "run12"
+    env = os.environ | {"PEAGLE_CLI": str(fake), "FAKE_LOG": str(tmp_path / "calls.jsonl"), "W": "3",
+                        "GGUF": "/g/t.gguf", "PROMPTS": "/g/p.json"}
+    script = ROOT / "benchmarks" / "eval_cpu.sh"
+    r = subprocess.run(["bash", str(script), str(run)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "export/config.json missing" in r.stderr and not (tmp_path / "calls.jsonl").exists()
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "config.json").write_text("{}")
+    r = subprocess.run(["bash", str(script), str(run)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"({run}/eval/eval.json)" in r.stdout, r.stdout + r.stderr
+    calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    workers, merge = calls[:3], calls[3]
+    assert sorted(c[c.index("--eval-worker") + 1] for c in workers) == ["0/3", "1/3", "2/3"]
+    assert {c[c.index("--eval-claim") + 1] for c in workers} == {"run12-cpu"}
+    for c in calls:
+        assert c[:2] == ["eval", "recipes/smollm2-135m-peagle-gpu.yaml"]
+        assert {f"output_dir={run}", "target.dtype=float32", "eval.compile_target=false", "target.gguf_file=/g/t.gguf",
+                "data.path=/g/p.json", "eval.datasets=[mt_bench,humaneval]"} <= set(c)
+    assert merge[merge.index("--eval-merge") + 1] == "3" and "--eval-worker" not in merge
