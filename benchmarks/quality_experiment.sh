@@ -137,11 +137,12 @@ import sys, tarfile
 with tarfile.open(sys.argv[2], "r:xz") as t:
     t.extractall(sys.argv[1], filter="data")
 PY
-    # the pack names the files of the WORK it was made in (the GGUF, the prompts): a pack made elsewhere (e.g.
-    # rebuilt on the CPU side in another WORK) left the stamp's paths there, and train refused the folder as "a
-    # run of a different recipe (differs in: data.path, target.gguf_file)" (run 11's first leg). Those paths
-    # now name this WORK; the GGUF is checked by its sha256 at setup
-    python3 - "$WORK" <<'PY'
+  fi
+  # the pack names the files of the WORK it was made in (the GGUF, the prompts: both under WORK, OVR): a pack
+  # made elsewhere (e.g. rebuilt on the CPU side in another WORK) left the stamp's paths there, and train refused
+  # the folder as "a run of a different recipe (differs in: data.path, target.gguf_file)" (run 11's first leg).
+  # Those paths now name this WORK (also for data restored earlier; the GGUF is checked by its sha256 at setup)
+  python3 - "$WORK" <<'PY'
 import os, sys, yaml
 from pathlib import Path
 work = Path(sys.argv[1])
@@ -156,7 +157,6 @@ if old and old != str(work):
             os.replace(tmp, f)
     print(f"restore: the pack's paths under {old}/ now name {work}/")
 PY
-  fi
   share_prepared "$WORK/eagle3"
   cp "$WORK/peagle/data/meta.json" "$RESULTS/data_meta.json"
   note_carried  # the pack's regeneration shards are in the repository already

@@ -7,8 +7,8 @@ tree of Python files (by default the running interpreter's standard library, PSF
 request: an instruction, then the function's signature and docstring in a markdown block; the assistant
 turn is the function as written in the source (a placeholder: regeneration replaces it with the target's
 own answer). Rows are chat records (``{"messages": [...], "origin": "module:qualname"}``) in a JSON array
-(``OUT.json[.gz]``, read by the ``sharegpt`` source's streaming reader, which needs no ``datasets``: the GPU
-recipes' ``data.mix`` entry) or JSON lines (``OUT.jsonl[.gz]``, the ``jsonl`` source); the decontamination
+(``OUT.json[.gz]``, read by the ``sharegpt`` source's streaming reader, which needs no ``datasets``: a
+``data.mix`` entry ``{source: sharegpt, path: OUT.json.gz}``) or JSON lines (``OUT.jsonl[.gz]``, the ``jsonl`` source); the decontamination
 screen of the loader keeps any row that overlaps an evaluation prompt out, as for every source.
 
 Worked example: ``posixpath.py`` defines ``def commonprefix(m): "Given a list of pathnames, returns the

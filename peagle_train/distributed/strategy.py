@@ -11,20 +11,24 @@ import torch
 from peagle_train.core.config import TrainConfig
 
 
-def configure_deepspeed(acc, tc: TrainConfig, file_config: dict | None = None) -> None:
+def configure_deepspeed(acc, tc: TrainConfig, file_config: dict) -> None:
     """Fill DeepSpeed's ``"auto"`` values from the recipe (call before ``prepare``; no-op otherwise).
 
     ``train_micro_batch_size_per_gpu`` ← ``train.micro_batch_size``; ``gradient_accumulation_steps`` ← 1
     (the trainer accumulates, see :func:`backward`); ``gradient_clipping`` ← ``train.grad_clip``.
 
     ``train.mixed_precision: bf16`` with the file's ``bf16.enabled`` left ``"auto"`` (or absent) and no
-    ``torch_autocast`` section (``file_config``: the JSON as written, :attr:`Layout.ds_config`): the run gets
-    the single process's numerics, fp32 parameters and optimizer with the forward under bf16 autocast
-    (DeepSpeed's ``torch_autocast``, entered by its engine's forward), instead of DeepSpeed's bf16 mode.
+    ``torch_autocast`` section (``file_config``: the JSON as written, :attr:`Layout.ds_config`; accelerate has
+    already turned the live config's ``"auto"`` into ``true`` when this runs): the run gets the single process's
+    numerics, fp32 parameters, optimizer and gradient reduction with the forward under bf16 autocast
+    (DeepSpeed's ``torch_autocast``, entered by its engine's forward; ``lower_precision_safe_modules: []`` keeps
+    the gradients' all-reduce in fp32, as FSDP2's policy here does), instead of DeepSpeed's bf16 mode.
     accelerate turns its own autocast off under DeepSpeed, so in bf16 mode the drafter runs in bf16 weights and
     every matmul on other tensors in fp32, e.g. the loss's target logits (``[tokens, H] x [H, V]`` per chunk)
     as an fp32 GEMM; ZeRO-2 in bf16 mode made 0.69x the plain run's tokens/s at micro-batch 64 on an H100
-    (docs/benchmarks.md, f5b8066). A file that sets ``bf16.enabled: true`` or ``torch_autocast`` keeps them.
+    (docs/benchmarks.md, f5b8066). A file that sets ``bf16.enabled: true`` keeps DeepSpeed's bf16 mode; one with
+    its own ``torch_autocast`` section is left as written (with ``bf16.enabled: "auto"``, accelerate's ``true``:
+    bf16 weights under that autocast).
     """
     from accelerate.utils import DistributedType
 
@@ -36,11 +40,10 @@ def configure_deepspeed(acc, tc: TrainConfig, file_config: dict | None = None) -
     c["train_batch_size"] = tc.micro_batch_size * acc.num_processes
     if c.get("gradient_clipping", "auto") == "auto":
         c["gradient_clipping"] = tc.grad_clip
-    written = c if file_config is None else file_config
-    bf16_as_written = str((written.get("bf16") or {}).get("enabled", "auto")).lower()
-    if tc.mixed_precision == "bf16" and bf16_as_written == "auto" and "torch_autocast" not in written:
+    bf16_as_written = str((file_config.get("bf16") or {}).get("enabled", "auto")).lower()
+    if tc.mixed_precision == "bf16" and bf16_as_written == "auto" and "torch_autocast" not in file_config:
         c["bf16"] = {**(c.get("bf16") or {}), "enabled": False}
-        c["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        c["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
 
 
 def zero_stage(acc) -> int | None:

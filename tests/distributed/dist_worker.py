@@ -71,7 +71,9 @@ def _dump(tr, recs, out: Path, tag: str, extra: dict | None = None) -> None:
     blob = {"rank": rank, "world": tr.acc.num_processes, "strategy": tr.layout.strategy,
             "distributed_type": str(tr.acc.distributed_type), "records": recs,
             "micro_batches": [tr.micro_batches(s) for s in range(len(recs))],
-            "params": {k: v.float() for k, v in params.items() if k.startswith("drafter.")}}
+            "params": {k: v.float() for k, v in params.items() if k.startswith("drafter.")},
+            # the dtypes the trainable parameters live in on this rank (DeepSpeed's bf16 mode: bf16; autocast: fp32)
+            "param_dtypes": sorted({str(q.dtype) for q in tr.model.parameters() if q.requires_grad})}
     blob.update(extra or {})
     torch.save(blob, out / f"{tag}-rank{rank}.pt")
 

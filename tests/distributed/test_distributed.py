@@ -285,6 +285,40 @@ def test_deepspeed_zero2_matches_single_process(base, reference, tmp_path):
 
 
 @pytest.mark.skipif(not _has("deepspeed"), reason="deepspeed not installed (pip install 'peagle-train[deepspeed]')")
+def test_deepspeed_zero2_bf16_trains_fp32_weights_like_the_single_process(base, tmp_path):
+    """``train.mixed_precision: bf16`` under ZeRO-2 (2 ranks, CPU): the drafter's parameters stay fp32 (DeepSpeed's
+    bf16 mode would hold them in bf16) and two steps follow the single bf16 process's losses and weights.
+
+    Tolerances: loss and grad norm relative 1e-3, weights 1e-4 absolute (lr 3e-3, two steps): the ranks sum the
+    gradients in another order than one process, under the same bf16 autocast."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    cfg = _cfg(base, "ref16", mixed_precision="bf16", **EQUIV)
+    _run_dir(base, "ref16")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    tr = _trainer(cfg)
+    want = [tr.train_step() for _ in range(EQUIV["max_steps"])]
+    from peagle_train.distributed.strategy import full_state_dict
+
+    want_params = {k: v.float() for k, v in full_state_dict(tr.acc, tr.model).items() if k.startswith("drafter.")}
+    tr._stop_prefetch()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    _run_dir(base, "ref16")
+    _launch("deepspeed_zero2.yaml", ["step", "--cfg", _write_cfg(cfg, tmp_path / "cfg.json"), "--out", str(tmp_path),
+                                     "--steps", "2"], timeout=400, DS_ACCELERATOR="cpu")
+    for r in range(2):
+        b = _load(tmp_path / f"sync-rank{r}.pt")
+        assert b["distributed_type"] == "DistributedType.DEEPSPEED" and b["param_dtypes"] == ["torch.float32"]
+        for got, exp in zip(b["records"], want, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert got[key] == pytest.approx(exp[key], rel=1e-3), (r, got["step"], key)
+        for k, v in want_params.items():
+            assert float((b["params"][k] - v).abs().max()) <= 1e-4, (r, k)
+
+
+@pytest.mark.skipif(not _has("deepspeed"), reason="deepspeed not installed (pip install 'peagle-train[deepspeed]')")
 def test_deepspeed_zero3_matches_single_process(base, reference, tmp_path):
     """ZeRO-3 (launch/deepspeed/zero3.json), one backward per step: 2 packed sequences per rank, no partitions.
 
@@ -401,7 +435,7 @@ def test_impossible_layouts_fail_with_the_key_named(base, tmp_path):
         _cfg(base, "x", target_sharding="shard")
 
 
-def test_deepspeed_bf16_trains_fp32_weights_under_autocast_as_the_single_process_does(base):
+def test_deepspeed_bf16_config_is_fp32_weights_under_autocast_as_the_single_process_does(base):
     """``train.mixed_precision: bf16`` under DeepSpeed with the shipped ``bf16.enabled: "auto"``: fp32 parameters
     and DeepSpeed's ``torch_autocast`` (bf16), not DeepSpeed's bf16 mode (whose fp32 matmuls outside the drafter's
     weights made ZeRO-2 0.69x plain); a file that names bf16 or torch_autocast keeps them; fp32 recipes untouched."""
@@ -423,14 +457,17 @@ def test_deepspeed_bf16_trains_fp32_weights_under_autocast_as_the_single_process
         return live
 
     c = filled(shipped, "bf16")
-    assert c["bf16"]["enabled"] is False and c["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert c["bf16"]["enabled"] is False
+    assert c["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert c["train_batch_size"] == 2 * c["train_micro_batch_size_per_gpu"] and c["gradient_clipping"] == 1.0
     if _has("deepspeed"):  # DeepSpeed reads it as autocast in bf16 with its bf16 mode off
         from deepspeed.runtime.config import DeepSpeedConfig
 
         ds = DeepSpeedConfig(c | {"train_batch_size": c["train_micro_batch_size_per_gpu"]})
         assert ds.torch_autocast_enabled and ds.torch_autocast_dtype == torch.bfloat16
-        assert not ds.bfloat16_config.enabled
+        assert not ds.bfloat16_config.enabled and ds.torch_autocast_lower_precision_safe_modules == []
+    absent = filled({k: v for k, v in shipped.items() if k != "bf16"}, "bf16")  # no bf16 section: as "auto"
+    assert absent["bf16"]["enabled"] is False and absent["torch_autocast"]["enabled"] is True
     assert "torch_autocast" not in filled(shipped, "no") and filled(shipped, "no")["bf16"]["enabled"] == "auto"
     explicit = filled(shipped | {"bf16": {"enabled": True}}, "bf16")  # the file asks for DeepSpeed's bf16 mode
     assert explicit["bf16"]["enabled"] is True and "torch_autocast" not in explicit

@@ -1123,6 +1123,12 @@ def test_pack_then_restore_on_a_fresh_machine_moves_the_prepared_data_checked(tm
     assert stamp["target"]["gguf_file"] == f"{fresh_work}/t.gguf" and stamp["data"]["path"] == f"{fresh_work}/p.json"
     assert json.loads((fresh_work / "peagle" / "data" / "meta.json").read_text())["path"] == f"{fresh_work}/p.json"
     assert f"the pack's paths under {made}/ now name {fresh_work}/" in r.stdout
+    # data restored before the paths were moved (or a restore cut between the two files) is moved the next time
+    (fresh_work / "peagle" / "run_config.yaml").write_text(f"target:\n  gguf_file: {made}/t.gguf\n")
+    r = _step(fresh, "restore")
+    assert r.returncode == 0 and "keeping it" in r.stdout, r.stdout + r.stderr
+    assert yaml.safe_load((fresh_work / "peagle" / "run_config.yaml").read_text())["target"]["gguf_file"] == \
+        f"{fresh_work}/t.gguf"
     # the restored shards count as carried: `wait` does not pack them again
     digest = hashlib.sha256(b'{"conversations": []}').hexdigest()
     assert (tmp_path / "fresh" / "regen-carried.list").read_text() == f"{digest}  train-00000.json\n"
@@ -1483,8 +1489,10 @@ def test_eval_cpu_runs_claiming_workers_on_the_export_then_merges_them(tmp_path)
     assert r.returncode == 2 and "export/config.json missing" in r.stderr and not (tmp_path / "calls.jsonl").exists()
     (run / "export").mkdir(parents=True)
     (run / "export" / "config.json").write_text("{}")
-    r = subprocess.run(["bash", str(script), str(run)], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["bash", str(script), "run12/"], env=env, capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)  # relative to the caller, trailing slash: the same folder
     assert r.returncode == 0 and f"({run}/eval/eval.json)" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "run12.eval-0.err").exists()
     calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
     workers, merge = calls[:3], calls[3]
     assert sorted(c[c.index("--eval-worker") + 1] for c in workers) == ["0/3", "1/3", "2/3"]

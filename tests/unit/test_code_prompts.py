@@ -1,5 +1,5 @@
-"""data_prep.code_prompts: code requests from a tree of Python files, and the committed standard-library set the GPU
-recipes mix in (recipes/data/stdlib_code_prompts.json.gz)."""
+"""data_prep.code_prompts: code requests from a tree of Python files, and the committed standard-library set
+(recipes/data/stdlib_code_prompts.json.gz; runs 10 and 11 trained on it, docs/results.md)."""
 from __future__ import annotations
 
 import gzip
@@ -137,7 +137,7 @@ def test_a_stub_holding_a_markdown_fence_gets_a_longer_one():
 
 
 def test_the_committed_set_is_what_the_builder_makes_and_no_row_overlaps_an_evaluation_prompt(tmp_path):
-    """The GPU recipes' code set: 3,051 rows with distinct functions, every row a user request and a reference
+    """The committed code set: 3,051 rows with distinct functions, every row a user request and a reference
     answer; the decontamination screen against MT-Bench and HumanEval drops none of them (and would drop a
     HumanEval problem written as such a row); none uses the evaluation's EvalPlus wrapper; rebuilt from this interpreter's standard library it is byte-identical where the
     interpreter is the one it was built with (CPython 3.11.7)."""
