@@ -147,20 +147,28 @@ def _trainer(cfg, layout=None):
 @pytest.fixture(scope="module")
 def reference(base):
     """Single process, same recipe: the weights and records every 2-rank layout must reproduce."""
+    return _single_process(base, "ref")
+
+
+def _single_process(base: Path, name: str, **train) -> dict:
+    """``EQUIV``'s steps in this process (fresh accelerate state before and after) on a fresh run folder ``name``:
+    ``{"records", "params" (drafter.*, fp32), "batches", "cfg"}``; the folder is left fresh again for a launch."""
     from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    cfg = _cfg(base, "ref", **EQUIV)
-    _run_dir(base, "ref")
-    tr = _trainer(cfg)
-    recs = [tr.train_step() for _ in range(EQUIV["max_steps"])]
     from peagle_train.distributed.strategy import full_state_dict
 
-    params = {k: v.float() for k, v in full_state_dict(tr.acc, tr.model).items() if k.startswith("drafter.")}
-    batches = [sorted(i for mb in tr.micro_batches(s) for i in mb) for s in range(EQUIV["max_steps"])]
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    cfg = _cfg(base, name, **EQUIV, **train)
+    _run_dir(base, name)
+    tr = _trainer(cfg)
+    recs = [tr.train_step() for _ in range(EQUIV["max_steps"])]
+    params = {k: v.float() for k, v in full_state_dict(tr.acc, tr.model).items() if k.startswith("drafter.")}
+    batches = [sorted(i for mb in tr.micro_batches(s) for i in mb) for s in range(EQUIV["max_steps"])]
+    tr._stop_prefetch()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    _run_dir(base, name)
     return {"records": recs, "params": params, "batches": batches, "cfg": cfg}
 
 
@@ -291,23 +299,10 @@ def test_deepspeed_zero2_bf16_trains_fp32_weights_like_the_single_process(base, 
 
     Tolerances: loss and grad norm relative 1e-3, weights 1e-4 absolute (lr 3e-3, two steps): the ranks sum the
     gradients in another order than one process, under the same bf16 autocast."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    cfg = _cfg(base, "ref16", mixed_precision="bf16", **EQUIV)
-    _run_dir(base, "ref16")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    tr = _trainer(cfg)
-    want = [tr.train_step() for _ in range(EQUIV["max_steps"])]
-    from peagle_train.distributed.strategy import full_state_dict
-
-    want_params = {k: v.float() for k, v in full_state_dict(tr.acc, tr.model).items() if k.startswith("drafter.")}
-    tr._stop_prefetch()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    _run_dir(base, "ref16")
-    _launch("deepspeed_zero2.yaml", ["step", "--cfg", _write_cfg(cfg, tmp_path / "cfg.json"), "--out", str(tmp_path),
-                                     "--steps", "2"], timeout=400, DS_ACCELERATOR="cpu")
+    single = _single_process(base, "ref16", mixed_precision="bf16")
+    want, want_params = single["records"], single["params"]
+    _launch("deepspeed_zero2.yaml", ["step", "--cfg", _write_cfg(single["cfg"], tmp_path / "cfg.json"),
+                                     "--out", str(tmp_path), "--steps", "2"], timeout=400, DS_ACCELERATOR="cpu")
     for r in range(2):
         b = _load(tmp_path / f"sync-rank{r}.pt")
         assert b["distributed_type"] == "DistributedType.DEEPSPEED" and b["param_dtypes"] == ["torch.float32"]
