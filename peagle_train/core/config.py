@@ -137,8 +137,8 @@ class TrainConfig(Section):
     max_anchors: int | None = Field(None, ge=1)
     partitions: int | Literal["auto"] = Field(
         1, description="Sequence partition segments S (spec §3), or 'auto': on CUDA the fewest segments whose "
-                       "predicted peak memory fits the GPU (peagle_train.peagle.planner), per micro-batch and agreed "
-                       "across ranks; 1 elsewhere.")
+                       "predicted peak memory fits the GPU (peagle_train.peagle.planner, with activation_checkpointing as set "
+                       "here), per micro-batch and agreed across ranks; 1 elsewhere.")
     loss: Literal["kl", "ce"] = "kl"
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 step weight base (0.8**step).")
     depth_weights: list[float] | None = Field(

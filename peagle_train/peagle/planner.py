@@ -351,11 +351,12 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
               max_partitions: int = 8, allow_checkpointing: bool = True, headroom: float = 0.9,
               lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None,
               fused_loss: bool = True, grads_resident: bool | None = None, online: OnlineStep | None = None,
-              compiled_loss: bool = True) -> Plan:
+              compiled_loss: bool = True, checkpointing: bool | None = None) -> Plan:
     """The fewest partitions ``S`` whose predicted peak fits ``headroom * gpu_bytes``.
 
     Tries ``S = 1..max_partitions`` without checkpointing first; only if none fits, the same
-    with activation checkpointing (if allowed). With ``online`` (features computed by the target in the
+    with activation checkpointing (if allowed). ``checkpointing`` True or False instead plans with that setting
+    only (the recipe's ``train.activation_checkpointing`` decided already). With ``online`` (features computed by the target in the
     step) the peak is :func:`predict_online_peak_bytes`, the target's weights included; otherwise
     :func:`predict_peak_bytes`.
 
@@ -366,7 +367,7 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
             fall back to checkpointing. headroom: usable fraction of ``gpu_bytes`` (allocator
             fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes,
             fused_loss, grads_resident, compiled_loss: as :func:`predict_peak_bytes`. online: :class:`OnlineStep`
-            or None.
+            or None. checkpointing: None (off, then on if allowed) or the one setting to plan with.
 
     Returns:
         :class:`Plan` (unpacks as ``S, checkpointing``).
@@ -380,7 +381,8 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
     budget = int(headroom * gpu_bytes)
     s_max = max(1, min(max_partitions, N))
     best = None
-    for ckpt in ([False, True] if allow_checkpointing else [False]):
+    modes = [checkpointing] if checkpointing is not None else ([False, True] if allow_checkpointing else [False])
+    for ckpt in modes:
         for S in range(1, s_max + 1):
             kw = dict(checkpointing=ckpt, chunk=chunk, lm_head_trainable=lm_head_trainable,
                       target_head_bytes=target_head_bytes, max_anchors=max_anchors, fused_loss=fused_loss,
@@ -390,21 +392,25 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
             if peak <= budget:
                 return Plan(S, ckpt, peak, budget)
             best = peak if best is None else min(best, peak)
+    tried_ckpt = True in modes
     raise ValueError(
         f"no plan fits N={N}: the smallest predicted peak ({best / GIB:.1f} GiB with S <= {s_max}"
-        f"{', checkpointing' if allow_checkpointing else ''}) exceeds the budget {budget / GIB:.1f} GiB "
-        f"({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise max_partitions, allow checkpointing, "
-        "shorten the sequence or use more memory")
+        f"{', checkpointing' if tried_ckpt else ', no checkpointing'}) exceeds the budget {budget / GIB:.1f} GiB "
+        f"({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise max_partitions, "
+        f"{'' if tried_ckpt else 'turn on activation checkpointing, '}shorten the sequence or use more memory")
 
 
 def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,
                    chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9,
                    fused_loss: bool = True, grads_resident: bool | None = None, lm_head_trainable: bool = False,
-                   target_head_bytes: int = 2, online: OnlineStep | None = None, compiled_loss: bool = True) -> int:
+                   target_head_bytes: int = 2, online: OnlineStep | None = None, compiled_loss: bool = True,
+                   checkpointing: bool = False) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
-    :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing off (it never
-    turns checkpointing on; with the recipe's ``train.activation_checkpointing`` on, the real peak
-    is lower than predicted, so the answer is conservative). ``gpu_bytes`` None (no GPU) → 1.
+    :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing as the recipe sets it
+    (``checkpointing``: ``train.activation_checkpointing``; it never turns checkpointing on by itself). Before
+    2026-12-06 it always planned without checkpointing, so a checkpointed GPT-OSS-20B-shaped step of N = 131,072
+    on an 80 GB card was refused as needing 97.6 GiB (the trainer's --checkpointing run,
+    ``docs/benchmarks.md``). ``gpu_bytes`` None (no GPU) → 1.
     ``fused_loss``, ``grads_resident``, ``lm_head_trainable``, ``target_head_bytes``, ``compiled_loss``: as
     :func:`predict_peak_bytes` (the trainer passes ``grads_resident=True`` when a step has several
     micro-batches or several processes); ``online``: the online target (:class:`OnlineStep`; its
@@ -416,7 +422,7 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
     """
     if gpu_bytes is None:
         return 1
-    return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, allow_checkpointing=False,
+    return plan_step(N, K, r, r_min, shape, gpu_bytes, chunk=chunk, checkpointing=checkpointing,
                      max_anchors=max_anchors, headroom=headroom, fused_loss=fused_loss,
                      grads_resident=grads_resident, lm_head_trainable=lm_head_trainable,
                      target_head_bytes=target_head_bytes, online=online, compiled_loss=compiled_loss).partitions

@@ -453,12 +453,15 @@ class Trainer(InTrainingEval, Checkpoints):
         shape, gpu = self._planner_inputs()
         try:
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
-                                    online=on, **self._plan_kwargs(len(lengths)))
+                                    online=on, checkpointing=self.tc.activation_checkpointing,
+                                    **self._plan_kwargs(len(lengths)))
                      for n, on in zip(lengths, online)]
         except ValueError as e:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
-                              f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, or set "
-                              "train.partitions and train.activation_checkpointing yourself") from None
+                              f"{max(lengths)} tokens ({e}); lower train.micro_batch_size or data.max_length, "
+                              + ("" if self.tc.activation_checkpointing else
+                                 "turn on train.activation_checkpointing (then planned with it), ")
+                              + "or set train.partitions yourself") from None
         return [int(x) for x in reduce_values(self.acc, parts, "max", dtype=torch.int64)]
 
     def _planner_inputs(self) -> tuple:

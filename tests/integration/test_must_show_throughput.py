@@ -26,15 +26,19 @@ def test_figures_come_from_the_named_rows(tmp_path):
     for row in spec:
         row["step_ms_median"] = 800.0 if row["N"] == 8192 else 1.0
     (tmp_path / "speculators_ref_h200.json").write_text(json.dumps(spec))
-    st = json.loads((tmp_path / "strategies_f5b8066_h100_mb64.json").read_text())
-    for r in st["runs"]:
-        r["tokens_per_s"] = {"plain": 100.0, "zero2": 95.0, "fsdp2": 80.0}[r["name"]]
-    (tmp_path / "strategies_f5b8066_h100_mb64.json").write_text(json.dumps(st))
+    # each ratio against the plain run of its own file (the two files' plain runs differ)
+    for name, speeds in (("strategies_f5b8066_h100_mb64.json", {"plain": 100.0, "zero2": 1.0, "fsdp2": 80.0}),
+                         ("strategies_90547d1_h100_mb64_zero2.json", {"plain": 200.0, "zero2": 190.0})):
+        st = json.loads((tmp_path / name).read_text())
+        for r in st["runs"]:
+            r["tokens_per_s"] = speeds[r["name"]]
+        (tmp_path / name).write_text(json.dumps(st))
     rec = ms.build(tmp_path)
     assert rec["speculators_8k_ms"] == 800.0 and rec["zero2_vs_plain"] == pytest.approx(0.95)
+    assert rec["fsdp2_vs_plain"] == pytest.approx(0.80)
     assert rec["checks"]["zero2_ge_0.9"]["holds"] and not rec["checks"]["fsdp2_ge_0.9"]["holds"]
     assert rec["checks"]["gptoss_8k_ge_1.8x_speculators"]["value"] == pytest.approx(800.0 / rec["gptoss_8k_ms"])
-    assert rec["commits"]["zero2_vs_plain"] == "f5b8066"
+    assert rec["commits"]["zero2_vs_plain"] == "90547d1" and rec["commits"]["fsdp2_vs_plain"] == "f5b8066"
     assert rec["all_hold"] is False  # the N = 131,072 figure has no file
 
 

@@ -300,6 +300,33 @@ def _online_trainer(run_dir, **train):
     return Trainer(cfg, data, feats, AutoConfig.from_pretrained(str(run_dir / "target")), [1, 3, 4])
 
 
+def test_auto_partitions_plan_with_the_recipes_checkpointing(run_dir, monkeypatch):
+    """The planner is asked with ``train.activation_checkpointing`` as the recipe sets it; a refusal suggests
+    turning it on only where it is off."""
+    import peagle_train.peagle.planner as planner
+
+    data, feats, tconf = _cached_inputs(run_dir)
+    seen = []
+
+    def fake(N, K, r, r_min, shape, gpu_bytes, **kw):
+        seen.append(kw["checkpointing"])
+        return 1
+
+    def no_fit(*a, **k):
+        raise ValueError("no plan fits N=40")
+
+    for ckpt in (False, True):
+        tr = Trainer(_cfg(run_dir, max_steps=1, partitions="auto", activation_checkpointing=ckpt), data, feats,
+                     tconf, [1, 3, 4])
+        tr._plan_inputs = (tr._planner_inputs()[0], 10**12)  # a GPU's memory, stubbed
+        monkeypatch.setattr(planner, "partitions_for", fake)
+        assert tr.partitions([40]) == [1] and seen[-1] is ckpt
+        monkeypatch.setattr(planner, "partitions_for", no_fit)
+        with pytest.raises(ConfigError, match="found no plan") as e:
+            tr.partitions([40])
+        assert ("turn on train.activation_checkpointing" in str(e.value)) is not ckpt
+
+
 def test_auto_partitions_count_the_online_target(run_dir, monkeypatch):
     """train.partitions: auto with online features: the planner gets the whole GPU and the online target
     (its weights on this device, float32; the forwards OnlineFeatures runs for the micro-batch; the prefetch

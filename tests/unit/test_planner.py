@@ -102,6 +102,27 @@ def test_partitions_for_training():
         partitions_for(10**6, 8, 0.7, 0.2, GPT_OSS, 40 * GIB)
 
 
+def test_partitions_for_plans_with_the_recipes_checkpointing():
+    """``train.activation_checkpointing`` on: the plan is made with it (an 80 GB card, GPT-OSS-20B shape, N =
+    131,072: S = 2 with checkpointing, where without it even S = 8 is predicted at 97.6 GiB and refused, the
+    refusal of the --checkpointing run in docs/benchmarks.md); the message suggests checkpointing only where
+    it was off."""
+    from peagle_train.peagle.planner import partitions_for, plan_step
+
+    h100 = int(79.2 * GIB)
+    kw = dict(lm_head_trainable=True, target_head_bytes=4)
+    with pytest.raises(ValueError, match=r"97\.6 GiB with S <= 8, no checkpointing.*turn on activation checkpointing"):
+        partitions_for(131072, 8, 0.7, 0.2, GPT_OSS, h100, **kw)
+    assert partitions_for(131072, 8, 0.7, 0.2, GPT_OSS, h100, checkpointing=True, **kw) == 2
+    plan = plan_step(131072, 8, 0.7, 0.2, GPT_OSS, h100, checkpointing=True, **kw)
+    assert plan.checkpointing and plan.predicted_peak_bytes <= plan.budget_bytes
+    with pytest.raises(ValueError, match="S <= 8, checkpointing\\) exceeds") as e:
+        partitions_for(262144, 8, 0.7, 0.2, GPT_OSS, h100, checkpointing=True, **kw)
+    assert "turn on activation checkpointing" not in str(e.value)
+    # checkpointing=None keeps plan_step's search: off first, then on
+    assert plan_step(131072, 8, 0.7, 0.2, GPT_OSS, h100, **kw) == plan
+
+
 def test_eager_loss_chunk_buffers_are_counted_from_its_live_tensors():
     """``OMEGA_EAGER``: without ``train.compile`` the loss chunk body (``kernels.loss._fused_chunk``) is eager; the
     bytes of the tensors it holds at once at its peak, counted on the CPU by a dispatch mode that follows every
