@@ -72,7 +72,7 @@ fresh Trainer, so ``first_step_s`` includes its compilation (Inductor's caches m
 earlier variant), and ``compile_modes`` says whether each compiled piece ran fullgraph, with graph
 breaks, or fell back to eager. ``--partitions auto`` is ``train.partitions: auto``: the trainer
 asks :func:`peagle_train.peagle.planner.partitions_for` for S given the GPU's memory (1 on CPU;
-it never turns activation checkpointing on: ``--checkpointing`` does); the row's ``plan`` records
+it never turns activation checkpointing on: ``--checkpointing`` does, and ``auto`` then plans with it); the row's ``plan`` records
 the trainer's S and the planner's predicted peak, and an out-of-memory step under ``auto`` retries
 once with S + 1. ``--profile`` writes the top-25 kernels (name, ms per step, % of step) to the
 JSON, and on CUDA the GPU's busy and idle time per profiled step and the kernel time by category

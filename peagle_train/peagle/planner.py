@@ -364,7 +364,7 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
         N: tokens per sequence. K, r, r_min, max_anchors: COD settings. shape: :class:`ShapeParams`.
         gpu_bytes: device memory in bytes (e.g. ``torch.cuda.get_device_properties(0).total_memory``).
         chunk: loss chunk. max_partitions: largest S tried (capped at N). allow_checkpointing: may
-            fall back to checkpointing. headroom: usable fraction of ``gpu_bytes`` (allocator
+            fall back to checkpointing (ignored when ``checkpointing`` is given). headroom: usable fraction of ``gpu_bytes`` (allocator
             fragmentation, CUDA context, model error). lm_head_trainable, target_head_bytes,
             fused_loss, grads_resident, compiled_loss: as :func:`predict_peak_bytes`. online: :class:`OnlineStep`
             or None. checkpointing: None (off, then on if allowed) or the one setting to plan with.
@@ -407,10 +407,8 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
                    checkpointing: bool = False) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
     :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing as the recipe sets it
-    (``checkpointing``: ``train.activation_checkpointing``; it never turns checkpointing on by itself). Before
-    2026-12-06 it always planned without checkpointing, so a checkpointed GPT-OSS-20B-shaped step of N = 131,072
-    on an 80 GB card was refused as needing 97.6 GiB (the trainer's --checkpointing run,
-    ``docs/benchmarks.md``). ``gpu_bytes`` None (no GPU) → 1.
+    (``checkpointing``: ``train.activation_checkpointing``; it never turns checkpointing on by itself).
+    ``gpu_bytes`` None (no GPU) → 1.
     ``fused_loss``, ``grads_resident``, ``lm_head_trainable``, ``target_head_bytes``, ``compiled_loss``: as
     :func:`predict_peak_bytes` (the trainer passes ``grads_resident=True`` when a step has several
     micro-batches or several processes); ``online``: the online target (:class:`OnlineStep`; its
