@@ -317,7 +317,7 @@ def auto_plan(trainer: Trainer, N: int, args) -> dict:
     S = int(trainer.partitions([N])[0])
     drafter = trainer.acc.unwrap_model(trainer.model).drafter
     peak = predict_peak_bytes(N, S, ShapeParams.from_config(drafter.config), tc.K, tc.cod_r, tc.cod_r_min,
-                              checkpointing=tc.activation_checkpointing, **trainer._plan_kwargs(1))  # the trainer's
+                              **trainer._plan_kwargs(1))  # the trainer's (train.activation_checkpointing included)
     gpu = torch.cuda.get_device_properties(trainer.device).total_memory if trainer.device.type == "cuda" else None
     return {"S": S, "decided_by": "Trainer.partitions (peagle_train.peagle.planner.partitions_for)",
             "checkpointing": tc.activation_checkpointing, "predicted_peak_gb": peak / 2**30,

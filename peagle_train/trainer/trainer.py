@@ -453,8 +453,7 @@ class Trainer(InTrainingEval, Checkpoints):
         shape, gpu = self._planner_inputs()
         try:
             parts = [partitions_for(n, self.tc.K, self.tc.cod_r, self.tc.cod_r_min, shape, gpu,
-                                    online=on, checkpointing=self.tc.activation_checkpointing,
-                                    **self._plan_kwargs(len(lengths)))
+                                    online=on, **self._plan_kwargs(len(lengths)))
                      for n, on in zip(lengths, online)]
         except ValueError as e:
             raise ConfigError(f"{self.cfg.source_file}: train.partitions=auto found no plan for a micro-batch of "
@@ -474,13 +473,15 @@ class Trainer(InTrainingEval, Checkpoints):
         return self._plan_inputs
 
     def _plan_kwargs(self, n_micro: int) -> dict:
-        """The drafter-side settings of the memory planner for a step of ``n_micro`` micro-batches (this rank)."""
+        """The drafter-side settings of the memory planner for a step of ``n_micro`` micro-batches (this rank),
+        the recipe's ``train.activation_checkpointing`` among them: one set for planning S and predicting the peak."""
         resident = n_micro > 1 or self.acc.num_processes > 1
         return dict(chunk=self.tc.loss_chunk_size, max_anchors=self.tc.max_anchors, fused_loss=self.tc.fused_loss,
                     grads_resident=True if resident else None,
                     lm_head_trainable=self.cfg.drafter.lm_head == "trainable",
                     target_head_bytes=4,  # the objective's target head rows are float32 (build_objective)
-                    compiled_loss=bool(self.tc.compile))  # train.compile compiles the loss chunk body
+                    compiled_loss=bool(self.tc.compile),  # train.compile compiles the loss chunk body
+                    checkpointing=self.tc.activation_checkpointing)
 
     def _online_step(self, indices: list[int] | None, n: int):
         """The online target's part of the memory model for a micro-batch of train-split ``indices`` (``n``
@@ -516,7 +517,7 @@ class Trainer(InTrainingEval, Checkpoints):
 
         shape, _ = self._planner_inputs()
         cod = (self.tc.K, self.tc.cod_r, self.tc.cod_r_min)
-        kw = dict(self._plan_kwargs(len(lengths)), checkpointing=self.tc.activation_checkpointing)
+        kw = self._plan_kwargs(len(lengths))
         for n, S, on in zip(lengths, parts, online):
             peak = (predict_peak_bytes(n, S, shape, *cod, **kw) if on is None
                     else predict_online_peak_bytes(n, S, shape, on, *cod, **kw))

@@ -381,11 +381,11 @@ def test_trainer_records_the_predicted_peak(run_dir):
     ix = tr.micro_batches(0)[0]
     n = sum(tr.lengths[i] for i in ix)
     online, shape = tr._online_step(ix, n), tr._planner_inputs()[0]
-    want = predict_online_peak_bytes(n, 2, shape, online, 4, 0.7, 0.2, checkpointing=True,
-                                     **tr._plan_kwargs(1))
+    want = predict_online_peak_bytes(n, 2, shape, online, 4, 0.7, 0.2, **tr._plan_kwargs(1))  # checkpointing=True
     assert tr.predicted_peak == {"bytes": want, "tokens": n, "partitions": 2,
                                  "target_forwards": [list(f) for f in online.forwards]}
-    assert want < predict_online_peak_bytes(n, 2, shape, online, 4, 0.7, 0.2, **tr._plan_kwargs(1))  # no ckpt: more
+    assert want < predict_online_peak_bytes(n, 2, shape, online, 4, 0.7, 0.2,
+                                            **(tr._plan_kwargs(1) | {"checkpointing": False}))  # no ckpt: more
     tr._stop_prefetch()
 
     cfg = _cfg(run_dir, features="online", max_steps=2, partitions=2)
