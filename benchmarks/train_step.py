@@ -299,6 +299,13 @@ def grid_counts(grids: list, K: int) -> tuple[int, int]:
     return len(uniq), int((pos_u - depth_u + 1).sum() + depth_u.sum())
 
 
+def alloc_retries(cuda: bool) -> int | None:
+    """The CUDA caching allocator's ``num_alloc_retries`` so far (an allocation that failed, freed the
+    cached blocks and synchronised, then tried again: a step near the memory limit pays this), ``None``
+    without CUDA."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else None
+
+
 def flops(drafter, E: int, keys: int, n_tokens: int) -> float:
     """The module docstring's FLOP count of one step over ``E`` grid elements with ``keys`` = sum_q keys(q)."""
     c = drafter.config
@@ -331,7 +338,8 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     Each call is timed with CUDA events recorded just before and after it (synchronised before
     reading), or the wall clock on CPU. The row keeps every timed step (``step_ms_all``), Python's
     garbage-collector time in each (``gc_ms_all``) and its number of full (generation-2)
-    collections (``gc_full_all``), from :data:`gc.callbacks`, so a slow step can be told apart from
+    collections (``gc_full_all``), from :data:`gc.callbacks`, and the CUDA allocator's retries in each
+    (``alloc_retries_all``, :func:`alloc_retries`; ``None`` entries on CPU), so a slow step can be told apart from
     a collection pause; ``first_step_s`` is the first call (compilation included). ``on_step``:
     called after every step (e.g. ``torch.profiler.profile.step``). ``sync_debug`` (CUDA): one more
     step under :func:`count_syncs`. The step's grid comes from a :class:`GridProbe`.
@@ -357,8 +365,9 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        times, gc_ms, gc_full, recs, first = [], [], [], [], None
+        times, gc_ms, gc_full, retries, recs, first = [], [], [], [], [], None
         for it in range(warmup + steps):
+            r0 = alloc_retries(cuda)
             probe.grids = []
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -378,6 +387,7 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
                 times.append(dt)
                 gc_ms.append(gc_now["ms"])
                 gc_full.append(gc_now["full"])
+                retries.append(None if r0 is None else alloc_retries(cuda) - r0)
                 recs.append(rec)
             if on_step is not None:
                 on_step()
@@ -395,6 +405,7 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
         "S": S, "first_step_s": first, "positions": E, "flop": flop,
         "tokens": n_tokens, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "step_ms_all": [t * 1e3 for t in times], "gc_ms_all": gc_ms, "gc_full_all": gc_full,
+        "alloc_retries_all": retries,  # the caching allocator's retries (freed its cache and tried again) per step
         # the trainer's own rates (global over ranks, its clock) → per GPU
         "positions_per_s": statistics.median(r["positions_per_s"] for r in recs) / world,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs) / world,
@@ -845,6 +856,8 @@ def print_table(args, meta: dict, rows: list[dict]) -> None:
         if r.get("gc_ms_all"):
             print(f"{'':>24} garbage collector: {sum(r['gc_full_all'])} full collections in "
                   f"{len(r['gc_ms_all'])} timed steps, {max(r['gc_ms_all']):.1f} ms at most in one step")
+        if any(r.get("alloc_retries_all") or []):
+            print(f"{'':>24} allocator retries per timed step: {r['alloc_retries_all']}")
         if r.get("plan"):
             print(f"{'':>24} plan: {r['plan']}")
         if "ref_status" in r:

@@ -33,6 +33,7 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
     assert all(r["loss_path"] == "fused" for r in rows)  # train.fused_loss's default, and it applied
     for r in rows:  # every timed step is kept, with the garbage collector's share of it
         assert len(r["step_ms_all"]) == len(r["gc_ms_all"]) == len(r["gc_full_all"]) == 2
+        assert r["alloc_retries_all"] == [None, None]  # CPU: no CUDA allocator to count
         assert r["step_ms_min"] == min(r["step_ms_all"]) and r["step_ms_max"] == max(r["step_ms_all"])
 
 
@@ -98,6 +99,14 @@ def test_reference_rows_carry_the_ratio(bench):
     assert rows[0]["speedup"] == pytest.approx(1.5) and rows[0]["ref_peak_gb"] == 20.0
     assert rows[1]["speedup"] is None and rows[1]["ref_status"] == "oom"  # where the reference runs out of memory
     assert rows[2]["speedup"] is None and rows[2]["ref_step_ms"] == 200.0  # ours failed: no ratio
+
+
+def test_alloc_retries_reads_the_cuda_allocators_count(bench, monkeypatch):
+    assert bench.alloc_retries(False) is None
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 3, "num_ooms": 0})
+    assert bench.alloc_retries(True) == 3
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})  # no allocation yet: the key is absent
+    assert bench.alloc_retries(True) == 0
 
 
 def test_matmul_rate_is_none_on_cpu(bench):
