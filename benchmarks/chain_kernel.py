@@ -59,6 +59,17 @@ def timed(fn, repeats: int, device) -> float:
     return statistics.median(times)
 
 
+def make_grid(N: int, K: int, r: float, r_min: float, generator: torch.Generator, pad_multiple: int = 1024):
+    """The benchmark grid: a COD sample (``K`` depths, rates ``r``, ``r_min``) of ``N`` supervised tokens of one
+    document, laid out depth-major and padded to a multiple of ``pad_multiple`` elements as the trainer pads it
+    (:func:`~peagle_train.peagle.grid.pad_grid`); on the CPU. Draws from ``generator``."""
+    ids = torch.randint(0, 100, (N,), generator=generator)
+    mask = torch.ones(N, dtype=torch.bool)
+    docs = torch.zeros(N, dtype=torch.long)
+    kept = cod_sample(mask, docs, K, r, r_min, generator=generator)
+    return pad_grid(build_grid(ids, mask, docs, kept, 100), pad_multiple)
+
+
 def make_problem(shape: str, N: int, K: int, r: float, r_min: float, dtype, device, seed: int = 0,
                  pad_multiple: int = 1024):
     """One chain-attention problem at a benchmark shape (``train_step.SHAPES``).
@@ -77,10 +88,7 @@ def make_problem(shape: str, N: int, K: int, r: float, r_min: float, dtype, devi
     s = SHAPES[shape]
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 100, (N,), generator=g)
-    mask = torch.ones(N, dtype=torch.bool)
-    docs = torch.zeros(N, dtype=torch.long)
-    grid = pad_grid(build_grid(ids, mask, docs, cod_sample(mask, docs, K, r, r_min, generator=g), 100), pad_multiple)
+    grid = make_grid(N, K, r, r_min, g, pad_multiple)
     split = build_split_masks(GridMeta.of(grid.to(device)), min_chain=K - 1, max_depth=K - 1, chain_kernel="torch")
     E = len(grid)
     q = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)

@@ -211,16 +211,20 @@ except ImportError:  # older torch: only ``return_lse``
     _AuxRequest = None
 
 
-def _flex_call(fn, q, k, v, block_mask, return_lse: bool):
+def _flex_call(fn, q, k, v, block_mask, return_lse: bool, kernel_options: dict | None = None):
     """``fn`` = ``flex_attention`` (or its compiled form) → ``out``, or ``(out, lse)`` with
     ``return_lse`` (``lse [1, nh, E_q]`` natural log, float32 for half inputs, ``-inf`` on rows
-    without any allowed key), through whichever lse API this torch has."""
+    without any allowed key), through whichever lse API this torch has. ``kernel_options``:
+    FlexAttention's (block sizes, stages, ...), passed on only when given."""
+    kw = {"block_mask": block_mask, "enable_gqa": True}
+    if kernel_options:
+        kw["kernel_options"] = kernel_options
     if not return_lse:
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return fn(q, k, v, **kw)
     if _AuxRequest is not None:
-        out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=_AuxRequest(lse=True))
+        out, aux = fn(q, k, v, **kw, return_aux=_AuxRequest(lse=True))
         return out, aux.lse
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    return fn(q, k, v, **kw, return_lse=True)
 
 
 def _flex(q, k, v, block_mask, return_lse: bool = False):

@@ -802,3 +802,28 @@ def test_decode_profile_times_each_attention_implementation(tmp_path):
         assert set(r["per_length"]) == {"1", "2"} and r["fallback"] is None
     assert decode_profile.parse_args(["--smoke", "--attn", "sdpa", "sdpa"]).attn == ["sdpa"]
     assert decode_profile.parse_args(["--smoke"]).attn is None
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_prefix_attention_cpu_smoke(tmp_path, capsys):
+    """``benchmarks/prefix_attention.py`` on the tiny shape: the grid's prefix rows (default and one
+    kernel-options variant), the causal FlexAttention row and the causal SDPA reference, each with its
+    (query, key) pair count; eager FlexAttention has no backward on CPU, so its rows are forward only."""
+    import prefix_attention as pa
+    from chain_kernel import make_grid
+
+    out = tmp_path / "p.json"
+    rows = pa.main(["--shape", "tiny", "--N", "256", "--repeats", "1", "--options", '{"BLOCK_M": 64}',
+                    "--out", str(out)])
+    assert [r["impl"] for r in rows] == ["flex", 'flex {"BLOCK_M": 64}', "flex_causal", "sdpa_causal"]
+    assert all("error" not in r and r["fwd_ms"] > 0 for r in rows), rows
+    grid = make_grid(256, 8, 0.7, 0.2, torch.Generator().manual_seed(0), 1024)
+    real = [(int(p), int(d)) for p, d, doc in zip(grid.position_ids, grid.depth, grid.doc) if doc >= 0]
+    assert rows[0]["pairs"] == sum(p - d + 1 for p, d in real) > 256 * 257 // 2  # every depth adds queries
+    assert rows[2]["pairs"] == rows[3]["pairs"] == 256 * 257 // 2 and rows[3]["rows"] == 256
+    assert rows[3]["fwd_bwd_ms"] > 0 and rows[3]["fwd_bwd_tflops"] > 0  # SDPA has a backward on CPU
+    data = json.loads(out.read_text())
+    assert data["meta"]["command"].startswith("python benchmarks/prefix_attention.py") and data["rows"] == rows
+    assert "prefix attention, tiny" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--options .* is not JSON"):
+        pa.main(["--shape", "tiny", "--N", "256", "--options", "BLOCK_M=64", "--out", str(out)])

@@ -1,0 +1,191 @@
+"""Prefix part of the split attention at long contexts: FlexAttention over the grid's prefix ``BlockMask``
+against the speed of the math on the same GPU, forward and forward + backward, with FlexAttention
+``kernel_options`` variants.
+
+Usage::
+
+    python benchmarks/prefix_attention.py --N 65536 131072 --out prefix_attention.json          # CUDA
+    python benchmarks/prefix_attention.py --shape tiny --N 256 --repeats 1 --out /tmp/p.json   # CPU smoke run
+    python benchmarks/prefix_attention.py --options '{"BLOCK_M": 64, "BLOCK_N": 64}' ...       # + a variant row
+
+At N = 65,536 the trainer's whole step runs at 113 TFLOP/s against 280 at N = 8,192
+(``docs/benchmarks.md``), and the step's FLOP count puts more than half of it in this attention from
+N = 131,072 on (``benchmarks/train_step.py``'s formula); this script times that kernel alone. The grid
+is the one ``benchmarks/chain_kernel.py`` times (a COD sample of ``N`` supervised tokens of one
+document, ``--K``, ``--r``, ``--r-min``, padded to the trainer's 1024 bucket), ``q [1, nh, E, hd]`` and
+``k, v [1, nkv, E, hd]`` random in ``--dtype`` at the shape's heads (``train_step.SHAPES``); the
+backward is that of ``sum(out * go) + sum(lse * gl)``, as the split form's log-sum-exp merge asks
+for both gradients. Rows (median of ``--repeats`` calls after one warm-up call; CUDA events on CUDA,
+wall clock elsewhere):
+
+* ``flex`` / ``flex OPTIONS``: FlexAttention (compiled on CUDA, ``dynamic=False``; eager elsewhere)
+  over the prefix ``BlockMask`` the trainer builds (``build_split_masks``), default or ``--options``
+  kernel options;
+* ``flex_causal``: the same kernel over a plain causal ``BlockMask`` of the ``N`` depth-0 rows
+  (what FlexAttention does without the grid's mask);
+* ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` over the ``N`` depth-0 rows (the
+  flash kernel on CUDA): the speed of the math for a causal prefix on this GPU.
+
+FLOP per row: ``4 * nh * hd`` per (query, allowed key) pair forward, ``8 *`` backward (the
+convention of ``train_step.py``'s ``12 * heads * head_dim * sum_q keys(q)``); the pairs of the grid
+rows are ``sum_q (position - depth + 1)`` over real elements, of the causal rows ``N (N + 1) / 2``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chain_kernel import make_grid, timed  # noqa: E402
+from train_step import SHAPES, provenance  # noqa: E402
+
+from peagle_train.kernels.attention import _flex_call  # noqa: E402
+from peagle_train.peagle.masks import GridMeta, build_block_mask  # noqa: E402
+
+
+def prefix_pairs(grid) -> int:
+    """``sum_q (position - depth + 1)`` over the real elements of ``grid`` (``doc >= 0``): the
+    (query, key) pairs of the prefix part (depth-0 keys at anchors ``0..a`` for query ``(a, d)``)."""
+    real = grid.doc >= 0
+    return int((grid.position_ids - grid.depth + 1)[real].sum())
+
+
+def causal_block_mask(n: int, device, block_size: int = 128):
+    """FlexAttention ``BlockMask`` of plain causal attention over ``n`` rows (one document)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: k <= q, None, None, n, n, device=str(device), BLOCK_SIZE=block_size)
+
+
+def objective_grads(fn, q, k, v, go, gl):
+    """Forward + backward of ``fn(q, k, v) -> (out, lse)`` under ``sum(out * go) + sum(lse * gl)``
+    (``lse``'s ``-inf`` rows count 0), in float32 → ``(dq, dk, dv)``."""
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = fn(qs, ks, vs)
+    obj = (out.float() * go.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0).float() * gl).sum()
+    return torch.autograd.grad(obj, (qs, ks, vs))
+
+
+def flex_fn(block_mask, options: dict | None, compiled):
+    """``(q, k, v) -> (out, lse)`` of FlexAttention (``compiled``: its ``torch.compile`` form, or the eager
+    function) over ``block_mask`` with ``kernel_options=options``."""
+    def fn(q, k, v):
+        return _flex_call(compiled, q, k, v, block_mask, return_lse=True, kernel_options=options)
+    return fn
+
+
+def sdpa_causal_fn(q, k, v):
+    """Causal SDPA with grouped KV heads → ``(out, lse)`` (``lse`` zeros: SDPA does not return it; its
+    cotangent then adds nothing to the backward)."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return out, torch.zeros(out.shape[:-1], device=out.device)
+
+
+def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> list[dict]:
+    """Every row of one ``N`` (module docstring). A row that fails (e.g. a kernel option the GPU
+    cannot compile) keeps its error and the others still run."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    s = SHAPES[shape]
+    nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    g = torch.Generator().manual_seed(args.seed)
+    grid = make_grid(N, args.K, args.r, args.r_min, g, args.pad_multiple)
+    E = len(grid)
+    mask = build_block_mask(GridMeta.of(grid.to(device)), part="prefix")
+    q = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
+    k = torch.randn(1, E, nkv, hd, generator=g).to(device, dtype).transpose(1, 2)
+    v = torch.randn(1, E, nkv, hd, generator=g).to(device, dtype).transpose(1, 2)
+    go = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
+    gl = torch.randn(1, nh, E, generator=g).to(device)
+    flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    d0 = slice(0, N)  # depth-major: the first N rows are the depth-0 elements, anchors 0..N-1
+    q0, k0, v0, go0, gl0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0], gl[:, :, d0]
+    grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
+    cases = [(f"flex {json.dumps(o, sort_keys=True)}" if o else "flex", flex_fn(mask, o, flex), (q, k, v, go, gl),
+              grid_pairs, o) for o in option_sets]
+    cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
+               causal_pairs, None),
+              ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
+    rows = []
+    for name, fn, (qq, kk, vv, gg, ll), pairs, opts in cases:
+        row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts}
+        fl = 4 * nh * hd * pairs
+        try:
+            with torch.no_grad():
+                fwd = timed(lambda: fn(qq, kk, vv), args.repeats, device)  # noqa: B023 - called in this iteration
+        except Exception as e:  # noqa: BLE001 - report and go on (out of shared memory, unsupported option)
+            rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        row.update(fwd_ms=fwd, fwd_tflops=fl / fwd / 1e9, fwd_bwd_ms=None, fwd_bwd_tflops=None)
+        try:  # (eager FlexAttention has no backward on CPU: the smoke run's flex rows are forward only)
+            both = timed(lambda: objective_grads(fn, qq, kk, vv, gg, ll), args.repeats, device)  # noqa: B023
+            row.update(fwd_bwd_ms=both, fwd_bwd_tflops=3 * fl / both / 1e9)
+        except Exception as e:  # noqa: BLE001
+            row["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    """Command line (module docstring): times the rows, prints them, writes ``--out``; returns the rows.
+
+    Raises:
+        SystemExit: an ``--options`` value that is not a JSON object.
+    """
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
+    ap.add_argument("--N", type=int, nargs="+", default=[65536, 131072])
+    ap.add_argument("--K", type=int, default=8)
+    ap.add_argument("--r", type=float, default=0.7)
+    ap.add_argument("--r-min", type=float, default=0.2)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pad-multiple", type=int, default=1024, help="grid bucket (the trainer's: 1024)")
+    ap.add_argument("--options", nargs="*", default=[],
+                    help="FlexAttention kernel_options variants, a JSON object each (one row each beside the default)")
+    ap.add_argument("--out", default="prefix_attention.json")
+    args = ap.parse_args(argv)
+    option_sets: list = [None]
+    for o in args.options:
+        try:
+            parsed = json.loads(o)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"prefix_attention.py: --options {o!r} is not JSON ({e}); give an object such as "
+                             "'{\"BLOCK_M\": 64, \"BLOCK_N\": 64}'") from e
+        if not isinstance(parsed, dict):
+            raise SystemExit(f"prefix_attention.py: --options {o!r} is not a JSON object of kernel options")
+        option_sets.append(parsed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    rows = [r for N in args.N for r in rows_for_n(args.shape, N, args, device, dtype, option_sets)]
+    run = provenance(sys.argv[1:] if argv is None else argv)
+    run["command"] = run["command"].replace("benchmarks/train_step.py", "benchmarks/prefix_attention.py", 1)
+    meta = {**run, "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min,
+            "dtype": args.dtype,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "timing": f"median of {args.repeats} calls after 1 warm-up call",
+            "flex": "torch.compile(flex_attention, dynamic=False)" if device.type == "cuda" else "eager",
+            "flop": "4 * heads * head_dim per (query, key) pair forward, 8 * backward"}
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nprefix attention, {args.shape}, {args.dtype}, {meta['device']}, {meta['timing']}")
+    print(f"{'N':>7} {'impl':>36} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['N']:>7} {r['impl'][:36]:>36}  {r['error'][:80]}")
+        else:
+            both = (f"{r['fwd_bwd_ms']:>11.2f} {r['fwd_bwd_tflops']:>8.1f}" if r["fwd_bwd_ms"] is not None
+                    else f"  backward: {r['fwd_bwd_error'][:60]}")
+            print(f"{r['N']:>7} {r['impl'][:36]:>36} {r['fwd_ms']:>9.2f} {r['fwd_tflops']:>8.1f} {both}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
