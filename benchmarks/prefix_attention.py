@@ -7,6 +7,7 @@ Usage::
     python benchmarks/prefix_attention.py --N 65536 131072 --out prefix_attention.json          # CUDA
     python benchmarks/prefix_attention.py --shape tiny --N 256 --repeats 1 --out /tmp/p.json   # CPU smoke run
     python benchmarks/prefix_attention.py --options '{"BLOCK_M": 64, "BLOCK_N": 64}' ...       # + a variant row
+    python benchmarks/prefix_attention.py --blocks-only --N 8192 65536 131072 262144           # tiling only (CPU)
 
 At N = 65,536 the trainer's whole step runs at 113 TFLOP/s against 280 at N = 8,192
 (``docs/benchmarks.md``), and the step's FLOP count puts more than half of it in this attention from
@@ -25,6 +26,10 @@ wall clock elsewhere):
   (what FlexAttention does without the grid's mask);
 * ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` over the ``N`` depth-0 rows (the
   flash kernel on CUDA): the speed of the math for a causal prefix on this GPU.
+
+The grid rows also say how the prefix ``BlockMask`` tiles the grid (:func:`block_counts`: full and
+partial 128 × 128 blocks, and the fill, allowed pairs over the pairs of the visited blocks);
+``--blocks-only`` gives only that, without a GPU.
 
 FLOP per row: ``4 * nh * hd`` per (query, allowed key) pair forward, ``8 *`` backward (the
 convention of ``train_step.py``'s ``12 * heads * head_dim * sum_q keys(q)``); the pairs of the grid
@@ -47,7 +52,7 @@ from chain_kernel import make_grid, timed  # noqa: E402
 from train_step import SHAPES, provenance  # noqa: E402
 
 from peagle_train.kernels.attention import _flex_call  # noqa: E402
-from peagle_train.peagle.masks import GridMeta, build_block_mask  # noqa: E402
+from peagle_train.peagle.masks import GridMeta, block_structure, build_block_mask  # noqa: E402
 
 
 def prefix_pairs(grid) -> int:
@@ -55,6 +60,18 @@ def prefix_pairs(grid) -> int:
     (query, key) pairs of the prefix part (depth-0 keys at anchors ``0..a`` for query ``(a, d)``)."""
     real = grid.doc >= 0
     return int((grid.position_ids - grid.depth + 1)[real].sum())
+
+
+def block_counts(grid, block_size: int = 128) -> dict:
+    """How the prefix ``BlockMask`` of ``grid`` (padded to ``block_size``) tiles it: ``blocks_full`` (no
+    mask evaluated), ``blocks_partial`` (the kernel evaluates the rule there) and ``block_fill``, the
+    allowed pairs over the pairs of all visited blocks (1.0: no wasted work)."""
+    meta = GridMeta.of(grid)
+    meta = meta.padded(-(-len(meta) // block_size) * block_size)
+    partial, full = block_structure(meta, meta, block_size, part="prefix")
+    n_partial, n_full = int(partial.sum()), int(full.sum())
+    return {"blocks_full": n_full, "blocks_partial": n_partial,
+            "block_fill": prefix_pairs(grid) / max((n_full + n_partial) * block_size**2, 1)}
 
 
 def causal_block_mask(n: int, device, block_size: int = 128):
@@ -98,6 +115,9 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     g = torch.Generator().manual_seed(args.seed)
     grid = make_grid(N, args.K, args.r, args.r_min, g, args.pad_multiple)
     E = len(grid)
+    blocks = block_counts(grid)
+    if args.blocks_only:
+        return [{"N": N, "E": E, "pairs": prefix_pairs(grid), "impl": "flex", **blocks}]
     mask = build_block_mask(GridMeta.of(grid.to(device)), part="prefix")
     q = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
     k = torch.randn(1, E, nkv, hd, generator=g).to(device, dtype).transpose(1, 2)
@@ -110,12 +130,14 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
     cases = [(f"flex {json.dumps(o, sort_keys=True)}" if o else "flex", flex_fn(mask, o, flex), (q, k, v, go, gl),
               grid_pairs, o) for o in option_sets]
+    grid_rows = {name for name, *_ in cases}
     cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
                causal_pairs, None),
               ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
     rows = []
     for name, fn, (qq, kk, vv, gg, ll), pairs, opts in cases:
-        row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts}
+        row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts,
+               **(blocks if name in grid_rows else {})}
         fl = 4 * nh * hd * pairs
         try:
             with torch.no_grad():
@@ -151,6 +173,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--pad-multiple", type=int, default=1024, help="grid bucket (the trainer's: 1024)")
     ap.add_argument("--options", nargs="*", default=[],
                     help="FlexAttention kernel_options variants, a JSON object each (one row each beside the default)")
+    ap.add_argument("--blocks-only", action="store_true",
+                    help="no timing: each N's grid, pair count and BlockMask tiling only (runs at any N on a CPU)")
     ap.add_argument("--out", default="prefix_attention.json")
     args = ap.parse_args(argv)
     option_sets: list = [None]
@@ -171,14 +195,21 @@ def main(argv=None) -> list[dict]:
     meta = {**run, "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min,
             "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "timing": f"median of {args.repeats} calls after 1 warm-up call",
+            "torch": torch.__version__,
+            "timing": None if args.blocks_only else f"median of {args.repeats} calls after 1 warm-up call",
             "flex": "torch.compile(flex_attention, dynamic=False)" if device.type == "cuda" else "eager",
             "flop": "4 * heads * head_dim per (query, key) pair forward, 8 * backward"}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"\nprefix attention, {args.shape}, {args.dtype}, {meta['device']}, {meta['timing']}")
-    print(f"{'N':>7} {'impl':>36} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    if args.blocks_only:
+        print(f"\nprefix BlockMask of the grid, {args.shape}, K = {args.K}, r = {args.r}, r_min = {args.r_min}")
+    else:
+        print(f"\nprefix attention, {args.shape}, {args.dtype}, {meta['device']}, {meta['timing']}")
+        print(f"{'N':>7} {'impl':>36} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
     for r in rows:
-        if "error" in r:
+        if args.blocks_only:
+            print(f"{r['N']:>7} E {r['E']}: {r['pairs']:,} pairs, {r['blocks_full']:,} full and "
+                  f"{r['blocks_partial']:,} partial blocks, fill {r['block_fill']:.3f}")
+        elif "error" in r:
             print(f"{r['N']:>7} {r['impl'][:36]:>36}  {r['error'][:80]}")
         else:
             both = (f"{r['fwd_bwd_ms']:>11.2f} {r['fwd_bwd_tflops']:>8.1f}" if r["fwd_bwd_ms"] is not None

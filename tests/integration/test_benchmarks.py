@@ -825,5 +825,9 @@ def test_prefix_attention_cpu_smoke(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["meta"]["command"].startswith("python benchmarks/prefix_attention.py") and data["rows"] == rows
     assert "prefix attention, tiny" in capsys.readouterr().out
+    assert rows[0]["blocks_partial"] > 0 and 0.5 < rows[0]["block_fill"] <= 1.0 and "blocks_full" not in rows[2]
+    tiling = pa.main(["--shape", "tiny", "--N", "256", "2048", "--blocks-only", "--out", str(out)])
+    assert (tiling[0]["pairs"], tiling[0]["blocks_partial"]) == (rows[0]["pairs"], rows[0]["blocks_partial"])
+    assert tiling[1]["blocks_full"] > 0 and tiling[1]["block_fill"] > tiling[0]["block_fill"]  # longer: fuller
     with pytest.raises(SystemExit, match="--options .* is not JSON"):
         pa.main(["--shape", "tiny", "--N", "256", "--options", "BLOCK_M=64", "--out", str(out)])
