@@ -22,9 +22,9 @@ wall clock elsewhere):
 * ``flex`` / ``flex OPTIONS``: FlexAttention (compiled on CUDA, ``dynamic=False``; eager elsewhere)
   over the prefix ``BlockMask`` the trainer builds (``build_split_masks``), default or ``--options``
   kernel options;
-* ``flex_causal``: the same kernel over a plain causal ``BlockMask`` of the ``N`` depth-0 rows
+* ``flex_causal``: the same kernel over a plain causal ``BlockMask`` of the first ``N`` rows (the depth-0 part)
   (what FlexAttention does without the grid's mask);
-* ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` over the ``N`` depth-0 rows (the
+* ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` over those rows, heads repeated (the
   flash kernel on CUDA): the speed of the math for a causal prefix on this GPU.
 
 The grid rows also say how the prefix ``BlockMask`` tiles the grid (:func:`block_counts`: full and
@@ -99,9 +99,13 @@ def flex_fn(block_mask, options: dict | None, compiled):
 
 
 def sdpa_causal_fn(q, k, v):
-    """Causal SDPA with grouped KV heads → ``(out, lse)`` (``lse`` zeros: SDPA does not return it; its
-    cotangent then adds nothing to the backward)."""
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    """Causal SDPA → ``(out, lse)`` (``lse`` zeros: SDPA does not return it; its cotangent then adds
+    nothing to the backward). The KV heads are repeated to the query heads first, so that the flash
+    kernel takes it on CUDA (a grouped-head call may fall back to the math kernel, whose ``N × N``
+    scores do not fit at long N)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out, torch.zeros(out.shape[:-1], device=out.device)
 
 
@@ -125,7 +129,8 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     go = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
     gl = torch.randn(1, nh, E, generator=g).to(device)
     flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-    d0 = slice(0, N)  # depth-major: the first N rows are the depth-0 elements, anchors 0..N-1
+    d0 = slice(0, N)  # depth-major: the first N rows (the N - 1 depth-0 elements and one more), a causal problem
+    # of the prefix's length for the two reference rows
     q0, k0, v0, go0, gl0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0], gl[:, :, d0]
     grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
     cases = [(f"flex {json.dumps(o, sort_keys=True)}" if o else "flex", flex_fn(mask, o, flex), (q, k, v, go, gl),
