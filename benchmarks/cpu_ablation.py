@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               f"acc by depth {r['eval_acc'][:4]}", flush=True)
     out = {"what": "P-EAGLE variants, same data and steps, real SmolLM2-135M-Instruct target on a CPU "
                    "(benchmarks/cpu_ablation.py)",
-           **provenance(args), "command": " ".join(["python", "benchmarks/cpu_ablation.py", *args]),
+           **provenance(args, "benchmarks/cpu_ablation.py"),
            "recipe": str(RECIPE.relative_to(ROOT)), "data_overrides": base, "threads": os.environ.get("OMP_NUM_THREADS"),
            "data": {k: meta["splits"][k] for k in meta["splits"]}, "prepare_and_cache_s": round(prep_s, 1),
            "variants": results}

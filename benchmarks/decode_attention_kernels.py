@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
     from benchmarks.train_step import provenance
 
     args = list(sys.argv[1:] if argv is None else argv)
-    res = {"meta": {**provenance(args), "command": " ".join(["python", "benchmarks/decode_attention_kernels.py", *args]),
+    res = {"meta": {**provenance(args, "benchmarks/decode_attention_kernels.py"),
                     "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                     "dtype": str(dtype), "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
                     "head_dim": a.head_dim, "timing": f"median of {a.iters} calls after 3 warm-up calls"},

@@ -200,8 +200,7 @@ def main(argv=None) -> dict:
             V = target.config.vocab_size
             prompt = torch.randint(0, V, (a.prompt_tokens,), generator=g).to(target.device)
             new = torch.randint(0, V, (max(a.lengths),), generator=g).to(target.device)
-            out = {"meta": {**provenance(args),
-                            "command": " ".join(["python", "benchmarks/decode_profile.py", *args]),
+            out = {"meta": {**provenance(args, "benchmarks/decode_profile.py"),
                             "recipe": a.recipe, "overrides": a.overrides, "dtype": cfg.target.dtype,
                             "device": str(target.device),
                             "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,

@@ -195,9 +195,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     rows = [r for N in args.N for r in rows_for_n(args.shape, N, args, device, dtype, option_sets)]
-    run = provenance(sys.argv[1:] if argv is None else argv)
-    run["command"] = run["command"].replace("benchmarks/train_step.py", "benchmarks/prefix_attention.py", 1)
-    meta = {**run, "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min,
+    meta = {**provenance(sys.argv[1:] if argv is None else argv, "benchmarks/prefix_attention.py"), "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min,
             "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__,

@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     gen = {"max_new_tokens": a.new_tokens, "do_sample": False, "cache_implementation": "static"}
-    out = {"meta": {**provenance(args), "command": " ".join(["python", "benchmarks/regen_compiles.py", *args]),
+    out = {"meta": {**provenance(args, "benchmarks/regen_compiles.py"),
                     "config": a.config, "dtype": a.dtype, "device": str(device), "backend": backend,
                     "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "random_weights": True,
                     "prompt_bucket": STATIC_PROMPT_BUCKET, "new_tokens": a.new_tokens}, "batches": []}

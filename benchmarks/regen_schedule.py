@@ -482,7 +482,7 @@ def main(argv=None) -> dict:
     except ValueError as e:  # no shard there, or a damaged pack: the message names the folder or piece
         raise SystemExit(str(e)) from None
     groups = [shards[i:i + args.group] for i in range(0, len(shards), args.group)]
-    result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_schedule.py", *argv]),
+    result = {"meta": {**provenance(argv, "benchmarks/regen_schedule.py"),
                        "recipe": args.recipe, "overrides": args.override,
                        "shards": ["+".join(n for n, _ in g) for g in groups],
                        "group": args.group, "fit_from": str(args.fit_from) if args.fit_from else None,

@@ -281,7 +281,7 @@ def main(argv=None) -> dict:
                       f"target.tokenizer={args.tokenizer}"]
     if args.prompts_file:
         overrides.append(f"data.path={args.prompts_file}")
-    result = {"meta": {**provenance(argv), "command": " ".join(["python", "benchmarks/regen_throughput.py", *argv]),
+    result = {"meta": {**provenance(argv, "benchmarks/regen_throughput.py"),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "recipe": args.recipe, "overrides": overrides, "cap": args.cap,

@@ -285,7 +285,7 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (a.batch, a.length), generator=g).to(target.device)
-    out = {"meta": {**provenance(args), "command": " ".join(["python", "benchmarks/target_forward.py", *args]),
+    out = {"meta": {**provenance(args, "benchmarks/target_forward.py"),
                     "recipe": a.recipe, "overrides": a.overrides, "batch": a.batch, "length": a.length,
                     "tokens": a.batch * a.length, "dtype": cfg.target.dtype, "device": str(target.device),
                     "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,

@@ -867,8 +867,9 @@ def print_table(args, meta: dict, rows: list[dict]) -> None:
             print(f"{'':>24} speculators: {ref}")
 
 
-def provenance(argv: list[str]) -> dict:
-    """``{"command", "commit"}`` of this run for the JSON: the command line as run, and the project's
+def provenance(argv: list[str], script: str = "benchmarks/train_step.py") -> dict:
+    """``{"command", "commit"}`` of this run for the JSON: the command line as run (``python SCRIPT ARGV``;
+    ``script``: the benchmark's path in the repository, this one by default), and the project's
     commit: ``$PEAGLE_COMMIT`` when set (a tree copied to a GPU machine may carry a stale git folder:
     there the caller names the commit it sent), else ``git rev-parse HEAD`` of the checkout, else None."""
     import subprocess
@@ -880,7 +881,7 @@ def provenance(argv: list[str]) -> dict:
                                     capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             commit = None
-    return {"command": " ".join(["python", "benchmarks/train_step.py", *argv]), "commit": commit}
+    return {"command": " ".join(["python", script, *argv]), "commit": commit}
 
 
 def main(argv=None):
