@@ -83,7 +83,8 @@ def causal_block_mask(n: int, device, block_size: int = 128):
 
 def objective_grads(fn, q, k, v, go, gl):
     """Forward + backward of ``fn(q, k, v) -> (out, lse)`` under ``sum(out * go) + sum(lse * gl)``
-    (``lse``'s ``-inf`` rows count 0), in float32 → ``(dq, dk, dv)``."""
+    (``lse``'s ``-inf`` rows count 0), summed in float32 → ``(dq, dk, dv)`` in the inputs' dtypes.
+    ``q, go [1, nh, E, hd]``, ``k, v [1, nkv, E, hd]``, ``gl [1, nh, E]`` float32."""
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = fn(qs, ks, vs)
     obj = (out.float() * go.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0).float() * gl).sum()
@@ -99,7 +100,8 @@ def flex_fn(block_mask, options: dict | None, compiled):
 
 
 def sdpa_causal_fn(q, k, v):
-    """Causal SDPA → ``(out, lse)`` (``lse`` zeros: SDPA does not return it; its cotangent then adds
+    """Causal SDPA, ``q [1, nh, N, hd]``, ``k, v [1, nkv, N, hd]`` → ``(out [1, nh, N, hd], lse [1, nh, N]
+    float32)`` (``lse`` zeros: SDPA does not return it; its cotangent then adds
     nothing to the backward). The KV heads are repeated to the query heads first, so that the flash
     kernel takes it on CUDA (a grouped-head call may fall back to the math kernel, whose ``N × N``
     scores do not fit at long N)."""
