@@ -7,6 +7,7 @@ Usage::
     python benchmarks/prefix_attention.py --N 65536 131072 --out prefix_attention.json          # CUDA
     python benchmarks/prefix_attention.py --shape tiny --N 256 --repeats 1 --out /tmp/p.json   # CPU smoke run
     python benchmarks/prefix_attention.py --options '{"BLOCK_M": 64, "BLOCK_N": 64}' ...       # + a variant row
+    python benchmarks/prefix_attention.py --autotune ...                                       # + an autotuned row
     python benchmarks/prefix_attention.py --blocks-only --N 8192 65536 131072 262144           # tiling only (CPU)
 
 At N = 65,536 the trainer's whole step runs at 113 TFLOP/s against 280 at N = 8,192
@@ -22,6 +23,8 @@ wall clock elsewhere):
 * ``flex`` / ``flex OPTIONS``: FlexAttention (compiled on CUDA, ``dynamic=False``; eager elsewhere)
   over the prefix ``BlockMask`` the trainer builds (``build_split_masks``), default or ``--options``
   kernel options;
+* ``flex max-autotune`` (``--autotune``): the same, compiled with ``train.compile: max-autotune``'s Inductor
+  options (``kernels.compiling.AUTOTUNE_OPTIONS``: block sizes, warps and stages benchmarked at the first call);
 * ``flex_causal``: the same kernel over a plain causal ``BlockMask`` of the first ``N`` rows (the depth-0 part)
   (what FlexAttention does without the grid's mask);
 * ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` over those rows, heads repeated (the
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chain_kernel import make_grid, timed  # noqa: E402
 from train_step import SHAPES, provenance  # noqa: E402
 
+from peagle_train.kernels import compiling  # noqa: E402
 from peagle_train.kernels.attention import _flex_call  # noqa: E402
 from peagle_train.peagle.masks import GridMeta, block_structure, build_block_mask  # noqa: E402
 
@@ -131,12 +135,18 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     go = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
     gl = torch.randn(1, nh, E, generator=g).to(device)
     flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    # --autotune: a second compiled form under train.compile: max-autotune's Inductor options (the block
+    # sizes, warps and stages of the forward and backward kernels benchmarked at its first call)
+    tuned = (torch.compile(flex_attention, dynamic=False, **compiling.compile_kwargs(compiling.AUTOTUNE))
+             if device.type == "cuda" else flex_attention)
     d0 = slice(0, N)  # depth-major: the first N rows (the N - 1 depth-0 elements and one more), a causal problem
     # of the prefix's length for the two reference rows
     q0, k0, v0, go0, gl0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0], gl[:, :, d0]
     grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
     cases = [(f"flex {json.dumps(o, sort_keys=True)}" if o else "flex", flex_fn(mask, o, flex), (q, k, v, go, gl),
               grid_pairs, o) for o in option_sets]
+    if args.autotune:
+        cases.append(("flex max-autotune", flex_fn(mask, None, tuned), (q, k, v, go, gl), grid_pairs, None))
     grid_rows = {name for name, *_ in cases}
     cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
                causal_pairs, None),
@@ -180,6 +190,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--pad-multiple", type=int, default=1024, help="grid bucket (the trainer's: 1024)")
     ap.add_argument("--options", nargs="*", default=[],
                     help="FlexAttention kernel_options variants, a JSON object each (one row each beside the default)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="one more grid row: FlexAttention compiled as train.compile: max-autotune compiles it")
     ap.add_argument("--blocks-only", action="store_true",
                     help="no timing: each N's grid, pair count and BlockMask tiling only (runs at any N on a CPU)")
     ap.add_argument("--out", default="prefix_attention.json")
