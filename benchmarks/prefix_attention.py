@@ -82,7 +82,8 @@ def causal_block_mask(n: int, device, block_size: int = 128):
     """FlexAttention ``BlockMask`` of plain causal attention over ``n`` rows (one document)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(lambda b, h, q, k: k <= q, None, None, n, n, device=str(device), BLOCK_SIZE=block_size)
+    return create_block_mask(lambda b, h, q, k: k <= q, None, None, n, n, device=str(device), BLOCK_SIZE=block_size,
+                             _compile=str(device).startswith("cuda"))  # compiled: no dense n x n mask
 
 
 def objective_grads(fn, q, k, v, go, gl):

@@ -37,12 +37,14 @@ autocast by default, ``--mixed-precision``), the trainer's AdamW (torch's defaul
 
 FLOP count (per step, stated in the JSON as ``flop_formula``):
     dense = 6 * P_layers * E + 6 * P_fc * N + c_head * P_head * E
-    attn  = 3 * 4 * n_heads * head_dim * sum_q keys(q)
+    attn  = L * 3 * 4 * n_heads * head_dim * sum_q keys(q)
 where ``E`` is the number of grid elements of the step, ``P_layers`` the decoder-layer
 parameters, ``P_fc = 3T*H`` (applied to the N real positions), ``P_head = H*Vd`` (``c_head`` = 6
 when the lm_head trains, as in the trainer; 4 = forward + input gradient when it is frozen), and
-``keys(q)`` is the number of keys query ``q`` may attend (depth-0 prefix + own chain); the
-attention backward is counted as 2x the forward. Embedding lookups are free. The grid is the one
+``keys(q)`` is the number of keys query ``q`` may attend (depth-0 prefix + own chain), ``L`` the
+drafter's decoder layers (4: each attends over the whole grid); the attention backward is counted as
+2x the forward. (Rows written before b8c873c's successor counted the attention of one layer only:
+``benchmarks/flop_recount.py`` recounts a committed row.) Embedding lookups are free. The grid is the one
 the timed step trained on: a forward pre-hook on the trainer's objective keeps references to the
 grids it is called with (:class:`GridProbe`; no device work, no sync); the union of the partition
 segments is the step's grid, and their count is the row's ``S``.
@@ -306,15 +308,28 @@ def alloc_retries(cuda: bool) -> int | None:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if cuda else None
 
 
-def flops(drafter, E: int, keys: int, n_tokens: int) -> float:
-    """The module docstring's FLOP count of one step over ``E`` grid elements with ``keys`` = sum_q keys(q)."""
-    c = drafter.config
+def dense_flops(drafter, E: int, n_tokens: int) -> float:
+    """The matrix part of the module docstring's FLOP count (no attention scores): ``6 * P_layers * E
+    + 6 * P_fc * n_tokens + c_head * P_head * E`` for ``E`` grid elements and ``n_tokens`` real positions."""
     p_layers = sum(p.numel() for p in drafter.layers.parameters())
     p_fc = drafter.fc.weight.numel()
     p_head = drafter.lm_head.weight.numel()
     c_head = 6 if drafter.lm_head.weight.requires_grad else 4
-    attn = 3 * 4 * c.num_attention_heads * c.head_dim * keys
-    return 6 * p_layers * E + 6 * p_fc * n_tokens + c_head * p_head * E + attn
+    return 6 * p_layers * E + 6 * p_fc * n_tokens + c_head * p_head * E
+
+
+def attention_flops(drafter, keys: int) -> float:
+    """The attention part of the module docstring's FLOP count: ``L * 12 * n_heads * head_dim * keys``
+    with ``keys`` = sum_q keys(q) and ``L`` = ``len(drafter.layers)`` (every layer attends over the grid;
+    forward ``4 * n_heads * head_dim`` per pair, backward twice that)."""
+    c = drafter.config
+    return len(drafter.layers) * 3 * 4 * c.num_attention_heads * c.head_dim * keys
+
+
+def flops(drafter, E: int, keys: int, n_tokens: int) -> float:
+    """The module docstring's FLOP count of one step over ``E`` grid elements with ``keys`` = sum_q keys(q):
+    :func:`dense_flops` + :func:`attention_flops`."""
+    return dense_flops(drafter, E, n_tokens) + attention_flops(drafter, keys)
 
 
 def auto_plan(trainer: Trainer, N: int, args) -> dict:
@@ -383,6 +398,9 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
                 dt = time.perf_counter() - t0
             if it == 0:
                 first = dt  # includes compilation
+            # progress as it goes (stderr): a run stopped at a time limit still tells how far its steps got
+            print(f"train_step.py: N = {N}, step {it + 1} of {warmup + steps}"
+                  f"{' (warm-up)' if it < warmup else ''}: {dt:.3f} s", file=sys.stderr, flush=True)
             if it >= warmup:
                 times.append(dt)
                 gc_ms.append(gc_now["ms"])
@@ -402,7 +420,8 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     n_tokens = recs[-1]["tokens"] // world if "tokens" in recs[-1] else N  # this rank's tokens in the last step
     med, flop = statistics.median(times), flops(drafter, E, keys, n_tokens)
     row = {
-        "S": S, "first_step_s": first, "positions": E, "flop": flop,
+        "S": S, "first_step_s": first, "positions": E, "flop": flop, "attention_pairs": keys,
+        "attention_flop": attention_flops(drafter, keys),
         "tokens": n_tokens, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "step_ms_all": [t * 1e3 for t in times], "gc_ms_all": gc_ms, "gc_full_all": gc_full,
         "alloc_retries_all": retries,  # the caching allocator's retries (freed its cache and tried again) per step
@@ -927,7 +946,7 @@ def main(argv=None):
             "host_inputs": HOST_INPUTS, "features": PLACEMENTS[args.feature_placement],
             "precision": f"train.mixed_precision={args.mixed_precision} (accelerate autocast), fp32 master "
                          "weights, the trainer's AdamW (torch default implementation)",
-            "flop_formula": "6*P_layers*E + 6*P_fc*N + c_head*P_head*E + 12*heads*head_dim*sum_q keys(q) "
+            "flop_formula": "6*P_layers*E + 6*P_fc*N + c_head*P_head*E + L*12*heads*head_dim*sum_q keys(q) "
                             "(c_head = 6 with a trainable lm_head, 4 frozen)",
             "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps",
             "dist": layout.strategy, "world_size": world, "compile_variants": variants,

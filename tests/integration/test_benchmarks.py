@@ -35,6 +35,23 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
         assert len(r["step_ms_all"]) == len(r["gc_ms_all"]) == len(r["gc_full_all"]) == 2
         assert r["alloc_retries_all"] == [None, None]  # CPU: no CUDA allocator to count
         assert r["step_ms_min"] == min(r["step_ms_all"]) and r["step_ms_max"] == max(r["step_ms_all"])
+        # the attention of all 4 drafter layers over the step's (query, key) pairs is in the FLOP count
+        assert r["attention_flop"] == 4 * 12 * 4 * 16 * r["attention_pairs"] and r["flop"] > r["attention_flop"] > 0
+
+
+def test_flop_count_counts_the_attention_of_every_drafter_layer(bench):
+    """The step's FLOP count (``train_step.flops``) has one attention term per decoder layer: each of the
+    drafter's layers attends over the whole grid (before the fix it counted one layer's, whatever ``L``)."""
+    from peagle_train.model.drafter import Drafter, make_drafter_config
+
+    tc = bench.target_config("tiny")
+    d2, d4 = (Drafter(make_drafter_config(tc, aux_layer_ids=[1, 2, 3], draft_vocab_size=64, mask_token_id=63,
+                                          num_layers=n)) for n in (2, 4))
+    per_layer = 12 * tc.num_attention_heads * tc.head_dim * 1000
+    assert bench.attention_flops(d2, 1000) == 2 * per_layer and bench.attention_flops(d4, 1000) == 4 * per_layer
+    layer = sum(p.numel() for p in d4.layers[1].parameters())  # layers 1.. are alike (layer 0 fuses 2H)
+    assert bench.dense_flops(d4, 300, 100) - bench.dense_flops(d2, 300, 100) == 6 * 2 * layer * 300
+    assert bench.flops(d4, 300, 1000, 100) == bench.dense_flops(d4, 300, 100) + 4 * per_layer
 
 
 def test_provenance_names_the_command_and_prefers_the_commit_the_caller_sent(bench, monkeypatch):
