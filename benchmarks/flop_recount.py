@@ -33,13 +33,14 @@ from peagle_train.model.drafter import Drafter, make_drafter_config  # noqa: E40
 
 def meta_drafter(shape: str, draft_vocab: int, frozen: list[str]) -> Drafter:
     """The benchmark's drafter of ``shape`` (``DRAFTER_LAYERS`` layers, mask token ``V - 1``) on the ``meta``
-    device, with the parameters named in ``frozen`` not trainable."""
+    device, with the parameters or modules named in ``frozen`` (a row's ``meta.frozen``, e.g. ``["lm_head"]``)
+    not trainable."""
     tc = target_config(shape)
     with torch.device("meta"):
         d = Drafter(make_drafter_config(tc, aux_layer_ids=AUX_LAYER_IDS, draft_vocab_size=draft_vocab,
                                         mask_token_id=tc.vocab_size - 1, num_layers=DRAFTER_LAYERS))
     for name, p in d.named_parameters():
-        if name in frozen:
+        if any(name == f or name.startswith(f + ".") for f in frozen):  # "lm_head" freezes "lm_head.weight"
             p.requires_grad_(False)
     return d
 

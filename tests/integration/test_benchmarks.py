@@ -853,3 +853,29 @@ def test_prefix_attention_cpu_smoke(tmp_path, capsys):
     assert tiling[1]["blocks_full"] > 0 and tiling[1]["block_fill"] > tiling[0]["block_fill"]  # longer: fuller
     with pytest.raises(SystemExit, match="--options .* is not JSON"):
         pa.main(["--shape", "tiny", "--N", "256", "--options", "BLOCK_M=64", "--out", str(out)])
+
+
+def test_flop_recount_restores_every_layers_attention_in_a_one_layer_row(bench, tmp_path):
+    """``benchmarks/flop_recount.py``: a row counted the old way (one layer's attention) is recounted to the
+    count ``train_step.flops`` gives now, with the pair count recovered exactly; ``meta.frozen`` naming a
+    module (``lm_head``) freezes its weight (4 instead of 6 FLOPs per head weight and element); a count that is
+    not one of this shape's is refused naming the row."""
+    import flop_recount as fr
+
+    for frozen in ([], ["lm_head"]):
+        d = fr.meta_drafter("tiny", 256, frozen)
+        assert d.lm_head.weight.requires_grad is (not frozen) and d.layers[0].self_attn.q_proj.weight.is_meta
+        E, N, pairs = 3 * 1024, 1000, 1_234_567
+        old = bench.dense_flops(d, E, N) + bench.attention_flops(d, pairs) / len(d.layers)
+        row = {"N": N, "S": 1, "positions": E, "flop": old, "step_ms": 100.0}
+        out = fr.recount_row(d, row, matmul_tflops=1.0)
+        assert out["attention_pairs"] == pairs and out["flop"] == bench.flops(d, E, pairs, N)
+        assert out["tflops"] == pytest.approx(out["flop"] / 0.1 / 1e12) and out["fraction_of_matmul_rate"] == out["tflops"]
+    with pytest.raises(ValueError, match="row N = 1000"):
+        fr.recount_row(d, dict(row, flop=bench.dense_flops(d, E, N) / 2), None)
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps({"meta": {"shape": "tiny", "draft_vocab": 256, "frozen": ["lm_head"],
+                                        "bf16_matmul_tflops": 2.0}, "rows": [row, {"N": 5, "error": "OOM"}]}))
+    res = fr.main([str(src), "--out", str(tmp_path / "r.json")])
+    assert [r["attention_pairs"] for r in res["files"][str(src)]["rows"]] == [pairs]  # the failed row is skipped
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["command"].startswith("python benchmarks/flop_recount.py")
