@@ -36,8 +36,13 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
     # the trainer's own step (Trainer.train_step) at N = 8,192; speculators in its own run of the same shape
     "gptoss_8k_ms": ("train_step_s9_trainer_gptoss_8192.json", ["rows", {"key": "N", "is": 8192}, "step_ms"]),
     "speculators_8k_ms": ("speculators_ref_h200.json", [{"key": "N", "is": 8192}, "step_ms_median"]),
-    "n131072_step_s": (None, "the 37.95 s/step of the issue (d1d9311) has no committed raw file; not re-measured"),
-    "n262144_step_s": (None, "not run"),
+    "n131072_step_s": (None, "the 37.95 s/step of the issue (d1d9311) has no committed raw file; a run at b8c873c "
+                             "(H200) was stopped by its time limit (195 s) before it wrote its row (per-step times "
+                             "are printed since e77a08a). One layer's prefix "
+                             "attention alone takes 5.58 s forward + backward at this N on an H200 "
+                             "(prefix_attention_b8c873c_h200_131072.json): 4 layers, >= 22.3 s"),
+    "n262144_step_s": (None, "a run at b8c873c (H200, checkpointing, planner S) was stopped by its time limit "
+                             "(365 s) before it wrote its row (per-step times are printed since e77a08a)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), each ratio against the
@@ -50,8 +55,11 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                            ["runs", {"key": "name", "is": "fsdp2"}, "tokens_per_s"]),
     "plain_for_fsdp2_tokens_per_s": ("strategies_f5b8066_h100_mb64.json",
                                      ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
-    # for gptoss_8k_fraction_of_peak: the step's TFLOP/s and the bf16 matmul rate measured in the same run
-    "gptoss_8k_tflops": ("train_step_s9_trainer_gptoss_8192.json", ["rows", {"key": "N", "is": 8192}, "tflops"]),
+    # for gptoss_8k_fraction_of_peak: the step's TFLOP/s and the bf16 matmul rate measured in the same run; the
+    # TFLOP/s recounted with every drafter layer's attention (the run's own count had one layer's:
+    # benchmarks/flop_recount.py; commit and GPU are the run's)
+    "gptoss_8k_tflops": ("flop_recount_a37d079.json", ["files", "docs/data/train_step_s9_trainer_gptoss_8192.json",
+                                                       "rows", {"key": "N", "is": 8192}, "tflops"]),
     "gptoss_8k_peak_tflops": ("train_step_s9_trainer_gptoss_8192.json", ["meta", "bf16_matmul_tflops"]),
     # 64 of 64 identical to generate on the real SmolLM2 (float32); the 92788d0 prepare above made no count
     "regen_identical": ("regen_throughput_f473247_real_smollm2_fp32.json", None),
@@ -74,8 +82,11 @@ def dig(obj, path: list, where: str):
     return obj
 
 
-def _meta(raw: dict | list) -> dict:
-    """``{"commit", "gpu"}`` of a raw file, wherever its writer put them (top level, ``meta``, or list rows)."""
+def _meta(raw: dict | list, path: list | None = None) -> dict:
+    """``{"commit", "gpu"}`` of a raw file, wherever its writer put them (top level, ``meta``, or list rows); for a
+    path into a recount's ``files`` (``flop_recount.py``), those of the run it recounts."""
+    if path and path[0] == "files" and isinstance(raw, dict):
+        raw = raw["files"][path[1]]
     if isinstance(raw, list):
         raw = raw[0] if raw else {}
     m = raw.get("meta", {}) if isinstance(raw.get("meta"), dict) else {}
@@ -112,7 +123,7 @@ def build(data: Path = ROOT / DATA) -> dict:
         raw = json.loads(f.read_text())
         val[key] = _identical(raw, str(f)) if key == "regen_identical" else dig(raw, path, str(f))
         src[key] = f"{DATA}/{name}"
-        of[key] = _meta(raw)
+        of[key] = _meta(raw, path)
     ratio = lambda a, b: None if a is None or b is None else a / b  # noqa: E731
     rec = {
         "commit": "several (commits: the commit of each figure's run)", "gpu": "see gpus",
