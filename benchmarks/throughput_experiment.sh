@@ -5,7 +5,12 @@
 #
 #   bash benchmarks/throughput_experiment.sh stage          # HERE (CPU): build .gpu/ (inputs the GPU machine lacks;
 #                                                           # SPECULATORS=1: also speculators 0.9.0 and its imports)
+#   bash benchmarks/throughput_experiment.sh stage-wheels   # HERE (CPU): only the wheels (SPECULATORS=1: + speculators'),
+#                                                           # enough for `long`, `gptoss`, `plan` (a minute, no setup.sh)
 #   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
+#   bash benchmarks/throughput_experiment.sh plan; ... poll SECONDS
+#                                                           # GPU: issue 19's long, prefix-attention and GPT-OSS rows in
+#                                                           # the background (past one call's limit); poll sends results
 #   bash benchmarks/throughput_experiment.sh trainer NAME [override ...]
 #                                                           # GPU: `peagle-train train` in $WORK/runs/NAME
 #   bash benchmarks/throughput_experiment.sh cache [override ...]  # GPU: `peagle-train cache` of the prepared data
@@ -69,17 +74,7 @@ PY
     done
     ls .gpu/whl/deepspeed-*.whl >/dev/null 2>&1 || DS_BUILD_OPS=0 py -m pip wheel -q --no-deps --no-build-isolation \
       "deepspeed==$(v deepspeed)" -w .gpu/whl  # from the sdist: no CUDA ops needed for ZeRO-2 with a torch optimizer
-    if [ "${SPECULATORS:-0}" = 1 ]; then  # the reference of the GPT-OSS 8K comparison (benchmarks/speculators_ref.py):
-      # speculators and what its import chain loads that the GPU image lacks (checked with -X importtime here)
-      mkdir -p .gpu/whl_spec
-      for p in speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 \
-               loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.1.0 dill==0.4.1 \
-               multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore; do  # openai 3.x imports httpx2
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-          -d .gpu/whl_spec "$p"
-      done
-    fi
+    if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
     py - <<'PY'  # .gpu/sharegpt_prompts.json for `regen`: the first 2,000 first user turns under 3,000 characters
 import json
 from data_prep.config import DataConfig
@@ -98,18 +93,19 @@ rows = [sharegpt(c) for c in convs[:600]]
 json.dump([{"conversations": r} for r in rows], open(".gpu/sharegpt_answers.json", "w"))
 PY
     du -sh .gpu ;;
-  setup)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+  setup)  # after `stage` (everything) or `stage-wheels` (the kernel and step benchmarks only: no prepared data)
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/whl/*.whl
     if ls .gpu/whl_spec/*.whl >/dev/null 2>&1; then  # staged with SPECULATORS=1
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl_spec/*.whl
-      python3 -c "import speculators.models.peagle; print('speculators', speculators.__version__)" \
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/whl_spec/*.whl
+      python3 -c "import importlib.metadata as m, speculators.models.peagle; print('speculators', m.version('speculators'))" \
         || echo "speculators does not import: the gptoss step's reference will fail (the other steps run)"
     fi
-    (cd .gpu && sha256sum -c prepared.tar.xz.sha256)
-    mkdir -p "$WORK/prep" && tar -C "$WORK/prep" -xJf .gpu/prepared.tar.xz
-    python3 -c "import torch, transformers, accelerate, deepspeed; print('torch', torch.__version__, 'transformers',
-      transformers.__version__, 'accelerate', accelerate.__version__, 'deepspeed', deepspeed.__version__,
-      torch.cuda.get_device_name())" ;;
+    if [ -f .gpu/prepared.tar.xz ]; then
+      (cd .gpu && sha256sum -c prepared.tar.xz.sha256)
+      mkdir -p "$WORK/prep" && tar -C "$WORK/prep" -xJf .gpu/prepared.tar.xz
+    else echo "no .gpu/prepared.tar.xz (stage-wheels): the trainer, cache, bench and strategies steps need stage's"; fi
+    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers',
+      transformers.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())" ;;
   trainer)  # NAME [override ...]; under a launcher, e.g. ZeRO-2 on one GPU:
     # LAUNCH="accelerate launch --config_file launch/accelerate/deepspeed_zero2.yaml --num_processes 1 -m peagle_train.cli"
     name=${2:?name}; shift 2
@@ -178,5 +174,61 @@ PY
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True py benchmarks/train_step.py --shape gpt-oss-20b \
       --seq-len 131072 --partitions auto --compile on --attention flex --chain-kernel triton \
       --chain-tiling docs/data/chain_kernel_s6.json --steps 3 --warmup 1 --out "$out" "$@" ;;
+  spec-wheels)  # HERE (CPU): the reference of the GPT-OSS 8K comparison (benchmarks/speculators_ref.py):
+    # speculators and what its import chain loads that the GPU image lacks (checked with -X importtime here)
+    mkdir -p .gpu/whl_spec
+    for p in speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 \
+             loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.1.0 dill==0.4.1 \
+             multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore; do  # openai 3.x imports httpx2
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu/whl_spec "$p"
+    done ;;
+  stage-wheels)  # HERE (CPU), no setup.sh needed: only the wheels the kernel and step benchmarks need on the GPU
+    # machine (pydantic and its imports into .gpu/whl; with SPECULATORS=1 speculators' set into .gpu/whl_spec), for
+    # `plan`, `long`, `gptoss` (the trainer steps need `stage`'s tokenizer and prepared data as well)
+    mkdir -p .gpu/whl
+    for p in pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+             typing-extensions==4.16.0; do
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu/whl "$p"
+    done
+    if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
+    du -sh .gpu ;;
+  plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
+    # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
+    # the prefix-attention rows (kernel options, autotuned) and the GPT-OSS 8K step beside speculators. JSON and
+    # logs under $RES (default /tmp/res); $RES/progress.txt gets each step's exit status. Then `poll SECONDS`.
+    RES=${RES:-/tmp/res}; mkdir -p "$RES"
+    setsid nohup bash "$0" plan-run > "$RES/plan.log" 2>&1 < /dev/null &
+    echo "plan started in the background; results in $RES" ;;
+  plan-run)  # the steps of `plan`, in this process (PLAN_DRY=1: print each command instead of running it)
+    RES=${RES:-/tmp/res}; mkdir -p "$RES"
+    run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
+      if [ "${PLAN_DRY:-0}" = 1 ]; then echo "$name: $*" >> "$RES/progress.txt"; return; fi
+      timeout "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?
+      echo "$name rc $rc $(date +%T)" >> "$RES/progress.txt"; }
+    P=python3; [ -x .venv/bin/python ] && P=.venv/bin/python
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+    echo "start $(date +%T) on $gpu" >> "$RES/progress.txt"
+    ck=()
+    if [[ $gpu == *H200* ]]; then
+      run long262144 1500 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
+    else ck=(--checkpointing); fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
+    run long131072 1200 bash "$0" long "$RES/long131072.json" "${ck[@]}"
+    run prefix 900 "$P" benchmarks/prefix_attention.py --N 65536 131072 --repeats 3 --autotune \
+      --options '{"USE_TMA": true}' '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}' \
+      --out "$RES/prefix_attention.json"
+    run gptoss 1200 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
+    echo "done $(date +%T)" >> "$RES/progress.txt" ;;
+  poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the
+    # JSON files and progress.txt as they are, the logs in one logs.tar.gz (a device call returns at most 8 files)
+    RES=${RES:-/tmp/res}; end=$((SECONDS + ${2:?seconds}))
+    while [ $SECONDS -lt $end ] && ! grep -q '^done' "$RES/progress.txt" 2>/dev/null; do sleep 5; done
+    mkdir -p "${OUT:?set OUT}"
+    cp "$RES"/*.json "$RES/progress.txt" "$OUT/" 2>/dev/null || true
+    (cd "$RES" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read ./*.log 2>/dev/null) || true
+    cat "$RES/progress.txt" 2>/dev/null || echo "no progress yet" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -134,3 +134,63 @@ def test_a_recipe_the_loader_refuses_is_reported_as_a_failed_run(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "trainer", "bad", "train.eval_walk_sets=[humaneval]",
                         "train.features=cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert "trainer bad failed" in r.stdout and "eval_walk_sets" in r.stdout, r.stdout + r.stderr
+
+
+def _fake_gpu(tmp_path: Path, name: str) -> dict:
+    """``PATH`` with an ``nvidia-smi`` that names ``name`` as the GPU."""
+    bin_dir = tmp_path / "gpubin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{name}'\n")
+    smi.chmod(0o755)
+    return os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RES": str(tmp_path / "res")}
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculators_rows(tmp_path, gpu):
+    """``plan-run`` (dry): N = 262,144 only on an H200; N = 131,072 with activation checkpointing on an 80 GB card;
+    then the prefix-attention rows (kernel options, autotuned) and the GPT-OSS 8K step beside speculators."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    env = _fake_gpu(tmp_path, gpu) | {"PLAN_DRY": "1"}
+    r = subprocess.run(["bash", str(SCRIPT), "plan-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
+    assert lines[0].startswith("start") and gpu in lines[0] and lines[-1].startswith("done")
+    steps = {x.split(":")[0]: x for x in lines[1:-1]}
+    h200 = "H200" in gpu
+    assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "prefix", "gptoss"]
+    if h200:
+        assert "--seq-len 262144" in steps["long262144"] and "--checkpointing" in steps["long262144"]
+    assert ("--checkpointing" in steps["long131072"]) is not h200
+    assert "--autotune" in steps["prefix"] and "USE_TMA" in steps["prefix"]
+    assert "--compile on+autotune" in steps["gptoss"]
+
+
+def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_there(tmp_path):
+    """A failing step does not stop ``plan-run`` (its exit status goes to progress.txt); ``poll`` copies the JSON
+    files and progress.txt to $OUT and packs the logs into one archive."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    env = _fake_gpu(tmp_path, "NVIDIA H100 80GB HBM3")
+    fake_py = tmp_path / "gpubin" / "python3"  # every python3 step fails at once (no GPU here)
+    fake_py.write_text("#!/bin/sh\necho no GPU >&2\nexit 3\n")
+    fake_py.chmod(0o755)
+    work = tmp_path / "tree"  # a copy without .venv, so the steps call python3 (the fake)
+    shutil.copytree(ROOT / "benchmarks", work / "benchmarks")
+    r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "plan-run"], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
+    assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "prefix", "gptoss"]
+    assert all(" rc 3 " in x for x in lines[1:-1]) and lines[-1].startswith("done")  # each its own status
+    (tmp_path / "res" / "x.json").write_text("{}")
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "poll", "1"], cwd=work,
+                       env=env | {"OUT": str(out)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "progress.txt", "x.json"]
+    import tarfile
+    with tarfile.open(out / "logs.tar.gz") as t:
+        assert {"./long131072.log", "./prefix.log", "./gptoss.log"} <= set(t.getnames())
