@@ -11,9 +11,11 @@ whole grid (``L * 12 * ...``, ``train_step.attention_flops``). A row keeps ``flo
 and the real positions (``tokens``; ``N`` in rows written before that field existed), which is enough
 to recount it exactly: the drafter of the file's shape is built on the ``meta`` device (no memory; the
 lm_head frozen where ``meta.frozen`` says so), its matrix part is :func:`train_step.dense_flops`, the
-rest of the recorded count is one layer's attention, and ``L`` times that replaces it. The pair count
-``sum_q keys(q)`` that falls out must be a whole number (a check that the recount's matrix part is the
-one the row was counted with). TFLOP/s and the fraction of the bf16 matmul rate measured in the same
+rest of the recorded count is one layer's attention, and ``L`` times that replaces it. The drafter built
+must have the file's ``meta.trainable_params`` (what decides the matrix part: a trained or frozen head,
+the shape), and the pair count ``sum_q keys(q)`` that falls out must be a whole number between ``E`` and
+``E * N`` (a weak check on its own: this shape's parameter counts are multiples of large powers of two,
+so a wrong matrix part can still leave a whole number; the parameter check is the one that tells). TFLOP/s and the fraction of the bf16 matmul rate measured in the same
 run (``meta.bf16_matmul_tflops``) follow from the row's own median step time.
 """
 from __future__ import annotations
@@ -50,14 +52,14 @@ def recount_row(drafter: Drafter, row: dict, matmul_tflops: float | None) -> dic
     ``tflops_recorded``, ``tflops``, ``fraction_of_matmul_rate`` (None without a measured rate).
 
     Raises:
-        ValueError: the recorded count is below the row's matrix part, or leaves a pair count that is not a
-            whole number (the file was counted with another drafter or formula: names the row's N).
+        ValueError: the recorded count leaves a pair count outside ``[E, E * N]`` or not a whole number (the
+            file was counted with another drafter or formula: names the row's N).
     """
     E, n_tokens, flop = row["positions"], row.get("tokens", row["N"]), row["flop"]
     dense = dense_flops(drafter, E, n_tokens)
     per_pair = attention_flops(drafter, 1) / len(drafter.layers)  # one layer's FLOPs per (query, key) pair
     pairs = (flop - dense) / per_pair
-    if pairs <= 0 or abs(pairs - round(pairs)) > 1e-3 * max(pairs, 1) ** 0.5:
+    if not E <= pairs <= E * row["N"] or abs(pairs - round(pairs)) > 1e-3 * max(pairs, 1) ** 0.5:
         raise ValueError(f"row N = {row['N']}: the recorded {flop:.6e} FLOP leave {pairs:.3f} attention pairs "
                          "after the matrix part; not a row of this shape's one-layer count")
     new = dense + attention_flops(drafter, round(pairs))
@@ -71,7 +73,11 @@ def recount_row(drafter: Drafter, row: dict, matmul_tflops: float | None) -> dic
 
 
 def main(argv=None) -> dict:
-    """Command line (module docstring): recounts every timed row of each file, prints, writes ``--out``."""
+    """Command line (module docstring): recounts every timed row of each file, prints, writes ``--out``.
+
+    Raises:
+        SystemExit: a file whose ``meta.trainable_params`` differs from the rebuilt drafter's (names both).
+    """
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="train_step.py JSON files (meta + rows)")
     ap.add_argument("--out", required=True)
@@ -83,6 +89,11 @@ def main(argv=None) -> dict:
         data = json.loads(Path(f).read_text())
         m = data["meta"]
         drafter = meta_drafter(m["shape"], m["draft_vocab"], m.get("frozen") or [])
+        trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        if m.get("trainable_params") is not None and m["trainable_params"] != trainable:
+            raise SystemExit(f"flop_recount.py: {f}: the file trained {m['trainable_params']:,} parameters, the "
+                             f"drafter rebuilt from its meta (shape {m['shape']}, frozen {m.get('frozen')}) "
+                             f"{trainable:,}; not a file this script can recount")
         rows = [recount_row(drafter, r, m.get("bf16_matmul_tflops")) for r in data["rows"] if "flop" in r]
         result["files"][f] = {"commit": m.get("commit"), "device": m.get("device"),
                               "bf16_matmul_tflops": m.get("bf16_matmul_tflops"), "rows": rows}

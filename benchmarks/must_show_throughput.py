@@ -37,12 +37,12 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
     "gptoss_8k_ms": ("train_step_s9_trainer_gptoss_8192.json", ["rows", {"key": "N", "is": 8192}, "step_ms"]),
     "speculators_8k_ms": ("speculators_ref_h200.json", [{"key": "N", "is": 8192}, "step_ms_median"]),
     "n131072_step_s": (None, "the 37.95 s/step of the issue (d1d9311) has no committed raw file; a run at b8c873c "
-                             "(H200) was stopped by its time limit (195 s) before it wrote its row (per-step times "
-                             "are printed since e77a08a). One layer's prefix "
+                             "(H200) was stopped by its time limit after 195 s, before it wrote its row "
+                             "(long_steps_b8c873c_h200_progress.txt; per-step times are printed since e77a08a). One layer's prefix "
                              "attention alone takes 5.58 s forward + backward at this N on an H200 "
                              "(prefix_attention_b8c873c_h200_131072.json): 4 layers, >= 22.3 s"),
-    "n262144_step_s": (None, "a run at b8c873c (H200, checkpointing, planner S) was stopped by its time limit "
-                             "(365 s) before it wrote its row (per-step times are printed since e77a08a)"),
+    "n262144_step_s": (None, "a run at b8c873c (H200, activation checkpointing) was stopped by its time limit "
+                             "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), each ratio against the

@@ -201,26 +201,27 @@ PY
     # the prefix-attention rows (kernel options, autotuned) and the GPT-OSS 8K step beside speculators. JSON and
     # logs under $RES (default /tmp/res); $RES/progress.txt gets each step's exit status. Then `poll SECONDS`.
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
+    rm -f "$RES"/*.json "$RES"/*.log && : > "$RES/progress.txt"  # an earlier plan's results and `done` are gone
     setsid nohup bash "$0" plan-run > "$RES/plan.log" 2>&1 < /dev/null &
     echo "plan started in the background; results in $RES" ;;
   plan-run)  # the steps of `plan`, in this process (PLAN_DRY=1: print each command instead of running it)
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
     run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
       if [ "${PLAN_DRY:-0}" = 1 ]; then echo "$name: $*" >> "$RES/progress.txt"; return; fi
-      timeout "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?
+      timeout -k 60 "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?  # -k: killed if it ignores the TERM
       echo "$name rc $rc $(date +%T)" >> "$RES/progress.txt"; }
     P=python3; [ -x .venv/bin/python ] && P=.venv/bin/python
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
     echo "start $(date +%T) on $gpu" >> "$RES/progress.txt"
-    ck=()
-    if [[ $gpu == *H200* ]]; then
-      run long262144 1500 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
-    else ck=(--checkpointing); fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
-    run long131072 1200 bash "$0" long "$RES/long131072.json" "${ck[@]}"
-    run prefix 900 "$P" benchmarks/prefix_attention.py --N 65536 131072 --repeats 3 --autotune \
+    ck=""
+    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 900 s
+      run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
+    else ck=--checkpointing; fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
+    run long131072 600 bash "$0" long "$RES/long131072.json" $ck
+    run prefix 600 "$P" benchmarks/prefix_attention.py --N 65536 131072 --repeats 3 --autotune \
       --options '{"USE_TMA": true}' '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}' \
       --out "$RES/prefix_attention.json"
-    run gptoss 1200 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
+    run gptoss 900 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
     echo "done $(date +%T)" >> "$RES/progress.txt" ;;
   poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the
     # JSON files and progress.txt as they are, the logs in one logs.tar.gz (a device call returns at most 8 files)

@@ -43,7 +43,7 @@ parameters, ``P_fc = 3T*H`` (applied to the N real positions), ``P_head = H*Vd``
 when the lm_head trains, as in the trainer; 4 = forward + input gradient when it is frozen), and
 ``keys(q)`` is the number of keys query ``q`` may attend (depth-0 prefix + own chain), ``L`` the
 drafter's decoder layers (4: each attends over the whole grid); the attention backward is counted as
-2x the forward. (Rows written before b8c873c's successor counted the attention of one layer only:
+2x the forward. (Rows written before e77a08a counted the attention of one layer only:
 ``benchmarks/flop_recount.py`` recounts a committed row.) Embedding lookups are free. The grid is the one
 the timed step trained on: a forward pre-hook on the trainer's objective keeps references to the
 grids it is called with (:class:`GridProbe`; no device work, no sync); the union of the partition

@@ -876,6 +876,11 @@ def test_flop_recount_restores_every_layers_attention_in_a_one_layer_row(bench, 
     src = tmp_path / "rows.json"
     src.write_text(json.dumps({"meta": {"shape": "tiny", "draft_vocab": 256, "frozen": ["lm_head"],
                                         "bf16_matmul_tflops": 2.0}, "rows": [row, {"N": 5, "error": "OOM"}]}))
-    res = fr.main([str(src), "--out", str(tmp_path / "r.json")])
+    res = fr.main([str(src), "--out", str(tmp_path / "r.json")])  # no meta.trainable_params: not checked
     assert [r["attention_pairs"] for r in res["files"][str(src)]["rows"]] == [pairs]  # the failed row is skipped
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["command"].startswith("python benchmarks/flop_recount.py")
+    meta = json.loads(src.read_text())
+    meta["meta"]["trainable_params"] = sum(p.numel() for p in fr.meta_drafter("tiny", 256, []).parameters())
+    src.write_text(json.dumps(meta))  # the count of a trained head, where the file froze it
+    with pytest.raises(SystemExit, match="rows.json: the file trained .* not a file this script can recount"):
+        fr.main([str(src), "--out", str(tmp_path / "r.json")])

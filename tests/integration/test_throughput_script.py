@@ -194,3 +194,24 @@ def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_
     import tarfile
     with tarfile.open(out / "logs.tar.gz") as t:
         assert {"./long131072.log", "./prefix.log", "./gptoss.log"} <= set(t.getnames())
+
+
+def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
+    """``plan`` clears an earlier plan's results (its ``done`` would end ``poll`` at once, its JSON would be sent
+    again), starts ``plan-run`` in a new process session, and ``poll`` waits for its ``done``."""
+    if shutil.which("bash") is None or shutil.which("setsid") is None:
+        pytest.skip("no bash or setsid")
+    env = _fake_gpu(tmp_path, "NVIDIA H200") | {"PLAN_DRY": "1", "OUT": str(tmp_path / "out")}
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "progress.txt").write_text("start earlier\ndone earlier\n")
+    (res / "old.json").write_text("{}")
+    r = subprocess.run(["bash", str(SCRIPT), "plan"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "started in the background" in r.stdout, r.stderr
+    r = subprocess.run(["bash", str(SCRIPT), "poll", "30"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = (res / "progress.txt").read_text().splitlines()
+    assert lines[0].startswith("start") and "earlier" not in lines[0] and lines[-1].startswith("done")
+    assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "prefix", "gptoss"]
+    assert not (res / "old.json").exists() and not (tmp_path / "out" / "old.json").exists()
