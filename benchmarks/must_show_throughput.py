@@ -58,7 +58,7 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
     # for gptoss_8k_fraction_of_peak: the step's TFLOP/s and the bf16 matmul rate measured in the same run; the
     # TFLOP/s recounted with every drafter layer's attention (the run's own count had one layer's:
     # benchmarks/flop_recount.py; commit and GPU are the run's)
-    "gptoss_8k_tflops": ("flop_recount_a37d079.json", ["files", "docs/data/train_step_s9_trainer_gptoss_8192.json",
+    "gptoss_8k_tflops": ("flop_recount_af4cdbe.json", ["files", "docs/data/train_step_s9_trainer_gptoss_8192.json",
                                                        "rows", {"key": "N", "is": 8192}, "tflops"]),
     "gptoss_8k_peak_tflops": ("train_step_s9_trainer_gptoss_8192.json", ["meta", "bf16_matmul_tflops"]),
     # 64 of 64 identical to generate on the real SmolLM2 (float32); the 92788d0 prepare above made no count

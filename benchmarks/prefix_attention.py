@@ -11,7 +11,7 @@ Usage::
     python benchmarks/prefix_attention.py --blocks-only --N 8192 65536 131072 262144           # tiling only (CPU)
 
 At long N most of a step's work is this attention: 70 % of the N = 65,536 step's FLOPs, with every
-layer's attention counted (``docs/data/flop_recount_a37d079.json``); this script times that kernel alone. The grid
+layer's attention counted (``docs/data/flop_recount_af4cdbe.json``); this script times that kernel alone. The grid
 is the one ``benchmarks/chain_kernel.py`` times (a COD sample of ``N`` supervised tokens of one
 document, ``--K``, ``--r``, ``--r-min``, padded to the trainer's 1024 bucket), ``q [1, nh, E, hd]`` and
 ``k, v [1, nkv, E, hd]`` random in ``--dtype`` at the shape's heads (``train_step.SHAPES``); the
