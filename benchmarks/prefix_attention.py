@@ -134,18 +134,18 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     v = torch.randn(1, E, nkv, hd, generator=g).to(device, dtype).transpose(1, 2)
     go = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
     gl = torch.randn(1, nh, E, generator=g).to(device)
-    flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-    # --autotune: a second compiled form under train.compile: max-autotune's Inductor options (the block
-    # sizes, warps and stages of the forward and backward kernels benchmarked at its first call)
-    tuned = (torch.compile(flex_attention, dynamic=False, **compiling.compile_kwargs(compiling.AUTOTUNE))
-             if device.type == "cuda" else flex_attention)
+    cuda = device.type == "cuda"
+    flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
     d0 = slice(0, N)  # depth-major: the first N rows (the N - 1 depth-0 elements and one more), a causal problem
     # of the prefix's length for the two reference rows
     q0, k0, v0, go0, gl0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0], gl[:, :, d0]
     grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
     cases = [(f"flex {json.dumps(o, sort_keys=True)}" if o else "flex", flex_fn(mask, o, flex), (q, k, v, go, gl),
               grid_pairs, o) for o in option_sets]
-    if args.autotune:
+    if args.autotune:  # compiled under train.compile: max-autotune's Inductor options (the forward and backward
+        # kernels' block sizes, warps and stages benchmarked at its first call)
+        tuned = (torch.compile(flex_attention, dynamic=False, **compiling.compile_kwargs(compiling.AUTOTUNE))
+                 if cuda else flex_attention)
         cases.append(("flex max-autotune", flex_fn(mask, None, tuned), (q, k, v, go, gl), grid_pairs, None))
     grid_rows = {name for name, *_ in cases}
     cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
@@ -209,8 +209,8 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     rows = [r for N in args.N for r in rows_for_n(args.shape, N, args, device, dtype, option_sets)]
-    meta = {**provenance(sys.argv[1:] if argv is None else argv, "benchmarks/prefix_attention.py"), "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min,
-            "dtype": args.dtype,
+    meta = {**provenance(sys.argv[1:] if argv is None else argv, "benchmarks/prefix_attention.py"),
+            "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min, "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__,
             "timing": None if args.blocks_only else f"median of {args.repeats} calls after 1 warm-up call",

@@ -50,6 +50,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cli() { if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; elif [ -x .venv/bin/peagle-train ]; then
   .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
 py() { if [ -x .venv/bin/python ]; then .venv/bin/python "$@"; else python3 "$@"; fi; }
+# wheels DEST SPEC...: each SPEC's wheel for the GPU image's Python (3.12, x86-64 manylinux), no dependencies
+wheels() { local dest=$1; shift; mkdir -p "$dest"
+  for p in "$@"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dest" "$p"
+  done; }
 
 case "${1:?step}" in
   stage)  # on the CPU machine, after `bash setup.sh`
@@ -67,11 +73,7 @@ PY
     (cd .gpu && sha256sum prepared.tar.xz > prepared.tar.xz.sha256)
     rm -rf .gpu/prep
     v() { py -c "import importlib.metadata as m; print(m.version('$1'))"; }
-    for p in pydantic pydantic-core annotated-types typing-inspection hjson; do
-      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .gpu/whl "$p==$(v "$p")"
-    done
+    for p in pydantic pydantic-core annotated-types typing-inspection hjson; do wheels .gpu/whl "$p==$(v "$p")"; done
     ls .gpu/whl/deepspeed-*.whl >/dev/null 2>&1 || DS_BUILD_OPS=0 py -m pip wheel -q --no-deps --no-build-isolation \
       "deepspeed==$(v deepspeed)" -w .gpu/whl  # from the sdist: no CUDA ops needed for ZeRO-2 with a torch optimizer
     if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
@@ -176,24 +178,14 @@ PY
       --chain-tiling docs/data/chain_kernel_s6.json --steps 3 --warmup 1 --out "$out" "$@" ;;
   spec-wheels)  # HERE (CPU): the reference of the GPT-OSS 8K comparison (benchmarks/speculators_ref.py):
     # speculators and what its import chain loads that the GPU image lacks (checked with -X importtime here)
-    mkdir -p .gpu/whl_spec
-    for p in speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 \
-             loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.1.0 dill==0.4.1 \
-             multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore; do  # openai 3.x imports httpx2
-      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .gpu/whl_spec "$p"
-    done ;;
+    wheels .gpu/whl_spec speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 \
+      sniffio==1.3.1 loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.1.0 dill==0.4.1 \
+      multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore ;;  # openai 3.x imports httpx2
   stage-wheels)  # HERE (CPU), no setup.sh needed: only the wheels the kernel and step benchmarks need on the GPU
     # machine (pydantic and its imports into .gpu/whl; with SPECULATORS=1 speculators' set into .gpu/whl_spec), for
     # `plan`, `long`, `gptoss` (the trainer steps need `stage`'s tokenizer and prepared data as well)
-    mkdir -p .gpu/whl
-    for p in pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-             typing-extensions==4.16.0; do
-      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .gpu/whl "$p"
-    done
+    wheels .gpu/whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+      typing-extensions==4.16.0
     if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
     du -sh .gpu ;;
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its

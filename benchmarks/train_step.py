@@ -309,8 +309,9 @@ def alloc_retries(cuda: bool) -> int | None:
 
 
 def dense_flops(drafter, E: int, n_tokens: int) -> float:
-    """The matrix part of the module docstring's FLOP count (no attention scores): ``6 * P_layers * E
-    + 6 * P_fc * n_tokens + c_head * P_head * E`` for ``E`` grid elements and ``n_tokens`` real positions."""
+    """The matrix part of the module docstring's FLOP count (no attention scores), in FLOP (a float):
+    ``6 * P_layers * E + 6 * P_fc * n_tokens + c_head * P_head * E`` for ``E`` grid elements and ``n_tokens``
+    real positions (``c_head`` 6 with a trainable lm_head, 4 frozen: read from ``requires_grad``)."""
     p_layers = sum(p.numel() for p in drafter.layers.parameters())
     p_fc = drafter.fc.weight.numel()
     p_head = drafter.lm_head.weight.numel()
@@ -319,7 +320,7 @@ def dense_flops(drafter, E: int, n_tokens: int) -> float:
 
 
 def attention_flops(drafter, keys: int) -> float:
-    """The attention part of the module docstring's FLOP count: ``L * 12 * n_heads * head_dim * keys``
+    """The attention part of the module docstring's FLOP count, in FLOP: ``L * 12 * n_heads * head_dim * keys``
     with ``keys`` = sum_q keys(q) and ``L`` = ``len(drafter.layers)`` (every layer attends over the grid;
     forward ``4 * n_heads * head_dim`` per pair, backward twice that)."""
     c = drafter.config
@@ -418,10 +419,10 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     drafter = objective.drafter
     world = trainer.acc.num_processes
     n_tokens = recs[-1]["tokens"] // world if "tokens" in recs[-1] else N  # this rank's tokens in the last step
-    med, flop = statistics.median(times), flops(drafter, E, keys, n_tokens)
+    med, attn = statistics.median(times), attention_flops(drafter, keys)
+    flop = dense_flops(drafter, E, n_tokens) + attn  # = flops(drafter, E, keys, n_tokens)
     row = {
-        "S": S, "first_step_s": first, "positions": E, "flop": flop, "attention_pairs": keys,
-        "attention_flop": attention_flops(drafter, keys),
+        "S": S, "first_step_s": first, "positions": E, "flop": flop, "attention_pairs": keys, "attention_flop": attn,
         "tokens": n_tokens, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "step_ms_all": [t * 1e3 for t in times], "gc_ms_all": gc_ms, "gc_full_all": gc_full,
         "alloc_retries_all": retries,  # the caching allocator's retries (freed its cache and tried again) per step
