@@ -33,16 +33,18 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                                             ["trainer_runs", 0, "tokens_per_s"]),
     "smollm2_trainer_tokens_per_s_online": ("trainer_throughput_8074df3_mb64_online.json",
                                             ["summary", 0, "tokens_per_s"]),
-    # the trainer's own step (Trainer.train_step) at N = 8,192; speculators in its own run of the same shape
-    "gptoss_8k_ms": ("train_step_s9_trainer_gptoss_8192.json", ["rows", {"key": "N", "is": 8192}, "step_ms"]),
-    "speculators_8k_ms": ("speculators_ref_h200.json", [{"key": "N", "is": 8192}, "step_ms_median"]),
-    "n131072_step_s": (None, "the 37.95 s/step of the issue (d1d9311) has no committed raw file; a run at b8c873c "
-                             "(H200) was stopped by its time limit after 195 s, before it wrote its row "
-                             "(long_steps_b8c873c_h200_progress.txt; per-step times are printed since e77a08a). One layer's prefix "
-                             "attention alone takes 5.58 s forward + backward at this N on an H200 "
-                             "(prefix_attention_b8c873c_h200_131072.json): 4 layers, >= 22.3 s"),
+    # the trainer's own step (Trainer.train_step) at N = 8,192 compiled max-autotune, speculators 0.9.0's step of the
+    # same shape and trainable set in the same process (H100, 7a2a50b; the H200's bf16 matmul rate is the same)
+    "gptoss_8k_ms": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json",
+                     ["rows", {"key": "compile", "is": "max-autotune"}, "step_ms"]),
+    "speculators_8k_ms": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json",
+                          ["rows", {"key": "compile", "is": "max-autotune"}, "ref_step_ms"]),
+    # N = 131,072 on an 80 GB card: S = 2 with activation checkpointing, as the planner chose (H100, 7a2a50b)
+    "n131072_step_ms": ("train_step_7a2a50b_h100_131072_ckpt.json", ["rows", {"key": "N", "is": 131072}, "step_ms"]),
     "n262144_step_s": (None, "a run at b8c873c (H200, activation checkpointing) was stopped by its time limit "
-                             "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt)"),
+                             "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt); the "
+                             "plan of 7a2a50b runs it only on an H200 and got an H100 "
+                             "(plan_7a2a50b_h100_progress.txt)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), each ratio against the
@@ -55,12 +57,11 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                            ["runs", {"key": "name", "is": "fsdp2"}, "tokens_per_s"]),
     "plain_for_fsdp2_tokens_per_s": ("strategies_f5b8066_h100_mb64.json",
                                      ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
-    # for gptoss_8k_fraction_of_peak: the step's TFLOP/s and the bf16 matmul rate measured in the same run; the
-    # TFLOP/s recounted with every drafter layer's attention (the run's own count had one layer's:
-    # benchmarks/flop_recount.py; commit and GPU are the run's)
-    "gptoss_8k_tflops": ("flop_recount_af4cdbe.json", ["files", "docs/data/train_step_s9_trainer_gptoss_8192.json",
-                                                       "rows", {"key": "N", "is": 8192}, "tflops"]),
-    "gptoss_8k_peak_tflops": ("train_step_s9_trainer_gptoss_8192.json", ["meta", "bf16_matmul_tflops"]),
+    # for gptoss_8k_fraction_of_peak: the step's TFLOP/s (every drafter layer's attention counted, train_step.flops
+    # since e77a08a) and the bf16 matmul rate measured in the same run
+    "gptoss_8k_tflops": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json",
+                         ["rows", {"key": "compile", "is": "max-autotune"}, "tflops"]),
+    "gptoss_8k_peak_tflops": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json", ["meta", "bf16_matmul_tflops"]),
     # 64 of 64 identical to generate on the real SmolLM2 (float32); the 92788d0 prepare above made no count
     "regen_identical": ("regen_throughput_f473247_real_smollm2_fp32.json", None),
 }
@@ -132,12 +133,13 @@ def build(data: Path = ROOT / DATA) -> dict:
         "smollm2_trainer_tokens_per_s_cached": val["smollm2_trainer_tokens_per_s_cached"],
         "gptoss_8k_ms": val["gptoss_8k_ms"], "speculators_8k_ms": val["speculators_8k_ms"],
         "gptoss_8k_fraction_of_peak": ratio(val["gptoss_8k_tflops"], val["gptoss_8k_peak_tflops"]),
-        "n131072_step_s": val["n131072_step_s"], "n262144_step_s": val["n262144_step_s"],
+        "n131072_step_s": None if val["n131072_step_ms"] is None else val["n131072_step_ms"] / 1e3,
+        "n262144_step_s": val["n262144_step_s"],
         "regen_tokens_per_s": val["regen_tokens_per_s"], "regen_identical_to_generate": val["regen_identical"],
         "zero2_vs_plain": ratio(val["zero2_tokens_per_s"], val["plain_for_zero2_tokens_per_s"]),
         "fsdp2_vs_plain": ratio(val["fsdp2_tokens_per_s"], val["plain_for_fsdp2_tokens_per_s"]),
     }
-    derived = {"gptoss_8k_fraction_of_peak": ("gptoss_8k_tflops",), "regen_identical_to_generate": ("regen_identical",),
+    derived = {"gptoss_8k_fraction_of_peak": ("gptoss_8k_tflops",), "n131072_step_s": ("n131072_step_ms",), "regen_identical_to_generate": ("regen_identical",),
                "zero2_vs_plain": ("zero2_tokens_per_s",), "fsdp2_vs_plain": ("fsdp2_tokens_per_s",)}
     key_of = {k: derived.get(k, (k,))[0] for k in rec if k not in ("commit", "gpu")}
     rec["sources"] = {k: src[s] for k, s in key_of.items() if s in src}

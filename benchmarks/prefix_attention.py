@@ -115,6 +115,14 @@ def sdpa_causal_fn(q, k, v):
     return out, torch.zeros(out.shape[:-1], device=out.device)
 
 
+def recompiles_needed(cases: int) -> int:
+    """Compiled ``flex_attention`` variants one ``N`` can ask for: per case its forward with and without
+    grad and its backward (3), with room for a guard change each (x 2), plus 8 spare. Measured need: a run
+    with three option sets (six cases) hit the default limit of 8 at its causal row, which then ran eagerly and
+    ran out of memory (``docs/data/prefix_attention_7a2a50b_h100_65536_options.json``)."""
+    return 6 * cases + 8
+
+
 def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> list[dict]:
     """Every row of one ``N`` (module docstring). A row that fails (e.g. a kernel option the GPU
     cannot compile) keeps its error and the others still run."""
@@ -151,6 +159,9 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
                causal_pairs, None),
               ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
+    # every case recompiles flex_attention (its options or mask, forward and backward, grad on and off); past
+    # dynamo's recompile limit (default 8) it runs eagerly and materialises the E x N scores (1 TiB at N = 65,536)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompiles_needed(len(cases)))
     rows = []
     for name, fn, (qq, kk, vv, gg, ll), pairs, opts in cases:
         row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts,

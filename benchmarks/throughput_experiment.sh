@@ -189,9 +189,11 @@ PY
     if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
     du -sh .gpu ;;
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
-    # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
-    # the prefix-attention rows (kernel options, autotuned) and the GPT-OSS 8K step beside speculators. JSON and
-    # logs under $RES (default /tmp/res); $RES/progress.txt gets each step's exit status. Then `poll SECONDS`.
+    # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200) and
+    # its profile, the GPT-OSS 8K step beside speculators, then the prefix-attention rows with the forward kernel
+    # options that measured fastest (not autotuned: Inductor's benchmarking of FlexAttention's choices alone took
+    # 384 s at N = 65,536 on an H100, plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res);
+    # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`.
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
     rm -f "$RES"/*.json "$RES"/*.log && : > "$RES/progress.txt"  # an earlier plan's results and `done` are gone
     setsid nohup bash "$0" plan-run > "$RES/plan.log" 2>&1 < /dev/null &
@@ -206,14 +208,17 @@ PY
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
     echo "start $(date +%T) on $gpu" >> "$RES/progress.txt"
     ck=""
-    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 900 s
+    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 900 + 900 + 600 s
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
     else ck=--checkpointing; fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
-    run prefix 600 "$P" benchmarks/prefix_attention.py --N 65536 131072 --repeats 3 --autotune \
-      --options '{"USE_TMA": true}' '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}' \
-      --out "$RES/prefix_attention.json"
+    # where the 131,072 step goes beyond the attention (49.1 s on an H100 where the kernels measured alone account
+    # for ~35 s, docs/benchmarks.md): one timed step, then the profiled ones (kernels and GPU timeline)
+    run profile131072 900 bash "$0" long "$RES/long131072_profile.json" $ck --steps 1 --warmup 1 --profile
     run gptoss 900 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
+    run prefix 600 "$P" benchmarks/prefix_attention.py --N 65536 131072 --repeats 2 \
+      --options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}' \
+      --out "$RES/prefix_attention.json"
     echo "done $(date +%T)" >> "$RES/progress.txt" ;;
   poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the
     # JSON files and progress.txt as they are, the logs in one logs.tar.gz (a device call returns at most 8 files)
