@@ -189,8 +189,8 @@ PY
     if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
     du -sh .gpu ;;
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
-    # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200) and
-    # its profile, the GPT-OSS 8K step beside speculators, then the prefix-attention rows with the forward kernel
+    # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
+    # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix-attention rows with the forward kernel
     # options that measured fastest (not autotuned: Inductor's benchmarking of FlexAttention's choices alone took
     # 384 s at N = 65,536 on an H100, plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res);
     # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`.
@@ -208,10 +208,13 @@ PY
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
     echo "start $(date +%T) on $gpu" >> "$RES/progress.txt"
     ck=""
-    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 900 + 900 + 600 s
+    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 900 + 900 + 600 s
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
     else ck=--checkpointing; fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
+    # the same step with the prefix attention's forward block that measured fastest alone (train.prefix_kernel_options)
+    run long131072_kopts 600 bash "$0" long "$RES/long131072_kopts.json" $ck \
+      --prefix-kernel-options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}'
     # where the 131,072 step goes beyond the attention (49.1 s on an H100 where the kernels measured alone account
     # for ~35 s, docs/benchmarks.md): one timed step, then the profiled ones (kernels and GPU timeline)
     run profile131072 900 bash "$0" long "$RES/long131072_profile.json" $ck --steps 1 --warmup 1 --profile

@@ -5,8 +5,8 @@ Every timed step is :meth:`peagle_train.trainer.trainer.Trainer.train_step` -- t
 directly (as ``tests/integration/test_train.py`` does) from a validated recipe
 (``config_from_dict``) whose ``train`` section carries what the flags set (``K``, ``cod_r``,
 ``cod_r_min``, ``partitions``, ``compile``, ``attention``, ``chain_kernel``, ``fused_loss``,
-``loss_chunk_size``, ``activation_checkpointing``, ``mixed_precision``, ``lr``; micro-batch 1,
-grad_accum 1, no evaluation, no checkpoints, no trackers). One step is therefore what a training
+``prefix_kernel_options``, ``loss_chunk_size``, ``activation_checkpointing``, ``mixed_precision``, ``lr``;
+micro-batch 1, grad_accum 1, no evaluation, no checkpoints, no trackers). One step is therefore what a training
 run pays per optimizer step: the sequence's token lists packed, the COD sample, grid, supervised
 count and partition plan built on the CPU (``"host_inputs": "in-step (the trainer's own)"``: the
 host work is inside the timed step, as users get it), the features packed onto the device, the
@@ -198,7 +198,8 @@ def train_section(args, *, partitions: int | str, compile: bool | str = False, a
             "loss_chunk_size": args.chunk, "activation_checkpointing": args.checkpointing,
             "mixed_precision": args.mixed_precision, "lr": args.lr, "features": "cache",
             "micro_batch_size": args.micro_batch, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
-            "save_every": None, "report_to": [], "seed": 0}
+            "save_every": None, "report_to": [], "seed": 0,
+            "prefix_kernel_options": getattr(args, "prefix_kernel_options", None)}
 
 
 def synthetic_data(N: int, vocab_size: int, n_sequences: int, seed: int = 0) -> dict:
@@ -464,7 +465,8 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
     warmup = args.warmup if warmup is None else warmup
     ran = effective_attention(attention, device)
     row = {"N": N, "K": args.K, "S": partitions, "compile": compile, "checkpointing": args.checkpointing,
-           "attention": ran, "chain_kernel": None, "fused_loss": fused_loss, "host_inputs": HOST_INPUTS}
+           "attention": ran, "chain_kernel": None, "fused_loss": fused_loss, "host_inputs": HOST_INPUTS,
+           "prefix_kernel_options": getattr(args, "prefix_kernel_options", None)}
     trainer = None
     try:
         if ran == "flex":
@@ -682,6 +684,18 @@ def matmul_rate(device, n: int = 8192, reps: int = 10) -> float | None:
 
 
 
+def _kernel_options(text: str) -> dict:
+    """``--prefix-kernel-options``: a JSON object (the recipe validates its values). Raises
+    ``argparse.ArgumentTypeError`` for anything else."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"fwd_BLOCK_M\": 64}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of kernel options")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
@@ -711,6 +725,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chain-kernel", choices=["auto", "triton", "torch"], nargs="+", default=["auto"],
                     help="train.chain_kernel of the split form; several = one row each, same process "
                          "(--profile and --check-grads use the last)")
+    ap.add_argument("--prefix-kernel-options", type=_kernel_options, default=None, metavar="JSON",
+                    help="train.prefix_kernel_options: FlexAttention kernel_options of the prefix part, a JSON "
+                         "object such as '{\"fwd_BLOCK_M\": 64, \"fwd_BLOCK_N\": 128}' (default: none)")
     ap.add_argument("--fused-loss", choices=["on", "off"], nargs="+", default=["on"],
                     help="train.fused_loss: on = lm_head + loss gradients computed in the loss forward, off = "
                          "checkpoint + recompute; several = one row each, same process (--profile uses the last)")

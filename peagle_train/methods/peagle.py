@@ -37,6 +37,8 @@ class PEagleObjective(nn.Module):
         depth_weights: ``train.depth_weights``, ``K`` floats: in training mode an element at depth ``d``
             weighs ``depth_weights[d]`` times its unit weight (the normaliser is unchanged, so sequence
             partitions still add up, spec §3); ``None`` or ``eval()`` mode: the spec's unweighted loss.
+        prefix_kernel_options: ``train.prefix_kernel_options``, FlexAttention ``kernel_options`` of the split
+            form's prefix part (CUDA); None = its defaults. Same math.
 
     Raises:
         ValueError: ``depth_weights`` not one per parallel depth of ``drafter``.
@@ -44,8 +46,10 @@ class PEagleObjective(nn.Module):
 
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
-                 chain_kernel: str = "auto", fused_loss: bool = True, depth_weights=None):
+                 chain_kernel: str = "auto", fused_loss: bool = True, depth_weights=None,
+                 prefix_kernel_options: dict | None = None):
         super().__init__()
+        self.prefix_kernel_options = prefix_kernel_options
         self.fused_loss = fused_loss
         self.drafter = drafter
         self.chain_kernel = chain_kernel
@@ -81,7 +85,7 @@ class PEagleObjective(nn.Module):
         # waits for the device (the checks run there, torch._assert_async).
         deepest = getattr(self.drafter.config, "num_parallel_depths", 1) - 1
         spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest,
-                              chain_kernel=self.chain_kernel)
+                              chain_kernel=self.chain_kernel, prefix_kernel_options=self.prefix_kernel_options)
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
@@ -128,7 +132,7 @@ class PEagle(DraftMethod):
         tc = cfg.train
         return PEagleObjective(drafter, target_head, loss=tc.loss, chunk_size=tc.loss_chunk_size, attention=attention,
                                compile=tc.compile, chain_kernel=chain_kernel, fused_loss=tc.fused_loss,
-                               depth_weights=tc.depth_weights)
+                               depth_weights=tc.depth_weights, prefix_kernel_options=tc.prefix_kernel_options)
 
     def check_target(self, config, vocab_size: int) -> None:
         m = config_field(config, "mask_token_id")

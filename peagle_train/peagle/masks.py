@@ -312,6 +312,9 @@ class SplitMasks:
             deterministic backward of the chain gather.
         chain_kernel: ``"torch"`` (:func:`chain_attention` in PyTorch) or ``"triton"`` (the kernels of
             :mod:`peagle_train.kernels.chain_kernel`); same math.
+        prefix_kernel_options: FlexAttention ``kernel_options`` of the prefix part as sorted ``(name, value)``
+            pairs (hashable: a compiled layer sees a constant), or ``None`` for its defaults
+            (``train.prefix_kernel_options``).
     """
 
     prefix_mask: object
@@ -320,6 +323,7 @@ class SplitMasks:
     chain_inverse: torch.Tensor  # [E_kv, C] int64, see invert_chain_index
     chain_inverse_valid: torch.Tensor  # [E_kv, C] bool
     chain_kernel: str = "torch"  # "torch" or "triton": how chain_attention runs (chain_kernel.resolve)
+    prefix_kernel_options: tuple[tuple[str, bool | int], ...] | None = None
 
 
 def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int, sync_check: bool = True):

@@ -39,6 +39,29 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
         assert r["attention_flop"] == 4 * 12 * 4 * 16 * r["attention_pairs"] and r["flop"] > r["attention_flop"] > 0
 
 
+def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path, monkeypatch):
+    """``--prefix-kernel-options JSON``: the recipe's ``train.prefix_kernel_options`` (what the Trainer is built
+    from) and the row record it; anything but a JSON object is refused by the argument parser."""
+    import peagle_train.trainer.trainer as trainer_module
+
+    built = []
+    init = trainer_module.Trainer.__init__
+
+    def spy(self, cfg, *a, **k):
+        built.append(cfg.train.prefix_kernel_options)
+        init(self, cfg, *a, **k)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", spy)
+    out = tmp_path / "k.json"
+    rows = bench.main(["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0",
+                       "--prefix-kernel-options", '{"fwd_BLOCK_M": 64}', "--out", str(out)])
+    assert built == [{"fwd_BLOCK_M": 64}] and rows[0]["prefix_kernel_options"] == {"fwd_BLOCK_M": 64}
+    assert json.loads(out.read_text())["rows"][0]["prefix_kernel_options"] == {"fwd_BLOCK_M": 64}
+    for bad in ("BLOCK_M=64", "[64]"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--prefix-kernel-options", bad])
+
+
 def test_flop_count_counts_the_attention_of_every_drafter_layer(bench):
     """The step's FLOP count (``train_step.flops``) has one attention term per decoder layer: each of the
     drafter's layers attends over the whole grid (before the fix it counted one layer's, whatever ``L``)."""

@@ -149,7 +149,7 @@ def _fake_gpu(tmp_path: Path, name: str) -> dict:
 @pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
 def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculators_rows(tmp_path, gpu):
     """``plan-run`` (dry): N = 262,144 only on an H200; N = 131,072 with activation checkpointing on an 80 GB card,
-    then its profile; the GPT-OSS 8K step beside speculators, then the prefix-attention rows with kernel options
+    again with the prefix attention's kernel options, then its profile; the GPT-OSS 8K step beside speculators, then the prefix-attention rows with kernel options
     (not autotuned: that took longer than the step's limit)."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
@@ -161,11 +161,13 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     assert lines[0].startswith("start") and gpu in lines[0] and lines[-1].startswith("done")
     steps = {x.split(":")[0]: x for x in lines[1:-1]}
     h200 = "H200" in gpu
-    assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "profile131072", "gptoss", "prefix"]
+    assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "long131072_kopts", "profile131072",
+                                                               "gptoss", "prefix"]
     if h200:
         assert "--seq-len 262144" in steps["long262144"] and "--checkpointing" in steps["long262144"]
     assert ("--checkpointing" in steps["long131072"]) is not h200
     assert ("--checkpointing" in steps["profile131072"]) is not h200 and "--profile" in steps["profile131072"]
+    assert "--prefix-kernel-options" in steps["long131072_kopts"] and "fwd_BLOCK_N" in steps["long131072_kopts"]
     assert "--autotune" not in steps["prefix"] and "fwd_BLOCK_N" in steps["prefix"]
     assert "--compile on+autotune" in steps["gptoss"]
 
@@ -185,7 +187,8 @@ def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
-    assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "profile131072", "gptoss", "prefix"]
+    assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "long131072_kopts", "profile131072", "gptoss",
+                                                          "prefix"]
     assert all(" rc 3 " in x for x in lines[1:-1]) and lines[-1].startswith("done")  # each its own status
     (tmp_path / "res" / "x.json").write_text("{}")
     out = tmp_path / "out"
@@ -215,5 +218,6 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = (res / "progress.txt").read_text().splitlines()
     assert lines[0].startswith("start") and "earlier" not in lines[0] and lines[-1].startswith("done")
-    assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "profile131072", "gptoss", "prefix"]
+    assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "long131072_kopts", "profile131072",
+                                                       "gptoss", "prefix"]
     assert not (res / "old.json").exists() and not (tmp_path / "out" / "old.json").exists()

@@ -914,6 +914,38 @@ def test_depth_weights_are_checked(tmp_path, bad, match):
         get_method("eagle3").validate_recipe(_cfg(tmp_path, method="eagle3", depth_weights=[1.0] * 4))
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, flex_kernel_options_seen):
+    """train.prefix_kernel_options: the recipe's FlexAttention kernel options reach the prefix part's flex call of
+    either method's objective (sorted on the split masks, a dict again at the call); without them none is passed.
+    The objective's forward runs eagerly on CPU (FlexAttention forward only), where torch ignores the options."""
+    seen = flex_kernel_options_seen
+    data, feats, tconf = _cached_inputs(run_dir)
+    opts = {"fwd_num_warps": 4, "fwd_BLOCK_N": 128, "USE_TMA": False}
+    losses = []
+    for given in (opts, None):
+        K = 4 if method == "peagle" else 3
+        tr = Trainer(_cfg(run_dir, method=method, K=K, max_steps=1, prefix_kernel_options=given),
+                     data, feats, tconf, [1, 3, 4])
+        objective = tr.acc.unwrap_model(tr.model)
+        assert objective.prefix_kernel_options == given
+        objective.attention = "flex"  # as on CUDA (attention: auto); the trainer chose sdpa for this CPU
+        seen.clear()
+        with torch.no_grad():
+            losses.append(float(tr.evaluate()["eval_loss"]))
+        tr._stop_prefetch()
+        assert seen and all(o == given for o in seen), seen
+    assert losses[0] == losses[1]  # same math (eager FlexAttention ignores the options)
+
+
+@pytest.mark.parametrize("bad", [{"fwd_BLOCK_M": "64"}, {"fwd_BLOCK_M": 64.0}, [64]])
+def test_prefix_kernel_options_are_checked(tmp_path, bad):
+    """Only a mapping of names to whole numbers or booleans: a string or float value, or a list, is refused
+    with the field named (not passed to a kernel compile hours later)."""
+    with pytest.raises(Exception, match="prefix_kernel_options"):
+        _cfg(tmp_path, prefix_kernel_options=bad)
+
+
 def test_compile_cache_is_written_at_the_end_of_a_launch_and_read_by_the_next(run_dir):
     """train.compile_cache (relative: under output_dir): each launch gives torch the file before training and writes
     what was compiled at its end (a stopped launch too); the records in the returned metrics say what was loaded

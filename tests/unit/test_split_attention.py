@@ -530,15 +530,20 @@ def test_attn_spec_kinds_and_validation():
 # ----------------------------------------------------------------------------- compile and scale
 
 
-def test_split_layer_traces_fullgraph(tiny_drafter):
+@pytest.mark.parametrize("opts", [None, {"fwd_BLOCK_N": 128, "fwd_BLOCK_M": 64}])
+def test_split_layer_traces_fullgraph(tiny_drafter, flex_kernel_options_seen, opts):
     """A decoder layer with the split spec compiles with ``fullgraph=True`` (no graph break: no host
-    sync, no data-dependent Python branch; Dynamo only, as CPU Inductor has no flex lse) and matches eager."""
+    sync, no data-dependent Python branch; Dynamo only, as CPU Inductor has no flex lse) and matches eager.
+    With ``prefix_kernel_options`` (``train.prefix_kernel_options``) too: they sit on the split masks as sorted
+    pairs (a constant for the compiled layer) and reach FlexAttention's call as a dict; eager (CPU)
+    FlexAttention ignores them, so the output is the default's exactly."""
     torch._dynamo.reset()
     K = 4
-    g, x = make_grid([30, 20], 2, 0.9, K, 0.8, 0.3, None, 3)
+    g, _ = make_grid([30, 20], 2, 0.9, K, 0.8, 0.3, None, 3)
     g = pad_grid(g, 32)
     d = tiny_drafter(num_layers=2, K=K, seed=1).eval()
-    spec = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1)
+    spec = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts)
+    assert spec.split.prefix_kernel_options == (None if opts is None else (("fwd_BLOCK_M", 64), ("fwd_BLOCK_N", 128)))
     torch.manual_seed(0)
     h = torch.randn(len(g), 32)
     emb = d.embed_tokens(g.token_ids)
@@ -546,8 +551,11 @@ def test_split_layer_traces_fullgraph(tiny_drafter):
     layer = d.layers[1]
     with torch.no_grad():
         eager, _ = layer(h, emb, cos, sin, spec)
+        assert flex_kernel_options_seen == [opts]
         compiled, _ = torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(h, emb, cos, sin, spec)
+        default, _ = layer(h, emb, cos, sin, make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1))
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eager, default, atol=0, rtol=0)
 
 
 def test_split_build_no_dense_materialisation_at_scale():
