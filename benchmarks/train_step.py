@@ -466,7 +466,8 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
     ran = effective_attention(attention, device)
     row = {"N": N, "K": args.K, "S": partitions, "compile": compile, "checkpointing": args.checkpointing,
            "attention": ran, "chain_kernel": None, "fused_loss": fused_loss, "host_inputs": HOST_INPUTS,
-           "prefix_kernel_options": getattr(args, "prefix_kernel_options", None)}
+           # the split form's prefix part takes them; the joint kernel (flex_joint) and SDPA do not
+           "prefix_kernel_options": getattr(args, "prefix_kernel_options", None) if ran == "flex" else None}
     trainer = None
     try:
         if ran == "flex":
@@ -549,9 +550,10 @@ def count_syncs(fn) -> dict:
     return {"count": n, "sites": [[k, v] for k, v in sites.most_common(15)]}
 
 
-def _dense_prefix(q, k, v, prefix_mask):
+def _dense_prefix(q, k, v, prefix_mask, kernel_options=None):
     """CPU stand-in for the flex prefix part (no flex backward on CPU): dense attention under the
-    prefix BlockMask's ``mask_mod`` at every pair → ``(out, lse)``."""
+    prefix BlockMask's ``mask_mod`` at every pair → ``(out, lse)`` (``kernel_options``: ignored, as eager
+    FlexAttention ignores them)."""
     from torch.nn.attention.flex_attention import create_mask
 
     mask = create_mask(prefix_mask.mask_mod, 1, 1, q.shape[2], k.shape[2], device=q.device)[0, 0]
@@ -566,9 +568,12 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, device, chunk: int,
-                compile: bool = False, seed: int = 0, chain_kernel: str = "auto") -> dict:
+                compile: bool = False, seed: int = 0, chain_kernel: str = "auto",
+                prefix_kernel_options: dict | None = None) -> dict:
     """Loss and parameter gradients of the split attention vs the joint kernel (float32, no autocast).
     ``chain_kernel``: the split side's chain part (``train.chain_kernel``; recorded as run).
+    ``prefix_kernel_options``: the split side's ``train.prefix_kernel_options`` (CUDA; the CPU's dense stand-in
+    ignores them).
 
     The grid: ``N`` tokens in two documents (60 % / the rest, minus 16 padding tokens), loss mask
     random (p = 0.8), COD with ``r``/``r_min``, padded to the 1024 bucket (padding rows present).
@@ -604,7 +609,8 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             if side == "split" and not cuda:
                 attention_mod._flex_with_lse = _dense_prefix
             obj = PEagleObjective(drafter, head32, loss="kl", chunk_size=chunk, attention=kind,
-                                  pad_multiple=pad, compile=compile, chain_kernel=chain_kernel).to(device)
+                                  pad_multiple=pad, compile=compile, chain_kernel=chain_kernel,
+                                  prefix_kernel_options=prefix_kernel_options if side == "split" else None).to(device)
             loss, _ = obj(grid, aux, last, argmax, norm)
             grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             res[side] = (loss.detach(), grads)
@@ -1004,7 +1010,8 @@ def run_check_grads(args, device, variants, out_dir: str) -> list[dict]:
     for comp in variants:
         try:
             res = check_grads(drafter, head, tc, args.check_n, args.K, args.r, args.r_min, device, args.chunk,
-                              compile=comp, chain_kernel=args.chain_kernel[-1])
+                              compile=comp, chain_kernel=args.chain_kernel[-1],
+                              prefix_kernel_options=args.prefix_kernel_options)
         except Exception as e:  # noqa: BLE001 - report the failing variant, keep the others
             res = {"N": args.check_n, "K": args.K, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         drafter.zero_grad(set_to_none=True)

@@ -9,11 +9,16 @@ Errors: :class:`ConfigError` (a ``ValueError``) naming the recipe file and the d
 """
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from data_prep.config import Section
+
+#: ``train.prefix_kernel_options`` names: FlexAttention's tuning options (block sizes, warps, stages, TMA) for
+#: both passes or one (``fwd_`` / ``bwd_``); nothing that changes what the kernel computes.
+PREFIX_KERNEL_OPTION = re.compile(r"(?:fwd_|bwd_)?(?:(?P<size>BLOCK_[MN][12]?|num_warps|num_stages)|(?P<flag>USE_TMA))")
 
 
 class ConfigError(ValueError):
@@ -162,7 +167,29 @@ class TrainConfig(Section):
         "warps and stages, tuned per GPU (names as torch's FlexAttention takes them; fwd_/bwd_ apply to one pass). "
         "None = FlexAttention's defaults. Same math. That forward option measured 5.7 % faster forward + "
         "backward than the default alone on one H100 at N = 65,536 (docs/benchmarks.md); eager FlexAttention "
-        "(CPU) ignores it.")
+        "(CPU) ignores it. Only tuning names are taken: [fwd_|bwd_]BLOCK_M, BLOCK_N (and BLOCK_M1/N1/M2/N2), "
+        "num_warps, num_stages as positive whole numbers, USE_TMA as true/false (options that change what is "
+        "computed, such as ROWS_GUARANTEED_SAFE, are refused). How, not what: a resumed run may change it.")
+
+    @field_validator("prefix_kernel_options")
+    @classmethod
+    def _tuning_options_only(cls, v: dict | None) -> dict | None:
+        """Tuning names only (:data:`PREFIX_KERNEL_OPTION`), whole numbers > 0 or booleans as they need; ``{}`` is
+        ``None``. Raises ValueError naming the option and what is allowed."""
+        if not v:
+            return None
+        for name, value in v.items():
+            m = PREFIX_KERNEL_OPTION.fullmatch(name)
+            if m is None:
+                raise ValueError(f"train.prefix_kernel_options: {name!r} is not a tuning option (allowed: "
+                                 "[fwd_|bwd_]BLOCK_M, BLOCK_N, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, "
+                                 "num_stages, USE_TMA); options that change what FlexAttention computes are refused")
+            if m.group("flag"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"train.prefix_kernel_options: {name} takes true or false (got {value!r})")
+            elif isinstance(value, bool) or value < 1:
+                raise ValueError(f"train.prefix_kernel_options: {name} takes a whole number >= 1 (got {value!r})")
+        return v
     lr: float = Field(3e-4, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0.0)

@@ -291,7 +291,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
         prefix_attention: ``(q, k, v, prefix_mask) -> (out [1, nh, E_q, hd], lse [1, nh, E_q])``
             of the prefix part; None = FlexAttention (:func:`_flex_with_lse`, looked up at call time
             so tests can swap in a dense reference with a backward on CPU; called with
-            ``kernel_options=`` as well where ``split.prefix_kernel_options`` is set).
+            ``kernel_options=`` as well where ``split.prefix_kernel_options`` is set, so a stand-in for it
+            takes that keyword).
 
     Returns:
         ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).

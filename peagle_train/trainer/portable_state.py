@@ -46,7 +46,8 @@ PARTS_FORMAT = "peagle-train-state-parts/1"
 LAUNCH_ONLY_TRAIN_KEYS = frozenset({
     "state_in", "state_out", "state_moments", "state_part_mib", "save_every", "keep_last", "log_every",
     "prefetch", "profile_steps", "profile_start", "report_to", "eval_every", "eval_sequences", "eval_walk_sets",
-    "gc_every", "compile_cache"})
+    "gc_every", "compile_cache",
+    "prefix_kernel_options"})  # FlexAttention's block sizes for this GPU: how the prefix part runs, not what
 #: ``target.*`` keys that may differ between machines (where the model lies): the target's shape is compared instead.
 MACHINE_TARGET_KEYS = frozenset({"path", "tokenizer"})
 
@@ -87,7 +88,8 @@ def run_fingerprint(cfg, target_config, train_ids, train_masks) -> dict:
     dump = cfg.model_dump(mode="json")
     keys = {f"target.{k}": v for k, v in _flatten(dump["target"]).items() if k not in MACHINE_TARGET_KEYS}
     keys.update({f"drafter.{k}": v for k, v in _flatten(dump["drafter"]).items()})
-    keys.update({f"train.{k}": v for k, v in _flatten(dump["train"]).items() if k not in LAUNCH_ONLY_TRAIN_KEYS})
+    keys.update({f"train.{k}": v for k, v in _flatten(dump["train"]).items()
+                 if k.split(".")[0] not in LAUNCH_ONLY_TRAIN_KEYS})  # a dict-valued key flattens to "key.name"
     keys["data.cache_dtype"] = dump["data"].get("cache_dtype")
     for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size"):

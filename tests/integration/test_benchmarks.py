@@ -41,7 +41,8 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
 
 def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path, monkeypatch):
     """``--prefix-kernel-options JSON``: the recipe's ``train.prefix_kernel_options`` (what the Trainer is built
-    from) and the row record it; anything but a JSON object is refused by the argument parser."""
+    from); a row records them where its attention is the split form's FlexAttention (not this CPU's SDPA);
+    anything but a JSON object is refused by the argument parser."""
     import peagle_train.trainer.trainer as trainer_module
 
     built = []
@@ -55,8 +56,9 @@ def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path,
     out = tmp_path / "k.json"
     rows = bench.main(["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0",
                        "--prefix-kernel-options", '{"fwd_BLOCK_M": 64}', "--out", str(out)])
-    assert built == [{"fwd_BLOCK_M": 64}] and rows[0]["prefix_kernel_options"] == {"fwd_BLOCK_M": 64}
-    assert json.loads(out.read_text())["rows"][0]["prefix_kernel_options"] == {"fwd_BLOCK_M": 64}
+    assert built == [{"fwd_BLOCK_M": 64}] and rows[0]["attention"] == "sdpa" and rows[0]["prefix_kernel_options"] is None
+    assert json.loads(out.read_text())["meta"]["command"].endswith('--prefix-kernel-options {"fwd_BLOCK_M": 64} --out '
+                                                                   + str(out))
     for bad in ("BLOCK_M=64", "[64]"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--prefix-kernel-options", bad])

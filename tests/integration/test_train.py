@@ -938,12 +938,36 @@ def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, fle
     assert losses[0] == losses[1]  # same math (eager FlexAttention ignores the options)
 
 
-@pytest.mark.parametrize("bad", [{"fwd_BLOCK_M": "64"}, {"fwd_BLOCK_M": 64.0}, [64]])
-def test_prefix_kernel_options_are_checked(tmp_path, bad):
-    """Only a mapping of names to whole numbers or booleans: a string or float value, or a list, is refused
-    with the field named (not passed to a kernel compile hours later)."""
-    with pytest.raises(Exception, match="prefix_kernel_options"):
+@pytest.mark.parametrize("bad, match", [
+    ({"fwd_BLOCK_M": "64"}, "prefix_kernel_options"), ({"fwd_BLOCK_M": 64.0}, "prefix_kernel_options"),
+    ([64], "prefix_kernel_options"), ({"ROWS_GUARANTEED_SAFE": True}, "not a tuning option"),
+    ({"fwd_BLOCK_MM": 64}, "not a tuning option"), ({"OUTPUT_LOGSUMEXP": False}, "not a tuning option"),
+    ({"bwd_BLOCK_N1": 0}, "whole number >= 1"), ({"num_warps": True}, "whole number >= 1"),
+    ({"USE_TMA": 1}, "true or false")])
+def test_prefix_kernel_options_are_checked(tmp_path, bad, match):
+    """Only FlexAttention's tuning options (block sizes, warps, stages: whole numbers >= 1; USE_TMA: a boolean),
+    for both passes or one: a misspelt name (torch would ignore it), an option that changes what is computed
+    (ROWS_GUARANTEED_SAFE would break the padding rows' -inf lse) or a wrong value is refused with the field named."""
+    with pytest.raises(Exception, match=match):
         _cfg(tmp_path, prefix_kernel_options=bad)
+
+
+def test_prefix_kernel_options_are_how_not_what(tmp_path):
+    """Tuning for one GPU: ``{}`` is None; the options are neither part of a run folder's identity nor of a portable
+    state's fingerprint, so a run resumed on another GPU kind may tune its kernels anew."""
+    from transformers import LlamaConfig
+
+    from peagle_train.stages import stamp_differences
+    from peagle_train.trainer.portable_state import run_fingerprint
+
+    assert _cfg(tmp_path, prefix_kernel_options={}).train.prefix_kernel_options is None
+    ok = {"fwd_BLOCK_M": 64, "bwd_BLOCK_N1": 128, "fwd_USE_TMA": True, "num_stages": 3, "bwd_num_warps": 8}
+    tuned, plain = _cfg(tmp_path, prefix_kernel_options=ok), _cfg(tmp_path)
+    assert tuned.train.prefix_kernel_options == ok
+    assert stamp_differences(tuned, plain.model_dump(mode="json")) == []
+    tc = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    a, b = (run_fingerprint(c, tc, [[1, 2, 3]], [[0, 1, 1]]) for c in (tuned, plain))
+    assert a == b and not any("prefix_kernel_options" in k for k in a["keys"])
 
 
 def test_compile_cache_is_written_at_the_end_of_a_launch_and_read_by_the_next(run_dir):
