@@ -99,11 +99,38 @@ def run_fingerprint(cfg, target_config, train_ids, train_masks) -> dict:
     return {"keys": keys, "sha256": hashlib.sha256(blob).hexdigest()}
 
 
-def fingerprint_differences(saved: dict, current: dict) -> list[str]:
-    """``"key: state X, this run Y"`` for every fingerprint key whose value differs (sorted by key)."""
-    a, b = saved.get("keys", {}), current["keys"]
-    return [f"{k}: state {a.get(k, '<absent>')!r}, this run {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+def recipe_defaults(cfg) -> dict:
+    """``{dotted key: default}`` of the recipe keys a fingerprint holds (``target.*``, ``drafter.*``, ``train.*``
+    with a default, JSON values as ``model_dump(mode="json")`` writes them, dict defaults flattened) -- what a
+    state written before a key existed was trained with."""
+    from pydantic_core import PydanticUndefined, to_jsonable_python
+
+    out = {}
+    for section in ("target", "drafter", "train"):
+        for name, field in type(getattr(cfg, section)).model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            if default is PydanticUndefined:
+                continue
+            value = to_jsonable_python(default)
+            if isinstance(value, dict):
+                out.update({f"{section}.{k}": v for k, v in _flatten(value, f"{name}.").items()})
+            else:
+                out[f"{section}.{name}"] = value
+    return out
+
+
+def fingerprint_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """``"key: state X, this run Y"`` for every fingerprint key whose value differs (sorted by key).
+
+    ``defaults`` (:func:`recipe_defaults`): a key the saved fingerprint lacks (added to the recipe schema after
+    the state was written, e.g. ``train.depth_weights``) counts as equal where this run leaves it at its
+    default, the behaviour the state was trained with; set to another value it is a difference (as
+    :func:`peagle_train.stages.stamp_differences` treats a run folder's stamp)."""
+    a, b, defaults = saved.get("keys", {}), current["keys"], defaults or {}
+    absent = "<absent>"
+    return [f"{k}: state {a.get(k, absent)!r}, this run {b.get(k, absent)!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)
+            and not (k not in a and k in defaults and b.get(k, absent) == defaults[k])]
 
 
 # -- file I/O ---------------------------------------------------------------------------------------
@@ -380,13 +407,15 @@ def load_portable_state(trainer, path: str | Path) -> dict:
 
     Raises:
         StateError: damaged file (:func:`read_state_file`); a state of another run: its fingerprint
-            differs (every differing key named with both values), another world size, or trainable
+            differs (every differing key named with both values; a key newer than the state counts as equal
+            at its default, :func:`fingerprint_differences`), another world size, or trainable
             parameters of other names / shapes (the drafter's shape).
         ConfigError: an FSDP2 / DeepSpeed launch.
     """
     _check_layout(trainer)
     header, tensors = read_state_file(path)
-    diffs = fingerprint_differences(header.get("fingerprint", {}), trainer.state_fingerprint())
+    diffs = fingerprint_differences(header.get("fingerprint", {}), trainer.state_fingerprint(),
+                                    recipe_defaults(trainer.cfg))
     if diffs:
         raise StateError(f"{path} was written by another run and cannot be resumed here: " + "; ".join(diffs)
                          + ". Resume with the recipe (and prepared data) it was written with, or start a fresh run")

@@ -120,6 +120,23 @@ def test_state_of_another_run_is_refused(runs):
         run_train(cfg, progress=False)
 
 
+def test_state_older_than_a_recipe_key_resumes_at_its_default(runs, tmp_path):
+    """A state written before a recipe key existed (its fingerprint lacks ``train.depth_weights``) resumes where this
+    run leaves the key at its default (what the state was trained with), and is refused naming the key where the
+    run sets it otherwise."""
+    run_dir, straight, states = runs
+    header, tensors = ps.read_state_file(states["fp32"])
+    keys = header["fingerprint"]["keys"]
+    assert keys.pop("train.depth_weights") is None
+    old = tmp_path / "older.pst"
+    ps.write_state_file(old, {k: v for k, v in header.items() if not k.startswith("payload_")}, tensors)
+    resumed = run_train(_cfg_at(run_dir, _fresh(run_dir, "older"), state_in=str(old)), progress=False)["history"]
+    assert [h["loss"] for h in resumed[:STOP]] == [h["loss"] for h in straight[:STOP]] and len(resumed) == len(straight)
+    cfg = _cfg_at(run_dir, _fresh(run_dir, "older_weighted"), state_in=str(old), depth_weights=[1.0, 0.5, 0.5, 0.5])
+    with pytest.raises(ps.StateError, match=r"train\.depth_weights: state '<absent>', this run \[1\.0, 0\.5"):
+        run_train(cfg, progress=False)
+
+
 def test_corrupted_state_is_refused(runs, tmp_path):
     run_dir, _, states = runs
     bad = tmp_path / "bad.pst"
