@@ -139,8 +139,9 @@ def build(data: Path = ROOT / DATA) -> dict:
         "zero2_vs_plain": ratio(val["zero2_tokens_per_s"], val["plain_for_zero2_tokens_per_s"]),
         "fsdp2_vs_plain": ratio(val["fsdp2_tokens_per_s"], val["plain_for_fsdp2_tokens_per_s"]),
     }
-    derived = {"gptoss_8k_fraction_of_peak": ("gptoss_8k_tflops",), "n131072_step_s": ("n131072_step_ms",), "regen_identical_to_generate": ("regen_identical",),
-               "zero2_vs_plain": ("zero2_tokens_per_s",), "fsdp2_vs_plain": ("fsdp2_tokens_per_s",)}
+    derived = {"gptoss_8k_fraction_of_peak": ("gptoss_8k_tflops",), "n131072_step_s": ("n131072_step_ms",),
+               "regen_identical_to_generate": ("regen_identical",), "zero2_vs_plain": ("zero2_tokens_per_s",),
+               "fsdp2_vs_plain": ("fsdp2_tokens_per_s",)}
     key_of = {k: derived.get(k, (k,))[0] for k in rec if k not in ("commit", "gpu")}
     rec["sources"] = {k: src[s] for k, s in key_of.items() if s in src}
     rec["commits"] = {k: of[s]["commit"] for k, s in key_of.items() if s in of}

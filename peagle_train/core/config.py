@@ -165,9 +165,8 @@ class TrainConfig(Section):
         None, description="FlexAttention kernel_options of the split form's prefix part on CUDA (compiled "
         "kernels), e.g. {fwd_BLOCK_M: 64, fwd_BLOCK_N: 128, fwd_num_warps: 4, fwd_num_stages: 3}: block sizes, "
         "warps and stages, tuned per GPU (names as torch's FlexAttention takes them; fwd_/bwd_ apply to one pass). "
-        "None = FlexAttention's defaults. Same math. That forward option measured 5.7 % faster forward + "
-        "backward than the default alone on one H100 at N = 65,536 (docs/benchmarks.md); eager FlexAttention "
-        "(CPU) ignores it. Only tuning names are taken: [fwd_|bwd_]BLOCK_M, BLOCK_N (and BLOCK_M1/N1/M2/N2), "
+        "None = FlexAttention's defaults. Same math. That forward option made the trainer's GPT-OSS-shaped step "
+        "at N = 16,384 4.0 % faster on one H100 (docs/benchmarks.md); eager FlexAttention (CPU) ignores it. Only tuning names are taken: [fwd_|bwd_]BLOCK_M, BLOCK_N (and BLOCK_M1/N1/M2/N2), "
         "num_warps, num_stages as positive whole numbers, USE_TMA as true/false (options that change what is "
         "computed, such as ROWS_GUARANTEED_SAFE, are refused). How, not what: a resumed run may change it.")
 
