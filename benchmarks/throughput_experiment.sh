@@ -193,7 +193,8 @@ PY
     # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix-attention rows with the forward kernel
     # options that measured fastest (not autotuned: Inductor's benchmarking of FlexAttention's choices alone took
     # 384 s at N = 65,536 on an H100, plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res);
-    # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`.
+    # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`. PLAN_STEPS="long262144 profile131072"
+    # runs only the steps it names (a plan whose every step fits no one GPU machine's time).
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
     rm -f "$RES"/*.json "$RES"/*.log && : > "$RES/progress.txt"  # an earlier plan's results and `done` are gone
     setsid nohup bash "$0" plan-run > "$RES/plan.log" 2>&1 < /dev/null &
@@ -201,6 +202,9 @@ PY
   plan-run)  # the steps of `plan`, in this process (PLAN_DRY=1: print each command instead of running it)
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
     run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
+      # PLAN_STEPS="NAME ...": only the steps named (in the plan's order; the others are noted as skipped)
+      if [ -n "${PLAN_STEPS:-}" ] && [[ " $PLAN_STEPS " != *" $name "* ]]; then
+        echo "$name skipped (PLAN_STEPS)" >> "$RES/progress.txt"; return; fi
       if [ "${PLAN_DRY:-0}" = 1 ]; then echo "$name: $*" >> "$RES/progress.txt"; return; fi
       timeout -k 60 "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?  # -k: killed if it ignores the TERM
       echo "$name rc $rc $(date +%T)" >> "$RES/progress.txt"; }

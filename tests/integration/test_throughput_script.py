@@ -172,6 +172,23 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     assert "--compile on+autotune" in steps["gptoss"]
 
 
+def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
+    """``PLAN_STEPS`` picks steps for a machine held too briefly for the whole plan: the named ones run in the plan's
+    order (not the variable's), every other step is noted as skipped, and the plan still ends with ``done``."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    env = _fake_gpu(tmp_path, "NVIDIA H200") | {"PLAN_DRY": "1", "PLAN_STEPS": "profile131072 long262144"}
+    r = subprocess.run(["bash", str(SCRIPT), "plan-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
+    assert lines[-1].startswith("done")
+    ran = [x.split(":")[0] for x in lines[1:-1] if "skipped" not in x]
+    skipped = [x.split()[0] for x in lines[1:-1] if x.endswith("skipped (PLAN_STEPS)")]
+    assert ran == ["long262144", "profile131072"]
+    assert skipped == ["long131072", "long131072_kopts", "gptoss", "prefix"]
+
+
 def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_there(tmp_path):
     """A failing step does not stop ``plan-run`` (its exit status goes to progress.txt); ``poll`` copies the JSON
     files and progress.txt to $OUT and packs the logs into one archive."""
