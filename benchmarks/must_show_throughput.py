@@ -33,18 +33,20 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                                             ["trainer_runs", 0, "tokens_per_s"]),
     "smollm2_trainer_tokens_per_s_online": ("trainer_throughput_8074df3_mb64_online.json",
                                             ["summary", 0, "tokens_per_s"]),
-    # the trainer's own step (Trainer.train_step) at N = 8,192 compiled max-autotune, speculators 0.9.0's step of the
-    # same shape and trainable set in the same process (H100, 7a2a50b; the H200's bf16 matmul rate is the same)
-    "gptoss_8k_ms": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json",
+    # the trainer's own step (Trainer.train_step) at N = 8,192 compiled max-autotune with the prefix attention's
+    # forward block that train.prefix_kernel_options "auto" takes on an H100 or H200, speculators 0.9.0's step of the
+    # same shape and trainable set in the same process (H100, 47e0feb; the H200's bf16 matmul rate is the same)
+    "gptoss_8k_ms": ("train_step_47e0feb_h100_gptoss_8192_kopts_fwd.json",
                      ["rows", {"key": "compile", "is": "max-autotune"}, "step_ms"]),
-    "speculators_8k_ms": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json",
+    "speculators_8k_ms": ("train_step_47e0feb_h100_gptoss_8192_kopts_fwd.json",
                           ["rows", {"key": "compile", "is": "max-autotune"}, "ref_step_ms"]),
-    # N = 131,072 on an 80 GB card: S = 2 with activation checkpointing, as the planner chose (H100, 7a2a50b)
-    "n131072_step_ms": ("train_step_7a2a50b_h100_131072_ckpt.json", ["rows", {"key": "N", "is": 131072}, "step_ms"]),
+    # N = 131,072 on an 80 GB card: S = 2 with activation checkpointing, as the planner chose, and the prefix
+    # attention's forward and backward blocks of train.prefix_kernel_options (H100, 47e0feb)
+    "n131072_step_ms": ("train_step_47e0feb_h100_131072_kopts_fwd_bwd.json", ["rows", {"key": "N", "is": 131072}, "step_ms"]),
     "n262144_step_s": (None, "a run at b8c873c (H200, activation checkpointing) was stopped by its time limit "
                              "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt); the "
-                             "plan of 7a2a50b runs it only on an H200 and got an H100 "
-                             "(plan_7a2a50b_h100_progress.txt)"),
+                             "plans of 7a2a50b and 47e0feb run it only on an H200 and got H100s "
+                             "(plan_7a2a50b_h100_progress.txt, plan_47e0feb_h100_progress.txt)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), each ratio against the
@@ -59,9 +61,9 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                                      ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
     # for gptoss_8k_fraction_of_peak: the step's TFLOP/s (every drafter layer's attention counted, train_step.flops
     # since e77a08a) and the bf16 matmul rate measured in the same run
-    "gptoss_8k_tflops": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json",
+    "gptoss_8k_tflops": ("train_step_47e0feb_h100_gptoss_8192_kopts_fwd.json",
                          ["rows", {"key": "compile", "is": "max-autotune"}, "tflops"]),
-    "gptoss_8k_peak_tflops": ("train_step_7a2a50b_h100_gptoss_8192_autotune.json", ["meta", "bf16_matmul_tflops"]),
+    "gptoss_8k_peak_tflops": ("train_step_47e0feb_h100_gptoss_8192_kopts_fwd.json", ["meta", "bf16_matmul_tflops"]),
     # 64 of 64 identical to generate on the real SmolLM2 (float32); the 92788d0 prepare above made no count
     "regen_identical": ("regen_throughput_f473247_real_smollm2_fp32.json", None),
 }

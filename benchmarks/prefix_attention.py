@@ -9,6 +9,7 @@ Usage::
     python benchmarks/prefix_attention.py --options '{"BLOCK_M": 64, "BLOCK_N": 64}' ...       # + a variant row
     python benchmarks/prefix_attention.py --autotune ...                                       # + an autotuned row
     python benchmarks/prefix_attention.py --blocks-only --N 8192 65536 131072 262144           # tiling only (CPU)
+    python benchmarks/prefix_attention.py --partitions 2 --N 131072 ...    # each of the trainer's 2 segments
 
 At long N most of a step's work is this attention: 70 % of the N = 65,536 step's FLOPs, with every
 layer's attention counted (``docs/data/flop_recount_af4cdbe.json``); this script times that kernel alone. The grid
@@ -55,7 +56,9 @@ from train_step import SHAPES, provenance  # noqa: E402
 
 from peagle_train.kernels import compiling  # noqa: E402
 from peagle_train.kernels.attention import _flex_call  # noqa: E402
+from peagle_train.peagle.grid import pad_grid
 from peagle_train.peagle.masks import GridMeta, block_structure, build_block_mask  # noqa: E402
+from peagle_train.peagle.partition import plan_partitions
 
 
 def prefix_pairs(grid) -> int:
@@ -125,17 +128,39 @@ def recompiles_needed(cases: int) -> int:
 
 def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> list[dict]:
     """Every row of one ``N`` (module docstring). A row that fails (e.g. a kernel option the GPU
-    cannot compile) keeps its error and the others still run."""
+    cannot compile) keeps its error and the others still run. With ``args.partitions`` S > 1 the grid rows are
+    those of each segment (:func:`segment_grids`)."""
+    s = SHAPES[shape]
+    g = torch.Generator().manual_seed(args.seed)
+    full = make_grid(N, args.K, args.r, args.r_min, g, args.pad_multiple)
+    parts = [("", full)] if args.partitions == 1 else segment_grids(full, N, args.partitions, args.pad_multiple)
+    if args.blocks_only:
+        return [{"N": N, "E": len(grid), "pairs": prefix_pairs(grid), "impl": "flex" + label, **block_counts(grid)}
+                for label, grid in parts]
+    rows = []
+    for i, (label, grid) in enumerate(parts):  # the causal references once, with the last part
+        rows += _timed_rows(N, grid, label, s, args, device, dtype, option_sets, g, references=i == len(parts) - 1)
+    return rows
+
+
+def segment_grids(grid, N: int, S: int, pad_multiple: int) -> list[tuple[str, object]]:
+    """The trainer's ``S`` partition segments of ``grid`` (``plan_partitions``, then ``Segment.apply``, padded
+    to ``pad_multiple`` as ``PEagleObjective`` pads each one), labelled ``" segment i/S"``: segment ``i`` holds
+    the rows it supervises and, from the second on, the depth-0 context copies of the earlier anchors, whose
+    pairs it computes again (rule 4 of the partitioning, ``peagle_train.peagle.partition``)."""
+    return [(f" segment {i}/{S}", pad_grid(seg.apply(grid), pad_multiple))
+            for i, seg in enumerate(plan_partitions(grid, N, S))]
+
+
+def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_sets: list, g,
+                references: bool) -> list[dict]:
+    """The timed rows of one grid (the whole grid or one segment, ``label``); with ``references`` the
+    causal rows of the first ``N`` rows of ``grid`` as well (module docstring)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    s = SHAPES[shape]
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
-    g = torch.Generator().manual_seed(args.seed)
-    grid = make_grid(N, args.K, args.r, args.r_min, g, args.pad_multiple)
     E = len(grid)
     blocks = block_counts(grid)
-    if args.blocks_only:
-        return [{"N": N, "E": E, "pairs": prefix_pairs(grid), "impl": "flex", **blocks}]
     mask = build_block_mask(GridMeta.of(grid.to(device)), part="prefix")
     q = torch.randn(1, E, nh, hd, generator=g).to(device, dtype).transpose(1, 2)
     k = torch.randn(1, E, nkv, hd, generator=g).to(device, dtype).transpose(1, 2)
@@ -148,20 +173,21 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
     # of the prefix's length for the two reference rows
     q0, k0, v0, go0, gl0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0], gl[:, :, d0]
     grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
-    cases = [(f"flex {json.dumps(o, sort_keys=True)}" if o else "flex", flex_fn(mask, o, flex), (q, k, v, go, gl),
-              grid_pairs, o) for o in option_sets]
+    cases = [((f"flex {json.dumps(o, sort_keys=True)}" if o else "flex") + label, flex_fn(mask, o, flex),
+              (q, k, v, go, gl), grid_pairs, o) for o in option_sets]
     if args.autotune:  # compiled under train.compile: max-autotune's Inductor options (the forward and backward
         # kernels' block sizes, warps and stages benchmarked at its first call)
         tuned = (torch.compile(flex_attention, dynamic=False, **compiling.compile_kwargs(compiling.AUTOTUNE))
                  if cuda else flex_attention)
-        cases.append(("flex max-autotune", flex_fn(mask, None, tuned), (q, k, v, go, gl), grid_pairs, None))
+        cases.append(("flex max-autotune" + label, flex_fn(mask, None, tuned), (q, k, v, go, gl), grid_pairs, None))
     grid_rows = {name for name, *_ in cases}
-    cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
-               causal_pairs, None),
-              ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
+    if references:
+        cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
+                   causal_pairs, None),
+                  ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
     # every case recompiles flex_attention (its options or mask, forward and backward, grad on and off); past
     # dynamo's recompile limit (default 8) it runs eagerly and materialises the E x N scores (1 TiB at N = 65,536)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompiles_needed(len(cases)))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompiles_needed(len(cases) * args.partitions))
     rows = []
     for name, fn, (qq, kk, vv, gg, ll), pairs, opts in cases:
         row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts,
@@ -205,8 +231,13 @@ def main(argv=None) -> list[dict]:
                     help="one more grid row: FlexAttention compiled as train.compile: max-autotune compiles it")
     ap.add_argument("--blocks-only", action="store_true",
                     help="no timing: each N's grid, pair count and BlockMask tiling only (runs at any N on a CPU)")
+    ap.add_argument("--partitions", type=int, default=1,
+                    help="S > 1: the trainer's S partition segments of each grid instead of the whole grid, a row "
+                         "each (the prefix attention a step with train.partitions S runs, context copies included)")
     ap.add_argument("--out", default="prefix_attention.json")
     args = ap.parse_args(argv)
+    if args.partitions < 1:
+        raise SystemExit(f"prefix_attention.py: --partitions must be >= 1 (got {args.partitions})")
     option_sets: list = [None]
     for o in args.options:
         try:
@@ -235,7 +266,7 @@ def main(argv=None) -> list[dict]:
         print(f"{'N':>7} {'impl':>36} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
     for r in rows:
         if args.blocks_only:
-            print(f"{r['N']:>7} E {r['E']}: {r['pairs']:,} pairs, {r['blocks_full']:,} full and "
+            print(f"{r['N']:>7} {r['impl']:>16} E {r['E']}: {r['pairs']:,} pairs, {r['blocks_full']:,} full and "
                   f"{r['blocks_partial']:,} partial blocks, fill {r['block_fill']:.3f}")
         elif "error" in r:
             print(f"{r['N']:>7} {r['impl'][:36]:>36}  {r['error'][:80]}")

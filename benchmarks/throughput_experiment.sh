@@ -190,8 +190,8 @@ PY
     du -sh .gpu ;;
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
     # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
-    # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix-attention rows with the forward kernel
-    # options that measured fastest (not autotuned: Inductor's benchmarking of FlexAttention's choices alone took
+    # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix
+    # attention of each of that step's two segments alone with the kernel options that measured fastest (not autotuned: Inductor's benchmarking of FlexAttention's choices alone took
     # 384 s at N = 65,536 on an H100, plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res);
     # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`. PLAN_STEPS="long262144 profile131072"
     # runs only the steps it names (a plan whose every step fits no one GPU machine's time).
@@ -216,15 +216,20 @@ PY
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
     else ck=--checkpointing; fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
-    # the same step with the prefix attention's forward block that measured fastest alone (train.prefix_kernel_options)
+    # the same step with the backward block too (train.prefix_kernel_options: the default auto has the forward block
+    # on an H100 / H200; with the backward one the H100 took 38.1 s against 40.9, docs/benchmarks.md, 47e0feb)
     run long131072_kopts 600 bash "$0" long "$RES/long131072_kopts.json" $ck \
-      --prefix-kernel-options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}'
+      --prefix-kernel-options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3}'
     # where the 131,072 step goes beyond the attention (49.1 s on an H100 where the kernels measured alone account
     # for ~35 s, docs/benchmarks.md): one timed step, then the profiled ones (kernels and GPU timeline)
     run profile131072 900 bash "$0" long "$RES/long131072_profile.json" $ck --steps 1 --warmup 1 --profile
     run gptoss 900 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
-    run prefix 600 "$P" benchmarks/prefix_attention.py --N 65536 131072 --repeats 2 \
+    # each of the N = 131,072 step's two segments alone (the trainer's own sub-grids): inside the step the prefix
+    # kernels ran at 192 / 169 TFLOP/s forward / backward against 284 / 233 alone on the N = 65,536 grid
+    # (docs/benchmarks.md, 47e0feb); the segment's shape or the step around it: this row tells
+    run prefix 600 "$P" benchmarks/prefix_attention.py --N 131072 --partitions 2 --repeats 2 \
       --options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}' \
+      '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3}' \
       --out "$RES/prefix_attention.json"
     echo "done $(date +%T)" >> "$RES/progress.txt" ;;
   poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the

@@ -92,6 +92,12 @@ parameter gradient of the split form against the joint kernel (max relative erro
 relative to its largest entry), once per ``--compile`` variant, calling the package's
 ``PEagleObjective`` directly on the drafter a Trainer built; on CPU the prefix part is computed
 densely and the joint side is dense SDPA (no flex backward there).
+
+Prefix kernel options (``train.prefix_kernel_options``): without ``--prefix-kernel-options`` the trainer's
+default ``auto`` applies (:func:`peagle_train.kernels.attention.prefix_kernel_options_for`: a tuned forward block on
+H100 / H200, FlexAttention's own choice elsewhere); ``--prefix-kernel-options null`` is FlexAttention's own choice
+(the baseline), a JSON object sets the options. Rows (and ``--check-grads`` results) record the options that ran,
+resolved for the GPU, where the split form's FlexAttention ran; None elsewhere (``flex_joint``, SDPA, CPU).
 """
 from __future__ import annotations
 
@@ -118,9 +124,14 @@ from transformers import LlamaConfig  # noqa: E402
 
 import peagle_train.kernels.attention as attention_mod  # noqa: E402
 import peagle_train.kernels.loss as loss_mod  # noqa: E402
+from peagle_train.core.config import TrainConfig
 from peagle_train.core.gc_control import manual_collection  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
-from peagle_train.kernels.attention import dense_attention_with_lse  # noqa: E402
+from peagle_train.kernels.attention import (  # noqa: E402
+    dense_attention_with_lse,
+    device_capability,
+    prefix_kernel_options_for,
+)
 from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING  # noqa: E402
 from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
 from peagle_train.methods.peagle import PEagleObjective  # noqa: E402
@@ -188,6 +199,20 @@ def effective_attention(kind: str, device) -> str:
     return kind if device.type == "cuda" else "sdpa"
 
 
+#: ``train.prefix_kernel_options`` where ``--prefix-kernel-options`` is not given: the trainer's own default.
+DEFAULT_PREFIX_KERNEL_OPTIONS = TrainConfig.model_fields["prefix_kernel_options"].default
+
+
+def prefix_kernel_options_ran(value: str | dict | None, attention: str,
+                              capability: tuple[int, int] | None) -> dict | None:
+    """What a row records as ``prefix_kernel_options``: ``value`` (``train.prefix_kernel_options``: ``"auto"``, a
+    mapping or None) resolved for a GPU of compute ``capability`` (``(major, minor)``, None off CUDA;
+    :func:`~peagle_train.kernels.attention.prefix_kernel_options_for`) where ``attention`` (the kind that ran) is
+    the split form's ``flex``; None for ``flex_joint`` and ``sdpa``, which do not take them. Raises ValueError
+    for a string other than ``"auto"``."""
+    return prefix_kernel_options_for(value, capability) if attention == "flex" else None
+
+
 def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
                   chain_kernel: str = "auto", fused_loss: bool = True, max_steps: int = 1) -> dict:
     """The recipe's ``train`` section of one configuration: the flags' ``train.*`` keys, one
@@ -199,7 +224,7 @@ def train_section(args, *, partitions: int | str, compile: bool | str = False, a
             "mixed_precision": args.mixed_precision, "lr": args.lr, "features": "cache",
             "micro_batch_size": args.micro_batch, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
             "save_every": None, "report_to": [], "seed": 0,
-            "prefix_kernel_options": getattr(args, "prefix_kernel_options", None)}
+            "prefix_kernel_options": getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS)}
 
 
 def synthetic_data(N: int, vocab_size: int, n_sequences: int, seed: int = 0) -> dict:
@@ -466,8 +491,9 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
     ran = effective_attention(attention, device)
     row = {"N": N, "K": args.K, "S": partitions, "compile": compile, "checkpointing": args.checkpointing,
            "attention": ran, "chain_kernel": None, "fused_loss": fused_loss, "host_inputs": HOST_INPUTS,
-           # the split form's prefix part takes them; the joint kernel (flex_joint) and SDPA do not
-           "prefix_kernel_options": getattr(args, "prefix_kernel_options", None) if ran == "flex" else None}
+           # the split form's prefix part takes them (resolved for this GPU); flex_joint and SDPA do not
+           "prefix_kernel_options": prefix_kernel_options_ran(
+               getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS), ran, device_capability(device))}
     trainer = None
     try:
         if ran == "flex":
@@ -569,18 +595,19 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, device, chunk: int,
                 compile: bool = False, seed: int = 0, chain_kernel: str = "auto",
-                prefix_kernel_options: dict | None = None) -> dict:
+                prefix_kernel_options: str | dict | None = None) -> dict:
     """Loss and parameter gradients of the split attention vs the joint kernel (float32, no autocast).
     ``chain_kernel``: the split side's chain part (``train.chain_kernel``; recorded as run).
-    ``prefix_kernel_options``: the split side's ``train.prefix_kernel_options`` (CUDA; the CPU's dense stand-in
-    ignores them).
+    ``prefix_kernel_options``: the split side's ``train.prefix_kernel_options`` (``"auto"``, a mapping or None;
+    CUDA: recorded resolved for the GPU as ``prefix_kernel_options``; the CPU's dense stand-in runs no FlexAttention,
+    so None is recorded there).
 
     The grid: ``N`` tokens in two documents (60 % / the rest, minus 16 padding tokens), loss mask
     random (p = 0.8), COD with ``r``/``r_min``, padded to the 1024 bucket (padding rows present).
     On CUDA: ``flex`` vs ``flex_joint``. On CPU (no flex backward): split with the prefix part
     computed densely vs ``sdpa`` on the unpadded grid. Returns a JSON-able dict with
     ``loss_rel_err``, ``grad_max_rel_err`` (max over parameters of :func:`max_rel_err`),
-    ``worst_param`` and ``grads_finite``.
+    ``worst_param``, ``grads_finite``, ``chain_kernel`` and ``prefix_kernel_options`` (as run).
     """
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(seed)
@@ -632,7 +659,10 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             "loss_split": l_s.item(), "loss_reference": l_r.item(),
             "loss_rel_err": abs(l_s.item() - l_r.item()) / max(abs(l_r.item()), 1e-30),
             "grad_max_rel_err": errs[worst], "worst_param": worst, "grads_finite": finite,
-            "params_compared": len(errs), "chain_kernel": resolve_chain_kernel(chain_kernel, device)}
+            "params_compared": len(errs), "chain_kernel": resolve_chain_kernel(chain_kernel, device),
+            # the split side's FlexAttention ran on CUDA only (CPU: the dense stand-in)
+            "prefix_kernel_options": prefix_kernel_options_ran(prefix_kernel_options, "flex", device_capability(device))
+            if cuda else None}
 
 
 def attach_joint_speedup(rows: list[dict]) -> list[dict]:
@@ -690,15 +720,18 @@ def matmul_rate(device, n: int = 8192, reps: int = 10) -> float | None:
 
 
 
-def _kernel_options(text: str) -> dict:
-    """``--prefix-kernel-options``: a JSON object (the recipe validates its values). Raises
-    ``argparse.ArgumentTypeError`` for anything else."""
+def _kernel_options(text: str) -> str | dict | None:
+    """``--prefix-kernel-options``: ``auto``, JSON ``null`` (None: FlexAttention's own choice) or a JSON object (the
+    recipe validates its values). Raises ``argparse.ArgumentTypeError`` for anything else."""
+    if text == "auto":
+        return text
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"fwd_BLOCK_M\": 64}}'") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of kernel options")
+        raise argparse.ArgumentTypeError(f"not auto nor JSON ({e}): give auto, null or an object such as "
+                                         "'{\"fwd_BLOCK_M\": 64}'") from None
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, null nor a JSON object of kernel options")
     return value
 
 
@@ -731,9 +764,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chain-kernel", choices=["auto", "triton", "torch"], nargs="+", default=["auto"],
                     help="train.chain_kernel of the split form; several = one row each, same process "
                          "(--profile and --check-grads use the last)")
-    ap.add_argument("--prefix-kernel-options", type=_kernel_options, default=None, metavar="JSON",
-                    help="train.prefix_kernel_options: FlexAttention kernel_options of the prefix part, a JSON "
-                         "object such as '{\"fwd_BLOCK_M\": 64, \"fwd_BLOCK_N\": 128}' (default: none)")
+    ap.add_argument("--prefix-kernel-options", type=_kernel_options, default=DEFAULT_PREFIX_KERNEL_OPTIONS,
+                    metavar="auto|null|JSON",
+                    help="train.prefix_kernel_options: FlexAttention kernel_options of the prefix part: auto (the "
+                         "trainer's default: a tuned forward block on H100/H200, FlexAttention's own choice "
+                         "elsewhere), null (FlexAttention's own choice: the baseline) or a JSON object such as "
+                         "'{\"fwd_BLOCK_M\": 64, \"fwd_BLOCK_N\": 128}'; rows record the options that ran")
     ap.add_argument("--fused-loss", choices=["on", "off"], nargs="+", default=["on"],
                     help="train.fused_loss: on = lm_head + loss gradients computed in the loss forward, off = "
                          "checkpoint + recompute; several = one row each, same process (--profile uses the last)")

@@ -161,20 +161,35 @@ class TrainConfig(Section):
         "auto", description="How the split form's chain part runs: auto = the Triton kernels "
                             "(peagle_train.kernels.chain_kernel) on CUDA when Triton is installed, PyTorch otherwise; "
                             "triton: those kernels or an error; torch: the PyTorch chain part. Same math.")
-    prefix_kernel_options: dict[str, StrictBool | StrictInt] | None = Field(
-        None, description="FlexAttention kernel_options of the split form's prefix part on CUDA (compiled "
-        "kernels), e.g. {fwd_BLOCK_M: 64, fwd_BLOCK_N: 128, fwd_num_warps: 4, fwd_num_stages: 3}: block sizes, "
-        "warps and stages, tuned per GPU (names as torch's FlexAttention takes them; fwd_/bwd_ apply to one pass). "
-        "None = FlexAttention's defaults. Same math. That forward option made the trainer's GPT-OSS-shaped step "
-        "at N = 16,384 4.0 % faster on one H100 (docs/benchmarks.md); eager FlexAttention (CPU) ignores it. Only tuning names are taken: [fwd_|bwd_]BLOCK_M, BLOCK_N (and BLOCK_M1/N1/M2/N2), "
-        "num_warps, num_stages as positive whole numbers, USE_TMA as true/false (options that change what is "
-        "computed, such as ROWS_GUARANTEED_SAFE, are refused). How, not what: a resumed run may change it.")
+    prefix_kernel_options: Literal["auto"] | dict[str, StrictBool | StrictInt] | None = Field(
+        "auto", description="FlexAttention kernel_options of the split form's prefix part on CUDA (compiled "
+        "kernels): 'auto' (the default) = the forward block {fwd_BLOCK_M: 64, fwd_BLOCK_N: 128, fwd_num_warps: 4, "
+        "fwd_num_stages: 3} on compute capability 9 (H100, H200) and FlexAttention's own choice elsewhere "
+        "(peagle_train.kernels.attention.prefix_kernel_options_for); measured in the trainer's GPT-OSS-shaped step "
+        "on one H100 it made N = 131,072 16.5 % faster, N = 16,384 4.0 % and N = 8,192 equal (docs/benchmarks.md). "
+        "A mapping = these options on every GPU (names as torch's FlexAttention takes them; fwd_/bwd_ apply to one "
+        "pass); null or {} = FlexAttention's own choice. Same math; eager FlexAttention (CPU) ignores them. Only "
+        "tuning names are taken: [fwd_|bwd_]BLOCK_M, BLOCK_N (and BLOCK_M1/N1/M2/N2), num_warps, num_stages as "
+        "positive whole numbers, USE_TMA as true/false (options that change what is computed, such as "
+        "ROWS_GUARANTEED_SAFE, are refused). How, not what: a resumed run may change it.")
+
+    @field_validator("prefix_kernel_options", mode="before")
+    @classmethod
+    def _auto_or_mapping(cls, v):
+        """A string other than ``"auto"`` is refused here (naming the key and the allowed values) rather than
+        by the union's per-member errors. Raises ValueError."""
+        if isinstance(v, str) and v != "auto":
+            raise ValueError(f"train.prefix_kernel_options: {v!r} is not allowed; give 'auto' (the default), a "
+                             "mapping of FlexAttention tuning options, or null / {} for FlexAttention's own choice")
+        return v
 
     @field_validator("prefix_kernel_options")
     @classmethod
-    def _tuning_options_only(cls, v: dict | None) -> dict | None:
-        """Tuning names only (:data:`PREFIX_KERNEL_OPTION`), whole numbers > 0 or booleans as they need; ``{}`` is
-        ``None``. Raises ValueError naming the option and what is allowed."""
+    def _tuning_options_only(cls, v: str | dict | None) -> str | dict | None:
+        """``"auto"`` as it is; a mapping: tuning names only (:data:`PREFIX_KERNEL_OPTION`), whole numbers > 0 or
+        booleans as they need; ``{}`` is ``None``. Raises ValueError naming the option and what is allowed."""
+        if v == "auto":
+            return v
         if not v:
             return None
         for name, value in v.items():

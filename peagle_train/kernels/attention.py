@@ -8,6 +8,7 @@ Shape legend: ``E`` grid elements, ``nh``/``nkv`` query/KV heads, ``hd`` head di
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +55,82 @@ def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor 
     return _ChainGather.apply(rows, index, inverse, inverse_valid)
 
 
+#: ``train.prefix_kernel_options: auto`` on CUDA compute capability 9 (H100, H200): FlexAttention's forward block of
+#: the prefix part. Measured on one H100 in the trainer's own step (GPT-OSS-20B drafter shape): N = 131,072 40.86 s
+#: a step against 48.95 s without (-16.5 %), N = 16,384 742.3 against 773.3 ms (-4.0 %), N = 8,192 equal within
+#: 1.3 %; no case slower (docs/benchmarks.md, section 'Kernel options inside the N = 131,072 step, and where its time goes (H100, 47e0feb, 2026-12-07)').
+HOPPER_PREFIX_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}
+
+
+def prefix_kernel_options_for(value: str | dict | None, capability: tuple[int, int] | None) -> dict | None:
+    """``train.prefix_kernel_options`` → the FlexAttention ``kernel_options`` the prefix part runs with.
+
+    Args:
+        value: ``"auto"``, a mapping of tuning options (validated by the recipe), or ``None`` (FlexAttention's
+            own choice; ``{}`` counts as ``None``).
+        capability: CUDA compute capability ``(major, minor)`` of the device the prefix part runs on; ``None``
+            for a device without one (CPU).
+
+    Returns:
+        ``"auto"``: a copy of :data:`HOPPER_PREFIX_KERNEL_OPTIONS` for major 9 (H100, H200), else ``None``
+        (other GPUs were not measured; CPU's eager FlexAttention ignores options). A mapping: itself (a dict;
+        ``None`` where empty). ``None``: ``None``.
+
+    The forward block of :data:`HOPPER_PREFIX_KERNEL_OPTIONS`, measured on one H100 in the trainer's own step
+    (GPT-OSS-20B drafter shape): N = 131,072 40.86 s a step against 48.95 s (-16.5 %), N = 16,384 742.3 against
+    773.3 ms (-4.0 %), N = 8,192 equal within 1.3 % (default compile and max-autotune); no case slower. Adding the
+    backward option ``{BLOCK_M1: 32, BLOCK_N1: 128, BLOCK_M2: 128, BLOCK_N2: 32, num_warps: 4, num_stages: 3}``
+    gave 38.12 s at N = 131,072 but +5 % at N = 8,192, so it is a per-recipe choice, not part of ``"auto"``
+    (docs/benchmarks.md, section 'Kernel options inside the N = 131,072 step, and where its time goes (H100, 47e0feb, 2026-12-07)').
+
+    Raises:
+        ValueError: ``value`` is a string other than ``"auto"``.
+        TypeError: ``value`` is neither a string, a mapping nor ``None``.
+    """
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"train.prefix_kernel_options: {value!r} is not allowed; expected 'auto', a mapping "
+                             "of FlexAttention tuning options, or None")
+        return dict(HOPPER_PREFIX_KERNEL_OPTIONS) if capability is not None and capability[0] == 9 else None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"train.prefix_kernel_options: expected 'auto', a mapping or None, got {value!r}")
+    return dict(value) or None
+
+
+@cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """CUDA compute capability ``(major, minor)`` of ``device`` (cached per device index), ``None`` for a
+    device that is not CUDA (CPU)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
                       min_chain: int = 0, max_depth: int | None = None, chain_kernel: str = "torch",
-                      prefix_kernel_options: dict | None = None) -> SplitMasks:
+                      prefix_kernel_options: str | dict | None = None) -> SplitMasks:
     """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
     tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
     for the arguments and errors). With ``max_depth`` no step of it waits for the device.
     ``chain_kernel``: ``"auto"``, ``"triton"`` or ``"torch"``, resolved for the grid's device
     (:func:`peagle_train.kernels.chain_kernel.resolve`, which raises where Triton cannot run).
-    ``prefix_kernel_options``: FlexAttention ``kernel_options`` of the prefix part (``train.prefix_kernel_options``),
-    kept on the result as sorted pairs; None or empty = FlexAttention's defaults."""
+    ``prefix_kernel_options``: FlexAttention ``kernel_options`` of the prefix part (``train.prefix_kernel_options``:
+    ``"auto"``, a mapping or None), resolved for the grid's device (:func:`prefix_kernel_options_for` with
+    :func:`device_capability`) and kept on the result as sorted pairs; None where that gives none (FlexAttention's
+    own choice). Raises ValueError for a string other than ``"auto"``."""
 
     kv = q if kv is None else kv
     kernel = resolve(chain_kernel, q.anchor.device)
+    resolved = prefix_kernel_options_for(prefix_kernel_options, device_capability(q.anchor.device))
     index, valid = build_chain_index(q, kv, min_chain, max_depth=max_depth)
     inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
-    options = tuple(sorted(prefix_kernel_options.items())) if prefix_kernel_options else None
+    options = tuple(sorted(resolved.items())) if resolved else None
     return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
                       kernel, options)
 
@@ -326,14 +387,15 @@ FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels spe
 
 def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
                    max_depth: int | None = None, chain_kernel: str = "auto",
-                   prefix_kernel_options: dict | None = None) -> AttnSpec:
+                   prefix_kernel_options: str | dict | None = None) -> AttnSpec:
     """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
 
     ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
     ``min_chain`` = at least this many chain slots, ``max_depth`` = the deepest depth known on the
     host, then no host sync; see :func:`~peagle_train.peagle.masks.build_chain_index`; ``chain_kernel``:
     ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.kernels.chain_kernel.resolve`;
-    ``prefix_kernel_options``: FlexAttention ``kernel_options`` of the prefix part, ``train.prefix_kernel_options``);
+    ``prefix_kernel_options``: ``train.prefix_kernel_options``, ``"auto"``, a mapping or None, resolved for the
+    grid's device by :func:`build_split_masks`);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
     ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """

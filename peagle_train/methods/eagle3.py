@@ -71,7 +71,7 @@ class Eagle3Objective(nn.Module):
                  attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
                  compile: bool = False, cod: tuple[float, float, int | None] | None = None,
                  static_tokens: int | None = None, chain_kernel: str = "auto", fused_loss: bool = True,
-                 prefix_kernel_options: dict | None = None):
+                 prefix_kernel_options: str | dict | None = None):
         super().__init__()
         self.prefix_kernel_options = prefix_kernel_options
         self.fused_loss = fused_loss

@@ -38,7 +38,9 @@ class PEagleObjective(nn.Module):
             weighs ``depth_weights[d]`` times its unit weight (the normaliser is unchanged, so sequence
             partitions still add up, spec §3); ``None`` or ``eval()`` mode: the spec's unweighted loss.
         prefix_kernel_options: ``train.prefix_kernel_options``, FlexAttention ``kernel_options`` of the split
-            form's prefix part (CUDA); None = its defaults. Same math.
+            form's prefix part (CUDA): ``"auto"`` (resolved per grid device,
+            :func:`~peagle_train.kernels.attention.prefix_kernel_options_for`), a mapping, or None = its own
+            choice. Same math.
 
     Raises:
         ValueError: ``depth_weights`` not one per parallel depth of ``drafter``.
@@ -47,7 +49,7 @@ class PEagleObjective(nn.Module):
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
                  chain_kernel: str = "auto", fused_loss: bool = True, depth_weights=None,
-                 prefix_kernel_options: dict | None = None):
+                 prefix_kernel_options: str | dict | None = None):
         super().__init__()
         self.prefix_kernel_options = prefix_kernel_options
         self.fused_loss = fused_loss

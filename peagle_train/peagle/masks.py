@@ -313,8 +313,9 @@ class SplitMasks:
         chain_kernel: ``"torch"`` (:func:`chain_attention` in PyTorch) or ``"triton"`` (the kernels of
             :mod:`peagle_train.kernels.chain_kernel`); same math.
         prefix_kernel_options: FlexAttention ``kernel_options`` of the prefix part as sorted ``(name, value)``
-            pairs (hashable: a compiled layer sees a constant), or ``None`` for its defaults
-            (``train.prefix_kernel_options``).
+            pairs (hashable: a compiled layer sees a constant), or ``None`` for its own choice: the options that
+            run, ``train.prefix_kernel_options`` resolved for the grid's device (``"auto"`` never stays here;
+            :func:`peagle_train.kernels.attention.prefix_kernel_options_for`).
     """
 
     prefix_mask: object

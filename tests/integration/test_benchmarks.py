@@ -40,9 +40,10 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
 
 
 def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path, monkeypatch):
-    """``--prefix-kernel-options JSON``: the recipe's ``train.prefix_kernel_options`` (what the Trainer is built
-    from); a row records them where its attention is the split form's FlexAttention (not this CPU's SDPA);
-    anything but a JSON object is refused by the argument parser."""
+    """``--prefix-kernel-options``: the recipe's ``train.prefix_kernel_options`` (what the Trainer is built from):
+    a JSON object as given, ``null`` as None (FlexAttention's own choice: the baseline), ``auto`` or no flag as the
+    trainer's default ``auto``; a row records the options that ran where its attention is the split form's
+    FlexAttention (not this CPU's SDPA); anything else is refused by the argument parser."""
     import peagle_train.trainer.trainer as trainer_module
 
     built = []
@@ -54,14 +55,50 @@ def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path,
 
     monkeypatch.setattr(trainer_module.Trainer, "__init__", spy)
     out = tmp_path / "k.json"
-    rows = bench.main(["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0",
-                       "--prefix-kernel-options", '{"fwd_BLOCK_M": 64}', "--out", str(out)])
+    common = ["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0"]
+    rows = bench.main(common + ["--prefix-kernel-options", '{"fwd_BLOCK_M": 64}', "--out", str(out)])
     assert built == [{"fwd_BLOCK_M": 64}] and rows[0]["attention"] == "sdpa" and rows[0]["prefix_kernel_options"] is None
     assert json.loads(out.read_text())["meta"]["command"].endswith('--prefix-kernel-options {"fwd_BLOCK_M": 64} --out '
                                                                    + str(out))
-    for bad in ("BLOCK_M=64", "[64]"):
+    for flag, expected in ((["--prefix-kernel-options", "null"], None), ([], "auto"),
+                           (["--prefix-kernel-options", "auto"], "auto")):
+        built.clear()
+        rows = bench.main(common + flag + ["--out", str(out)])
+        assert built == [expected] and "error" not in rows[0] and rows[0]["prefix_kernel_options"] is None, flag
+    assert bench.parse_args([]).prefix_kernel_options == "auto"
+    assert bench.parse_args(["--prefix-kernel-options", "null"]).prefix_kernel_options is None
+    for bad in ("BLOCK_M=64", "[64]", "fast", '"fast"', "64"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--prefix-kernel-options", bad])
+
+
+def test_train_step_rows_record_the_prefix_kernel_options_that_ran(bench, tmp_path, monkeypatch):
+    """A row's ``prefix_kernel_options`` is ``train.prefix_kernel_options`` resolved for the GPU where the split
+    form's FlexAttention ran (auto: the forward block on compute capability 9 only), None for ``flex_joint`` and
+    SDPA; ``bench_case`` records it so (a simulated H100 and split attention on this CPU; the Trainer is not built)."""
+    from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS
+
+    ran = bench.prefix_kernel_options_ran
+    given = {"fwd_BLOCK_M": 32}
+    assert ran("auto", "flex", (9, 0)) == HOPPER_PREFIX_KERNEL_OPTIONS
+    assert ran("auto", "flex", (8, 0)) is None and ran("auto", "flex", None) is None
+    assert ran(None, "flex", (9, 0)) is None and ran(given, "flex", (8, 0)) == given
+    assert all(ran(v, kind, (9, 0)) is None for v in ("auto", given) for kind in ("flex_joint", "sdpa"))
+
+    def not_built(*a, **k):
+        raise RuntimeError("not built")
+
+    monkeypatch.setattr(bench, "effective_attention", lambda kind, device: kind)
+    monkeypatch.setattr(bench, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(bench, "build_trainer", not_built)
+    cpu = torch.device("cpu")
+    for flag, kind, expected in (([], "flex", HOPPER_PREFIX_KERNEL_OPTIONS), ([], "flex_joint", None),
+                                 (["--prefix-kernel-options", "null"], "flex", None),
+                                 (["--prefix-kernel-options", '{"fwd_BLOCK_M": 32}'], "flex", given)):
+        args = bench.parse_args(["--shape", "tiny"] + flag)
+        row = bench.bench_case(args, 128, 1, cpu, attention=kind, out_dir=str(tmp_path))
+        assert row["error"] == "RuntimeError: not built" and row["attention"] == kind
+        assert row["prefix_kernel_options"] == expected, (flag, kind, row)
 
 
 def test_flop_count_counts_the_attention_of_every_drafter_layer(bench):
@@ -178,6 +215,7 @@ def test_benchmark_check_grads_and_attention_option(bench, tmp_path, capsys):
     assert r["grads_finite"] and r["params_compared"] > 10 and r["E"] > 160
     assert r["loss_rel_err"] < 1e-5 and r["grad_max_rel_err"] < 1e-4, r
     assert json.loads(out.read_text())["grad_check"][0]["worst_param"] == r["worst_param"]
+    assert r["prefix_kernel_options"] is None  # the default (auto), but no FlexAttention ran on the CPU's split side
     assert "compiled variants skipped" in capsys.readouterr().out
 
     rows = bench.main(["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0", "--attention", "both",
@@ -880,6 +918,15 @@ def test_prefix_attention_cpu_smoke(tmp_path, capsys):
     assert tiling[1]["blocks_full"] > 0 and tiling[1]["block_fill"] > tiling[0]["block_fill"]  # longer: fuller
     with pytest.raises(SystemExit, match="--options .* is not JSON"):
         pa.main(["--shape", "tiny", "--N", "256", "--options", "BLOCK_M=64", "--out", str(out)])
+    # --partitions 2: the trainer's two segments, padded to the bucket; the second computes the depth-0 context
+    # copies of the first half's anchors again, so the two hold more pairs than the whole grid, and no pair is lost
+    segs = pa.main(["--shape", "tiny", "--N", "2048", "--blocks-only", "--partitions", "2", "--out", str(out)])
+    assert [r["impl"] for r in segs] == ["flex segment 0/2", "flex segment 1/2"]
+    assert all(r["E"] % 1024 == 0 for r in segs) and sum(r["E"] for r in segs) > tiling[1]["E"]
+    copies = 1024 * 1025 // 2  # the depth-0 rows of anchors 0..1023 (< N / 2) attend causally among themselves again
+    assert sum(r["pairs"] for r in segs) == tiling[1]["pairs"] + copies
+    with pytest.raises(SystemExit, match="--partitions must be >= 1"):
+        pa.main(["--shape", "tiny", "--N", "256", "--partitions", "0", "--out", str(out)])
 
 
 def test_flop_recount_restores_every_layers_attention_in_a_one_layer_row(bench, tmp_path):

@@ -24,16 +24,16 @@ def test_figures_come_from_the_named_rows(tmp_path):
         shutil.copy(ROOT / "docs/data" / name, tmp_path / name)
     # the max-autotune row of the 8K file, picked by value (the compile: on row before it must not be read); the
     # 131,072 step in ms becomes seconds
-    g8 = "train_step_7a2a50b_h100_gptoss_8192_autotune.json"
+    g8, long_name = ms.FIGURES["gptoss_8k_ms"][0], ms.FIGURES["n131072_step_ms"][0]
     step = json.loads((tmp_path / g8).read_text())
     for row in step["rows"]:
         row["ref_step_ms"], row["step_ms"] = (800.0, 400.0) if row["compile"] == "max-autotune" else (1.0, 1.0)
         row["tflops"] = 500.0 if row["compile"] == "max-autotune" else 1.0
     step["meta"]["bf16_matmul_tflops"] = 1000.0
     (tmp_path / g8).write_text(json.dumps(step))
-    long = json.loads((tmp_path / "train_step_7a2a50b_h100_131072_ckpt.json").read_text())
+    long = json.loads((tmp_path / long_name).read_text())
     long["rows"][0]["step_ms"] = 14_000.0
-    (tmp_path / "train_step_7a2a50b_h100_131072_ckpt.json").write_text(json.dumps(long))
+    (tmp_path / long_name).write_text(json.dumps(long))
     # each ratio against the plain run of its own file (the two files' plain runs differ)
     for name, speeds in (("strategies_f5b8066_h100_mb64.json", {"plain": 100.0, "zero2": 1.0, "fsdp2": 80.0}),
                          ("strategies_90547d1_h100_mb64_zero2.json", {"plain": 200.0, "zero2": 190.0})):

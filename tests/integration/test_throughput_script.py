@@ -167,8 +167,10 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
         assert "--seq-len 262144" in steps["long262144"] and "--checkpointing" in steps["long262144"]
     assert ("--checkpointing" in steps["long131072"]) is not h200
     assert ("--checkpointing" in steps["profile131072"]) is not h200 and "--profile" in steps["profile131072"]
-    assert "--prefix-kernel-options" in steps["long131072_kopts"] and "fwd_BLOCK_N" in steps["long131072_kopts"]
-    assert "--autotune" not in steps["prefix"] and "fwd_BLOCK_N" in steps["prefix"]
+    assert "--prefix-kernel-options" in steps["long131072_kopts"] and "BLOCK_M1" in steps["long131072_kopts"]
+    assert "--prefix-kernel-options" not in steps["long131072"]  # the recipe's default (auto)
+    assert "--autotune" not in steps["prefix"] and "fwd_BLOCK_N" in steps["prefix"] and "BLOCK_M1" in steps["prefix"]
+    assert "--partitions 2" in steps["prefix"] and "--N 131072" in steps["prefix"]  # the step's own segments
     assert "--compile on+autotune" in steps["gptoss"]
 
 

@@ -915,27 +915,37 @@ def test_depth_weights_are_checked(tmp_path, bad, match):
 
 
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, flex_kernel_options_seen):
-    """train.prefix_kernel_options: the recipe's FlexAttention kernel options reach the prefix part's flex call of
-    either method's objective (sorted on the split masks, a dict again at the call); without them none is passed.
-    The objective's forward runs eagerly on CPU (FlexAttention forward only), where torch ignores the options."""
+def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, flex_kernel_options_seen, monkeypatch):
+    """train.prefix_kernel_options: what the recipe gives reaches the prefix part's flex call of either method's
+    objective (sorted on the split masks, a dict again at the call). The default, auto, is resolved for the grid's
+    device: on this CPU none is passed (as with null); where the device reports compute capability 9 (an H100 or
+    H200, simulated) the forward block is. The objective's forward runs eagerly on CPU (FlexAttention forward only),
+    where torch ignores the options: the loss is the same each time."""
+    import peagle_train.kernels.attention as attention_mod
+    from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS
+
     seen = flex_kernel_options_seen
     data, feats, tconf = _cached_inputs(run_dir)
     opts = {"fwd_num_warps": 4, "fwd_BLOCK_N": 128, "USE_TMA": False}
+    cases = [({"prefix_kernel_options": opts}, None, opts), ({"prefix_kernel_options": None}, None, None),
+             ({}, None, None),  # the default: auto on a CPU
+             ({}, (9, 0), HOPPER_PREFIX_KERNEL_OPTIONS), ({"prefix_kernel_options": None}, (9, 0), None),
+             ({}, (8, 0), None)]
     losses = []
-    for given in (opts, None):
+    for given, capability, expected in cases:
         K = 4 if method == "peagle" else 3
-        tr = Trainer(_cfg(run_dir, method=method, K=K, max_steps=1, prefix_kernel_options=given),
-                     data, feats, tconf, [1, 3, 4])
+        tr = Trainer(_cfg(run_dir, method=method, K=K, max_steps=1, **given), data, feats, tconf, [1, 3, 4])
         objective = tr.acc.unwrap_model(tr.model)
-        assert objective.prefix_kernel_options == given
+        assert objective.prefix_kernel_options == given.get("prefix_kernel_options", "auto")
         objective.attention = "flex"  # as on CUDA (attention: auto); the trainer chose sdpa for this CPU
         seen.clear()
-        with torch.no_grad():
+        with monkeypatch.context() as patch, torch.no_grad():
+            if capability is not None:
+                patch.setattr(attention_mod, "device_capability", lambda device, c=capability: c)
             losses.append(float(tr.evaluate()["eval_loss"]))
         tr._stop_prefetch()
-        assert seen and all(o == given for o in seen), seen
-    assert losses[0] == losses[1]  # same math (eager FlexAttention ignores the options)
+        assert seen and all(o == expected for o in seen), (given, capability, seen)
+    assert len(set(losses)) == 1  # same math (eager FlexAttention ignores the options)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -943,31 +953,39 @@ def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, fle
     ([64], "prefix_kernel_options"), ({"ROWS_GUARANTEED_SAFE": True}, "not a tuning option"),
     ({"fwd_BLOCK_MM": 64}, "not a tuning option"), ({"OUTPUT_LOGSUMEXP": False}, "not a tuning option"),
     ({"bwd_BLOCK_N1": 0}, "whole number >= 1"), ({"num_warps": True}, "whole number >= 1"),
-    ({"USE_TMA": 1}, "true or false")])
+    ({"USE_TMA": 1}, "true or false"),
+    ("fast", "train.prefix_kernel_options: 'fast' is not allowed; give 'auto'"),
+    ("AUTO", "train.prefix_kernel_options: 'AUTO' is not allowed"), ("", "train.prefix_kernel_options: '' is not")])
 def test_prefix_kernel_options_are_checked(tmp_path, bad, match):
-    """Only FlexAttention's tuning options (block sizes, warps, stages: whole numbers >= 1; USE_TMA: a boolean),
-    for both passes or one: a misspelt name (torch would ignore it), an option that changes what is computed
-    (ROWS_GUARANTEED_SAFE would break the padding rows' -inf lse) or a wrong value is refused with the field named."""
+    """Only "auto", null / {} or FlexAttention's tuning options (block sizes, warps, stages: whole numbers >= 1;
+    USE_TMA: a boolean), for both passes or one: a misspelt name (torch would ignore it), an option that changes what
+    is computed (ROWS_GUARANTEED_SAFE would break the padding rows' -inf lse), a wrong value or another string is
+    refused with the field named."""
     with pytest.raises(Exception, match=match):
         _cfg(tmp_path, prefix_kernel_options=bad)
 
 
 def test_prefix_kernel_options_are_how_not_what(tmp_path):
-    """Tuning for one GPU: ``{}`` is None; the options are neither part of a run folder's identity nor of a portable
-    state's fingerprint, so a run resumed on another GPU kind may tune its kernels anew."""
+    """Tuning for one GPU: the default is "auto", ``{}`` and null are None; the options (auto, a mapping or null)
+    are neither part of a run folder's identity nor of a portable state's fingerprint, so a run resumed on another
+    GPU kind may tune its kernels anew."""
     from transformers import LlamaConfig
 
     from peagle_train.stages import stamp_differences
     from peagle_train.trainer.portable_state import run_fingerprint
 
+    assert _cfg(tmp_path).train.prefix_kernel_options == "auto"
     assert _cfg(tmp_path, prefix_kernel_options={}).train.prefix_kernel_options is None
+    assert _cfg(tmp_path, prefix_kernel_options=None).train.prefix_kernel_options is None
     ok = {"fwd_BLOCK_M": 64, "bwd_BLOCK_N1": 128, "fwd_USE_TMA": True, "num_stages": 3, "bwd_num_warps": 8}
-    tuned, plain = _cfg(tmp_path, prefix_kernel_options=ok), _cfg(tmp_path)
+    tuned, plain, auto = (_cfg(tmp_path, prefix_kernel_options=ok), _cfg(tmp_path, prefix_kernel_options=None),
+                          _cfg(tmp_path))
     assert tuned.train.prefix_kernel_options == ok
-    assert stamp_differences(tuned, plain.model_dump(mode="json")) == []
+    for a, b in ((tuned, plain), (plain, auto), (auto, tuned)):
+        assert stamp_differences(a, b.model_dump(mode="json")) == []
     tc = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
-    a, b = (run_fingerprint(c, tc, [[1, 2, 3]], [[0, 1, 1]]) for c in (tuned, plain))
-    assert a == b and not any("prefix_kernel_options" in k for k in a["keys"])
+    a, b, c = (run_fingerprint(cfg, tc, [[1, 2, 3]], [[0, 1, 1]]) for cfg in (tuned, plain, auto))
+    assert a == b == c and not any("prefix_kernel_options" in k for k in a["keys"])
 
 
 def test_compile_cache_is_written_at_the_end_of_a_launch_and_read_by_the_next(run_dir):

@@ -558,6 +558,57 @@ def test_split_layer_traces_fullgraph(tiny_drafter, flex_kernel_options_seen, op
     torch.testing.assert_close(eager, default, atol=0, rtol=0)
 
 
+def test_prefix_kernel_options_for_resolves_auto_by_compute_capability():
+    """``train.prefix_kernel_options: auto`` is the measured forward block on compute capability 9 (H100, H200)
+    only; another GPU or no GPU (None) gets FlexAttention's own choice; a mapping passes through whatever the GPU,
+    None stays None; any other string is refused."""
+    from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS, prefix_kernel_options_for
+
+    assert HOPPER_PREFIX_KERNEL_OPTIONS == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4,
+                                            "fwd_num_stages": 3}
+    hopper = prefix_kernel_options_for("auto", (9, 0))
+    assert hopper == HOPPER_PREFIX_KERNEL_OPTIONS
+    hopper["fwd_BLOCK_M"] = 1  # a copy: the constant stays as measured
+    assert prefix_kernel_options_for("auto", (9, 0))["fwd_BLOCK_M"] == 64
+    for capability in ((8, 0), (8, 9), (10, 0), (7, 5), None):
+        assert prefix_kernel_options_for("auto", capability) is None, capability
+    given = {"fwd_BLOCK_M": 32, "USE_TMA": False}
+    for capability in ((9, 0), (8, 0), None):
+        assert prefix_kernel_options_for(given, capability) == given
+        assert prefix_kernel_options_for(None, capability) is None
+        assert prefix_kernel_options_for({}, capability) is None
+    for bad in ("fast", "AUTO", ""):
+        with pytest.raises(ValueError, match="train.prefix_kernel_options"):
+            prefix_kernel_options_for(bad, (9, 0))
+
+
+def test_split_masks_hold_auto_resolved_for_the_grids_device(monkeypatch):
+    """``make_attn_spec(prefix_kernel_options="auto")`` resolves for the device of the grid's tensors: a CPU grid
+    gets None (as without options); where that device reports compute capability 9 the split masks hold the forward
+    block as sorted pairs, never the string; a mapping is kept as given, None stays None."""
+    from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS, device_capability
+
+    assert device_capability(torch.device("cpu")) is None
+    g, _ = make_grid([30, 20], 2, 0.9, 4, 0.8, 0.3, None, 3)
+    m = GridMeta.of(g)
+    assert make_attn_spec(m, kind="flex", prefix_kernel_options="auto").split.prefix_kernel_options is None
+    seen = []
+
+    def hopper(device):
+        seen.append(device)
+        return (9, 0)
+
+    monkeypatch.setattr(attention_mod, "device_capability", hopper)
+    split = make_attn_spec(m, kind="flex", prefix_kernel_options="auto").split
+    assert seen == [g.anchor.device]
+    assert split.prefix_kernel_options == tuple(sorted(HOPPER_PREFIX_KERNEL_OPTIONS.items()))
+    assert make_attn_spec(m, kind="flex", prefix_kernel_options={"fwd_BLOCK_M": 32}).split.prefix_kernel_options \
+        == (("fwd_BLOCK_M", 32),)
+    assert make_attn_spec(m, kind="flex", prefix_kernel_options=None).split.prefix_kernel_options is None
+    with pytest.raises(ValueError, match="train.prefix_kernel_options"):
+        make_attn_spec(m, kind="flex", prefix_kernel_options="fast")
+
+
 def test_split_build_no_dense_materialisation_at_scale():
     """8192 × 8 grid (E ≈ 65k): split spec (prefix BlockMask + chain index) in a fresh process, peak RSS
     far below E² bytes, a few seconds; and the prefix mask computes far fewer blocks than the joint one."""
