@@ -187,7 +187,8 @@ def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_s
                   ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
     # every case recompiles flex_attention (its options or mask, forward and backward, grad on and off); past
     # dynamo's recompile limit (default 8) it runs eagerly and materialises the E x N scores (1 TiB at N = 65,536)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompiles_needed(len(cases) * args.partitions))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               recompiles_needed(len(cases) * args.partitions))
     rows = []
     for name, fn, (qq, kk, vv, gg, ll), pairs, opts in cases:
         row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts,

@@ -191,19 +191,27 @@ PY
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
     # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
     # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix
-    # attention of each of that step's two segments alone with the kernel options that measured fastest (not autotuned: Inductor's benchmarking of FlexAttention's choices alone took
-    # 384 s at N = 65,536 on an H100, plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res);
-    # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`. PLAN_STEPS="long262144 profile131072"
-    # runs only the steps it names (a plan whose every step fits no one GPU machine's time).
+    # attention of each of that step's two segments alone with the kernel options that measured fastest (not
+    # autotuned: Inductor's benchmarking of FlexAttention's choices alone took 384 s at N = 65,536 on an H100,
+    # plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res); $RES/progress.txt gets each step's
+    # exit status. Then `poll SECONDS`. PLAN_STEPS="long262144 profile131072" (in plan's environment) runs only the
+    # steps it names, for a GPU held for less time than the whole plan takes.
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
     rm -f "$RES"/*.json "$RES"/*.log && : > "$RES/progress.txt"  # an earlier plan's results and `done` are gone
     setsid nohup bash "$0" plan-run > "$RES/plan.log" 2>&1 < /dev/null &
     echo "plan started in the background; results in $RES" ;;
   plan-run)  # the steps of `plan`, in this process (PLAN_DRY=1: print each command instead of running it)
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
+    # PLAN_STEPS="NAME ...": only the steps named (in the plan's order; the others are noted as skipped); any
+    # whitespace separates names, and a name that is not a step of the plan stops it before anything runs
+    steps=" $(echo ${PLAN_STEPS:-}) "
+    for name in ${PLAN_STEPS:-}; do
+      case " long262144 long131072 long131072_kopts profile131072 gptoss prefix " in *" $name "*) ;;
+        *) echo "PLAN_STEPS: $name is not a step of the plan (long262144 long131072 long131072_kopts" \
+             "profile131072 gptoss prefix)" >&2; exit 2 ;; esac
+    done
     run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
-      # PLAN_STEPS="NAME ...": only the steps named (in the plan's order; the others are noted as skipped)
-      if [ -n "${PLAN_STEPS:-}" ] && [[ " $PLAN_STEPS " != *" $name "* ]]; then
+      if [ "$steps" != "  " ] && [[ $steps != *" $name "* ]]; then
         echo "$name skipped (PLAN_STEPS)" >> "$RES/progress.txt"; return; fi
       if [ "${PLAN_DRY:-0}" = 1 ]; then echo "$name: $*" >> "$RES/progress.txt"; return; fi
       timeout -k 60 "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?  # -k: killed if it ignores the TERM
@@ -214,22 +222,25 @@ PY
     ck=""
     if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 900 + 900 + 600 s
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
-    else ck=--checkpointing; fi  # N = 131,072 needs it on an 80 GB card (the planner's figures, docs/benchmarks.md)
+    else  # N = 131,072 needs checkpointing on an 80 GB card (the planner's figures, docs/benchmarks.md)
+      ck=--checkpointing; echo "long262144 not run (not an H200)" >> "$RES/progress.txt"; fi
+    # train.prefix_kernel_options: the forward block (auto's on an H100 / H200) and with the backward block too
+    fwd='"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3'
+    bwd='"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3'
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
     # the same step with the backward block too (train.prefix_kernel_options: the default auto has the forward block
     # on an H100 / H200; with the backward one the H100 took 38.1 s against 40.9, docs/benchmarks.md, 47e0feb)
     run long131072_kopts 600 bash "$0" long "$RES/long131072_kopts.json" $ck \
-      --prefix-kernel-options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3}'
-    # where the 131,072 step goes beyond the attention (49.1 s on an H100 where the kernels measured alone account
-    # for ~35 s, docs/benchmarks.md): one timed step, then the profiled ones (kernels and GPU timeline)
+      --prefix-kernel-options "{$fwd, $bwd}"
+    # where the 131,072 step's time goes with the default options (auto): one timed step, then the profiled ones
+    # (kernels and GPU timeline; without options at 47e0feb the prefix attention was 92 % of the step)
     run profile131072 900 bash "$0" long "$RES/long131072_profile.json" $ck --steps 1 --warmup 1 --profile
     run gptoss 900 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
     # each of the N = 131,072 step's two segments alone (the trainer's own sub-grids): inside the step the prefix
-    # kernels ran at 192 / 169 TFLOP/s forward / backward against 284 / 233 alone on the N = 65,536 grid
+    # kernels ran at 192 / 169 TFLOP/s forward / backward against 284 / 234 alone on the N = 65,536 grid
     # (docs/benchmarks.md, 47e0feb); the segment's shape or the step around it: this row tells
     run prefix 600 "$P" benchmarks/prefix_attention.py --N 131072 --partitions 2 --repeats 2 \
-      --options '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}' \
-      '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3}' \
+      --options "{$fwd}" "{$fwd, $bwd}" \
       --out "$RES/prefix_attention.json"
     echo "done $(date +%T)" >> "$RES/progress.txt" ;;
   poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the

@@ -128,6 +128,7 @@ from peagle_train.core.config import TrainConfig
 from peagle_train.core.gc_control import manual_collection  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import (  # noqa: E402
+    auto_block_fits,
     dense_attention_with_lse,
     device_capability,
     prefix_kernel_options_for,
@@ -203,14 +204,24 @@ def effective_attention(kind: str, device) -> str:
 DEFAULT_PREFIX_KERNEL_OPTIONS = TrainConfig.model_fields["prefix_kernel_options"].default
 
 
-def prefix_kernel_options_ran(value: str | dict | None, attention: str,
-                              capability: tuple[int, int] | None) -> dict | None:
+def prefix_kernel_options_ran(value: str | dict | None, attention: str, capability: tuple[int, int] | None,
+                              head_dim: int, dtype: torch.dtype) -> dict | None:
     """What a row records as ``prefix_kernel_options``: ``value`` (``train.prefix_kernel_options``: ``"auto"``, a
     mapping or None) resolved for a GPU of compute ``capability`` (``(major, minor)``, None off CUDA;
     :func:`~peagle_train.kernels.attention.prefix_kernel_options_for`) where ``attention`` (the kind that ran) is
-    the split form's ``flex``; None for ``flex_joint`` and ``sdpa``, which do not take them. Raises ValueError
-    for a string other than ``"auto"``."""
-    return prefix_kernel_options_for(value, capability) if attention == "flex" else None
+    the split form's ``flex``; ``auto``'s block only at a ``head_dim`` and attention ``dtype`` that
+    :func:`~peagle_train.kernels.attention.auto_block_fits`; None for ``flex_joint`` and ``sdpa``, which do not take
+    them. Raises ValueError for a string other than ``"auto"``."""
+    if attention != "flex":
+        return None
+    options = prefix_kernel_options_for(value, capability)
+    return None if options and value == "auto" and not auto_block_fits(head_dim, dtype) else options
+
+
+def shape_head_dim(shape: str) -> int:
+    """The attention head dimension of ``SHAPES[shape]`` (``head_dim``, else hidden size over query heads)."""
+    s = SHAPES[shape]
+    return s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
 
 
 def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
@@ -493,7 +504,8 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
            "attention": ran, "chain_kernel": None, "fused_loss": fused_loss, "host_inputs": HOST_INPUTS,
            # the split form's prefix part takes them (resolved for this GPU); flex_joint and SDPA do not
            "prefix_kernel_options": prefix_kernel_options_ran(
-               getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS), ran, device_capability(device))}
+               getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS), ran, device_capability(device),
+               shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32)}
     trainer = None
     try:
         if ran == "flex":
@@ -661,8 +673,10 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             "grad_max_rel_err": errs[worst], "worst_param": worst, "grads_finite": finite,
             "params_compared": len(errs), "chain_kernel": resolve_chain_kernel(chain_kernel, device),
             # the split side's FlexAttention ran on CUDA only (CPU: the dense stand-in)
-            "prefix_kernel_options": prefix_kernel_options_ran(prefix_kernel_options, "flex", device_capability(device))
-            if cuda else None}
+            "prefix_kernel_options": prefix_kernel_options_ran(
+                prefix_kernel_options, "flex", device_capability(device),
+                getattr(drafter.config, "head_dim", None)
+                or drafter.config.hidden_size // drafter.config.num_attention_heads, torch.float32) if cuda else None}
 
 
 def attach_joint_speedup(rows: list[dict]) -> list[dict]:

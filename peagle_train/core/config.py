@@ -164,9 +164,10 @@ class TrainConfig(Section):
     prefix_kernel_options: Literal["auto"] | dict[str, StrictBool | StrictInt] | None = Field(
         "auto", description="FlexAttention kernel_options of the split form's prefix part on CUDA (compiled "
         "kernels): 'auto' (the default) = the forward block {fwd_BLOCK_M: 64, fwd_BLOCK_N: 128, fwd_num_warps: 4, "
-        "fwd_num_stages: 3} on compute capability 9 (H100, H200) and FlexAttention's own choice elsewhere "
-        "(peagle_train.kernels.attention.prefix_kernel_options_for); measured in the trainer's GPT-OSS-shaped step "
-        "on one H100 it made N = 131,072 16.5 % faster, N = 16,384 4.0 % and N = 8,192 equal (docs/benchmarks.md). "
+        "fwd_num_stages: 3} on compute capability 9 (H100, H200) for head dimension 64 in bf16/fp16, where it was "
+        "measured, and FlexAttention's own choice elsewhere (peagle_train.kernels.attention.prefix_kernel_options_for, "
+        "auto_block_fits); in the trainer's GPT-OSS-shaped step on one H100 it made N = 131,072 16.5 % faster and "
+        "N = 16,384 4.0 %, N = 8,192 within 1.3 % of the step without it on another H100 (docs/benchmarks.md). "
         "A mapping = these options on every GPU (names as torch's FlexAttention takes them; fwd_/bwd_ apply to one "
         "pass); null or {} = FlexAttention's own choice. Same math; eager FlexAttention (CPU) ignores them. Only "
         "tuning names are taken: [fwd_|bwd_]BLOCK_M, BLOCK_N (and BLOCK_M1/N1/M2/N2), num_warps, num_stages as "

@@ -55,11 +55,25 @@ def chain_gather(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor 
     return _ChainGather.apply(rows, index, inverse, inverse_valid)
 
 
-#: ``train.prefix_kernel_options: auto`` on CUDA compute capability 9 (H100, H200): FlexAttention's forward block of
-#: the prefix part. Measured on one H100 in the trainer's own step (GPT-OSS-20B drafter shape): N = 131,072 40.86 s
-#: a step against 48.95 s without (-16.5 %), N = 16,384 742.3 against 773.3 ms (-4.0 %), N = 8,192 equal within
-#: 1.3 %; no case slower (docs/benchmarks.md, section 'Kernel options inside the N = 131,072 step, and where its time goes (H100, 47e0feb, 2026-12-07)').
+#: ``train.prefix_kernel_options: auto`` on CUDA compute capability 9 (H100, H200) for head dimension 64 in bf16 / fp16
+#: (:data:`AUTO_BLOCK_SCOPE`): FlexAttention's forward block of the prefix part. Measured on one H100 in the trainer's
+#: own step (GPT-OSS-20B drafter shape: head dimension 64, bf16): N = 131,072 40.86 s a step against 48.95 s without
+#: (-16.5 %), N = 16,384 742.3 against 773.3 ms (-4.0 %); N = 8,192 298.3 / 290.2 ms (default compile /
+#: max-autotune) against 302.3 / 290.3 ms without on another H100 (docs/benchmarks.md, section 'Kernel options
+#: inside the N = 131,072 step, and where its time goes (H100, 47e0feb, 2026-12-07)').
 HOPPER_PREFIX_KERNEL_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3}
+
+
+#: ``(head dimension, dtypes)`` where ``auto``'s block was measured; elsewhere (e.g. head dimension 128, or float32
+#: with its larger tiles in shared memory) ``auto`` leaves FlexAttention its own choice (:func:`auto_block_fits`).
+AUTO_BLOCK_SCOPE = (64, (torch.bfloat16, torch.float16))
+
+
+def auto_block_fits(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``train.prefix_kernel_options: auto``'s block (:data:`HOPPER_PREFIX_KERNEL_OPTIONS`) applies to a prefix
+    attention of head dimension ``head_dim`` in ``dtype``: only where it was measured (:data:`AUTO_BLOCK_SCOPE`).
+    Static attributes only (a shape and a dtype), so a compiled layer decides it while tracing."""
+    return head_dim == AUTO_BLOCK_SCOPE[0] and dtype in AUTO_BLOCK_SCOPE[1]
 
 
 def prefix_kernel_options_for(value: str | dict | None, capability: tuple[int, int] | None) -> dict | None:
@@ -73,15 +87,18 @@ def prefix_kernel_options_for(value: str | dict | None, capability: tuple[int, i
 
     Returns:
         ``"auto"``: a copy of :data:`HOPPER_PREFIX_KERNEL_OPTIONS` for major 9 (H100, H200), else ``None``
-        (other GPUs were not measured; CPU's eager FlexAttention ignores options). A mapping: itself (a dict;
+        (other GPUs were not measured; CPU's eager FlexAttention ignores options); :func:`split_attention` then
+        applies them only to a head dimension and dtype that :func:`auto_block_fits`. A mapping: itself (a dict;
         ``None`` where empty). ``None``: ``None``.
 
     The forward block of :data:`HOPPER_PREFIX_KERNEL_OPTIONS`, measured on one H100 in the trainer's own step
-    (GPT-OSS-20B drafter shape): N = 131,072 40.86 s a step against 48.95 s (-16.5 %), N = 16,384 742.3 against
-    773.3 ms (-4.0 %), N = 8,192 equal within 1.3 % (default compile and max-autotune); no case slower. Adding the
-    backward option ``{BLOCK_M1: 32, BLOCK_N1: 128, BLOCK_M2: 128, BLOCK_N2: 32, num_warps: 4, num_stages: 3}``
-    gave 38.12 s at N = 131,072 but +5 % at N = 8,192, so it is a per-recipe choice, not part of ``"auto"``
-    (docs/benchmarks.md, section 'Kernel options inside the N = 131,072 step, and where its time goes (H100, 47e0feb, 2026-12-07)').
+    (GPT-OSS-20B drafter shape, head dimension 64, bf16): N = 131,072 40.86 s a step against 48.95 s (-16.5 %),
+    N = 16,384 742.3 against 773.3 ms (-4.0 %); N = 8,192 298.3 / 290.2 ms (default compile / max-autotune)
+    against 302.3 / 290.3 ms without it on another H100. Adding the backward block as it ran
+    (``BLOCK_M1: 32, BLOCK_N1: 128, BLOCK_M2: 128, BLOCK_N2: 32, num_warps: 4, num_stages: 3``; the ``fwd_`` names
+    keep the forward's) gave 38.12 s at N = 131,072 but +5 % at N = 8,192, so it is a per-recipe choice, not part
+    of ``"auto"`` (docs/benchmarks.md, section 'Kernel options inside the N = 131,072 step, and where its time goes
+    (H100, 47e0feb, 2026-12-07)').
 
     Raises:
         ValueError: ``value`` is a string other than ``"auto"``.
@@ -123,7 +140,9 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     ``prefix_kernel_options``: FlexAttention ``kernel_options`` of the prefix part (``train.prefix_kernel_options``:
     ``"auto"``, a mapping or None), resolved for the grid's device (:func:`prefix_kernel_options_for` with
     :func:`device_capability`) and kept on the result as sorted pairs; None where that gives none (FlexAttention's
-    own choice). Raises ValueError for a string other than ``"auto"``."""
+    own choice); from ``"auto"`` they are marked so (``prefix_kernel_options_auto``) and :func:`split_attention`
+    applies them only where :func:`auto_block_fits` the layer's head dimension and dtype. Raises ValueError for a
+    string other than ``"auto"``, TypeError for a value neither a string, a mapping nor None."""
 
     kv = q if kv is None else kv
     kernel = resolve(chain_kernel, q.anchor.device)
@@ -132,7 +151,8 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     inverse, inverse_valid = invert_chain_index(index, valid, len(kv), sync_check=max_depth is None)
     options = tuple(sorted(resolved.items())) if resolved else None
     return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
-                      kernel, options)
+                      kernel, options,
+                      prefix_kernel_options_auto=options is not None and prefix_kernel_options == "auto")
 
 
 def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
@@ -353,14 +373,16 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
             of the prefix part; None = FlexAttention (:func:`_flex_with_lse`, looked up at call time
             so tests can swap in a dense reference with a backward on CPU; called with
             ``kernel_options=`` as well where ``split.prefix_kernel_options`` is set, so a stand-in for it
-            takes that keyword).
+            takes that keyword; options from ``auto`` only where :func:`auto_block_fits` ``q``'s head dimension and
+            dtype).
 
     Returns:
         ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).
     """
     if prefix_attention is not None:
         out_a, lse_a = prefix_attention(q, k, v, split.prefix_mask)
-    elif split.prefix_kernel_options:  # train.prefix_kernel_options
+    elif split.prefix_kernel_options and (not split.prefix_kernel_options_auto
+                                          or auto_block_fits(q.shape[-1], q.dtype)):  # train.prefix_kernel_options
         out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, kernel_options=dict(split.prefix_kernel_options))
     else:
         out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask)

@@ -316,6 +316,8 @@ class SplitMasks:
             pairs (hashable: a compiled layer sees a constant), or ``None`` for its own choice: the options that
             run, ``train.prefix_kernel_options`` resolved for the grid's device (``"auto"`` never stays here;
             :func:`peagle_train.kernels.attention.prefix_kernel_options_for`).
+        prefix_kernel_options_auto: True where those options come from ``auto``: then they apply only to a
+            layer whose head dimension and dtype :func:`peagle_train.kernels.attention.auto_block_fits`.
     """
 
     prefix_mask: object
@@ -325,6 +327,7 @@ class SplitMasks:
     chain_inverse_valid: torch.Tensor  # [E_kv, C] bool
     chain_kernel: str = "torch"  # "torch" or "triton": how chain_attention runs (chain_kernel.resolve)
     prefix_kernel_options: tuple[tuple[str, bool | int], ...] | None = None
+    prefix_kernel_options_auto: bool = False
 
 
 def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int, sync_check: bool = True):

@@ -74,16 +74,23 @@ def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path,
 
 def test_train_step_rows_record_the_prefix_kernel_options_that_ran(bench, tmp_path, monkeypatch):
     """A row's ``prefix_kernel_options`` is ``train.prefix_kernel_options`` resolved for the GPU where the split
-    form's FlexAttention ran (auto: the forward block on compute capability 9 only), None for ``flex_joint`` and
-    SDPA; ``bench_case`` records it so (a simulated H100 and split attention on this CPU; the Trainer is not built)."""
+    form's FlexAttention ran (auto: the forward block on compute capability 9 at head dimension 64 in bf16 only), None
+    for ``flex_joint`` and SDPA; ``bench_case`` records it so (a simulated H100 and split attention on this CPU; the
+    Trainer is not built)."""
     from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS
 
-    ran = bench.prefix_kernel_options_ran
     given = {"fwd_BLOCK_M": 32}
+
+    def ran(value, kind, capability, head_dim=64, dtype=torch.bfloat16):
+        return bench.prefix_kernel_options_ran(value, kind, capability, head_dim, dtype)
+
     assert ran("auto", "flex", (9, 0)) == HOPPER_PREFIX_KERNEL_OPTIONS
     assert ran("auto", "flex", (8, 0)) is None and ran("auto", "flex", None) is None
+    assert ran("auto", "flex", (9, 0), 128) is None and ran("auto", "flex", (9, 0), 64, torch.float32) is None
+    assert ran(given, "flex", (9, 0), 128, torch.float32) == given  # a mapping applies at any shape
     assert ran(None, "flex", (9, 0)) is None and ran(given, "flex", (8, 0)) == given
     assert all(ran(v, kind, (9, 0)) is None for v in ("auto", given) for kind in ("flex_joint", "sdpa"))
+    assert bench.shape_head_dim("gpt-oss-20b") == 64 and bench.shape_head_dim("llama-3.1-8b-recipe") == 128
 
     def not_built(*a, **k):
         raise RuntimeError("not built")
@@ -92,10 +99,13 @@ def test_train_step_rows_record_the_prefix_kernel_options_that_ran(bench, tmp_pa
     monkeypatch.setattr(bench, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(bench, "build_trainer", not_built)
     cpu = torch.device("cpu")
-    for flag, kind, expected in (([], "flex", HOPPER_PREFIX_KERNEL_OPTIONS), ([], "flex_joint", None),
-                                 (["--prefix-kernel-options", "null"], "flex", None),
-                                 (["--prefix-kernel-options", '{"fwd_BLOCK_M": 32}'], "flex", given)):
-        args = bench.parse_args(["--shape", "tiny"] + flag)
+    for shape, flag, kind, expected in (("gpt-oss-20b", [], "flex", HOPPER_PREFIX_KERNEL_OPTIONS),
+                                        ("gpt-oss-20b", ["--mixed-precision", "no"], "flex", None),  # float32
+                                        ("tiny", [], "flex", None),  # head dimension 16
+                                        ("gpt-oss-20b", [], "flex_joint", None),
+                                        ("gpt-oss-20b", ["--prefix-kernel-options", "null"], "flex", None),
+                                        ("tiny", ["--prefix-kernel-options", '{"fwd_BLOCK_M": 32}'], "flex", given)):
+        args = bench.parse_args(["--shape", shape] + flag)
         row = bench.bench_case(args, 128, 1, cpu, attention=kind, out_dir=str(tmp_path))
         assert row["error"] == "RuntimeError: not built" and row["attention"] == kind
         assert row["prefix_kernel_options"] == expected, (flag, kind, row)

@@ -159,8 +159,9 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     assert r.returncode == 0, r.stderr
     lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
     assert lines[0].startswith("start") and gpu in lines[0] and lines[-1].startswith("done")
-    steps = {x.split(":")[0]: x for x in lines[1:-1]}
+    steps = {x.split(":")[0]: x for x in lines[1:-1] if ":" in x}
     h200 = "H200" in gpu
+    assert ("long262144 not run (not an H200)" in lines) is not h200
     assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "long131072_kopts", "profile131072",
                                                                "gptoss", "prefix"]
     if h200:
@@ -175,20 +176,34 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
 
 
 def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
-    """``PLAN_STEPS`` picks steps for a machine held too briefly for the whole plan: the named ones run in the plan's
-    order (not the variable's), every other step is noted as skipped, and the plan still ends with ``done``."""
+    """``PLAN_STEPS`` picks steps for a GPU held for less time than the whole plan takes: the named ones run in the
+    plan's order (not the variable's; any whitespace separates names; a name that is the start of another's,
+    ``long131072``, is not taken for it), every other step is noted as skipped, and the plan still ends with
+    ``done``. A name that is no step of the plan stops it before anything runs (exit 2, naming it)."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    env = _fake_gpu(tmp_path, "NVIDIA H200") | {"PLAN_DRY": "1", "PLAN_STEPS": "profile131072 long262144"}
-    r = subprocess.run(["bash", str(SCRIPT), "plan-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=60)
+
+    def plan(gpu, names):
+        env = _fake_gpu(tmp_path, gpu) | {"PLAN_DRY": "1", "PLAN_STEPS": names}
+        (tmp_path / "res").mkdir(exist_ok=True)
+        (tmp_path / "res" / "progress.txt").write_text("")
+        r = subprocess.run(["bash", str(SCRIPT), "plan-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=60)
+        lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
+        ran = [x.split(":")[0] for x in lines[1:-1] if ":" in x]
+        skipped = [x.split()[0] for x in lines[1:-1] if x.endswith("skipped (PLAN_STEPS)")]
+        return r, lines, ran, skipped
+
+    r, lines, ran, skipped = plan("NVIDIA H200", "profile131072\tlong262144\n")
     assert r.returncode == 0, r.stderr
-    lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
-    assert lines[-1].startswith("done")
-    ran = [x.split(":")[0] for x in lines[1:-1] if "skipped" not in x]
-    skipped = [x.split()[0] for x in lines[1:-1] if x.endswith("skipped (PLAN_STEPS)")]
-    assert ran == ["long262144", "profile131072"]
+    assert lines[-1].startswith("done") and ran == ["long262144", "profile131072"]
     assert skipped == ["long131072", "long131072_kopts", "gptoss", "prefix"]
+    r, lines, ran, skipped = plan("NVIDIA H100 80GB HBM3", "long131072_kopts")
+    assert ran == ["long131072_kopts"] and "long131072" in skipped
+    assert "long262144 not run (not an H200)" in lines
+    r, lines, ran, skipped = plan("NVIDIA H200", "long131072 profile_131072")
+    assert r.returncode == 2 and "PLAN_STEPS: profile_131072 is not a step of the plan" in r.stderr
+    assert ran == [] and not any(x.startswith("done") for x in lines)
 
 
 def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_there(tmp_path):
@@ -205,7 +220,8 @@ def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_
     r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "plan-run"], cwd=work, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    lines = (tmp_path / "res" / "progress.txt").read_text().splitlines()
+    lines = [x for x in (tmp_path / "res" / "progress.txt").read_text().splitlines()
+             if x != "long262144 not run (not an H200)"]
     assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "long131072_kopts", "profile131072", "gptoss",
                                                           "prefix"]
     assert all(" rc 3 " in x for x in lines[1:-1]) and lines[-1].startswith("done")  # each its own status

@@ -919,17 +919,17 @@ def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, fle
     """train.prefix_kernel_options: what the recipe gives reaches the prefix part's flex call of either method's
     objective (sorted on the split masks, a dict again at the call). The default, auto, is resolved for the grid's
     device: on this CPU none is passed (as with null); where the device reports compute capability 9 (an H100 or
-    H200, simulated) the forward block is. The objective's forward runs eagerly on CPU (FlexAttention forward only),
-    where torch ignores the options: the loss is the same each time."""
+    H200, simulated) the split masks hold the forward block, and this float32 drafter (head dimension not 64) still
+    passes none (auto's block applies at head dimension 64 in bf16 / fp16 only: the split-attention unit test
+    ``test_auto_block_applies_only_at_the_head_dim_and_dtype_it_was_measured``). The objective's forward runs
+    eagerly on CPU (FlexAttention forward only), where torch ignores the options: the loss is the same each time."""
     import peagle_train.kernels.attention as attention_mod
-    from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS
-
     seen = flex_kernel_options_seen
     data, feats, tconf = _cached_inputs(run_dir)
     opts = {"fwd_num_warps": 4, "fwd_BLOCK_N": 128, "USE_TMA": False}
     cases = [({"prefix_kernel_options": opts}, None, opts), ({"prefix_kernel_options": None}, None, None),
              ({}, None, None),  # the default: auto on a CPU
-             ({}, (9, 0), HOPPER_PREFIX_KERNEL_OPTIONS), ({"prefix_kernel_options": None}, (9, 0), None),
+             ({}, (9, 0), None), ({"prefix_kernel_options": None}, (9, 0), None),
              ({}, (8, 0), None)]
     losses = []
     for given, capability, expected in cases:
@@ -938,6 +938,8 @@ def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, fle
         objective = tr.acc.unwrap_model(tr.model)
         assert objective.prefix_kernel_options == given.get("prefix_kernel_options", "auto")
         objective.attention = "flex"  # as on CUDA (attention: auto); the trainer chose sdpa for this CPU
+        c = objective.drafter.config
+        assert (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) != 64  # auto's block: not here
         seen.clear()
         with monkeypatch.context() as patch, torch.no_grad():
             if capability is not None:

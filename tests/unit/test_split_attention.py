@@ -602,11 +602,42 @@ def test_split_masks_hold_auto_resolved_for_the_grids_device(monkeypatch):
     split = make_attn_spec(m, kind="flex", prefix_kernel_options="auto").split
     assert seen == [g.anchor.device]
     assert split.prefix_kernel_options == tuple(sorted(HOPPER_PREFIX_KERNEL_OPTIONS.items()))
-    assert make_attn_spec(m, kind="flex", prefix_kernel_options={"fwd_BLOCK_M": 32}).split.prefix_kernel_options \
-        == (("fwd_BLOCK_M", 32),)
+    assert split.prefix_kernel_options_auto is True
+    given = make_attn_spec(m, kind="flex", prefix_kernel_options={"fwd_BLOCK_M": 32}).split
+    assert given.prefix_kernel_options == (("fwd_BLOCK_M", 32),) and given.prefix_kernel_options_auto is False
     assert make_attn_spec(m, kind="flex", prefix_kernel_options=None).split.prefix_kernel_options is None
     with pytest.raises(ValueError, match="train.prefix_kernel_options"):
         make_attn_spec(m, kind="flex", prefix_kernel_options="fast")
+
+
+@pytest.mark.parametrize("head_dim,dtype,value,applied", [
+    (64, torch.bfloat16, "auto", True), (64, torch.float16, "auto", True),
+    (64, torch.float32, "auto", False), (128, torch.bfloat16, "auto", False),
+    (128, torch.float32, {"fwd_BLOCK_M": 32}, True)])
+def test_auto_block_applies_only_at_the_head_dim_and_dtype_it_was_measured(monkeypatch, head_dim, dtype, value,
+                                                                            applied):
+    """``auto``'s block reaches the prefix FlexAttention call only for head dimension 64 in bf16 / fp16 (where it was
+    measured, ``AUTO_BLOCK_SCOPE``); elsewhere that layer runs with FlexAttention's own choice. Options the recipe
+    gives as a mapping apply at any head dimension and dtype."""
+    from peagle_train.kernels.attention import HOPPER_PREFIX_KERNEL_OPTIONS, auto_block_fits, split_attention
+
+    monkeypatch.setattr(attention_mod, "device_capability", lambda device: (9, 0))
+    g, _ = make_grid([30, 20], 2, 0.9, 4, 0.8, 0.3, None, 3)
+    split = make_attn_spec(GridMeta.of(g), kind="flex", prefix_kernel_options=value).split
+    calls = []
+
+    def recorder(q, k, v, mask, kernel_options=None):
+        calls.append(kernel_options)
+        return torch.zeros_like(q), torch.zeros(q.shape[:3], dtype=torch.float32)
+
+    monkeypatch.setattr(attention_mod, "_flex_with_lse", recorder)
+    E = len(g)
+    q = torch.randn(1, 4, E, head_dim).to(dtype)
+    k, v = torch.randn(1, 2, E, head_dim).to(dtype), torch.randn(1, 2, E, head_dim).to(dtype)
+    split_attention(q, k, v, split)
+    expected = (HOPPER_PREFIX_KERNEL_OPTIONS if value == "auto" else value) if applied else None
+    assert calls == [expected]
+    assert auto_block_fits(head_dim, dtype) is (head_dim == 64 and dtype != torch.float32)
 
 
 def test_split_build_no_dense_materialisation_at_scale():
