@@ -128,10 +128,10 @@ from peagle_train.core.config import TrainConfig
 from peagle_train.core.gc_control import manual_collection  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import (  # noqa: E402
-    auto_block_fits,
     dense_attention_with_lse,
     device_capability,
     prefix_kernel_options_for,
+    prefix_options_to_run,
 )
 from peagle_train.kernels.chain_kernel import TILING as CHAIN_TILING  # noqa: E402
 from peagle_train.kernels.chain_kernel import resolve as resolve_chain_kernel
@@ -210,12 +210,12 @@ def prefix_kernel_options_ran(value: str | dict | None, attention: str, capabili
     mapping or None) resolved for a GPU of compute ``capability`` (``(major, minor)``, None off CUDA;
     :func:`~peagle_train.kernels.attention.prefix_kernel_options_for`) where ``attention`` (the kind that ran) is
     the split form's ``flex``; ``auto``'s block only at a ``head_dim`` and attention ``dtype`` that
-    :func:`~peagle_train.kernels.attention.auto_block_fits`; None for ``flex_joint`` and ``sdpa``, which do not take
+    :func:`~peagle_train.kernels.attention.auto_block_fits` (the rule the split attention applies,
+    :func:`~peagle_train.kernels.attention.prefix_options_to_run`); None for ``flex_joint`` and ``sdpa``, which do not take
     them. Raises ValueError for a string other than ``"auto"``."""
     if attention != "flex":
         return None
-    options = prefix_kernel_options_for(value, capability)
-    return None if options and value == "auto" and not auto_block_fits(head_dim, dtype) else options
+    return prefix_options_to_run(prefix_kernel_options_for(value, capability), value == "auto", head_dim, dtype)
 
 
 def shape_head_dim(shape: str) -> int:

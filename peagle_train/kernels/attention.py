@@ -76,6 +76,16 @@ def auto_block_fits(head_dim: int, dtype: torch.dtype) -> bool:
     return head_dim == AUTO_BLOCK_SCOPE[0] and dtype in AUTO_BLOCK_SCOPE[1]
 
 
+def prefix_options_to_run(options, auto: bool, head_dim: int, dtype: torch.dtype):
+    """The prefix part's FlexAttention ``kernel_options`` that run for a layer of head dimension ``head_dim`` in
+    ``dtype``: ``options`` (resolved for the device: sorted pairs or a mapping, or None) as they are, except that
+    options from ``auto`` (``auto`` True) run only where :func:`auto_block_fits` (else None, FlexAttention's own
+    choice). Static attributes only, so a compiled layer decides it while tracing. Raises nothing."""
+    if not options or (auto and not auto_block_fits(head_dim, dtype)):
+        return None
+    return options
+
+
 def prefix_kernel_options_for(value: str | dict | None, capability: tuple[int, int] | None) -> dict | None:
     """``train.prefix_kernel_options`` → the FlexAttention ``kernel_options`` the prefix part runs with.
 
@@ -379,11 +389,12 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
     Returns:
         ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).
     """
+    options = prefix_options_to_run(split.prefix_kernel_options, split.prefix_kernel_options_auto, q.shape[-1],
+                                    q.dtype)  # train.prefix_kernel_options
     if prefix_attention is not None:
         out_a, lse_a = prefix_attention(q, k, v, split.prefix_mask)
-    elif split.prefix_kernel_options and (not split.prefix_kernel_options_auto
-                                          or auto_block_fits(q.shape[-1], q.dtype)):  # train.prefix_kernel_options
-        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, kernel_options=dict(split.prefix_kernel_options))
+    elif options:
+        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, kernel_options=dict(options))
     else:
         out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask)
     if split.chain_index.shape[1] == 0:  # no query deeper than 0 (a static shape, not data)
