@@ -40,6 +40,11 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       # (greedy answers equal in exact arithmetic, test; on a GPU bf16 near-ties may differ, as
                       # between any two batch compositions)
                       "regen.shards_per_call",
+                      # whether the segmented engine copies a continuing row's KV cache instead of prefilling it
+                      # again, and how much history it copies: the same greedy tokens (tests/unit/test_kv_carry.py:
+                      # in float64 every built cache row equals a forward over that row alone; token-identical to
+                      # generate), so a half-done prepare resumes with either
+                      "regen.keep_kv", "regen.keep_kv_frames",
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib",
                       "train.compile_cache",  # where torch.compile's compiled code is kept between launches

@@ -107,3 +107,20 @@ def test_shards_per_call_is_not_the_runs_identity(tmp_path):
     assert claim_output_dir(cfg("regen.shards_per_call=2")) == out
     with pytest.raises(ConfigError, match=r"differs in: regen\.shard_size\)"):  # the shards themselves still count
         claim_output_dir(cfg("regen.shard_size=7"))
+
+
+def test_keep_kv_is_not_the_runs_identity(tmp_path):
+    """``regen.keep_kv`` (and its ``keep_kv_frames``) says how the segmented engine builds each call's cache, not
+    which tokens it answers: a folder stamped without it, or with the other value, takes the recipe, while a change
+    to what is generated (``regen.max_new_tokens``) is still refused."""
+    out = tmp_path / "run"
+    seg = ("regen.engine=static", "regen.segment_tokens=16")
+    cfg = lambda *o: load_config(RECIPE, [f"output_dir={out}", *seg, *o])  # noqa: E731
+    claim_output_dir(cfg())
+    (out / "train_metrics.json").write_text("{}")
+    _old_stamp(out, "regen.keep_kv")
+    assert claim_output_dir(cfg("regen.keep_kv=true")) == out
+    assert claim_output_dir(cfg("regen.keep_kv=true", "regen.keep_kv_frames=0.5")) == out
+    assert claim_output_dir(cfg("regen.keep_kv=false")) == out
+    with pytest.raises(ConfigError, match=r"differs in: regen\.max_new_tokens\)"):
+        claim_output_dir(cfg("regen.keep_kv=true", "regen.max_new_tokens=7"))
