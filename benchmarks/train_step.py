@@ -119,6 +119,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_features, speculators_ref
 
+from gpu_clocks import ClockSampler, nvidia_smi_index  # noqa: E402
 from synthetic_features import PLACEMENTS, SyntheticFeatures  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
@@ -393,7 +394,9 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     garbage-collector time in each (``gc_ms_all``) and its number of full (generation-2)
     collections (``gc_full_all``), from :data:`gc.callbacks`, and the CUDA allocator's retries in each
     (``alloc_retries_all``, :func:`alloc_retries`; ``None`` entries on CPU), so a slow step can be told apart from
-    a collection pause; ``first_step_s`` is the first call (compilation included). ``on_step``:
+    a collection pause, and on CUDA the GPU's clocks, power and throttle reasons over the timed steps
+    (``gpu_clocks``, :class:`gpu_clocks.ClockSampler`; None without ``nvidia-smi``), so a slow step can also be told
+    apart from a card that slowed down; ``first_step_s`` is the first call (compilation included). ``on_step``:
     called after every step (e.g. ``torch.profiler.profile.step``). ``sync_debug`` (CUDA): one more
     step under :func:`count_syncs`. The step's grid comes from a :class:`GridProbe`.
     """
@@ -414,12 +417,16 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     gc.callbacks.append(gc_clock)
     collector = manual_collection(tc.gc_every)  # the collector as fit() runs it (train.gc_every)
     collector.__enter__()
+    # nvidia-smi samples the card over the timed steps (started at the first of them, so compiling is not in it)
+    clocks = ClockSampler(nvidia_smi_index(trainer.device.index or 0)) if cuda else None
     try:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         times, gc_ms, gc_full, retries, recs, first = [], [], [], [], [], None
         for it in range(warmup + steps):
+            if it == warmup and clocks is not None:
+                clocks.__enter__()
             r0 = alloc_retries(cuda)
             probe.grids = []
             if cuda:
@@ -450,6 +457,8 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
         E, keys = grid_counts(probe.grids, tc.K)  # the last step's grid
         S = len(probe.grids)
     finally:
+        if clocks is not None:
+            clocks.__exit__(None, None, None)
         collector.__exit__(None, None, None)
         probe.close()
         gc.callbacks.remove(gc_clock)
@@ -463,6 +472,7 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
         "tokens": n_tokens, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
         "step_ms_all": [t * 1e3 for t in times], "gc_ms_all": gc_ms, "gc_full_all": gc_full,
         "alloc_retries_all": retries,  # the caching allocator's retries (freed its cache and tried again) per step
+        "gpu_clocks": None if clocks is None else clocks.summary(),  # over the timed steps (CUDA, nvidia-smi)
         # the trainer's own rates (global over ranks, its clock) → per GPU
         "positions_per_s": statistics.median(r["positions_per_s"] for r in recs) / world,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs) / world,

@@ -34,6 +34,7 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
     for r in rows:  # every timed step is kept, with the garbage collector's share of it
         assert len(r["step_ms_all"]) == len(r["gc_ms_all"]) == len(r["gc_full_all"]) == 2
         assert r["alloc_retries_all"] == [None, None]  # CPU: no CUDA allocator to count
+        assert r["gpu_clocks"] is None  # CPU: no card to sample (benchmarks/gpu_clocks.py)
         assert r["step_ms_min"] == min(r["step_ms_all"]) and r["step_ms_max"] == max(r["step_ms_all"])
         # the attention of all 4 drafter layers over the step's (query, key) pairs is in the FLOP count
         assert r["attention_flop"] == 4 * 12 * 4 * 16 * r["attention_pairs"] and r["flop"] > r["attention_flop"] > 0
@@ -919,6 +920,7 @@ def test_prefix_attention_cpu_smoke(tmp_path, capsys):
     assert rows[0]["pairs"] == sum(p - d + 1 for p, d in real) > 256 * 257 // 2  # every depth adds queries
     assert rows[2]["pairs"] == rows[3]["pairs"] == 256 * 257 // 2 and rows[3]["rows"] == 256
     assert rows[3]["fwd_bwd_ms"] > 0 and rows[3]["fwd_bwd_tflops"] > 0  # SDPA has a backward on CPU
+    assert rows[3]["fwd_gpu_clocks"] is None and rows[3]["fwd_bwd_gpu_clocks"] is None  # no card to sample
     data = json.loads(out.read_text())
     assert data["meta"]["command"].startswith("python benchmarks/prefix_attention.py")
     assert "prefix attention, tiny" in capsys.readouterr().out

@@ -1,0 +1,107 @@
+"""The GPU's clocks and power while a timed block runs: is a kernel slower because of what it computes, or
+because the card slowed down under sustained load?
+
+``nvidia-smi`` samples the streaming multiprocessors' clock, the power draw, the temperature and the active
+throttle reasons every ``period_ms`` in a child process while the ``with`` block runs; the summary goes into a
+benchmark's row (``gpu_clocks``). Issue 19's question it answers: FlexAttention's kernels ran at 0.68-0.77 of their
+alone speed inside the N = 131,072 step (docs/benchmarks.md, "The N = 131,072 step's segments alone"); a step that
+holds the card busy for 40 s may run at lower clocks than a kernel timed for a few seconds.
+
+    with ClockSampler(device_index=0) as clocks:
+        ...  # the timed calls
+    row["gpu_clocks"] = clocks.summary()  # None where nvidia-smi is missing or gave no sample
+
+Standard library only (the parsing is tested on CPU against recorded ``nvidia-smi`` lines).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+
+#: nvidia-smi's fields, in this order (``--query-gpu``); ``clocks_throttle_reasons.active``: a bit mask, 0x0 = none
+#: (0x1 idle, 0x4 applications clocks setting, 0x20 / 0x40 / 0x80 software / hardware slowdowns: power, thermal;
+#: ``nvidia-smi --help-query-gpu`` lists them)
+FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+
+
+def summarise_clock_lines(lines: list[str]) -> dict | None:
+    """Summary of ``nvidia-smi --query-gpu=<FIELDS> --format=csv,noheader,nounits`` lines.
+
+    Args:
+        lines: one sample a line, ``"1980, 2619, 512.34, 61, 0x0000000000000000"`` (MHz, MHz, W, degrees C,
+            hex mask). Lines that do not parse (a header, ``[N/A]``, ``[Not Supported]``, a line cut when the
+            sampler stopped) are skipped.
+
+    Returns:
+        ``{"samples", "sm_mhz_median", "sm_mhz_min", "sm_mhz_max", "mem_mhz_median", "power_w_median",
+        "power_w_max", "temperature_c_max", "throttle_reasons"}`` (``throttle_reasons``: the distinct non-zero
+        masks seen, as ``0x...`` strings, sorted), or None when no line parses.
+    """
+    sm, mem, power, temp, reasons = [], [], [], [], set()
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != len(FIELDS):
+            continue
+        try:
+            s, m, p, t = float(parts[0]), float(parts[1]), float(parts[2]), float(parts[3])
+            mask = int(parts[4], 16)
+        except ValueError:
+            continue
+        sm.append(s), mem.append(m), power.append(p), temp.append(t)
+        if mask:
+            reasons.add(f"{mask:#x}")
+    if not sm:
+        return None
+    return {"samples": len(sm), "sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm),
+            "sm_mhz_max": max(sm), "mem_mhz_median": statistics.median(mem),
+            "power_w_median": statistics.median(power), "power_w_max": max(power), "temperature_c_max": max(temp),
+            "throttle_reasons": sorted(reasons)}
+
+
+def nvidia_smi_index(cuda_index: int, visible: str | None = None) -> int:
+    """The ``nvidia-smi --id`` of the process's CUDA device ``cuda_index``: ``CUDA_VISIBLE_DEVICES`` (``visible``;
+    default: the environment's) renumbers devices for CUDA but not for ``nvidia-smi``. A list of integers maps
+    ``cuda_index`` through it (``"3,5"``: 1 -> 5); unset, empty or not integers (UUIDs): ``cuda_index`` itself."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if ids and all(v.isdigit() for v in ids) and cuda_index < len(ids):
+        return int(ids[cuda_index])
+    return cuda_index
+
+
+class ClockSampler:
+    """Context manager: ``nvidia-smi`` samples GPU ``device_index`` every ``period_ms`` (milliseconds) while the
+    block runs; :meth:`summary` then gives :func:`summarise_clock_lines` of what it printed.
+
+    Without ``nvidia-smi`` on ``PATH`` (``exe``: another executable with the same arguments) the block runs
+    unsampled and :meth:`summary` is None: a benchmark row then says ``"gpu_clocks": null`` rather than failing.
+    """
+
+    def __init__(self, device_index: int = 0, period_ms: int = 250, exe: str = "nvidia-smi"):
+        self.cmd = [exe, f"--id={device_index}", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
+                    f"--loop-ms={period_ms}"]
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+
+    def __enter__(self) -> ClockSampler:
+        if shutil.which(self.cmd[0]) is not None:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        self.lines = (out or "").splitlines()
+        self.proc = None
+
+    def summary(self) -> dict | None:
+        """The block's summary (:func:`summarise_clock_lines`), None when nothing was sampled."""
+        return summarise_clock_lines(self.lines)
