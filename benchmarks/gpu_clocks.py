@@ -21,8 +21,8 @@ import statistics
 import subprocess
 
 #: nvidia-smi's fields, in this order (``--query-gpu``); ``clocks_throttle_reasons.active``: a bit mask, 0x0 = none
-#: (0x1 idle, 0x4 applications clocks setting, 0x20 / 0x40 / 0x80 software / hardware slowdowns: power, thermal;
-#: ``nvidia-smi --help-query-gpu`` lists them)
+#: (NVML's: 0x1 idle, 0x2 applications clocks setting, 0x4 software power cap, 0x8 hardware slowdown, 0x20 / 0x40
+#: software / hardware thermal slowdown, 0x80 power brake; ``nvidia-smi --help-query-gpu`` lists them)
 FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
 
 
