@@ -24,6 +24,9 @@ import subprocess
 #: (NVML's: 0x1 idle, 0x2 applications clocks setting, 0x4 software power cap, 0x8 hardware slowdown, 0x20 / 0x40
 #: software / hardware thermal slowdown, 0x80 power brake; ``nvidia-smi --help-query-gpu`` lists them)
 FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+#: the same with the throttle reasons' newer name (drivers that renamed them "clock event reasons"), tried when a
+#: driver refuses FIELDS
+FIELDS_NEWER = (*FIELDS[:-1], "clocks_event_reasons.active")
 
 
 def summarise_clock_lines(lines: list[str]) -> dict | None:
@@ -75,19 +78,34 @@ class ClockSampler:
     """Context manager: ``nvidia-smi`` samples GPU ``device_index`` every ``period_ms`` (milliseconds) while the
     block runs; :meth:`summary` then gives :func:`summarise_clock_lines` of what it printed.
 
-    Without ``nvidia-smi`` on ``PATH`` (``exe``: another executable with the same arguments) the block runs
-    unsampled and :meth:`summary` is None: a benchmark row then says ``"gpu_clocks": null`` rather than failing.
+    A single query first finds the field names the driver takes (:data:`FIELDS`, else :data:`FIELDS_NEWER`).
+    Without ``nvidia-smi`` on ``PATH`` (``exe``: another executable with the same arguments), or where it refuses
+    both, the block runs unsampled and :meth:`summary` is None: a benchmark row then says ``"gpu_clocks": null``
+    rather than failing.
     """
 
     def __init__(self, device_index: int = 0, period_ms: int = 250, exe: str = "nvidia-smi"):
-        self.cmd = [exe, f"--id={device_index}", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
-                    f"--loop-ms={period_ms}"]
+        self.exe, self.device_index, self.period_ms = exe, device_index, period_ms
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
 
+    def _query(self, fields: tuple[str, ...]) -> list[str]:
+        return [self.exe, f"--id={self.device_index}", f"--query-gpu={','.join(fields)}",
+                "--format=csv,noheader,nounits"]
+
     def __enter__(self) -> ClockSampler:
-        if shutil.which(self.cmd[0]) is not None:
-            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.lines = []
+        if shutil.which(self.exe) is None:
+            return self
+        for fields in (FIELDS, FIELDS_NEWER):  # one sample first: the field names this driver takes
+            try:
+                once = subprocess.run(self._query(fields), capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                return self
+            if once.returncode == 0:
+                self.proc = subprocess.Popen([*self._query(fields), f"--loop-ms={self.period_ms}"],
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                break
         return self
 
     def __exit__(self, *exc) -> None:

@@ -45,22 +45,49 @@ def test_sampler_reads_what_the_executable_prints(tmp_path):
     exe = tmp_path / "fake-smi"
     exe.write_text(textwrap.dedent(f"""\
         #!/bin/sh
-        echo "$@" > {tmp_path}/args
+        echo "$@" >> {tmp_path}/args
         echo "1500, 2619, 650.00, 70, 0x0000000000000020"
+        case "$*" in *--loop-ms*) ;; *) exit 0 ;; esac  # the sampler's first, single query
         echo "1600, 2619, 640.00, 71, 0x0000000000000000"
         exec sleep 30
         """))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     with ClockSampler(device_index=3, period_ms=100, exe=str(exe)) as clocks:
-        for _ in range(200):  # until both lines are printed (the child starts asynchronously)
-            if (tmp_path / "args").exists():
+        for _ in range(200):  # until the sampling call has started (the child starts asynchronously)
+            if (tmp_path / "args").exists() and "--loop-ms" in (tmp_path / "args").read_text():
                 break
             time.sleep(0.05)
         time.sleep(0.3)
     s = clocks.summary()
     assert s is not None and s["samples"] == 2 and s["sm_mhz_median"] == 1550.0 and s["throttle_reasons"] == ["0x20"]
-    args = (tmp_path / "args").read_text().split()
-    assert "--id=3" in args and "--loop-ms=100" in args and "--format=csv,noheader,nounits" in args
+    once, loop = (line.split() for line in (tmp_path / "args").read_text().splitlines())
+    assert "--id=3" in once and "--format=csv,noheader,nounits" in once and not any("--loop-ms" in a for a in once)
+    assert loop == [*once, "--loop-ms=100"]
+
+
+def test_sampler_takes_the_newer_field_name_where_the_driver_refuses_the_older(tmp_path):
+    """A driver that knows the throttle reasons only as ``clocks_event_reasons`` refuses the whole query with the
+    older name (nvidia-smi exits non-zero): the sampler asks again with the newer one and samples with it; a driver
+    that refuses both leaves the block unsampled."""
+    exe = tmp_path / "newer-smi"
+    exe.write_text(textwrap.dedent("""\
+        #!/bin/sh
+        case "$*" in *clocks_throttle_reasons*) echo 'Field "clocks_throttle_reasons.active" is not a valid field' >&2
+          exit 2 ;; esac
+        echo "1800, 2619, 600.00, 60, 0x0000000000000000"
+        case "$*" in *--loop-ms*) exec sleep 30 ;; esac
+        """))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    with ClockSampler(exe=str(exe)) as clocks:
+        time.sleep(0.5)
+    s = clocks.summary()
+    assert s is not None and s["sm_mhz_median"] == 1800.0 and s["throttle_reasons"] == []
+    never = tmp_path / "old-smi"
+    never.write_text("#!/bin/sh\nexit 6\n")
+    never.chmod(never.stat().st_mode | stat.S_IXUSR)
+    with ClockSampler(exe=str(never)) as clocks:
+        pass
+    assert clocks.summary() is None
 
 
 def test_sampler_without_nvidia_smi_gives_none(tmp_path):
