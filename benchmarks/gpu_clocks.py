@@ -99,7 +99,7 @@ class ClockSampler:
             return self
         for fields in (FIELDS, FIELDS_NEWER):  # one sample first: the field names this driver takes
             try:
-                once = subprocess.run(self._query(fields), capture_output=True, text=True, timeout=30)
+                once = subprocess.run(self._query(fields), capture_output=True, text=True, timeout=30, check=False)
             except (OSError, subprocess.TimeoutExpired):
                 return self
             if once.returncode == 0:
