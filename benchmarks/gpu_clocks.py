@@ -19,6 +19,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 
 #: nvidia-smi's fields, in this order (``--query-gpu``); ``clocks_throttle_reasons.active``: a bit mask, 0x0 = none
 #: (NVML's: 0x1 idle, 0x2 applications clocks setting, 0x4 software power cap, 0x8 hardware slowdown, 0x20 / 0x40
@@ -27,6 +28,13 @@ FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_th
 #: the same with the throttle reasons' newer name (drivers that renamed them "clock event reasons"), tried when a
 #: driver refuses FIELDS
 FIELDS_NEWER = (*FIELDS[:-1], "clocks_event_reasons.active")
+
+
+def cuda_device_index(device) -> int:
+    """The CUDA index of ``device`` (a ``torch.device``): its own, or the current device for a bare ``cuda``."""
+    import torch
+
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def summarise_clock_lines(lines: list[str]) -> dict | None:
@@ -66,7 +74,9 @@ def summarise_clock_lines(lines: list[str]) -> dict | None:
 def nvidia_smi_index(cuda_index: int, visible: str | None = None) -> int:
     """The ``nvidia-smi --id`` of the process's CUDA device ``cuda_index``: ``CUDA_VISIBLE_DEVICES`` (``visible``;
     default: the environment's) renumbers devices for CUDA but not for ``nvidia-smi``. A list of integers maps
-    ``cuda_index`` through it (``"3,5"``: 1 -> 5); unset, empty or not integers (UUIDs): ``cuda_index`` itself."""
+    ``cuda_index`` through it (``"3,5"``: 1 -> 5); unset, empty or not integers (UUIDs): ``cuda_index`` itself.
+    Assumes CUDA numbers the cards in nvidia-smi's (PCI bus) order, as on a host of one GPU kind; on a host of mixed
+    kinds set ``CUDA_DEVICE_ORDER=PCI_BUS_ID``."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
     if ids and all(v.isdigit() for v in ids) and cuda_index < len(ids):
@@ -87,6 +97,7 @@ class ClockSampler:
     def __init__(self, device_index: int = 0, period_ms: int = 250, exe: str = "nvidia-smi"):
         self.exe, self.device_index, self.period_ms = exe, device_index, period_ms
         self.proc: subprocess.Popen | None = None
+        self.out = None  # nvidia-smi's output, a temporary file (a pipe read only at the end would fill and stall it)
         self.lines: list[str] = []
 
     def _query(self, fields: tuple[str, ...]) -> list[str]:
@@ -103,8 +114,9 @@ class ClockSampler:
             except (OSError, subprocess.TimeoutExpired):
                 return self
             if once.returncode == 0:
+                self.out = tempfile.TemporaryFile(mode="w+")
                 self.proc = subprocess.Popen([*self._query(fields), f"--loop-ms={self.period_ms}"],
-                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                             stdout=self.out, stderr=subprocess.DEVNULL, text=True)
                 break
         return self
 
@@ -113,12 +125,14 @@ class ClockSampler:
             return
         self.proc.terminate()
         try:
-            out, _ = self.proc.communicate(timeout=10)
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-        self.lines = (out or "").splitlines()
-        self.proc = None
+            self.proc.wait()
+        self.out.seek(0)
+        self.lines = self.out.read().splitlines()
+        self.out.close()
+        self.proc, self.out = None, None
 
     def summary(self) -> dict | None:
         """The block's summary (:func:`summarise_clock_lines`), None when nothing was sampled."""

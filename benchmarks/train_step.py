@@ -119,7 +119,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_features, speculators_ref
 
-from gpu_clocks import ClockSampler, nvidia_smi_index  # noqa: E402
+from gpu_clocks import ClockSampler, cuda_device_index, nvidia_smi_index  # noqa: E402
 from synthetic_features import PLACEMENTS, SyntheticFeatures  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
@@ -418,7 +418,7 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     collector = manual_collection(tc.gc_every)  # the collector as fit() runs it (train.gc_every)
     collector.__enter__()
     # nvidia-smi samples the card over the timed steps (started at the first of them, so compiling is not in it)
-    clocks = ClockSampler(nvidia_smi_index(trainer.device.index or 0)) if cuda else None
+    clocks = ClockSampler(nvidia_smi_index(cuda_device_index(trainer.device))) if cuda else None
     try:
         if cuda:
             torch.cuda.empty_cache()

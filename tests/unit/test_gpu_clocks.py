@@ -90,6 +90,28 @@ def test_sampler_takes_the_newer_field_name_where_the_driver_refuses_the_older(t
     assert clocks.summary() is None
 
 
+def test_sampler_keeps_every_sample_of_a_long_block(tmp_path):
+    """A long block prints more than a pipe holds (64 KiB: ~1,500 lines, 6 minutes at 250 ms); nvidia-smi must not
+    stall on a full pipe and lose the block's later samples."""
+    exe = tmp_path / "long-smi"
+    exe.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$*" in *--loop-ms*) ;; *) echo "1980, 2619, 400.00, 50, 0x0"; exit 0 ;; esac
+        i=0
+        while [ $i -lt 5000 ]; do echo "1700, 2619, 690.00, 70, 0x0000000000000004"; i=$((i + 1)); done
+        touch {tmp_path}/printed
+        exec sleep 30
+        """))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    with ClockSampler(exe=str(exe)) as clocks:
+        for _ in range(400):
+            if (tmp_path / "printed").exists():
+                break
+            time.sleep(0.05)
+    s = clocks.summary()
+    assert s is not None and s["samples"] == 5000 and s["throttle_reasons"] == ["0x4"]
+
+
 def test_sampler_without_nvidia_smi_gives_none(tmp_path):
     with ClockSampler(exe=str(tmp_path / "no-such-smi")) as clocks:
         pass
