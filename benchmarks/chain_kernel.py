@@ -19,6 +19,7 @@ kernels at the default :data:`~peagle_train.kernels.chain_kernel.TILING`), then 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -40,22 +41,25 @@ from peagle_train.peagle.masks import GridMeta  # noqa: E402
 KERNELS = ("fwd", "bwd_q", "bwd_kv")
 
 
-def timed(fn, repeats: int, device) -> float:
-    """Median milliseconds of ``repeats`` calls of ``fn`` after one warm-up call."""
+def timed(fn, repeats: int, device, around=None) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn`` after one warm-up call. ``around``: a context manager
+    entered after the warm-up and left after the timed calls (e.g. ``gpu_clocks.ClockSampler``: the compile of the
+    warm-up call is not in what it samples)."""
     fn()
     times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
+    with around or contextlib.nullcontext():
+        for _ in range(repeats):
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
 

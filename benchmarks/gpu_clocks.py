@@ -98,26 +98,34 @@ class ClockSampler:
         self.exe, self.device_index, self.period_ms = exe, device_index, period_ms
         self.proc: subprocess.Popen | None = None
         self.out = None  # nvidia-smi's output, a temporary file (a pipe read only at the end would fill and stall it)
+        self.fields: tuple[str, ...] | None = None  # the names this driver takes, found at the first block
         self.lines: list[str] = []
 
     def _query(self, fields: tuple[str, ...]) -> list[str]:
         return [self.exe, f"--id={self.device_index}", f"--query-gpu={','.join(fields)}",
                 "--format=csv,noheader,nounits"]
 
-    def __enter__(self) -> ClockSampler:
-        self.lines = []
+    def _fields_taken(self) -> tuple[str, ...] | None:
+        """One sample with :data:`FIELDS`, else :data:`FIELDS_NEWER`: the names this driver takes (None: neither,
+        or no executable)."""
         if shutil.which(self.exe) is None:
-            return self
-        for fields in (FIELDS, FIELDS_NEWER):  # one sample first: the field names this driver takes
+            return None
+        for fields in (FIELDS, FIELDS_NEWER):
             try:
                 once = subprocess.run(self._query(fields), capture_output=True, text=True, timeout=30, check=False)
             except (OSError, subprocess.TimeoutExpired):
-                return self
+                return None
             if once.returncode == 0:
-                self.out = tempfile.TemporaryFile(mode="w+")
-                self.proc = subprocess.Popen([*self._query(fields), f"--loop-ms={self.period_ms}"],
-                                             stdout=self.out, stderr=subprocess.DEVNULL, text=True)
-                break
+                return fields
+        return None
+
+    def __enter__(self) -> ClockSampler:
+        self.lines = []
+        self.fields = self.fields or self._fields_taken()  # found once, at the first block
+        if self.fields is not None:
+            self.out = tempfile.TemporaryFile(mode="w+")
+            self.proc = subprocess.Popen([*self._query(self.fields), f"--loop-ms={self.period_ms}"],
+                                         stdout=self.out, stderr=subprocess.DEVNULL, text=True)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -41,7 +41,6 @@ rows are ``sum_q (position - depth + 1)`` over real elements, of the causal rows
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import sys
@@ -196,26 +195,21 @@ def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_s
         row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts,
                **(blocks if name in grid_rows else {})}
         fl = 4 * nh * hd * pairs
-        # the card's clocks over the row's timed calls (CUDA; None without nvidia-smi), sampled after a first call
-        # that compiles (timed's own warm-up then runs compiled code): beside train_step.py's over its steps, a
-        # kernel slower in the step than alone is told apart from a card that slowed down
+        # the card's clocks over the row's timed calls (CUDA; None without nvidia-smi), sampled after timed's warm-up
+        # call (which compiles): beside train_step.py's over its steps, a kernel slower in the step than alone is
+        # told apart from a card that slowed down
         clocks = ClockSampler(nvidia_smi_index(cuda_device_index(device))) if cuda else None
         try:
             with torch.no_grad():
-                if clocks is not None:
-                    fn(qq, kk, vv)  # compiles (the forward)
-                with clocks or contextlib.nullcontext():
-                    fwd = timed(lambda: fn(qq, kk, vv), args.repeats, device)  # noqa: B023 - called in this iteration
+                fwd = timed(lambda: fn(qq, kk, vv), args.repeats, device, around=clocks)  # noqa: B023 - this iteration
         except Exception as e:  # noqa: BLE001 - report and go on (out of shared memory, unsupported option)
             rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
         row.update(fwd_ms=fwd, fwd_tflops=fl / fwd / 1e9, fwd_bwd_ms=None, fwd_bwd_tflops=None,
                    fwd_gpu_clocks=None if clocks is None else clocks.summary(), fwd_bwd_gpu_clocks=None)
         try:  # (eager FlexAttention has no backward on CPU: the smoke run's flex rows are forward only)
-            if clocks is not None:
-                objective_grads(fn, qq, kk, vv, gg, ll)  # compiles (the backward)
-            with clocks or contextlib.nullcontext():
-                both = timed(lambda: objective_grads(fn, qq, kk, vv, gg, ll), args.repeats, device)  # noqa: B023
+            both = timed(lambda: objective_grads(fn, qq, kk, vv, gg, ll), args.repeats, device,  # noqa: B023
+                         around=clocks)
             row.update(fwd_bwd_ms=both, fwd_bwd_tflops=3 * fl / both / 1e9,
                        fwd_bwd_gpu_clocks=None if clocks is None else clocks.summary())
         except Exception as e:  # noqa: BLE001

@@ -220,9 +220,8 @@ def prefix_kernel_options_ran(value: str | dict | None, attention: str, capabili
 
 
 def shape_head_dim(shape: str) -> int:
-    """The attention head dimension of ``SHAPES[shape]`` (``head_dim``, else hidden size over query heads)."""
-    s = SHAPES[shape]
-    return s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
+    """The attention head dimension of ``SHAPES[shape]`` (every shape names its ``head_dim``)."""
+    return SHAPES[shape]["head_dim"]
 
 
 def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
@@ -684,9 +683,8 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             "params_compared": len(errs), "chain_kernel": resolve_chain_kernel(chain_kernel, device),
             # the split side's FlexAttention ran on CUDA only (CPU: the dense stand-in)
             "prefix_kernel_options": prefix_kernel_options_ran(
-                prefix_kernel_options, "flex", device_capability(device),
-                getattr(drafter.config, "head_dim", None)
-                or drafter.config.hidden_size // drafter.config.num_attention_heads, torch.float32) if cuda else None}
+                prefix_kernel_options, "flex", device_capability(device), drafter.config.head_dim, torch.float32)
+            if cuda else None}
 
 
 def attach_joint_speedup(rows: list[dict]) -> list[dict]:
