@@ -206,9 +206,9 @@ PY
     # whitespace separates names, and a name that is not a step of the plan stops it before anything runs
     steps=" $(echo ${PLAN_STEPS:-}) "
     for name in ${PLAN_STEPS:-}; do
-      case " long262144 long131072 long131072_kopts profile131072 gptoss prefix " in *" $name "*) ;;
+      case " long262144 long131072 long131072_kopts long131072_apart profile131072 gptoss prefix " in *" $name "*) ;;
         *) echo "PLAN_STEPS: $name is not a step of the plan (long262144 long131072 long131072_kopts" \
-             "profile131072 gptoss prefix)" >&2; exit 2 ;; esac
+             "long131072_apart profile131072 gptoss prefix)" >&2; exit 2 ;; esac
     done
     run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
       if [ "$steps" != "  " ] && [[ $steps != *" $name "* ]]; then
@@ -220,7 +220,7 @@ PY
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
     echo "start $(date +%T) on $gpu" >> "$RES/progress.txt"
     ck=""
-    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 900 + 900 + 600 s
+    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 600 + 900 + 900 + 600 s
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
     else  # N = 131,072 needs checkpointing on an 80 GB card (the planner's figures, docs/benchmarks.md)
       ck=--checkpointing; echo "long262144 not run (not an H200)" >> "$RES/progress.txt"; fi
@@ -232,6 +232,10 @@ PY
     # on an H100 / H200; with the backward one the H100 took 38.1 s against 40.9, docs/benchmarks.md, 47e0feb)
     run long131072_kopts 600 bash "$0" long "$RES/long131072_kopts.json" $ck \
       --prefix-kernel-options "{$fwd, $bwd}"
+    # the default step with the prefix FlexAttention compiled apart from the layers' graphs, behind a graph break
+    # (train.prefix_compiled_apart): inside the step its kernels ran at 0.77 of their alone speed at equal clocks
+    # (docs/benchmarks.md, c050930); this row against long131072 tells whether the layer's graph is the cause
+    run long131072_apart 600 bash "$0" long "$RES/long131072_apart.json" $ck --prefix-compiled-apart
     # where the 131,072 step's time goes with the default options (auto): one timed step, then the profiled ones
     # (kernels and GPU timeline; without options at 47e0feb the prefix attention was 92 % of the step)
     run profile131072 900 bash "$0" long "$RES/long131072_profile.json" $ck --steps 1 --warmup 1 --profile

@@ -98,6 +98,8 @@ default ``auto`` applies (:func:`peagle_train.kernels.attention.prefix_kernel_op
 H100 / H200, FlexAttention's own choice elsewhere); ``--prefix-kernel-options null`` is FlexAttention's own choice
 (the baseline), a JSON object sets the options. Rows (and ``--check-grads`` results) record the options that ran,
 resolved for the GPU, where the split form's FlexAttention ran; None elsewhere (``flex_joint``, SDPA, CPU).
+``--prefix-compiled-apart`` (``train.prefix_compiled_apart``) runs the prefix FlexAttention of compiled rows as its
+own compiled kernel behind a graph break; rows record ``prefix_compiled_apart``.
 """
 from __future__ import annotations
 
@@ -235,7 +237,8 @@ def train_section(args, *, partitions: int | str, compile: bool | str = False, a
             "mixed_precision": args.mixed_precision, "lr": args.lr, "features": "cache",
             "micro_batch_size": args.micro_batch, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
             "save_every": None, "report_to": [], "seed": 0,
-            "prefix_kernel_options": getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS)}
+            "prefix_kernel_options": getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS),
+            "prefix_compiled_apart": getattr(args, "prefix_compiled_apart", False)}
 
 
 def synthetic_data(N: int, vocab_size: int, n_sequences: int, seed: int = 0) -> dict:
@@ -514,7 +517,10 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
            # the split form's prefix part takes them (resolved for this GPU); flex_joint and SDPA do not
            "prefix_kernel_options": prefix_kernel_options_ran(
                getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS), ran, device_capability(device),
-               shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32)}
+               shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32),
+           # train.prefix_compiled_apart: the prefix kernel behind a graph break (only a compiled split form has one)
+           "prefix_compiled_apart": bool(getattr(args, "prefix_compiled_apart", False)) and ran == "flex"
+           and bool(compile)}
     trainer = None
     try:
         if ran == "flex":
@@ -792,6 +798,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "trainer's default: a tuned forward block on H100/H200, FlexAttention's own choice "
                          "elsewhere), null (FlexAttention's own choice: the baseline) or a JSON object such as "
                          "'{\"fwd_BLOCK_M\": 64, \"fwd_BLOCK_N\": 128}'; rows record the options that ran")
+    ap.add_argument("--prefix-compiled-apart", action="store_true",
+                    help="train.prefix_compiled_apart: with --compile, the prefix FlexAttention runs as its own "
+                         "compiled kernel behind a graph break instead of inside each layer's graph; rows record "
+                         "prefix_compiled_apart (true only where a compiled split form ran)")
     ap.add_argument("--fused-loss", choices=["on", "off"], nargs="+", default=["on"],
                     help="train.fused_loss: on = lm_head + loss gradients computed in the loss forward, off = "
                          "checkpoint + recompute; several = one row each, same process (--profile uses the last)")

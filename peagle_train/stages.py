@@ -48,7 +48,8 @@ _NON_IDENTITY_KEYS = {"train.report_to", "train.log_every", "train.eval_every", 
                       # where a launch reads and writes its portable state (docs/resume.md): each launch names its own
                       "train.state_in", "train.state_out", "train.state_moments", "train.state_part_mib",
                       "train.compile_cache",  # where torch.compile's compiled code is kept between launches
-                      "train.prefix_kernel_options"}  # FlexAttention's block sizes for a GPU: how, not what
+                      "train.prefix_kernel_options",  # FlexAttention's block sizes for a GPU: how, not what
+                      "train.prefix_compiled_apart"}  # where the prefix kernel is compiled: how, not what
 #: how eval runs the target, not what was prepared or trained: eval may change them in a finished run's folder
 #: (a random-weight target's near-tie logits need float32 for the lossless check, docs/real_shapes.md; a user
 #: evaluates a drafter trained on bf16 features against the target as served), and leaves the folder's stamp

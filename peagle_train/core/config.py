@@ -174,6 +174,14 @@ class TrainConfig(Section):
         "positive whole numbers, USE_TMA as true/false (options that change what is computed, such as "
         "ROWS_GUARANTEED_SAFE, are refused). How, not what: a resumed run may change it.")
 
+    prefix_compiled_apart: bool = Field(
+        False, description="With train.compile on CUDA: run the split form's prefix FlexAttention as its own compiled "
+        "kernel (torch.compile of flex_attention, as benchmarks/prefix_attention.py times it) behind a graph break, "
+        "instead of traced into each drafter layer's compiled graph. An experiment for long contexts: at N = 131,072 "
+        "the prefix kernels ran at 0.77 of their alone speed inside the layer's graph at equal GPU clocks "
+        "(docs/benchmarks.md, H100, c050930). Same math; the layers then compile with graph breaks allowed. How, "
+        "not what: a resumed run may change it.")
+
     @field_validator("prefix_kernel_options", mode="before")
     @classmethod
     def _auto_or_mapping(cls, v):

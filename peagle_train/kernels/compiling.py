@@ -2,7 +2,7 @@
 
 :class:`SafeCompiled` wraps a function or module so that
 
-1. the first call tries ``torch.compile(fn, fullgraph=True, dynamic=False)``;
+1. the first call tries ``torch.compile(fn, fullgraph=True, dynamic=False)`` (``fullgraph=False`` where asked);
 2. if compiling raises (an unsupported op, no C compiler, an old Triton, ...), it
    retries once with ``fullgraph=False`` (graph breaks allowed);
 3. if that raises too, it warns and runs ``fn`` eagerly from then on.
@@ -91,6 +91,8 @@ class SafeCompiled:
         inductor_mode: compile mode label (None = Inductor's defaults; see :func:`compile_kwargs`).
         dynamic: ``torch.compile``'s ``dynamic=`` (default: the run's :data:`DYNAMIC`); ``True`` for inputs
             whose every dimension changes from call to call (the online target's padded batches).
+        fullgraph: the first attempt's ``fullgraph=`` (False: graph breaks allowed from the start, for a function
+            that breaks by design; a failure then falls back to eager).
 
     Attributes:
         mode: ``"pending"`` (not called yet), ``"fullgraph"``, ``"graph-breaks"`` or ``"eager"``.
@@ -100,8 +102,10 @@ class SafeCompiled:
     records it as that variant's error row; in training, set ``train.compile: false``).
     """
 
-    def __init__(self, fn, name: str, inductor_mode: str | None = None, dynamic: bool | None | str = "run"):
+    def __init__(self, fn, name: str, inductor_mode: str | None = None, dynamic: bool | None | str = "run",
+                 fullgraph: bool = True):
         self.fn, self.name = fn, name
+        self.fullgraph = fullgraph
         self.dynamic = dynamic
         self.mode = "pending"
         self.inductor_mode = inductor_mode
@@ -117,7 +121,7 @@ class SafeCompiled:
         if self.mode == "eager":
             return self.fn(*args, **kwargs)
         if self.mode == "pending":
-            self._make(True)
+            self._make(self.fullgraph)
         try:
             return self._compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back, see module docstring

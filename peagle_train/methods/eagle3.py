@@ -56,8 +56,8 @@ class Eagle3Objective(nn.Module):
 
     Args:
         drafter: a :class:`Drafter` without parallel drafting (usually 1 layer).
-        target_head, loss, chunk_size, attention, chain_kernel, fused_loss, prefix_kernel_options: as
-            :class:`PEagleObjective`.
+        target_head, loss, chunk_size, attention, chain_kernel, fused_loss, prefix_kernel_options,
+            prefix_compiled_apart: as :class:`PEagleObjective`.
         decay: step weight base (0.8 in EAGLE-3). compile: as :class:`PEagleObjective`.
         cod: ``(r, r_min, max_anchors)`` of the grid's COD sample: bounds each step's padded length
             (:func:`eagle3_step_lengths`); None pads every step to the depth-0 bucket.
@@ -71,15 +71,16 @@ class Eagle3Objective(nn.Module):
                  attention: str = "flex", decay: float = 0.8, pad_multiple: int | None = None,
                  compile: bool = False, cod: tuple[float, float, int | None] | None = None,
                  static_tokens: int | None = None, chain_kernel: str = "auto", fused_loss: bool = True,
-                 prefix_kernel_options: str | dict | None = None):
+                 prefix_kernel_options: str | dict | None = None, prefix_compiled_apart: bool = False):
         super().__init__()
         self.prefix_kernel_options = prefix_kernel_options
+        self.prefix_compiled_apart = prefix_compiled_apart
         self.fused_loss = fused_loss
         self.cod, self.static_tokens = cod, static_tokens
         self.chain_kernel = chain_kernel
         self.drafter = drafter
         self.compile = compile
-        drafter.set_compile(compile)
+        drafter.set_compile(compile, fullgraph=not prefix_compiled_apart)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
         self.pad_multiple = pad_multiple if pad_multiple is not None else default_pad_multiple(attention)
@@ -118,7 +119,8 @@ class Eagle3Objective(nn.Module):
             kv_meta = qm if kv_meta is None else GridMeta(*(torch.cat([a, b]) for a, b in zip(
                 (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
             spec = make_attn_spec(qm, kv_meta, kind=self.attention, chain_kernel=self.chain_kernel,
-                                  prefix_kernel_options=self.prefix_kernel_options)
+                                  prefix_kernel_options=self.prefix_kernel_options,
+                                  prefix_apart=self.prefix_compiled_apart)
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
             w = loss_weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,
@@ -150,7 +152,8 @@ class Eagle3(DraftMethod):
         return Eagle3Objective(drafter, target_head, loss=tc.loss, chunk_size=tc.loss_chunk_size, attention=attention,
                                compile=tc.compile, chain_kernel=chain_kernel, fused_loss=tc.fused_loss,
                                decay=tc.ttt_decay, cod=(tc.cod_r, tc.cod_r_min, tc.max_anchors),
-                               static_tokens=max_micro_tokens, prefix_kernel_options=tc.prefix_kernel_options)
+                               static_tokens=max_micro_tokens, prefix_kernel_options=tc.prefix_kernel_options,
+                               prefix_compiled_apart=tc.prefix_compiled_apart)
 
     def objective_inputs(self, packed: dict) -> tuple:
         return (packed["input_ids"],)

@@ -41,6 +41,8 @@ class PEagleObjective(nn.Module):
             form's prefix part (CUDA): ``"auto"`` (resolved per grid device,
             :func:`~peagle_train.kernels.attention.prefix_kernel_options_for`), a mapping, or None = its own
             choice. Same math.
+        prefix_compiled_apart: ``train.prefix_compiled_apart``: with ``compile``, the prefix FlexAttention runs
+            as its own compiled kernel behind a graph break (the layers compile with graph breaks allowed).
 
     Raises:
         ValueError: ``depth_weights`` not one per parallel depth of ``drafter``.
@@ -49,14 +51,15 @@ class PEagleObjective(nn.Module):
     def __init__(self, drafter: Drafter, target_head: torch.Tensor, loss: str = "kl", chunk_size: int = 2048,
                  attention: str = "flex", pad_multiple: int | None = None, compile: bool = False,
                  chain_kernel: str = "auto", fused_loss: bool = True, depth_weights=None,
-                 prefix_kernel_options: str | dict | None = None):
+                 prefix_kernel_options: str | dict | None = None, prefix_compiled_apart: bool = False):
         super().__init__()
         self.prefix_kernel_options = prefix_kernel_options
+        self.prefix_compiled_apart = prefix_compiled_apart
         self.fused_loss = fused_loss
         self.drafter = drafter
         self.chain_kernel = chain_kernel
         self.compile = compile
-        drafter.set_compile(compile)
+        drafter.set_compile(compile, fullgraph=not prefix_compiled_apart)
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         if depth_weights is not None:
             K = getattr(drafter.config, "num_parallel_depths", 1)
@@ -87,7 +90,8 @@ class PEagleObjective(nn.Module):
         # waits for the device (the checks run there, torch._assert_async).
         deepest = getattr(self.drafter.config, "num_parallel_depths", 1) - 1
         spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest,
-                              chain_kernel=self.chain_kernel, prefix_kernel_options=self.prefix_kernel_options)
+                              chain_kernel=self.chain_kernel, prefix_kernel_options=self.prefix_kernel_options,
+                              prefix_apart=self.prefix_compiled_apart)
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)
@@ -134,7 +138,8 @@ class PEagle(DraftMethod):
         tc = cfg.train
         return PEagleObjective(drafter, target_head, loss=tc.loss, chunk_size=tc.loss_chunk_size, attention=attention,
                                compile=tc.compile, chain_kernel=chain_kernel, fused_loss=tc.fused_loss,
-                               depth_weights=tc.depth_weights, prefix_kernel_options=tc.prefix_kernel_options)
+                               depth_weights=tc.depth_weights, prefix_kernel_options=tc.prefix_kernel_options,
+                               prefix_compiled_apart=tc.prefix_compiled_apart)
 
     def check_target(self, config, vocab_size: int) -> None:
         m = config_field(config, "mask_token_id")

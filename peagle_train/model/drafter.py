@@ -221,7 +221,7 @@ class Drafter(nn.Module):
         self._compile_cache: list | None = None
         self.reset_parameters()
 
-    def set_compile(self, enabled: bool | str = True) -> None:
+    def set_compile(self, enabled: bool | str = True, fullgraph: bool = True) -> None:
         """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
         (``train.compile``, issue #7), or back to eager with ``enabled=False``. ``enabled="max-autotune"``
         also benchmarks FlexAttention's kernel configs at each first compile
@@ -232,7 +232,9 @@ class Drafter(nn.Module):
         compile failure retries with graph breaks, then falls back to eager with a warning.
         FlexAttention called inside a compiled layer is traced into the layer's graph.
         Parameters and ``state_dict`` keys are untouched; activation checkpointing
-        (``gradient_checkpointing``) wraps the compiled layer.
+        (``gradient_checkpointing``) wraps the compiled layer. ``fullgraph=False`` compiles with graph breaks
+        allowed from the first call (``train.prefix_compiled_apart``: the prefix attention is a graph break by
+        design, so a ``fullgraph=True`` attempt would only fail and warn first).
         """
         if not enabled:
             self._compiled_layers = None
@@ -241,8 +243,8 @@ class Drafter(nn.Module):
 
         mode = inductor_mode(enabled)
         if (self._compile_cache is None or len(self._compile_cache) != len(self.layers)
-                or self._compile_cache[0].inductor_mode != mode):
-            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}", inductor_mode=mode)
+                or self._compile_cache[0].inductor_mode != mode or self._compile_cache[0].fullgraph != fullgraph):
+            self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}", inductor_mode=mode, fullgraph=fullgraph)
                                    for i, layer in enumerate(self.layers)]
         self._compiled_layers = self._compile_cache
 

@@ -47,7 +47,8 @@ LAUNCH_ONLY_TRAIN_KEYS = frozenset({
     "state_in", "state_out", "state_moments", "state_part_mib", "save_every", "keep_last", "log_every",
     "prefetch", "profile_steps", "profile_start", "report_to", "eval_every", "eval_sequences", "eval_walk_sets",
     "gc_every", "compile_cache",
-    "prefix_kernel_options"})  # FlexAttention's block sizes for this GPU: how the prefix part runs, not what
+    "prefix_kernel_options",  # FlexAttention's block sizes for this GPU: how the prefix part runs, not what
+    "prefix_compiled_apart"})  # whether the prefix kernel is compiled inside the layers' graphs: how, not what
 #: ``target.*`` keys that may differ between machines (where the model lies): the target's shape is compared instead.
 MACHINE_TARGET_KEYS = frozenset({"path", "tokenizer"})
 

@@ -40,21 +40,27 @@ def test_train_step_cpu_smoke(bench, tmp_path, capsys):
         assert r["attention_flop"] == 4 * 12 * 4 * 16 * r["attention_pairs"] and r["flop"] > r["attention_flop"] > 0
 
 
-def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path, monkeypatch):
-    """``--prefix-kernel-options``: the recipe's ``train.prefix_kernel_options`` (what the Trainer is built from):
-    a JSON object as given, ``null`` as None (FlexAttention's own choice: the baseline), ``auto`` or no flag as the
-    trainer's default ``auto``; a row records the options that ran where its attention is the split form's
-    FlexAttention (not this CPU's SDPA); anything else is refused by the argument parser."""
+def _train_keys_built(monkeypatch, key: str) -> list:
+    """The ``train.<key>`` of every Trainer built from now on in the test, in order (the Trainers are still built)."""
     import peagle_train.trainer.trainer as trainer_module
 
     built = []
     init = trainer_module.Trainer.__init__
 
     def spy(self, cfg, *a, **k):
-        built.append(cfg.train.prefix_kernel_options)
+        built.append(getattr(cfg.train, key))
         init(self, cfg, *a, **k)
 
     monkeypatch.setattr(trainer_module.Trainer, "__init__", spy)
+    return built
+
+
+def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path, monkeypatch):
+    """``--prefix-kernel-options``: the recipe's ``train.prefix_kernel_options`` (what the Trainer is built from):
+    a JSON object as given, ``null`` as None (FlexAttention's own choice: the baseline), ``auto`` or no flag as the
+    trainer's default ``auto``; a row records the options that ran where its attention is the split form's
+    FlexAttention (not this CPU's SDPA); anything else is refused by the argument parser."""
+    built = _train_keys_built(monkeypatch, "prefix_kernel_options")
     out = tmp_path / "k.json"
     common = ["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0"]
     rows = bench.main(common + ["--prefix-kernel-options", '{"fwd_BLOCK_M": 64}', "--out", str(out)])
@@ -71,6 +77,20 @@ def test_train_step_passes_prefix_kernel_options_to_the_trainer(bench, tmp_path,
     for bad in ("BLOCK_M=64", "[64]", "fast", '"fast"', "64"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--prefix-kernel-options", bad])
+
+
+def test_train_step_passes_prefix_compiled_apart_to_the_trainer(bench, tmp_path, monkeypatch):
+    """``--prefix-compiled-apart``: the recipe's ``train.prefix_compiled_apart`` (off without the flag); a row records
+    it true only where a compiled split form ran (not this CPU's SDPA, not an eager row)."""
+    built = _train_keys_built(monkeypatch, "prefix_compiled_apart")
+    out = tmp_path / "a.json"
+    common = ["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    rows = bench.main(common + ["--prefix-compiled-apart"])
+    assert built == [True] and "error" not in rows[0] and rows[0]["prefix_compiled_apart"] is False
+    built.clear()
+    rows = bench.main(common)
+    assert built == [False] and rows[0]["prefix_compiled_apart"] is False
+    assert bench.parse_args(["--prefix-compiled-apart"]).prefix_compiled_apart is True
 
 
 def test_train_step_rows_record_the_prefix_kernel_options_that_ran(bench, tmp_path, monkeypatch):

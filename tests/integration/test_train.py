@@ -988,6 +988,10 @@ def test_prefix_kernel_options_are_how_not_what(tmp_path):
     tc = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
     a, b, c = (run_fingerprint(cfg, tc, [[1, 2, 3]], [[0, 1, 1]]) for cfg in (tuned, plain, auto))
     assert a == b == c and not any("prefix_kernel_options" in k for k in a["keys"])
+    apart = _cfg(tmp_path, prefix_compiled_apart=True)  # where the prefix kernel is compiled: how, not what
+    assert _cfg(tmp_path).train.prefix_compiled_apart is False and apart.train.prefix_compiled_apart is True
+    assert stamp_differences(apart, plain.model_dump(mode="json")) == []
+    assert run_fingerprint(apart, tc, [[1, 2, 3]], [[0, 1, 1]]) == b
 
 
 def test_compile_cache_is_written_at_the_end_of_a_launch_and_read_by_the_next(run_dir):

@@ -126,3 +126,29 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
     assert config_from_dict(base | {"train": {"compile": True}}).train.compile is True
     with pytest.raises(ConfigError, match="train.compile"):
         config_from_dict(base | {"train": {"compile": "fastest"}})
+
+
+def test_safe_compiled_can_start_with_graph_breaks_allowed(monkeypatch):
+    """``fullgraph=False`` (``train.prefix_compiled_apart``'s layers, which break by design): the first and only
+    compile allows graph breaks (no failing ``fullgraph=True`` attempt and its warning); a failure then goes to eager."""
+    calls = []
+
+    def fake_compile(fn, **kw):
+        calls.append(kw["fullgraph"])
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    f = SafeCompiled(lambda x: x * 2, "double", fullgraph=False)
+    assert f(torch.tensor(3.0)).item() == 6.0 and calls == [False] and f.mode == "graph-breaks"
+    assert SafeCompiled(lambda x: x, "id").fullgraph is True
+
+
+def test_objective_compiles_layers_with_graph_breaks_when_the_prefix_runs_apart(tiny_drafter, objective_problem):
+    """``PEagleObjective(prefix_compiled_apart=True, compile=True)`` builds each layer's :class:`SafeCompiled` with
+    ``fullgraph=False`` and the default keeps ``fullgraph=True``; switching builds the layers' wrappers anew."""
+    d, head, _ = _problem(tiny_drafter, objective_problem, ckpt=False)
+    PEagleObjective(d, head, chunk_size=64, attention="sdpa", pad_multiple=32, compile=True)
+    assert all(c.fullgraph for c in d._compiled_layers)
+    obj = PEagleObjective(d, head, chunk_size=64, attention="sdpa", pad_multiple=32, compile=True,
+                          prefix_compiled_apart=True)
+    assert obj.prefix_compiled_apart and not any(c.fullgraph for c in d._compiled_layers)

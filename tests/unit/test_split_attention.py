@@ -530,6 +530,18 @@ def test_attn_spec_kinds_and_validation():
 # ----------------------------------------------------------------------------- compile and scale
 
 
+def _split_layer_case(tiny_drafter, K: int = 4):
+    """``(K, padded grid, the second layer of a 2-layer tiny drafter, (h, emb, cos, sin))``: one split layer's
+    inputs over two documents (seeded)."""
+    g, _ = make_grid([30, 20], 2, 0.9, K, 0.8, 0.3, None, 3)
+    g = pad_grid(g, 32)
+    d = tiny_drafter(num_layers=2, K=K, seed=1).eval()
+    torch.manual_seed(0)
+    h = torch.randn(len(g), 32)
+    cos, sin = d.rotary_emb(h, g.position_ids[None])
+    return K, g, d.layers[1], (h, d.embed_tokens(g.token_ids), cos, sin)
+
+
 @pytest.mark.parametrize("opts", [None, {"fwd_BLOCK_N": 128, "fwd_BLOCK_M": 64}])
 def test_split_layer_traces_fullgraph(tiny_drafter, flex_kernel_options_seen, opts):
     """A decoder layer with the split spec compiles with ``fullgraph=True`` (no graph break: no host
@@ -538,17 +550,9 @@ def test_split_layer_traces_fullgraph(tiny_drafter, flex_kernel_options_seen, op
     pairs (a constant for the compiled layer) and reach FlexAttention's call as a dict; eager (CPU)
     FlexAttention ignores them, so the output is the default's exactly."""
     torch._dynamo.reset()
-    K = 4
-    g, _ = make_grid([30, 20], 2, 0.9, K, 0.8, 0.3, None, 3)
-    g = pad_grid(g, 32)
-    d = tiny_drafter(num_layers=2, K=K, seed=1).eval()
+    K, g, layer, (h, emb, cos, sin) = _split_layer_case(tiny_drafter)
     spec = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts)
     assert spec.split.prefix_kernel_options == (None if opts is None else (("fwd_BLOCK_M", 64), ("fwd_BLOCK_N", 128)))
-    torch.manual_seed(0)
-    h = torch.randn(len(g), 32)
-    emb = d.embed_tokens(g.token_ids)
-    cos, sin = d.rotary_emb(h, g.position_ids[None])
-    layer = d.layers[1]
     with torch.no_grad():
         eager, _ = layer(h, emb, cos, sin, spec)
         assert flex_kernel_options_seen == [opts]
@@ -556,6 +560,36 @@ def test_split_layer_traces_fullgraph(tiny_drafter, flex_kernel_options_seen, op
         default, _ = layer(h, emb, cos, sin, make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1))
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(eager, default, atol=0, rtol=0)
+
+
+def test_prefix_compiled_apart_breaks_the_layer_graph_at_the_prefix_and_matches(tiny_drafter, flex_kernel_options_seen):
+    """``train.prefix_compiled_apart``: inside a compiled layer the prefix FlexAttention runs behind a graph break
+    (``_flex_apart``, its own compile on CUDA) instead of in the layer's graph: Dynamo reports a break where the
+    default split layer has none, ``fullgraph=True`` refuses the layer, and the output is eager's (Dynamo only, as
+    CPU Inductor has no flex lse). The kernel options still reach the call made apart, and outside a compiled
+    layer the setting changes nothing."""
+    torch._dynamo.reset()
+    K, g, layer, (h, emb, cos, sin) = _split_layer_case(tiny_drafter)
+    opts = {"fwd_BLOCK_M": 64}
+    apart = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts, prefix_apart=True)
+    inline = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts)
+    assert apart.split.prefix_apart and not inline.split.prefix_apart
+    with torch.no_grad():
+        eager, _ = layer(h, emb, cos, sin, inline)
+        eager_apart, _ = layer(h, emb, cos, sin, apart)
+        torch.testing.assert_close(eager_apart, eager, atol=0, rtol=0)
+        assert torch._dynamo.explain(layer)(h, emb, cos, sin, inline).graph_break_count == 0
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(layer)(h, emb, cos, sin, apart).graph_break_count >= 1
+        torch._dynamo.reset()
+        flex_kernel_options_seen.clear()
+        compiled, _ = torch.compile(layer, backend="eager", dynamic=False)(h, emb, cos, sin, apart)
+        assert flex_kernel_options_seen == [opts]  # the call made apart, with the options
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="(?i)disable|skip"):
+            torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(h, emb, cos, sin, apart)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
 
 
 def test_prefix_kernel_options_for_resolves_auto_by_compute_capability():
