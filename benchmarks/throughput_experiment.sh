@@ -234,7 +234,8 @@ PY
       --prefix-kernel-options "{$fwd, $bwd}"
     # the default step with the prefix FlexAttention compiled apart from the layers' graphs, behind a graph break
     # (train.prefix_compiled_apart): inside the step its kernels ran at 0.77 of their alone speed at equal clocks
-    # (docs/benchmarks.md, c050930); this row against long131072 tells whether the layer's graph is the cause
+    # (docs/benchmarks.md, c050930); against long131072: a faster row points at the layer's graph (no gain would not
+    # rule it out: the break also splits the layer's other fusions)
     run long131072_apart 600 bash "$0" long "$RES/long131072_apart.json" $ck --prefix-compiled-apart
     # where the 131,072 step's time goes with the default options (auto): one timed step, then the profiled ones
     # (kernels and GPU timeline; without options at 47e0feb the prefix attention was 92 % of the step)

@@ -5,7 +5,8 @@ Every timed step is :meth:`peagle_train.trainer.trainer.Trainer.train_step` -- t
 directly (as ``tests/integration/test_train.py`` does) from a validated recipe
 (``config_from_dict``) whose ``train`` section carries what the flags set (``K``, ``cod_r``,
 ``cod_r_min``, ``partitions``, ``compile``, ``attention``, ``chain_kernel``, ``fused_loss``,
-``prefix_kernel_options``, ``loss_chunk_size``, ``activation_checkpointing``, ``mixed_precision``, ``lr``;
+``prefix_kernel_options``, ``prefix_compiled_apart``, ``loss_chunk_size``, ``activation_checkpointing``,
+``mixed_precision``, ``lr``;
 micro-batch 1, grad_accum 1, no evaluation, no checkpoints, no trackers). One step is therefore what a training
 run pays per optimizer step: the sequence's token lists packed, the COD sample, grid, supervised
 count and partition plan built on the CPU (``"host_inputs": "in-step (the trainer's own)"``: the
@@ -219,6 +220,14 @@ def prefix_kernel_options_ran(value: str | dict | None, attention: str, capabili
     if attention != "flex":
         return None
     return prefix_options_to_run(prefix_kernel_options_for(value, capability), value == "auto", head_dim, dtype)
+
+
+def prefix_compiled_apart_ran(value: bool, attention: str, compile: bool | str) -> bool:
+    """What a row records as ``prefix_compiled_apart``: ``value`` (``train.prefix_compiled_apart``) where it changes
+    how the step runs, i.e. the attention that ran is the split form (``"flex"``) and the layers are compiled
+    (``compile`` True or a mode); False elsewhere (an eager layer has no graph to break, SDPA and ``flex_joint`` no
+    prefix part). Raises nothing."""
+    return bool(value) and attention == "flex" and bool(compile)
 
 
 def shape_head_dim(shape: str) -> int:
@@ -518,9 +527,8 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
            "prefix_kernel_options": prefix_kernel_options_ran(
                getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS), ran, device_capability(device),
                shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32),
-           # train.prefix_compiled_apart: the prefix kernel behind a graph break (only a compiled split form has one)
-           "prefix_compiled_apart": bool(getattr(args, "prefix_compiled_apart", False)) and ran == "flex"
-           and bool(compile)}
+           "prefix_compiled_apart": prefix_compiled_apart_ran(getattr(args, "prefix_compiled_apart", False), ran,
+                                                              compile)}
     trainer = None
     try:
         if ran == "flex":
@@ -622,12 +630,13 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, device, chunk: int,
                 compile: bool = False, seed: int = 0, chain_kernel: str = "auto",
-                prefix_kernel_options: str | dict | None = None) -> dict:
+                prefix_kernel_options: str | dict | None = None, prefix_compiled_apart: bool = False) -> dict:
     """Loss and parameter gradients of the split attention vs the joint kernel (float32, no autocast).
     ``chain_kernel``: the split side's chain part (``train.chain_kernel``; recorded as run).
     ``prefix_kernel_options``: the split side's ``train.prefix_kernel_options`` (``"auto"``, a mapping or None;
     CUDA: recorded resolved for the GPU as ``prefix_kernel_options``; the CPU's dense stand-in runs no FlexAttention,
-    so None is recorded there).
+    so None is recorded there). ``prefix_compiled_apart``: the split side's ``train.prefix_compiled_apart`` (recorded
+    true only where it ran: a compiled split side, :func:`prefix_compiled_apart_ran`).
 
     The grid: ``N`` tokens in two documents (60 % / the rest, minus 16 padding tokens), loss mask
     random (p = 0.8), COD with ``r``/``r_min``, padded to the 1024 bucket (padding rows present).
@@ -664,7 +673,8 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
                 attention_mod._flex_with_lse = _dense_prefix
             obj = PEagleObjective(drafter, head32, loss="kl", chunk_size=chunk, attention=kind,
                                   pad_multiple=pad, compile=compile, chain_kernel=chain_kernel,
-                                  prefix_kernel_options=prefix_kernel_options if side == "split" else None).to(device)
+                                  prefix_kernel_options=prefix_kernel_options if side == "split" else None,
+                                  prefix_compiled_apart=prefix_compiled_apart and side == "split").to(device)
             loss, _ = obj(grid, aux, last, argmax, norm)
             grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             res[side] = (loss.detach(), grads)
@@ -690,7 +700,8 @@ def check_grads(drafter, head, tc, N: int, K: int, r: float, r_min: float, devic
             # the split side's FlexAttention ran on CUDA only (CPU: the dense stand-in)
             "prefix_kernel_options": prefix_kernel_options_ran(
                 prefix_kernel_options, "flex", device_capability(device), drafter.config.head_dim, torch.float32)
-            if cuda else None}
+            if cuda else None,
+            "prefix_compiled_apart": prefix_compiled_apart_ran(prefix_compiled_apart, "flex", compile)}
 
 
 def attach_joint_speedup(rows: list[dict]) -> list[dict]:
@@ -1079,7 +1090,8 @@ def run_check_grads(args, device, variants, out_dir: str) -> list[dict]:
         try:
             res = check_grads(drafter, head, tc, args.check_n, args.K, args.r, args.r_min, device, args.chunk,
                               compile=comp, chain_kernel=args.chain_kernel[-1],
-                              prefix_kernel_options=args.prefix_kernel_options)
+                              prefix_kernel_options=args.prefix_kernel_options,
+                              prefix_compiled_apart=args.prefix_compiled_apart)
         except Exception as e:  # noqa: BLE001 - report the failing variant, keep the others
             res = {"N": args.check_n, "K": args.K, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         drafter.zero_grad(set_to_none=True)

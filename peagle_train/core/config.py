@@ -175,12 +175,13 @@ class TrainConfig(Section):
         "ROWS_GUARANTEED_SAFE, are refused). How, not what: a resumed run may change it.")
 
     prefix_compiled_apart: bool = Field(
-        False, description="With train.compile on CUDA: run the split form's prefix FlexAttention as its own compiled "
-        "kernel (torch.compile of flex_attention, as benchmarks/prefix_attention.py times it) behind a graph break, "
-        "instead of traced into each drafter layer's compiled graph. An experiment for long contexts: at N = 131,072 "
-        "the prefix kernels ran at 0.77 of their alone speed inside the layer's graph at equal GPU clocks "
-        "(docs/benchmarks.md, H100, c050930). Same math; the layers then compile with graph breaks allowed. How, "
-        "not what: a resumed run may change it.")
+        False, description="With train.compile and the split form (attention flex): run the prefix FlexAttention "
+        "behind a graph break, as its own compiled kernel on CUDA (torch.compile of flex_attention in Inductor's "
+        "default mode, as benchmarks/prefix_attention.py times it; max-autotune does not autotune it there), instead "
+        "of traced into each drafter layer's compiled graph. An experiment for long contexts: at N = 131,072 the "
+        "step's prefix kernels ran at about 0.77 of their speed alone, at equal GPU clocks (docs/benchmarks.md, H100, "
+        "c050930); the layer's graph is the leading candidate left. Same math; those layers then compile with graph "
+        "breaks allowed. How, not what: a resumed run may change it.")
 
     @field_validator("prefix_kernel_options", mode="before")
     @classmethod

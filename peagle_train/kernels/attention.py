@@ -141,7 +141,8 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int = 128,
                       min_chain: int = 0, max_depth: int | None = None, chain_kernel: str = "torch",
-                      prefix_kernel_options: str | dict | None = None, prefix_apart: bool = False) -> SplitMasks:
+                      prefix_kernel_options: str | dict | None = None,
+                      prefix_compiled_apart: bool = False) -> SplitMasks:
     """Prefix ``BlockMask`` + chain index (and its inverse) of the split form (no ``E_q × E_kv``
     tensor; see :func:`build_block_mask`, :func:`build_chain_index` and :func:`invert_chain_index`
     for the arguments and errors). With ``max_depth`` no step of it waits for the device.
@@ -151,7 +152,7 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     ``"auto"``, a mapping or None), resolved for the grid's device (:func:`prefix_kernel_options_for` with
     :func:`device_capability`) and kept on the result as sorted pairs; None where that gives none (FlexAttention's
     own choice); from ``"auto"`` they are marked so (``prefix_kernel_options_auto``) and :func:`split_attention`
-    applies them only where :func:`auto_block_fits` the layer's head dimension and dtype. ``prefix_apart``
+    applies them only where :func:`auto_block_fits` the layer's head dimension and dtype. ``prefix_compiled_apart``
     (``train.prefix_compiled_apart``): kept on the result, see :func:`split_attention`. Raises ValueError for a
     string other than ``"auto"``, TypeError for a value neither a string, a mapping nor None."""
 
@@ -164,7 +165,7 @@ def build_split_masks(q: GridMeta, kv: GridMeta | None = None, block_size: int =
     return SplitMasks(build_block_mask(q, kv, block_size, part="prefix"), index, valid, inverse, inverse_valid,
                       kernel, options,
                       prefix_kernel_options_auto=options is not None and prefix_kernel_options == "auto",
-                      prefix_apart=bool(prefix_apart))
+                      prefix_compiled_apart=bool(prefix_compiled_apart))
 
 
 def _masked_softmax_lse(s: torch.Tensor, ok: torch.Tensor):
@@ -348,12 +349,16 @@ def _flex(q, k, v, block_mask, return_lse: bool = False, kernel_options: dict | 
 
 
 @torch.compiler.disable
-def _flex_apart(q, k, v, block_mask, kernel_options: dict | None = None):
+def _flex_compiled_apart(q, k, v, block_mask, kernel_options: dict | None = None):
     """The prefix part run outside the calling layer's compiled graph (``train.prefix_compiled_apart``): Dynamo
-    breaks the graph here and :func:`_flex` runs as it does uncompiled (on CUDA its own
-    ``torch.compile(flex_attention)``, the kernel ``benchmarks/prefix_attention.py`` times alone). Returns
-    ``(out, lse)`` as :func:`_flex_with_lse`."""
-    return _flex(q, k, v, block_mask, return_lse=True, kernel_options=kernel_options)
+    breaks the graph here and :func:`_flex_with_lse` (looked up at call time, as :func:`split_attention` does, so a
+    test can swap in a dense reference) runs as it does uncompiled: on CUDA FlexAttention's own
+    ``torch.compile(flex_attention)``, the kernel ``benchmarks/prefix_attention.py`` times alone, with Inductor's
+    default mode (``train.compile: max-autotune`` does not autotune it here, as it does inside a layer); eager
+    FlexAttention on a CPU. Returns ``(out, lse)`` as :func:`_flex_with_lse`."""
+    if kernel_options:
+        return _flex_with_lse(q, k, v, block_mask, kernel_options=kernel_options)
+    return _flex_with_lse(q, k, v, block_mask)
 
 
 def _flex_with_lse(q, k, v, block_mask, kernel_options: dict | None = None):
@@ -395,8 +400,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
             so tests can swap in a dense reference with a backward on CPU; called with
             ``kernel_options=`` as well where ``split.prefix_kernel_options`` is set, so a stand-in for it
             takes that keyword; options from ``auto`` only where :func:`auto_block_fits` ``q``'s head dimension and
-            dtype). With ``split.prefix_apart`` and inside a compiled layer, FlexAttention runs behind a graph
-            break (:func:`_flex_apart`).
+            dtype). With ``split.prefix_compiled_apart`` and inside a compiled layer, FlexAttention runs behind a graph
+            break (:func:`_flex_compiled_apart`).
 
     Returns:
         ``[1, nh, E_q, hd]`` in ``q.dtype``; 0 on rows that may attend nothing (padding).
@@ -405,8 +410,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
                                     q.dtype)  # train.prefix_kernel_options
     if prefix_attention is not None:
         out_a, lse_a = prefix_attention(q, k, v, split.prefix_mask)
-    elif split.prefix_apart and torch.compiler.is_compiling():  # train.prefix_compiled_apart
-        out_a, lse_a = _flex_apart(q, k, v, split.prefix_mask, dict(options) if options else None)
+    elif split.prefix_compiled_apart and torch.compiler.is_compiling():  # train.prefix_compiled_apart
+        out_a, lse_a = _flex_compiled_apart(q, k, v, split.prefix_mask, dict(options) if options else None)
     elif options:
         out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, kernel_options=dict(options))
     else:
@@ -434,7 +439,7 @@ FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels spe
 
 def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
                    max_depth: int | None = None, chain_kernel: str = "auto",
-                   prefix_kernel_options: str | dict | None = None, prefix_apart: bool = False) -> AttnSpec:
+                   prefix_kernel_options: str | dict | None = None, prefix_compiled_apart: bool = False) -> AttnSpec:
     """Attention spec for queries ``q`` over keys ``kv`` (default: same elements).
 
     ``kind="flex"``: split form, a prefix ``BlockMask`` + the chain index (``SplitMasks``;
@@ -442,7 +447,7 @@ def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", 
     host, then no host sync; see :func:`~peagle_train.peagle.masks.build_chain_index`; ``chain_kernel``:
     ``auto``/``triton``/``torch``, how the chain part runs, :func:`~peagle_train.kernels.chain_kernel.resolve`;
     ``prefix_kernel_options``: ``train.prefix_kernel_options``, ``"auto"``, a mapping or None, resolved for the
-    grid's device by :func:`build_split_masks`; ``prefix_apart``: ``train.prefix_compiled_apart``);
+    grid's device by :func:`build_split_masks`; ``prefix_compiled_apart``: ``train.prefix_compiled_apart``);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
     ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
     """
@@ -450,7 +455,7 @@ def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", 
         return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth,
                                                 chain_kernel=chain_kernel,
                                                 prefix_kernel_options=prefix_kernel_options,
-                                                prefix_apart=prefix_apart))
+                                                prefix_compiled_apart=prefix_compiled_apart))
     if kind == "flex_joint":
         return AttnSpec(block_mask=build_block_mask(q, kv))
     if kind == "sdpa":

@@ -80,7 +80,8 @@ class Eagle3Objective(nn.Module):
         self.chain_kernel = chain_kernel
         self.drafter = drafter
         self.compile = compile
-        drafter.set_compile(compile, fullgraph=not prefix_compiled_apart)
+        # the prefix part apart is a graph break by design: only the split form (attention "flex") has one
+        drafter.set_compile(compile, fullgraph=not (prefix_compiled_apart and attention == "flex"))
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         self.loss_kind, self.chunk_size, self.attention, self.decay = loss, chunk_size, attention, decay
         self.pad_multiple = pad_multiple if pad_multiple is not None else default_pad_multiple(attention)
@@ -120,7 +121,7 @@ class Eagle3Objective(nn.Module):
                 (kv_meta.anchor, kv_meta.depth, kv_meta.doc), (qm.anchor, qm.depth, qm.doc))))
             spec = make_attn_spec(qm, kv_meta, kind=self.attention, chain_kernel=self.chain_kernel,
                                   prefix_kernel_options=self.prefix_kernel_options,
-                                  prefix_apart=self.prefix_compiled_apart)
+                                  prefix_compiled_apart=self.prefix_compiled_apart)
             h, past = self.drafter(eagle3_tokens(step, input_ids), hidden, step.position_ids, spec, past_kv=past)
             w = loss_weights(step.loss_weight, h) * (self.decay ** k) / normaliser
             part, pred = chunked_loss(self.drafter.norm, self.drafter.lm_head, h, step.label_index, w, target,

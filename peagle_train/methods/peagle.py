@@ -41,8 +41,9 @@ class PEagleObjective(nn.Module):
             form's prefix part (CUDA): ``"auto"`` (resolved per grid device,
             :func:`~peagle_train.kernels.attention.prefix_kernel_options_for`), a mapping, or None = its own
             choice. Same math.
-        prefix_compiled_apart: ``train.prefix_compiled_apart``: with ``compile``, the prefix FlexAttention runs
-            as its own compiled kernel behind a graph break (the layers compile with graph breaks allowed).
+        prefix_compiled_apart: ``train.prefix_compiled_apart``: with ``compile`` and the split form (``attention``
+            ``"flex"``), the prefix FlexAttention runs as its own compiled kernel behind a graph break (those layers
+            compile with graph breaks allowed; other attention kinds keep ``fullgraph=True``).
 
     Raises:
         ValueError: ``depth_weights`` not one per parallel depth of ``drafter``.
@@ -59,7 +60,8 @@ class PEagleObjective(nn.Module):
         self.drafter = drafter
         self.chain_kernel = chain_kernel
         self.compile = compile
-        drafter.set_compile(compile, fullgraph=not prefix_compiled_apart)
+        # the prefix part apart is a graph break by design: only the split form (attention "flex") has one
+        drafter.set_compile(compile, fullgraph=not (prefix_compiled_apart and attention == "flex"))
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         if depth_weights is not None:
             K = getattr(drafter.config, "num_parallel_depths", 1)
@@ -91,7 +93,7 @@ class PEagleObjective(nn.Module):
         deepest = getattr(self.drafter.config, "num_parallel_depths", 1) - 1
         spec = make_attn_spec(GridMeta.of(grid), kind=self.attention, min_chain=deepest, max_depth=deepest,
                               chain_kernel=self.chain_kernel, prefix_kernel_options=self.prefix_kernel_options,
-                              prefix_apart=self.prefix_compiled_apart)
+                              prefix_compiled_apart=self.prefix_compiled_apart)
         hidden = self.drafter.grid_hidden(aux, grid.hidden_index, max_real=aux.shape[0] + len(grid) - E)
         h, _ = self.drafter(grid.token_ids, hidden, grid.position_ids, spec)
         target = TargetDist(last, self.target_head, argmax)

@@ -222,7 +222,7 @@ class Drafter(nn.Module):
         self.reset_parameters()
 
     def set_compile(self, enabled: bool | str = True, fullgraph: bool = True) -> None:
-        """Run each decoder layer through ``torch.compile(layer, fullgraph=True, dynamic=False)``
+        """Run each decoder layer through ``torch.compile(layer, fullgraph=fullgraph, dynamic=False)``
         (``train.compile``, issue #7), or back to eager with ``enabled=False``. ``enabled="max-autotune"``
         also benchmarks FlexAttention's kernel configs at each first compile
         (:data:`~peagle_train.kernels.compiling.AUTOTUNE_OPTIONS`).

@@ -318,7 +318,7 @@ class SplitMasks:
             :func:`peagle_train.kernels.attention.prefix_kernel_options_for`).
         prefix_kernel_options_auto: True where those options come from ``auto``: then they apply only to a
             layer whose head dimension and dtype :func:`peagle_train.kernels.attention.auto_block_fits`.
-        prefix_apart: ``train.prefix_compiled_apart``: inside a compiled layer the prefix part runs as its own
+        prefix_compiled_apart: ``train.prefix_compiled_apart``: inside a compiled layer the prefix part runs as its own
             compiled FlexAttention behind a graph break instead of in the layer's graph (same math).
     """
 
@@ -330,7 +330,7 @@ class SplitMasks:
     chain_kernel: str = "torch"  # "torch" or "triton": how chain_attention runs (chain_kernel.resolve)
     prefix_kernel_options: tuple[tuple[str, bool | int], ...] | None = None
     prefix_kernel_options_auto: bool = False
-    prefix_apart: bool = False
+    prefix_compiled_apart: bool = False
 
 
 def invert_chain_index(index: torch.Tensor, valid: torch.Tensor, n_kv: int, sync_check: bool = True):

@@ -91,6 +91,12 @@ def test_train_step_passes_prefix_compiled_apart_to_the_trainer(bench, tmp_path,
     rows = bench.main(common)
     assert built == [False] and rows[0]["prefix_compiled_apart"] is False
     assert bench.parse_args(["--prefix-compiled-apart"]).prefix_compiled_apart is True
+    # recorded true only where the step ran a compiled split form
+    assert bench.prefix_compiled_apart_ran(True, "flex", True) and bench.prefix_compiled_apart_ran(True, "flex",
+                                                                                                   "max-autotune")
+    for value, kind, comp in ((False, "flex", True), (True, "flex", False), (True, "sdpa", True),
+                              (True, "flex_joint", True)):
+        assert bench.prefix_compiled_apart_ran(value, kind, comp) is False, (value, kind, comp)
 
 
 def test_train_step_rows_record_the_prefix_kernel_options_that_ran(bench, tmp_path, monkeypatch):

@@ -950,6 +950,35 @@ def test_prefix_kernel_options_reach_each_methods_attention(run_dir, method, fle
     assert len(set(losses)) == 1  # same math (eager FlexAttention ignores the options)
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_prefix_compiled_apart_reaches_each_methods_split_masks(run_dir, method, monkeypatch):
+    """train.prefix_compiled_apart: what the recipe gives reaches the split masks each method's objective builds
+    (``SplitMasks.prefix_compiled_apart``, what ``split_attention`` reads), off by default; the loss is the same
+    (on this CPU the layers run eagerly, where the setting changes nothing)."""
+    import peagle_train.kernels.attention as attention_mod
+    data, feats, tconf = _cached_inputs(run_dir)
+    seen, losses = [], []
+    real = attention_mod.split_attention
+
+    def spy(q, k, v, split, prefix_attention=None):
+        seen.append(split.prefix_compiled_apart)
+        return real(q, k, v, split, prefix_attention)
+
+    monkeypatch.setattr(attention_mod, "split_attention", spy)
+    for given in ({}, {"prefix_compiled_apart": True}):
+        K = 4 if method == "peagle" else 3
+        tr = Trainer(_cfg(run_dir, method=method, K=K, max_steps=1, **given), data, feats, tconf, [1, 3, 4])
+        objective = tr.acc.unwrap_model(tr.model)
+        assert objective.prefix_compiled_apart is given.get("prefix_compiled_apart", False)
+        objective.attention = "flex"  # as on CUDA (attention: auto); the trainer chose sdpa for this CPU
+        seen.clear()
+        with torch.no_grad():
+            losses.append(float(tr.evaluate()["eval_loss"]))
+        tr._stop_prefetch()
+        assert seen and all(x is given.get("prefix_compiled_apart", False) for x in seen), (given, seen)
+    assert losses[0] == losses[1]
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"fwd_BLOCK_M": "64"}, "prefix_kernel_options"), ({"fwd_BLOCK_M": 64.0}, "prefix_kernel_options"),
     ([64], "prefix_kernel_options"), ({"ROWS_GUARANTEED_SAFE": True}, "not a tuning option"),

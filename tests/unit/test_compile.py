@@ -130,7 +130,8 @@ def test_max_autotune_reaches_every_compile(tiny_drafter, objective_problem, mon
 
 def test_safe_compiled_can_start_with_graph_breaks_allowed(monkeypatch):
     """``fullgraph=False`` (``train.prefix_compiled_apart``'s layers, which break by design): the first and only
-    compile allows graph breaks (no failing ``fullgraph=True`` attempt and its warning); a failure then goes to eager."""
+    compile allows graph breaks (no failing ``fullgraph=True`` attempt and its warning); a failure then goes to
+    eager."""
     calls = []
 
     def fake_compile(fn, **kw):
@@ -143,12 +144,19 @@ def test_safe_compiled_can_start_with_graph_breaks_allowed(monkeypatch):
     assert SafeCompiled(lambda x: x, "id").fullgraph is True
 
 
-def test_objective_compiles_layers_with_graph_breaks_when_the_prefix_runs_apart(tiny_drafter, objective_problem):
-    """``PEagleObjective(prefix_compiled_apart=True, compile=True)`` builds each layer's :class:`SafeCompiled` with
-    ``fullgraph=False`` and the default keeps ``fullgraph=True``; switching builds the layers' wrappers anew."""
+@pytest.mark.parametrize("objective", ["peagle", "eagle3"])
+def test_objective_compiles_layers_with_graph_breaks_when_the_prefix_runs_apart(tiny_drafter, objective_problem,
+                                                                                objective):
+    """``prefix_compiled_apart=True`` with ``compile`` and the split form (``attention="flex"``) builds each layer's
+    :class:`SafeCompiled` with ``fullgraph=False``; the default, or another attention kind (no prefix part to break
+    at), keeps ``fullgraph=True``; switching builds the layers' wrappers anew. Both methods' objectives."""
+    from peagle_train.methods.eagle3 import Eagle3Objective
+
     d, head, _ = _problem(tiny_drafter, objective_problem, ckpt=False)
-    PEagleObjective(d, head, chunk_size=64, attention="sdpa", pad_multiple=32, compile=True)
-    assert all(c.fullgraph for c in d._compiled_layers)
-    obj = PEagleObjective(d, head, chunk_size=64, attention="sdpa", pad_multiple=32, compile=True,
-                          prefix_compiled_apart=True)
-    assert obj.prefix_compiled_apart and not any(c.fullgraph for c in d._compiled_layers)
+    cls = PEagleObjective if objective == "peagle" else Eagle3Objective
+    kw = {"chunk_size": 64, "pad_multiple": 32, "compile": True}
+    for attention, apart, fullgraph in (("flex", False, True), ("flex", True, False), ("sdpa", True, True),
+                                        ("flex_joint", True, True), ("flex", True, False)):
+        obj = cls(d, head, attention=attention, prefix_compiled_apart=apart, **kw)
+        assert obj.prefix_compiled_apart is apart
+        assert [c.fullgraph for c in d._compiled_layers] == [fullgraph] * len(d.layers), (attention, apart)

@@ -562,18 +562,20 @@ def test_split_layer_traces_fullgraph(tiny_drafter, flex_kernel_options_seen, op
     torch.testing.assert_close(eager, default, atol=0, rtol=0)
 
 
-def test_prefix_compiled_apart_breaks_the_layer_graph_at_the_prefix_and_matches(tiny_drafter, flex_kernel_options_seen):
+def test_prefix_compiled_apart_breaks_the_layer_graph_at_the_prefix_and_matches(tiny_drafter,
+                                                                                flex_kernel_options_seen):
     """``train.prefix_compiled_apart``: inside a compiled layer the prefix FlexAttention runs behind a graph break
-    (``_flex_apart``, its own compile on CUDA) instead of in the layer's graph: Dynamo reports a break where the
-    default split layer has none, ``fullgraph=True`` refuses the layer, and the output is eager's (Dynamo only, as
+    (``_flex_compiled_apart``, its own compile on CUDA) instead of in the layer's graph: Dynamo reports a break where
+    the default split layer has none, ``fullgraph=True`` refuses the layer, and the output is eager's (Dynamo only, as
     CPU Inductor has no flex lse). The kernel options still reach the call made apart, and outside a compiled
     layer the setting changes nothing."""
     torch._dynamo.reset()
     K, g, layer, (h, emb, cos, sin) = _split_layer_case(tiny_drafter)
     opts = {"fwd_BLOCK_M": 64}
-    apart = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts, prefix_apart=True)
+    apart = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts,
+                           prefix_compiled_apart=True)
     inline = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_kernel_options=opts)
-    assert apart.split.prefix_apart and not inline.split.prefix_apart
+    assert apart.split.prefix_compiled_apart and not inline.split.prefix_compiled_apart
     with torch.no_grad():
         eager, _ = layer(h, emb, cos, sin, inline)
         eager_apart, _ = layer(h, emb, cos, sin, apart)
@@ -589,6 +591,38 @@ def test_prefix_compiled_apart_breaks_the_layer_graph_at_the_prefix_and_matches(
         with pytest.raises(Exception, match="(?i)disable|skip"):
             torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(h, emb, cos, sin, apart)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_prefix_compiled_apart_gradients_through_the_graph_break_float64(tiny_drafter, monkeypatch, ckpt):
+    """The backward crosses the graph break: a layer compiled (AOT autograd, ``backend="aot_eager"``) with the prefix
+    part apart gives eager's output and gradients (the hidden input and every parameter) in float64 to 1e-12, also under
+    non-reentrant activation checkpointing around the compiled layer as the trainer wraps it. The prefix part is the
+    dense stand-in (``_flex_with_lse`` swapped: eager FlexAttention has no CPU backward), which ``_flex_compiled_apart``
+    looks up at call time, so it runs behind the break."""
+    monkeypatch.setattr(attention_mod, "_flex_with_lse", dense_prefix_attention)
+    torch._dynamo.reset()
+    K, g, layer, inputs = _split_layer_case(tiny_drafter)
+    layer = layer.double().train()
+    spec = make_attn_spec(GridMeta.of(g), kind="flex", min_chain=K - 1, prefix_compiled_apart=True)
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=False)
+    results = []
+    for fn in (layer, compiled):
+        args = [x.detach().double().requires_grad_(i == 0) for i, x in enumerate(inputs)]
+        if ckpt:
+            out, _ = torch.utils.checkpoint.checkpoint(fn, *args, spec, use_reentrant=False)
+        else:
+            out, _ = fn(*args, spec)
+        wanted = [args[0], *layer.parameters()]
+        results.append((out.detach(), torch.autograd.grad((out * out).sum(), wanted, allow_unused=True)))
+    (o0, g0), (o1, g1) = results
+    torch.testing.assert_close(o1, o0, atol=1e-12, rtol=1e-12)
+    assert g0[0] is not None and sum(a is not None for a in g0) > 5  # the input and the layer's weights
+    for a, b in zip(g0, g1):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
     torch._dynamo.reset()
 
 
