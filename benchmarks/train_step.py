@@ -134,6 +134,7 @@ from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import (  # noqa: E402
     dense_attention_with_lse,
     device_capability,
+    prefix_breaks_layer_graph,
     prefix_kernel_options_for,
     prefix_options_to_run,
 )
@@ -226,8 +227,8 @@ def prefix_compiled_apart_ran(value: bool, attention: str, compile: bool | str) 
     """What a row records as ``prefix_compiled_apart``: ``value`` (``train.prefix_compiled_apart``) where it changes
     how the step runs, i.e. the attention that ran is the split form (``"flex"``) and the layers are compiled
     (``compile`` True or a mode); False elsewhere (an eager layer has no graph to break, SDPA and ``flex_joint`` no
-    prefix part). Raises nothing."""
-    return bool(value) and attention == "flex" and bool(compile)
+    prefix part; :func:`~peagle_train.kernels.attention.prefix_breaks_layer_graph`). Raises nothing."""
+    return bool(compile) and prefix_breaks_layer_graph(attention, value)
 
 
 def shape_head_dim(shape: str) -> int:

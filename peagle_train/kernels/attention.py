@@ -349,16 +349,14 @@ def _flex(q, k, v, block_mask, return_lse: bool = False, kernel_options: dict | 
 
 
 @torch.compiler.disable
-def _flex_compiled_apart(q, k, v, block_mask, kernel_options: dict | None = None):
+def _flex_compiled_apart(q, k, v, block_mask, **kw):
     """The prefix part run outside the calling layer's compiled graph (``train.prefix_compiled_apart``): Dynamo
     breaks the graph here and :func:`_flex_with_lse` (looked up at call time, as :func:`split_attention` does, so a
     test can swap in a dense reference) runs as it does uncompiled: on CUDA FlexAttention's own
     ``torch.compile(flex_attention)``, the kernel ``benchmarks/prefix_attention.py`` times alone, with Inductor's
     default mode (``train.compile: max-autotune`` does not autotune it here, as it does inside a layer); eager
-    FlexAttention on a CPU. Returns ``(out, lse)`` as :func:`_flex_with_lse`."""
-    if kernel_options:
-        return _flex_with_lse(q, k, v, block_mask, kernel_options=kernel_options)
-    return _flex_with_lse(q, k, v, block_mask)
+    FlexAttention on a CPU. ``kw``: ``kernel_options=`` where given. Returns ``(out, lse)`` as :func:`_flex_with_lse`."""
+    return _flex_with_lse(q, k, v, block_mask, **kw)
 
 
 def _flex_with_lse(q, k, v, block_mask, kernel_options: dict | None = None):
@@ -408,14 +406,13 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Sp
     """
     options = prefix_options_to_run(split.prefix_kernel_options, split.prefix_kernel_options_auto, q.shape[-1],
                                     q.dtype)  # train.prefix_kernel_options
+    kw = {"kernel_options": dict(options)} if options else {}  # passed only when given (stand-ins may lack it)
     if prefix_attention is not None:
         out_a, lse_a = prefix_attention(q, k, v, split.prefix_mask)
     elif split.prefix_compiled_apart and torch.compiler.is_compiling():  # train.prefix_compiled_apart
-        out_a, lse_a = _flex_compiled_apart(q, k, v, split.prefix_mask, dict(options) if options else None)
-    elif options:
-        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, kernel_options=dict(options))
+        out_a, lse_a = _flex_compiled_apart(q, k, v, split.prefix_mask, **kw)
     else:
-        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask)
+        out_a, lse_a = _flex_with_lse(q, k, v, split.prefix_mask, **kw)
     if split.chain_index.shape[1] == 0:  # no query deeper than 0 (a static shape, not data)
         return out_a
     out_b, lse_b = chain_attention(q, k, v, split.chain_index, split.chain_valid,
@@ -432,6 +429,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) ->
     if spec.block_mask is not None:
         return _flex(q, k, v, spec.block_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense[None, None], enable_gqa=True)
+
+
+def prefix_breaks_layer_graph(attention: str, prefix_compiled_apart: bool) -> bool:
+    """Whether a compiled drafter layer has a graph break at its prefix attention: ``train.prefix_compiled_apart``
+    with the split form (``attention == "flex"``, the only kind with a prefix part; :func:`split_attention`). Such
+    layers compile with graph breaks allowed (``Drafter.set_compile(fullgraph=False)``). Raises nothing."""
+    return bool(prefix_compiled_apart) and attention == "flex"
 
 
 FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels specialise on the length (bucket it)

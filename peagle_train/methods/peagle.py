@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from peagle_train.kernels.attention import default_pad_multiple, make_attn_spec
+from peagle_train.kernels.attention import default_pad_multiple, make_attn_spec, prefix_breaks_layer_graph
 from peagle_train.kernels.loss import TargetDist, chunked_loss
 from peagle_train.methods.base import DraftMethod, config_field, loss_weights, register_method
 from peagle_train.model.drafter import Drafter
@@ -60,8 +60,7 @@ class PEagleObjective(nn.Module):
         self.drafter = drafter
         self.chain_kernel = chain_kernel
         self.compile = compile
-        # the prefix part apart is a graph break by design: only the split form (attention "flex") has one
-        drafter.set_compile(compile, fullgraph=not (prefix_compiled_apart and attention == "flex"))
+        drafter.set_compile(compile, fullgraph=not prefix_breaks_layer_graph(attention, prefix_compiled_apart))
         self.register_buffer("target_head", target_head.detach().clone(), persistent=False)
         if depth_weights is not None:
             K = getattr(drafter.config, "num_parallel_depths", 1)
