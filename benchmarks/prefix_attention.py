@@ -10,6 +10,7 @@ Usage::
     python benchmarks/prefix_attention.py --autotune ...                                       # + an autotuned row
     python benchmarks/prefix_attention.py --blocks-only --N 8192 65536 131072 262144           # tiling only (CPU)
     python benchmarks/prefix_attention.py --partitions 2 --N 131072 ...    # each of the trainer's 2 segments
+    python benchmarks/prefix_attention.py --no-lse-grad --options '{"BACKEND": "FLASH"}' ...  # FlashAttention-4
 
 At long N most of a step's work is this attention: 70 % of the N = 65,536 step's FLOPs, with every
 layer's attention counted (``docs/data/flop_recount_af4cdbe.json``); this script times that kernel alone. The grid
@@ -17,7 +18,10 @@ is the one ``benchmarks/chain_kernel.py`` times (a COD sample of ``N`` supervise
 document, ``--K``, ``--r``, ``--r-min``, padded to the trainer's 1024 bucket), ``q [1, nh, E, hd]`` and
 ``k, v [1, nkv, E, hd]`` random in ``--dtype`` at the shape's heads (``train_step.SHAPES``); the
 backward is that of ``sum(out * go) + sum(lse * gl)``, as the split form's log-sum-exp merge asks
-for both gradients. Rows (median of ``--repeats`` calls after one warm-up call; CUDA events on CUDA,
+for both gradients (``--no-lse-grad``: of ``sum(out * go)`` alone, the kernels called without ``lse``, for a
+kernel that cannot differentiate through it, e.g. FlexAttention's ``BACKEND: FLASH``, FlashAttention-4's
+CuTe kernels, given as ``--options '{"BACKEND": "FLASH"}'``; every row of such a run is timed that way, so
+its rows compare with each other and not with a run's that has the ``lse`` gradient). Rows (median of ``--repeats`` calls after one warm-up call; CUDA events on CUDA,
 wall clock elsewhere):
 
 * ``flex`` / ``flex OPTIONS``: FlexAttention (compiled on CUDA, ``dynamic=False``; eager elsewhere)
@@ -92,17 +96,24 @@ def causal_block_mask(n: int, device, block_size: int = 128):
 def objective_grads(fn, q, k, v, go, gl):
     """Forward + backward of ``fn(q, k, v) -> (out, lse)`` under ``sum(out * go) + sum(lse * gl)``
     (``lse``'s ``-inf`` rows count 0), summed in float32 → ``(dq, dk, dv)`` in the inputs' dtypes.
-    ``q, go [1, nh, E, hd]``, ``k, v [1, nkv, E, hd]``, ``gl [1, nh, E]`` float32."""
+    ``q, go [1, nh, E, hd]``, ``k, v [1, nkv, E, hd]``, ``gl [1, nh, E]`` float32, or None: ``sum(out * go)``
+    alone (``--no-lse-grad``; ``lse`` then takes no part in the graph)."""
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = fn(qs, ks, vs)
-    obj = (out.float() * go.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0).float() * gl).sum()
+    obj = (out.float() * go.float()).sum()
+    if gl is not None:
+        obj = obj + (torch.where(torch.isfinite(lse), lse, 0).float() * gl).sum()
     return torch.autograd.grad(obj, (qs, ks, vs))
 
 
-def flex_fn(block_mask, options: dict | None, compiled):
+def flex_fn(block_mask, options: dict | None, compiled, lse: bool = True):
     """``(q, k, v) -> (out, lse)`` of FlexAttention (``compiled``: its ``torch.compile`` form, or the eager
-    function) over ``block_mask`` with ``kernel_options=options``."""
+    function) over ``block_mask`` with ``kernel_options=options``. ``lse=False`` (``--no-lse-grad``): the kernel is
+    called without ``return_lse`` and ``lse`` is None (a kernel that cannot differentiate through it, such as
+    ``BACKEND: FLASH``, is then asked for nothing it refuses)."""
     def fn(q, k, v):
+        if not lse:
+            return _flex_call(compiled, q, k, v, block_mask, return_lse=False, kernel_options=options), None
         return _flex_call(compiled, q, k, v, block_mask, return_lse=True, kernel_options=options)
     return fn
 
@@ -172,18 +183,23 @@ def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_s
     flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
     d0 = slice(0, N)  # depth-major: the first N rows (the N - 1 depth-0 elements and one more), a causal problem
     # of the prefix's length for the two reference rows
-    q0, k0, v0, go0, gl0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0], gl[:, :, d0]
+    q0, k0, v0, go0 = q[:, :, d0], k[:, :, d0], v[:, :, d0], go[:, :, d0]
     grid_pairs, causal_pairs = prefix_pairs(grid), N * (N + 1) // 2
-    cases = [((f"flex {json.dumps(o, sort_keys=True)}" if o else "flex") + label, flex_fn(mask, o, flex),
+    with_lse = not args.no_lse_grad
+    if not with_lse:
+        gl = None  # --no-lse-grad: sum(out * go) alone, every row (objective_grads)
+    gl0 = None if gl is None else gl[:, :, d0]
+    cases = [((f"flex {json.dumps(o, sort_keys=True)}" if o else "flex") + label, flex_fn(mask, o, flex, with_lse),
               (q, k, v, go, gl), grid_pairs, o) for o in option_sets]
     if args.autotune:  # compiled under train.compile: max-autotune's Inductor options (the forward and backward
         # kernels' block sizes, warps and stages benchmarked at its first call)
         tuned = (torch.compile(flex_attention, dynamic=False, **compiling.compile_kwargs(compiling.AUTOTUNE))
                  if cuda else flex_attention)
-        cases.append(("flex max-autotune" + label, flex_fn(mask, None, tuned), (q, k, v, go, gl), grid_pairs, None))
+        cases.append(("flex max-autotune" + label, flex_fn(mask, None, tuned, with_lse), (q, k, v, go, gl), grid_pairs,
+                      None))
     grid_rows = {name for name, *_ in cases}
     if references:
-        cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex), (q0, k0, v0, go0, gl0),
+        cases += [("flex_causal", flex_fn(causal_block_mask(N, device), None, flex, with_lse), (q0, k0, v0, go0, gl0),
                    causal_pairs, None),
                   ("sdpa_causal", sdpa_causal_fn, (q0, k0, v0, go0, gl0), causal_pairs, None)]
     # every case recompiles flex_attention (its options or mask, forward and backward, grad on and off); past
@@ -193,7 +209,7 @@ def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_s
     rows = []
     for name, fn, (qq, kk, vv, gg, ll), pairs, opts in cases:
         row = {"N": N, "E": E, "rows": int(qq.shape[2]), "pairs": pairs, "impl": name, "kernel_options": opts,
-               **(blocks if name in grid_rows else {})}
+               "lse_grad": with_lse, **(blocks if name in grid_rows else {})}
         fl = 4 * nh * hd * pairs
         # the card's clocks over the row's timed calls (CUDA; None without nvidia-smi), sampled after timed's warm-up
         # call (which compiles): beside train_step.py's over its steps, a kernel slower in the step than alone is
@@ -243,6 +259,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--partitions", type=int, default=1,
                     help="S > 1: the trainer's S partition segments of each grid instead of the whole grid, a row "
                          "each (the prefix attention a step with train.partitions S runs, context copies included)")
+    ap.add_argument("--no-lse-grad", action="store_true",
+                    help="backward of sum(out * go) alone, the kernels called without lse (every row): for kernels "
+                         "that cannot differentiate through lse, e.g. --options '{\"BACKEND\": \"FLASH\"}'")
     ap.add_argument("--out", default="prefix_attention.json")
     args = ap.parse_args(argv)
     if args.partitions < 1:
@@ -266,7 +285,8 @@ def main(argv=None) -> list[dict]:
             "torch": torch.__version__,
             "timing": None if args.blocks_only else f"median of {args.repeats} calls after 1 warm-up call",
             "flex": "torch.compile(flex_attention, dynamic=False)" if device.type == "cuda" else "eager",
-            "flop": "4 * heads * head_dim per (query, key) pair forward, 8 * backward"}
+            "flop": "4 * heads * head_dim per (query, key) pair forward, 8 * backward",
+            "backward_of": "sum(out * go)" if args.no_lse_grad else "sum(out * go) + sum(lse * gl)"}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.blocks_only:
         print(f"\nprefix BlockMask of the grid, {args.shape}, K = {args.K}, r = {args.r}, r_min = {args.r_min}")

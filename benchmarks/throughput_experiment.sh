@@ -7,6 +7,8 @@
 #                                                           # SPECULATORS=1: also speculators 0.9.0 and its imports)
 #   bash benchmarks/throughput_experiment.sh stage-wheels   # HERE (CPU): only the wheels (SPECULATORS=1: + speculators'),
 #                                                           # enough for `long`, `gptoss`, `plan` (a minute, no setup.sh)
+#   bash benchmarks/throughput_experiment.sh stage-fa4      # HERE (CPU): FlashAttention-4's wheels into .fa4a/, .fa4b/
+#                                                           # (GPU: fa4-part1 with .fa4a, fa4-setup with .fa4b)
 #   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
 #   bash benchmarks/throughput_experiment.sh plan; ... poll SECONDS
 #                                                           # GPU: issue 19's long, prefix-attention and GPT-OSS rows in
@@ -188,6 +190,39 @@ PY
       typing-extensions==4.16.0
     if [ "${SPECULATORS:-0}" = 1 ]; then bash "$0" spec-wheels; fi
     du -sh .gpu ;;
+  stage-fa4)  # HERE (CPU): FlashAttention-4's CuTe kernels, which FlexAttention runs with kernel option BACKEND: FLASH
+    # (plan step prefix_flash), and their imports for the GPU image's Python (torch excluded): none of them is there.
+    # One carry is limited in size, so the 92 MB CUDA 13 library wheel of the CUTLASS DSL is cut in two with its
+    # sha256 kept: .fa4a/ (the other wheels, 20 MB, and the first 40 MiB) and .fa4b/ (the rest). On the GPU machine:
+    # `fa4-part1` (carry .fa4a), then `fa4-setup` (carry .fa4b)
+    rm -rf .fa4a .fa4b && mkdir -p .fa4a/whl .fa4b
+    wheels .fa4a/whl flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+      nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 \
+      quack-kernels==0.6.5 einops==0.8.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==7.36.2
+    wheels .fa4b nvidia-cutlass-dsl-libs-cu13==4.8.1
+    big=$(cd .fa4b && ls nvidia_cutlass_dsl_libs_cu13-*.whl)
+    (cd .fa4b && sha256sum "$big" > "$big.sha256" && split -b 40M "$big" "$big.part" && rm "$big")
+    mv .fa4b/"$big".partaa .fa4a/
+    du -sh .fa4a .fa4b ;;
+  fa4-part1)  # GPU, carry .fa4a: its files into $WORK/fa4 (then fa4-setup)
+    mkdir -p "$WORK/fa4" && cp -r .fa4a/. "$WORK/fa4/" ;;
+  fa4-setup)  # GPU, carry .fa4b (after fa4-part1): the big wheel joined and checked, every wheel into /tmp/site
+    # (where `setup` puts its own), then the import FlexAttention's FLASH backend makes. A wheel whose package the
+    # image already has (cuda-bindings, protobuf) is left out, so the image's own stays in use
+    [ -d "$WORK/fa4/whl" ] || { echo "fa4-setup: no $WORK/fa4: run fa4-part1 first (carry .fa4a)" >&2; exit 2; }
+    cp .fa4b/* "$WORK/fa4/"
+    (cd "$WORK/fa4" && for f in *.sha256; do w=${f%.sha256}; cat "$w".part* > "whl/$w" && rm "$w".part* \
+      && (cd whl && sha256sum -c "../$f"); done)
+    skip=()
+    python3 -c "import cuda.bindings" 2>/dev/null && skip+=(cuda_bindings cuda_pathfinder)
+    python3 -c "import google.protobuf" 2>/dev/null && skip+=(protobuf)
+    whls=()
+    for w in "$WORK"/fa4/whl/*.whl; do
+      b=$(basename "$w"); keep=1; for x in "${skip[@]}"; do [[ $b == "$x"-* ]] && keep=0; done
+      [ "$keep" = 1 ] && whls+=("$w")
+    done
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "${whls[@]}"
+    python3 -c "import flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))" ;;
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
     # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
     # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix
@@ -206,9 +241,10 @@ PY
     # whitespace separates names, and a name that is not a step of the plan stops it before anything runs
     steps=" $(echo ${PLAN_STEPS:-}) "
     for name in ${PLAN_STEPS:-}; do
-      case " long262144 long131072 long131072_kopts long131072_apart profile131072 gptoss prefix " in *" $name "*) ;;
+      case " long262144 long131072 long131072_kopts long131072_apart profile131072 gptoss prefix prefix_flash " in
+        *" $name "*) ;;
         *) echo "PLAN_STEPS: $name is not a step of the plan (long262144 long131072 long131072_kopts" \
-             "long131072_apart profile131072 gptoss prefix)" >&2; exit 2 ;; esac
+             "long131072_apart profile131072 gptoss prefix prefix_flash)" >&2; exit 2 ;; esac
     done
     run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
       if [ "$steps" != "  " ] && [[ $steps != *" $name "* ]]; then
@@ -247,6 +283,11 @@ PY
     run prefix 600 "$P" benchmarks/prefix_attention.py --N 131072 --partitions 2 --repeats 2 \
       --options "{$fwd}" "{$fwd, $bwd}" \
       --out "$RES/prefix_attention.json"
+    # FlashAttention-4's kernels through FlexAttention (BACKEND: FLASH, after stage-fa4 / fa4-part1 / fa4-setup) on the
+    # grid's prefix mask beside Triton's, at N = 65,536 (the kernels alone; the split form's merge differentiates
+    # through lse, which the FLASH backward does not take, so every row here is timed without that gradient)
+    run prefix_flash 600 "$P" benchmarks/prefix_attention.py --N 65536 --repeats 2 --no-lse-grad \
+      --options "{$fwd}" '{"BACKEND": "FLASH"}' --out "$RES/prefix_flash.json"
     echo "done $(date +%T)" >> "$RES/progress.txt" ;;
   poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the
     # JSON files and progress.txt as they are, the logs in one logs.tar.gz (a device call returns at most 8 files)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -965,6 +967,46 @@ def test_prefix_attention_cpu_smoke(tmp_path, capsys):
     assert sum(r["pairs"] for r in segs) == tiling[1]["pairs"] + copies
     with pytest.raises(SystemExit, match="--partitions must be >= 1"):
         pa.main(["--shape", "tiny", "--N", "256", "--partitions", "0", "--out", str(out)])
+    assert all(r["lse_grad"] for r in rows) and data["meta"]["backward_of"] == "sum(out * go) + sum(lse * gl)"
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_prefix_attention_without_the_lse_gradient(tmp_path):
+    """``--no-lse-grad`` (for kernels that cannot differentiate through ``lse``, FlexAttention's ``BACKEND: FLASH``):
+    every row is timed on ``sum(out * go)`` alone and says so, FlexAttention is called without ``return_lse``, and the
+    gradients equal those of the objective with a zero ``lse`` cotangent (float64, dense reference); with a nonzero
+    one they differ, so the flag changes what is differentiated."""
+    import prefix_attention as pa
+
+    out = tmp_path / "p.json"
+    rows = pa.main(["--shape", "tiny", "--N", "256", "--repeats", "1", "--no-lse-grad", "--options",
+                    '{"BLOCK_M": 64}', "--out", str(out)])
+    assert [r["impl"] for r in rows] == ["flex", 'flex {"BLOCK_M": 64}', "flex_causal", "sdpa_causal"]
+    assert all(r["lse_grad"] is False and "error" not in r for r in rows), rows
+    assert rows[3]["fwd_bwd_ms"] > 0  # SDPA has a backward on CPU
+    assert json.loads(out.read_text())["meta"]["backward_of"] == "sum(out * go)"
+    calls = []
+
+    def fake_flex(q, k, v, block_mask=None, return_lse=False, return_aux=None, **kw):  # causal, dense, float64
+        wants = bool(return_lse) or return_aux is not None  # (the lse API of the torch at hand, _flex_call)
+        calls.append(wants)
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+        lse = torch.logsumexp((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / q.shape[-1] ** 0.5
+                              + torch.full((q.shape[2], q.shape[2]), float("-inf"), dtype=q.dtype).triu(1), -1)
+        if return_aux is not None:
+            return o, SimpleNamespace(lse=lse)
+        return (o, lse) if return_lse else o
+
+    g = torch.Generator().manual_seed(0)
+    q, go = (torch.randn(1, 4, 8, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, 8, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    gl = torch.randn(1, 4, 8, generator=g, dtype=torch.float64)
+    without = pa.objective_grads(pa.flex_fn(None, None, fake_flex, lse=False), q, k, v, go, None)
+    zero = pa.objective_grads(pa.flex_fn(None, None, fake_flex), q, k, v, go, torch.zeros_like(gl))
+    withl = pa.objective_grads(pa.flex_fn(None, None, fake_flex), q, k, v, go, gl)
+    assert calls == [False, True, True]
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(without, zero))
+    assert not torch.allclose(without[0], withl[0])
 
 
 def test_flop_recount_restores_every_layers_attention_in_a_one_layer_row(bench, tmp_path):

@@ -163,7 +163,8 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     h200 = "H200" in gpu
     assert ("long262144 not run (not an H200)" in lines) is not h200
     assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "long131072_kopts", "long131072_apart",
-                                                               "profile131072", "gptoss", "prefix"]
+                                                               "profile131072", "gptoss", "prefix",
+                                                               "prefix_flash"]
     if h200:
         assert "--seq-len 262144" in steps["long262144"] and "--checkpointing" in steps["long262144"]
     assert ("--checkpointing" in steps["long131072"]) is not h200
@@ -176,6 +177,9 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     assert "--autotune" not in steps["prefix"] and "fwd_BLOCK_N" in steps["prefix"] and "BLOCK_M1" in steps["prefix"]
     assert "--partitions 2" in steps["prefix"] and "--N 131072" in steps["prefix"]  # the step's own segments
     assert "--compile on+autotune" in steps["gptoss"]
+    # FlashAttention-4 through FlexAttention beside Triton's kernels, every row without the lse gradient it refuses
+    assert '"BACKEND": "FLASH"' in steps["prefix_flash"] and "--no-lse-grad" in steps["prefix_flash"]
+    assert "fwd_BLOCK_N" in steps["prefix_flash"] and "--no-lse-grad" not in steps["prefix"]
 
 
 def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
@@ -200,7 +204,7 @@ def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
     r, lines, ran, skipped = plan("NVIDIA H200", "profile131072\tlong262144\n")
     assert r.returncode == 0, r.stderr
     assert lines[-1].startswith("done") and ran == ["long262144", "profile131072"]
-    assert skipped == ["long131072", "long131072_kopts", "long131072_apart", "gptoss", "prefix"]
+    assert skipped == ["long131072", "long131072_kopts", "long131072_apart", "gptoss", "prefix", "prefix_flash"]
     r, lines, ran, skipped = plan("NVIDIA H100 80GB HBM3", "long131072_kopts")
     assert ran == ["long131072_kopts"] and "long131072" in skipped
     assert "long262144 not run (not an H200)" in lines
@@ -226,7 +230,7 @@ def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_
     lines = [x for x in (tmp_path / "res" / "progress.txt").read_text().splitlines()
              if x != "long262144 not run (not an H200)"]
     assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "long131072_kopts", "long131072_apart",
-                                                          "profile131072", "gptoss", "prefix"]
+                                                          "profile131072", "gptoss", "prefix", "prefix_flash"]
     assert all(" rc 3 " in x for x in lines[1:-1]) and lines[-1].startswith("done")  # each its own status
     (tmp_path / "res" / "x.json").write_text("{}")
     out = tmp_path / "out"
@@ -258,5 +262,61 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
     assert lines[0].startswith("start") and "earlier" not in lines[0] and lines[-1].startswith("done")
     assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "long131072_kopts",
                                                        "long131072_apart", "profile131072",
-                                                       "gptoss", "prefix"]
+                                                       "gptoss", "prefix", "prefix_flash"]
     assert not (res / "old.json").exists() and not (tmp_path / "out" / "old.json").exists()
+
+
+def test_fa4_setup_joins_the_cut_wheel_checks_it_and_installs_what_the_image_lacks(tmp_path):
+    """``fa4-part1`` then ``fa4-setup`` (the two carries of ``stage-fa4``): the wheel cut in pieces is joined and
+    checked against its sha256 before anything installs; the wheels go to /tmp/site without dependencies, leaving
+    out those whose package the image has (here: protobuf, not cuda-bindings); a damaged piece stops it (exit not
+    0, nothing installed); fa4-setup without fa4-part1 is refused naming the step."""
+    if shutil.which("bash") is None or shutil.which("sha256sum") is None or shutil.which("split") is None:
+        pytest.skip("no bash, sha256sum or split")
+    tree, work, bin_dir = tmp_path / "tree", tmp_path / "work", tmp_path / "bin"
+    shutil.copytree(ROOT / "benchmarks", tree / "benchmarks")
+    (tree / ".fa4a" / "whl").mkdir(parents=True)
+    (tree / ".fa4b").mkdir()
+    for name in ("flash_attn_4-4.0.0b40-py3-none-any.whl", "cuda_bindings-13.5.0-cp312-cp312-x.whl",
+                 "protobuf-7.36.2-cp310-abi3-x.whl"):
+        (tree / ".fa4a" / "whl" / name).write_text(name)
+    big = "nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-x.whl"
+    payload = os.urandom(3000)
+    (tmp_path / big).write_bytes(payload)
+    subprocess.run(f"sha256sum {big} > {tree}/.fa4b/{big}.sha256 && split -b 1000 {big} {tree}/.fa4b/{big}.part",
+                   shell=True, cwd=tmp_path, check=True)
+    shutil.move(tree / ".fa4b" / f"{big}.partaa", tree / ".fa4a" / f"{big}.partaa")
+    bin_dir.mkdir()
+    log = tmp_path / "py.log"
+    fake = bin_dir / "python3"  # the image: protobuf importable, cuda.bindings not; pip records its wheels
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in *"import cuda.bindings"*) exit 1 ;; *"import google.protobuf"*) exit 0 ;; esac
+exit 0
+""")
+    fake.chmod(0o755)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work)}
+
+    def step(name):
+        return subprocess.run(["bash", "benchmarks/throughput_experiment.sh", name], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    r = step("fa4-setup")
+    assert r.returncode == 2 and "run fa4-part1 first" in r.stderr
+    assert step("fa4-part1").returncode == 0
+    r = step("fa4-setup")
+    assert r.returncode == 0, r.stderr
+    assert (work / "fa4" / "whl" / big).read_bytes() == payload and not list((work / "fa4").glob("*.part*"))
+    pip = [x for x in log.read_text().splitlines() if x.startswith("-m pip install")]
+    assert len(pip) == 1 and "--no-deps" in pip[0] and "--target /tmp/site" in pip[0]
+    installed = {Path(w).name for w in pip[0].split() if w.endswith(".whl")}
+    assert installed == {"flash_attn_4-4.0.0b40-py3-none-any.whl", "cuda_bindings-13.5.0-cp312-cp312-x.whl", big}
+    # a damaged piece: the joined wheel fails its checksum and nothing is installed
+    shutil.rmtree(work)
+    log.write_text("")
+    part = tree / ".fa4b" / f"{big}.partab"
+    part.write_bytes(b"x" + part.read_bytes()[1:])
+    assert step("fa4-part1").returncode == 0
+    r = step("fa4-setup")
+    assert r.returncode != 0 and "FAILED" in r.stdout + r.stderr
+    assert not [x for x in log.read_text().splitlines() if x.startswith("-m pip install")]
