@@ -240,11 +240,11 @@ PY
     # PLAN_STEPS="NAME ...": only the steps named (in the plan's order; the others are noted as skipped); any
     # whitespace separates names, and a name that is not a step of the plan stops it before anything runs
     steps=" $(echo ${PLAN_STEPS:-}) "
+    ALL_STEPS="long262144 long131072 long131072_nohint long131072_static long131072_kopts long131072_apart"
+    ALL_STEPS+=" profile131072 gptoss gptoss_nohint prefix prefix_flash"
     for name in ${PLAN_STEPS:-}; do
-      case " long262144 long131072 long131072_kopts long131072_apart profile131072 gptoss prefix prefix_flash " in
-        *" $name "*) ;;
-        *) echo "PLAN_STEPS: $name is not a step of the plan (long262144 long131072 long131072_kopts" \
-             "long131072_apart profile131072 gptoss prefix prefix_flash)" >&2; exit 2 ;; esac
+      case " $ALL_STEPS " in *" $name "*) ;;
+        *) echo "PLAN_STEPS: $name is not a step of the plan ($ALL_STEPS)" >&2; exit 2 ;; esac
     done
     run() { local name=$1 limit=$2 rc=0; shift 2  # a step that fails or runs out of time: noted, the next runs
       if [ "$steps" != "  " ] && [[ $steps != *" $name "* ]]; then
@@ -256,7 +256,7 @@ PY
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
     echo "start $(date +%T) on $gpu" >> "$RES/progress.txt"
     ck=""
-    if [[ $gpu == *H200* ]]; then  # limits: the longest plan (H200) takes at most 900 + 600 + 600 + 600 + 900 + 900 + 600 s
+    if [[ $gpu == *H200* ]]; then  # each step runs under its own time limit (the second argument of run)
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
     else  # N = 131,072 needs checkpointing on an 80 GB card (the planner's figures, docs/benchmarks.md)
       ck=--checkpointing; echo "long262144 not run (not an H200)" >> "$RES/progress.txt"; fi
@@ -264,6 +264,12 @@ PY
     fwd='"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3'
     bwd='"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3'
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
+    # the same step without the IS_DIVISIBLE option the trainer gives FlexAttention on its padded grids (under the
+    # default dynamic shapes Inductor cannot prove the lengths divisible by 128 and takes the bounds-checked kernels:
+    # a candidate for the prefix kernels' 0.77 of their alone speed in this step), and with one compiled graph per
+    # grid bucket (train.dynamic_shapes: false: static lengths, as prefix_attention.py compiles the kernels alone)
+    run long131072_nohint 600 bash "$0" long "$RES/long131072_nohint.json" $ck --divisible-hint off
+    run long131072_static 600 bash "$0" long "$RES/long131072_static.json" $ck --dynamic-shapes off
     # the same step with the backward block too (train.prefix_kernel_options: the default auto has the forward block
     # on an H100 / H200; with the backward one the H100 took 38.1 s against 40.9, docs/benchmarks.md, 47e0feb)
     run long131072_kopts 600 bash "$0" long "$RES/long131072_kopts.json" $ck \
@@ -277,6 +283,10 @@ PY
     # (kernels and GPU timeline; without options at 47e0feb the prefix attention was 92 % of the step)
     run profile131072 900 bash "$0" long "$RES/long131072_profile.json" $ck --steps 1 --warmup 1 --profile
     run gptoss 900 bash "$0" gptoss "$RES/gptoss.json" --compile on+autotune
+    # the same 8K step without the IS_DIVISIBLE option (its grids change bucket from step to step, so it runs the
+    # dynamic-shape kernels too); no speculators row (the gptoss step has it)
+    run gptoss_nohint 900 bash "$0" gptoss "$RES/gptoss_nohint.json" --compile on+autotune --divisible-hint off \
+      --reference none
     # each of the N = 131,072 step's two segments alone (the trainer's own sub-grids): inside the step the prefix
     # kernels ran at 192 / 169 TFLOP/s forward / backward against 284 / 234 alone on the N = 65,536 grid
     # (docs/benchmarks.md, 47e0feb); the segment's shape or the step around it: this row tells

@@ -101,6 +101,12 @@ H100 / H200, FlexAttention's own choice elsewhere); ``--prefix-kernel-options nu
 resolved for the GPU, where the split form's FlexAttention ran; None elsewhere (``flex_joint``, SDPA, CPU).
 ``--prefix-compiled-apart`` (``train.prefix_compiled_apart``) runs the prefix FlexAttention of compiled rows as its
 own compiled kernel behind a graph break; rows record ``prefix_compiled_apart``.
+
+Shapes: ``--dynamic-shapes on`` (``train.dynamic_shapes``, the trainer's default) compiles for any grid length,
+``off`` one graph per 1,024-element bucket; ``--divisible-hint off`` times the step without the ``IS_DIVISIBLE``
+kernel option the trainer gives FlexAttention on grids whose lengths are multiples of 128
+(:func:`peagle_train.kernels.attention.divisible_options`), the reference for what it does under dynamic shapes. Rows
+record ``dynamic_shapes`` and ``divisible_hint``.
 """
 from __future__ import annotations
 
@@ -248,7 +254,8 @@ def train_section(args, *, partitions: int | str, compile: bool | str = False, a
             "micro_batch_size": args.micro_batch, "grad_accum": 1, "max_steps": max_steps, "eval_every": None,
             "save_every": None, "report_to": [], "seed": 0,
             "prefix_kernel_options": getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS),
-            "prefix_compiled_apart": getattr(args, "prefix_compiled_apart", False)}
+            "prefix_compiled_apart": getattr(args, "prefix_compiled_apart", False),
+            "dynamic_shapes": getattr(args, "dynamic_shapes", "on") == "on"}
 
 
 def synthetic_data(N: int, vocab_size: int, n_sequences: int, seed: int = 0) -> dict:
@@ -529,7 +536,8 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
                getattr(args, "prefix_kernel_options", DEFAULT_PREFIX_KERNEL_OPTIONS), ran, device_capability(device),
                shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32),
            "prefix_compiled_apart": prefix_compiled_apart_ran(getattr(args, "prefix_compiled_apart", False), ran,
-                                                              compile)}
+                                                              compile),
+           "dynamic_shapes": getattr(args, "dynamic_shapes", "on") == "on", "divisible_hint": attention_mod.DIVISIBLE_HINT}
     trainer = None
     try:
         if ran == "flex":
@@ -814,6 +822,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="train.prefix_compiled_apart: with --compile, the prefix FlexAttention runs as its own "
                          "compiled kernel behind a graph break instead of inside each layer's graph; rows record "
                          "prefix_compiled_apart (true only where a compiled split form ran)")
+    ap.add_argument("--dynamic-shapes", choices=["on", "off"], default="on",
+                    help="train.dynamic_shapes: on (the trainer's default) = compiled for any grid length, off = one "
+                         "graph per 1,024-element bucket; rows record dynamic_shapes")
+    ap.add_argument("--divisible-hint", choices=["on", "off"], default="on",
+                    help="off: FlexAttention without the IS_DIVISIBLE option the trainer gives it on grids whose "
+                         "lengths are multiples of 128 (peagle_train.kernels.attention.DIVISIBLE_HINT), to time "
+                         "the step without it; rows record divisible_hint")
     ap.add_argument("--fused-loss", choices=["on", "off"], nargs="+", default=["on"],
                     help="train.fused_loss: on = lm_head + loss gradients computed in the loss forward, off = "
                          "checkpoint + recompute; several = one row each, same process (--profile uses the last)")
@@ -1012,6 +1027,7 @@ def main(argv=None):
     (``--check-grads``: the gradient-check results)."""
     args = parse_args(argv)
     apply_chain_tiling(args.chain_tiling)
+    attention_mod.DIVISIBLE_HINT = args.divisible_hint == "on"  # before any FlexAttention is traced
     layout = launch_layout(args.dist)
     world, lead = layout.world_size, int(os.environ.get("RANK", 0)) == 0
     device = torch.device("cpu")

@@ -309,11 +309,38 @@ except ImportError:  # older torch: only ``return_lse``
     _AuxRequest = None
 
 
+#: Whether :func:`divisible_options` tells FlexAttention that the grid's lengths are multiples of 128 (the default);
+#: False only to time a step without it (``benchmarks/train_step.py --divisible-hint off``)
+DIVISIBLE_HINT = True
+
+
+def divisible_options(kernel_options: dict | None, q, k) -> dict | None:
+    """FlexAttention ``kernel_options`` with ``IS_DIVISIBLE: True`` added for CUDA inputs whose query and key lengths
+    (``q.shape[-2]``, ``k.shape[-2]``) are both multiples of 128, unless ``kernel_options`` sets ``IS_DIVISIBLE``
+    itself or :data:`DIVISIBLE_HINT` is off; otherwise ``kernel_options`` unchanged. A new dict: the argument is never
+    modified.
+
+    Why: Inductor lowers FlexAttention with ``IS_DIVISIBLE`` true only where it can prove both lengths multiples of
+    128 (``torch/_inductor/kernel/flex/flex_attention.py``: ``statically_known_true(Mod(seq_len, 128) == 0)``, set with
+    ``setdefault``, so a given value wins). Under ``train.dynamic_shapes`` (the default) the lengths are symbols it
+    cannot prove that of, and its kernels then take the bounds-checked path on every block, though the trainer pads
+    every grid to a multiple of 1,024 (:func:`default_pad_multiple`). The test here is on the lengths themselves; in a
+    compiled graph it becomes a guard on them, so a graph that takes the hint is used only for lengths that are
+    multiples of 128. ``q``, ``k``: tensors (only ``is_cuda`` and ``shape`` are read). Raises nothing."""
+    if not DIVISIBLE_HINT or not q.is_cuda or (kernel_options and "IS_DIVISIBLE" in kernel_options):
+        return kernel_options
+    if q.shape[-2] % 128 != 0 or k.shape[-2] % 128 != 0:
+        return kernel_options
+    return {**(kernel_options or {}), "IS_DIVISIBLE": True}
+
+
 def _flex_call(fn, q, k, v, block_mask, return_lse: bool, kernel_options: dict | None = None):
     """``fn`` = ``flex_attention`` (or its compiled form) → ``out``, or ``(out, lse)`` with
     ``return_lse`` (``lse [1, nh, E_q]`` natural log, float32 for half inputs, ``-inf`` on rows
     without any allowed key), through whichever lse API this torch has. ``kernel_options``:
-    FlexAttention's (block sizes, stages, ...), passed on only when given."""
+    FlexAttention's (block sizes, stages, ...), passed on only when given, with ``IS_DIVISIBLE`` where
+    :func:`divisible_options` adds it."""
+    kernel_options = divisible_options(kernel_options, q, k)
     kw = {"block_mask": block_mask, "enable_gqa": True}
     if kernel_options:
         kw["kernel_options"] = kernel_options

@@ -101,6 +101,28 @@ def test_train_step_passes_prefix_compiled_apart_to_the_trainer(bench, tmp_path,
         assert bench.prefix_compiled_apart_ran(value, kind, comp) is False, (value, kind, comp)
 
 
+def test_train_step_passes_dynamic_shapes_and_the_divisible_hint(bench, tmp_path, monkeypatch):
+    """``--dynamic-shapes``: the recipe's ``train.dynamic_shapes`` (on without the flag, the trainer's default);
+    ``--divisible-hint off``: FlexAttention without ``IS_DIVISIBLE`` (``attention.DIVISIBLE_HINT`` off for the run,
+    on again with the default); rows record both."""
+    import peagle_train.kernels.attention as attention_mod
+
+    monkeypatch.setattr(attention_mod, "DIVISIBLE_HINT", True)  # restored after the test whatever main sets
+    built = _train_keys_built(monkeypatch, "dynamic_shapes")
+    out = tmp_path / "d.json"
+    common = ["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    rows = bench.main(common + ["--dynamic-shapes", "off", "--divisible-hint", "off"])
+    assert built == [False] and "error" not in rows[0]
+    assert rows[0]["dynamic_shapes"] is False and rows[0]["divisible_hint"] is False
+    assert attention_mod.DIVISIBLE_HINT is False
+    built.clear()
+    rows = bench.main(common)
+    assert built == [True] and rows[0]["dynamic_shapes"] is True and rows[0]["divisible_hint"] is True
+    assert attention_mod.DIVISIBLE_HINT is True
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--divisible-hint", "maybe"])
+
+
 def test_train_step_rows_record_the_prefix_kernel_options_that_ran(bench, tmp_path, monkeypatch):
     """A row's ``prefix_kernel_options`` is ``train.prefix_kernel_options`` resolved for the GPU where the split
     form's FlexAttention ran (auto: the forward block on compute capability 9 at head dimension 64 in bf16 only), None
