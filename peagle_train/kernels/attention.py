@@ -326,7 +326,9 @@ def divisible_options(kernel_options: dict | None, q, k) -> dict | None:
     cannot prove that of, and its kernels then take the bounds-checked path on every block, though the trainer pads
     every grid to a multiple of 1,024 (:func:`default_pad_multiple`). The test here is on the lengths themselves; in a
     compiled graph it becomes a guard on them, so a graph that takes the hint is used only for lengths that are
-    multiples of 128. ``q``, ``k``: tensors (only ``is_cuda`` and ``shape`` are read). Raises nothing."""
+    multiples of 128. ``IS_DIVISIBLE`` is an option of Inductor's FlexAttention templates, not one of the documented
+    ``FlexKernelOptions``; eager FlexAttention ignores it. ``q``, ``k``: tensors (only ``is_cuda`` and ``shape`` are
+    read). Raises nothing."""
     if not DIVISIBLE_HINT or not q.is_cuda or (kernel_options and "IS_DIVISIBLE" in kernel_options):
         return kernel_options
     if q.shape[-2] % 128 != 0 or k.shape[-2] % 128 != 0:
