@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -138,10 +139,11 @@ def recompiles_needed(cases: int) -> int:
     return 6 * cases + 8
 
 
-def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> list[dict]:
+def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list, on_row=None) -> list[dict]:
     """Every row of one ``N`` (module docstring). A row that fails (e.g. a kernel option the GPU
     cannot compile) keeps its error and the others still run. With ``args.partitions`` S > 1 the grid rows are
-    those of each segment (:func:`segment_grids`)."""
+    those of each segment (:func:`segment_grids`). ``on_row(row)``: called as each timed row ends (``main`` writes
+    the rows so far, so a kernel that kills the process loses only its own row)."""
     s = SHAPES[shape]
     g = torch.Generator().manual_seed(args.seed)
     full = make_grid(N, args.K, args.r, args.r_min, g, args.pad_multiple)
@@ -151,7 +153,8 @@ def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list) -> li
                 for label, grid in parts]
     rows = []
     for i, (label, grid) in enumerate(parts):  # the causal references once, with the last part
-        rows += _timed_rows(N, grid, label, s, args, device, dtype, option_sets, g, references=i == len(parts) - 1)
+        rows += _timed_rows(N, grid, label, s, args, device, dtype, option_sets, g, references=i == len(parts) - 1,
+                            on_row=on_row)
     return rows
 
 
@@ -165,9 +168,9 @@ def segment_grids(grid, N: int, S: int, pad_multiple: int) -> list[tuple[str, ob
 
 
 def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_sets: list, g,
-                references: bool) -> list[dict]:
+                references: bool, on_row=None) -> list[dict]:
     """The timed rows of one grid (the whole grid or one segment, ``label``); with ``references`` the
-    causal rows of the first ``N`` rows of ``grid`` as well (module docstring)."""
+    causal rows of the first ``N`` rows of ``grid`` as well (module docstring); ``on_row`` as in :func:`rows_for_n`."""
     from torch.nn.attention.flex_attention import flex_attention
 
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
@@ -220,6 +223,8 @@ def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_s
                 fwd = timed(lambda: fn(qq, kk, vv), args.repeats, device, around=clocks)  # noqa: B023 - this iteration
         except Exception as e:  # noqa: BLE001 - report and go on (out of shared memory, unsupported option)
             rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            if on_row is not None:
+                on_row(rows[-1])
             continue
         row.update(fwd_ms=fwd, fwd_tflops=fl / fwd / 1e9, fwd_bwd_ms=None, fwd_bwd_tflops=None,
                    fwd_gpu_clocks=None if clocks is None else clocks.summary(), fwd_bwd_gpu_clocks=None)
@@ -231,6 +236,8 @@ def _timed_rows(N: int, grid, label: str, s: dict, args, device, dtype, option_s
         except Exception as e:  # noqa: BLE001
             row["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -278,7 +285,6 @@ def main(argv=None) -> list[dict]:
         option_sets.append(parsed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    rows = [r for N in args.N for r in rows_for_n(args.shape, N, args, device, dtype, option_sets)]
     meta = {**provenance(sys.argv[1:] if argv is None else argv, "benchmarks/prefix_attention.py"),
             "shape": args.shape, "K": args.K, "r": args.r, "r_min": args.r_min, "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -287,7 +293,22 @@ def main(argv=None) -> list[dict]:
             "flex": "torch.compile(flex_attention, dynamic=False)" if device.type == "cuda" else "eager",
             "flop": "4 * heads * head_dim per (query, key) pair forward, 8 * backward",
             "backward_of": "sum(out * go)" if args.no_lse_grad else "sum(out * go) + sum(lse * gl)"}
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    done: list[dict] = []
+
+    def write(row=None):  # the rows so far, replacing the file whole (a killed run leaves the last complete one)
+        if row is not None:
+            done.append(row)
+        tmp = Path(str(args.out) + ".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": done}, indent=1))
+        os.replace(tmp, args.out)
+
+    rows = []
+    for N in args.N:
+        new = rows_for_n(args.shape, N, args, device, dtype, option_sets, on_row=write)
+        if args.blocks_only:
+            done.extend(new)
+        rows += new
+    write()
     if args.blocks_only:
         print(f"\nprefix BlockMask of the grid, {args.shape}, K = {args.K}, r = {args.r}, r_min = {args.r_min}")
     else:

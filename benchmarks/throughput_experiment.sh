@@ -11,8 +11,10 @@
 #                                                           # (GPU: fa4-part1 with .fa4a, fa4-setup with .fa4b)
 #   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
 #   bash benchmarks/throughput_experiment.sh plan; ... poll SECONDS
-#                                                           # GPU: issue 19's long, prefix-attention and GPT-OSS rows in
-#                                                           # the background (past one call's limit); poll sends results
+#                                                           # GPU: issue 19's long, prefix-attention and GPT-OSS rows
+#                                                           # (and their A/B rows: IS_DIVISIBLE hint, static shapes,
+#                                                           # FlashAttention-4) in the background (past one call's
+#                                                           # limit; PLAN_STEPS="NAME ..." picks steps); poll sends results
 #   bash benchmarks/throughput_experiment.sh trainer NAME [override ...]
 #                                                           # GPU: `peagle-train train` in $WORK/runs/NAME
 #   bash benchmarks/throughput_experiment.sh cache [override ...]  # GPU: `peagle-train cache` of the prepared data
@@ -47,7 +49,10 @@ OVR=(target.gguf_package=null target.gguf_file=null target.gguf_sha256=null
      drafter.init_layers=random  # a random-weight target has no layers to start from (and a cached run no target)
      "train.eval_walk_sets=[]"  # speed runs: no eval-set answers from a random target (and a cached run has none)
      "eval.datasets=[mt_bench,humaneval]")  # no held-out set: train.eval_sequences may be below eval.num_prompts
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# /tmp/site/nvidia_cutlass_dsl/dsl_packages: where the CUTLASS DSL (fa4-setup) keeps its `cutlass` package; its wheel
+# adds it by a .pth file, which Python reads in site directories only, not on PYTHONPATH (harmless where absent)
+export PYTHONUNBUFFERED=1 \
+  PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # PEAGLE_CLI: another executable with the same arguments (tests/integration/test_throughput_script.py)
 cli() { if [ -n "${PEAGLE_CLI:-}" ]; then "$PEAGLE_CLI" "$@"; elif [ -x .venv/bin/peagle-train ]; then
   .venv/bin/peagle-train "$@"; else python3 -m peagle_train.cli "$@"; fi; }
@@ -206,31 +211,43 @@ PY
     du -sh .fa4a .fa4b ;;
   fa4-part1)  # GPU, carry .fa4a: its files into $WORK/fa4 (then fa4-setup)
     mkdir -p "$WORK/fa4" && cp -r .fa4a/. "$WORK/fa4/" ;;
-  fa4-setup)  # GPU, carry .fa4b (after fa4-part1): the big wheel joined and checked, every wheel into /tmp/site
-    # (where `setup` puts its own), then the import FlexAttention's FLASH backend makes. A wheel whose package the
-    # image already has (cuda-bindings, protobuf) is left out, so the image's own stays in use
+  fa4-setup)  # GPU, carry .fa4b (after fa4-part1): the big wheel joined in a temporary file, checked, then put in
+    # place (a failed check keeps the pieces; a second run finds the checked wheel and joins nothing), every wheel
+    # into /tmp/site (where `setup` puts its own), then the imports FlexAttention's FLASH backend makes. A wheel whose
+    # package the image already has at a version the CUTLASS DSL takes (cuda-bindings >= 13, protobuf >= 5) is left
+    # out, so the image's own stays in use
     [ -d "$WORK/fa4/whl" ] || { echo "fa4-setup: no $WORK/fa4: run fa4-part1 first (carry .fa4a)" >&2; exit 2; }
     cp .fa4b/* "$WORK/fa4/"
-    (cd "$WORK/fa4" && for f in *.sha256; do w=${f%.sha256}; cat "$w".part* > "whl/$w" && rm "$w".part* \
-      && (cd whl && sha256sum -c "../$f"); done)
+    (cd "$WORK/fa4" && for f in *.sha256; do
+       w=${f%.sha256}
+       if [ -f "whl/$w" ] && (cd whl && sha256sum -c --quiet "../$f"); then continue; fi
+       cat "$w".part* > "whl/$w.tmp" && mv "whl/$w.tmp" "whl/$w" && (cd whl && sha256sum -c "../$f") \
+         || { rm -f "whl/$w"; echo "fa4-setup: $w does not match its sha256: carry .fa4a and .fa4b again" >&2; exit 1; }
+       rm -f "$w".part*
+     done)
+    has() { python3 -c "import importlib.metadata as m, sys; sys.exit(int(m.version('$1').split('.')[0]) < $2)" \
+      2>/dev/null; }  # has PACKAGE MAJOR: installed in the image at that major version or later
     skip=()
-    python3 -c "import cuda.bindings" 2>/dev/null && skip+=(cuda_bindings cuda_pathfinder)
-    python3 -c "import google.protobuf" 2>/dev/null && skip+=(protobuf)
+    if has cuda-bindings 13; then skip+=(cuda_bindings cuda_pathfinder); fi
+    if has protobuf 5; then skip+=(protobuf); fi
     whls=()
     for w in "$WORK"/fa4/whl/*.whl; do
-      b=$(basename "$w"); keep=1; for x in "${skip[@]}"; do [[ $b == "$x"-* ]] && keep=0; done
-      [ "$keep" = 1 ] && whls+=("$w")
+      b=$(basename "$w"); keep=1; for x in ${skip[@]+"${skip[@]}"}; do [[ $b == "$x"-* ]] && keep=0; done
+      if [ "$keep" = 1 ]; then whls+=("$w"); fi
     done
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "${whls[@]}"
-    python3 -c "import flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))" ;;
+    python3 -c "import cutlass, flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))" ;;
   plan)  # GPU: issue 19's measurements in a new process session (they outlive the call that starts them and its
     # 10-minute limit): N = 262,144 (H200 only), N = 131,072 (with --checkpointing where the GPU is not an H200),
     # again with train.prefix_kernel_options, and its profile, the GPT-OSS 8K step beside speculators, then the prefix
     # attention of each of that step's two segments alone with the kernel options that measured fastest (not
     # autotuned: Inductor's benchmarking of FlexAttention's choices alone took 384 s at N = 65,536 on an H100,
-    # plan_7a2a50b_h100_logs.tar.gz). JSON and logs under $RES (default /tmp/res); $RES/progress.txt gets each step's
-    # exit status. Then `poll SECONDS`. PLAN_STEPS="long262144 profile131072" (in plan's environment) runs only the
-    # steps it names, for a GPU held for less time than the whole plan takes.
+    # plan_7a2a50b_h100_logs.tar.gz); the N = 131,072 and 8K steps again without FlexAttention's IS_DIVISIBLE hint
+    # (long131072_nohint, gptoss_nohint) and with one graph per grid bucket (long131072_static); FlashAttention-4's
+    # kernels on the prefix (prefix_flash, after stage-fa4). JSON and logs under $RES (default /tmp/res);
+    # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`. Each step has its own time limit (600-900
+    # s; the limits add up to about two hours), so PLAN_STEPS="long131072 long131072_nohint" (in plan's
+    # environment) runs only the steps it names, for a GPU held for less time than the whole plan takes.
     RES=${RES:-/tmp/res}; mkdir -p "$RES"
     rm -f "$RES"/*.json "$RES"/*.log && : > "$RES/progress.txt"  # an earlier plan's results and `done` are gone
     setsid nohup bash "$0" plan-run > "$RES/plan.log" 2>&1 < /dev/null &

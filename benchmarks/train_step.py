@@ -242,6 +242,14 @@ def shape_head_dim(shape: str) -> int:
     return SHAPES[shape]["head_dim"]
 
 
+def divisible_hint_ran(flag: bool, attention: str, device) -> bool:
+    """What a row records as ``divisible_hint``: ``flag`` (``--divisible-hint``, i.e.
+    ``peagle_train.kernels.attention.DIVISIBLE_HINT``) where FlexAttention ran on a CUDA device (``attention`` ``flex``
+    or ``flex_joint``; :func:`peagle_train.kernels.attention.divisible_options` gives the option there only), else
+    False (SDPA, a CPU). The grids' lengths are always multiples of 1,024 here. Raises nothing."""
+    return bool(flag) and attention in ("flex", "flex_joint") and torch.device(device).type == "cuda"
+
+
 def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
                   chain_kernel: str = "auto", fused_loss: bool = True, max_steps: int = 1) -> dict:
     """The recipe's ``train`` section of one configuration: the flags' ``train.*`` keys, one
@@ -537,7 +545,8 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
                shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32),
            "prefix_compiled_apart": prefix_compiled_apart_ran(getattr(args, "prefix_compiled_apart", False), ran,
                                                               compile),
-           "dynamic_shapes": getattr(args, "dynamic_shapes", "on") == "on", "divisible_hint": attention_mod.DIVISIBLE_HINT}
+           "dynamic_shapes": getattr(args, "dynamic_shapes", "on") == "on",
+           "divisible_hint": divisible_hint_ran(attention_mod.DIVISIBLE_HINT, ran, device)}
     trainer = None
     try:
         if ran == "flex":

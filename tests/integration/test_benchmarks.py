@@ -104,7 +104,7 @@ def test_train_step_passes_prefix_compiled_apart_to_the_trainer(bench, tmp_path,
 def test_train_step_passes_dynamic_shapes_and_the_divisible_hint(bench, tmp_path, monkeypatch):
     """``--dynamic-shapes``: the recipe's ``train.dynamic_shapes`` (on without the flag, the trainer's default);
     ``--divisible-hint off``: FlexAttention without ``IS_DIVISIBLE`` (``attention.DIVISIBLE_HINT`` off for the run,
-    on again with the default); rows record both."""
+    on again with the default); rows record both, the hint true only where FlexAttention ran on CUDA."""
     import peagle_train.kernels.attention as attention_mod
 
     monkeypatch.setattr(attention_mod, "DIVISIBLE_HINT", True)  # restored after the test whatever main sets
@@ -117,8 +117,11 @@ def test_train_step_passes_dynamic_shapes_and_the_divisible_hint(bench, tmp_path
     assert attention_mod.DIVISIBLE_HINT is False
     built.clear()
     rows = bench.main(common)
-    assert built == [True] and rows[0]["dynamic_shapes"] is True and rows[0]["divisible_hint"] is True
-    assert attention_mod.DIVISIBLE_HINT is True
+    assert built == [True] and rows[0]["dynamic_shapes"] is True
+    assert attention_mod.DIVISIBLE_HINT is True and rows[0]["divisible_hint"] is False  # CPU SDPA: no FlexAttention
+    assert bench.divisible_hint_ran(True, "flex", "cuda") and bench.divisible_hint_ran(True, "flex_joint", "cuda:0")
+    for flag, kind, dev in ((False, "flex", "cuda"), (True, "sdpa", "cuda"), (True, "flex", "cpu")):
+        assert bench.divisible_hint_ran(flag, kind, dev) is False, (flag, kind, dev)
     with pytest.raises(SystemExit):
         bench.parse_args(["--divisible-hint", "maybe"])
 
@@ -990,6 +993,30 @@ def test_prefix_attention_cpu_smoke(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--partitions must be >= 1"):
         pa.main(["--shape", "tiny", "--N", "256", "--partitions", "0", "--out", str(out)])
     assert all(r["lse_grad"] for r in rows) and data["meta"]["backward_of"] == "sum(out * go) + sum(lse * gl)"
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_prefix_attention_writes_each_row_as_it_ends(tmp_path, monkeypatch):
+    """A run killed in a row (a kernel that aborts the process, here an interrupt in the second row's timing) leaves
+    ``--out`` whole with the rows that ended before it, and no temporary file."""
+    import prefix_attention as pa
+
+    calls = []
+    real = pa.timed
+
+    def dying(fn, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # the first row times forward and forward + backward; this is the second row's forward
+            raise KeyboardInterrupt
+        return real(fn, *a, **k)
+
+    monkeypatch.setattr(pa, "timed", dying)
+    out = tmp_path / "p.json"
+    with pytest.raises(KeyboardInterrupt):
+        pa.main(["--shape", "tiny", "--N", "256", "--repeats", "1", "--options", '{"BLOCK_M": 64}', "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["impl"] for r in data["rows"]] == ["flex"] and data["meta"]["command"].startswith("python benchmarks/")
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 @pytest.mark.usefixtures("torch_single_thread")

@@ -277,57 +277,87 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
     assert not (res / "old.json").exists() and not (tmp_path / "out" / "old.json").exists()
 
 
-def test_fa4_setup_joins_the_cut_wheel_checks_it_and_installs_what_the_image_lacks(tmp_path):
-    """``fa4-part1`` then ``fa4-setup`` (the two carries of ``stage-fa4``): the wheel cut in pieces is joined and
-    checked against its sha256 before anything installs; the wheels go to /tmp/site without dependencies, leaving
-    out those whose package the image has (here: protobuf, not cuda-bindings); a damaged piece stops it (exit not
-    0, nothing installed); fa4-setup without fa4-part1 is refused naming the step."""
+def test_fa4_stage_and_setup_carry_the_cut_wheel_check_it_and_install_what_the_image_lacks(tmp_path):
+    """``stage-fa4`` (CPU), ``fa4-part1`` and ``fa4-setup`` (GPU) with ``python3`` faked (pip's downloads and installs
+    recorded, the image's packages named by FAKE_HAS): the largest wheel is cut into pieces over the two carries with
+    its sha256, joined and checked before anything installs; the wheels go to /tmp/site without dependencies, leaving
+    out those the image has at a version the CUTLASS DSL takes; a second fa4-setup joins nothing and installs again; a
+    damaged piece stops it (exit not 0, the pieces kept, nothing installed); fa4-setup without fa4-part1 is refused.
+    The plan's Python finds the CUTLASS DSL's ``cutlass`` package, which its wheel adds by a .pth file (read in site
+    directories only), through PYTHONPATH."""
     if shutil.which("bash") is None or shutil.which("sha256sum") is None or shutil.which("split") is None:
         pytest.skip("no bash, sha256sum or split")
     tree, work, bin_dir = tmp_path / "tree", tmp_path / "work", tmp_path / "bin"
     shutil.copytree(ROOT / "benchmarks", tree / "benchmarks")
-    (tree / ".fa4a" / "whl").mkdir(parents=True)
-    (tree / ".fa4b").mkdir()
-    for name in ("flash_attn_4-4.0.0b40-py3-none-any.whl", "cuda_bindings-13.5.0-cp312-cp312-x.whl",
-                 "protobuf-7.36.2-cp310-abi3-x.whl"):
-        (tree / ".fa4a" / "whl" / name).write_text(name)
-    big = "nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-x.whl"
-    payload = os.urandom(3000)
-    (tmp_path / big).write_bytes(payload)
-    subprocess.run(f"sha256sum {big} > {tree}/.fa4b/{big}.sha256 && split -b 1000 {big} {tree}/.fa4b/{big}.part",
-                   shell=True, cwd=tmp_path, check=True)
-    shutil.move(tree / ".fa4b" / f"{big}.partaa", tree / ".fa4a" / f"{big}.partaa")
     bin_dir.mkdir()
     log = tmp_path / "py.log"
-    fake = bin_dir / "python3"  # the image: protobuf importable, cuda.bindings not; pip records its wheels
-    fake.write_text(f"""#!/bin/sh
-echo "$*" >> {log}
-case "$*" in *"import cuda.bindings"*) exit 1 ;; *"import google.protobuf"*) exit 0 ;; esac
-exit 0
+    fake = bin_dir / "python3"
+    fake.write_text(f"""#!{sys.executable}
+import os, sys
+args = sys.argv[1:]
+open({str(log)!r}, "a").write(" ".join(args) + "\\n")
+if args[:3] == ["-m", "pip", "download"]:  # a wheel named after the pinned spec; the CUDA library one over 40 MiB
+    dest, spec = args[args.index("-d") + 1], args[-1]
+    name, ver = spec.split("==")
+    size = 41 * 2**20 + 12345 if name.endswith("libs-cu13") else 100
+    with open(os.path.join(dest, f"{{name.replace('-', '_')}}-{{ver}}-py3-none-any.whl"), "wb") as f:
+        f.write(os.urandom(size))
+elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: the image's packages
+    pkg = args[1].split("m.version('")[1].split("'")[0]
+    sys.exit(0 if pkg in os.environ.get("FAKE_HAS", "").split() else 1)
 """)
     fake.chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work)}
 
-    def step(name):
-        return subprocess.run(["bash", "benchmarks/throughput_experiment.sh", name], cwd=tree, env=env,
-                              capture_output=True, text=True, timeout=60, check=False)
+    def step(name, **extra):
+        return subprocess.run(["bash", "benchmarks/throughput_experiment.sh", name], cwd=tree, env=env | extra,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    def installed():
+        pip = [x for x in log.read_text().splitlines() if x.startswith("-m pip install")]
+        return [{Path(w).name.split("-")[0] for w in x.split() if w.endswith(".whl")} for x in pip]
+
+    r = step("stage-fa4")
+    assert r.returncode == 0, r.stderr
+    big = "nvidia_cutlass_dsl_libs_cu13-4.8.1-py3-none-any.whl"
+    small = {w.name.split("-")[0] for w in (tree / ".fa4a" / "whl").iterdir()}
+    assert small == {"flash_attn_4", "nvidia_cutlass_dsl", "nvidia_cutlass_dsl_libs_base", "nvidia_cutlass_dsl_libs_core",
+                     "apache_tvm_ffi", "torch_c_dlpack_ext", "quack_kernels", "einops", "cuda_bindings",
+                     "cuda_pathfinder", "protobuf"}
+    assert [f.name for f in (tree / ".fa4a").glob("*.part*")] == [f"{big}.partaa"]
+    assert sorted(f.name for f in (tree / ".fa4b").iterdir()) == [f"{big}.partab", f"{big}.sha256"]
+    assert (tree / ".fa4a" / f"{big}.partaa").stat().st_size == 40 * 2**20
 
     r = step("fa4-setup")
     assert r.returncode == 2 and "run fa4-part1 first" in r.stderr
     assert step("fa4-part1").returncode == 0
-    r = step("fa4-setup")
+    log.write_text("")
+    r = step("fa4-setup", FAKE_HAS="protobuf")
     assert r.returncode == 0, r.stderr
-    assert (work / "fa4" / "whl" / big).read_bytes() == payload and not list((work / "fa4").glob("*.part*"))
-    pip = [x for x in log.read_text().splitlines() if x.startswith("-m pip install")]
-    assert len(pip) == 1 and "--no-deps" in pip[0] and "--target /tmp/site" in pip[0]
-    installed = {Path(w).name for w in pip[0].split() if w.endswith(".whl")}
-    assert installed == {"flash_attn_4-4.0.0b40-py3-none-any.whl", "cuda_bindings-13.5.0-cp312-cp312-x.whl", big}
-    # a damaged piece: the joined wheel fails its checksum and nothing is installed
+    joined = work / "fa4" / "whl" / big
+    digest = (tree / ".fa4b" / f"{big}.sha256").read_text().split()[0]
+    assert subprocess.run(["sha256sum", str(joined)], capture_output=True, text=True,
+                          check=True).stdout.split()[0] == digest
+    assert not list((work / "fa4").glob("*.part*"))
+    assert installed() == [small - {"protobuf"} | {"nvidia_cutlass_dsl_libs_cu13"}]
+    assert "--no-deps" in log.read_text() and "--target /tmp/site" in log.read_text()
+    assert "import cutlass, flash_attn.cute" in log.read_text()
+    log.write_text("")  # again (e.g. after a failed import): the checked wheel stays, the image's cuda-bindings too
+    r = step("fa4-setup", FAKE_HAS="protobuf cuda-bindings")
+    assert r.returncode == 0, r.stderr
+    assert installed() == [small - {"protobuf", "cuda_bindings", "cuda_pathfinder"} | {"nvidia_cutlass_dsl_libs_cu13"}]
+    # a damaged piece: the joined wheel fails its checksum, the pieces stay for another try, nothing is installed
     shutil.rmtree(work)
     log.write_text("")
     part = tree / ".fa4b" / f"{big}.partab"
     part.write_bytes(b"x" + part.read_bytes()[1:])
     assert step("fa4-part1").returncode == 0
     r = step("fa4-setup")
-    assert r.returncode != 0 and "FAILED" in r.stdout + r.stderr
-    assert not [x for x in log.read_text().splitlines() if x.startswith("-m pip install")]
+    assert r.returncode != 0 and "does not match its sha256" in r.stderr
+    assert not installed() and not joined.exists() and len(list((work / "fa4").glob("*.part*"))) == 2
+    # the plan's Python: the CUTLASS DSL's packages on the path, the repository's after /tmp/site
+    show = ("source <(sed -n '/^export PYTHONUNBUFFERED/,/PYTHONPATH=/p' benchmarks/throughput_experiment.sh); "
+            "echo $PYTHONPATH")
+    r = subprocess.run(["bash", "-c", show], cwd=tree,
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip().split(":")[:3] == ["/tmp/site", "/tmp/site/nvidia_cutlass_dsl/dsl_packages", str(tree)]
