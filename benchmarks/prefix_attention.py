@@ -113,9 +113,8 @@ def flex_fn(block_mask, options: dict | None, compiled, lse: bool = True):
     called without ``return_lse`` and ``lse`` is None (a kernel that cannot differentiate through it, such as
     ``BACKEND: FLASH``, is then asked for nothing it refuses)."""
     def fn(q, k, v):
-        if not lse:
-            return _flex_call(compiled, q, k, v, block_mask, return_lse=False, kernel_options=options), None
-        return _flex_call(compiled, q, k, v, block_mask, return_lse=True, kernel_options=options)
+        res = _flex_call(compiled, q, k, v, block_mask, return_lse=lse, kernel_options=options)
+        return res if lse else (res, None)
     return fn
 
 
@@ -142,15 +141,18 @@ def recompiles_needed(cases: int) -> int:
 def rows_for_n(shape: str, N: int, args, device, dtype, option_sets: list, on_row=None) -> list[dict]:
     """Every row of one ``N`` (module docstring). A row that fails (e.g. a kernel option the GPU
     cannot compile) keeps its error and the others still run. With ``args.partitions`` S > 1 the grid rows are
-    those of each segment (:func:`segment_grids`). ``on_row(row)``: called as each timed row ends (``main`` writes
-    the rows so far, so a kernel that kills the process loses only its own row)."""
+    those of each segment (:func:`segment_grids`). ``on_row(row)``: called as each row ends (``main`` writes the rows
+    so far, so a kernel that kills the process loses only its own row)."""
     s = SHAPES[shape]
     g = torch.Generator().manual_seed(args.seed)
     full = make_grid(N, args.K, args.r, args.r_min, g, args.pad_multiple)
     parts = [("", full)] if args.partitions == 1 else segment_grids(full, N, args.partitions, args.pad_multiple)
     if args.blocks_only:
-        return [{"N": N, "E": len(grid), "pairs": prefix_pairs(grid), "impl": "flex" + label, **block_counts(grid)}
+        rows = [{"N": N, "E": len(grid), "pairs": prefix_pairs(grid), "impl": "flex" + label, **block_counts(grid)}
                 for label, grid in parts]
+        for row in rows if on_row is not None else ():
+            on_row(row)
+        return rows
     rows = []
     for i, (label, grid) in enumerate(parts):  # the causal references once, with the last part
         rows += _timed_rows(N, grid, label, s, args, device, dtype, option_sets, g, references=i == len(parts) - 1,
@@ -293,21 +295,17 @@ def main(argv=None) -> list[dict]:
             "flex": "torch.compile(flex_attention, dynamic=False)" if device.type == "cuda" else "eager",
             "flop": "4 * heads * head_dim per (query, key) pair forward, 8 * backward",
             "backward_of": "sum(out * go)" if args.no_lse_grad else "sum(out * go) + sum(lse * gl)"}
-    done: list[dict] = []
+    rows: list[dict] = []
 
     def write(row=None):  # the rows so far, replacing the file whole (a killed run leaves the last complete one)
         if row is not None:
-            done.append(row)
+            rows.append(row)
         tmp = Path(str(args.out) + ".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": done}, indent=1))
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, args.out)
 
-    rows = []
     for N in args.N:
-        new = rows_for_n(args.shape, N, args, device, dtype, option_sets, on_row=write)
-        if args.blocks_only:
-            done.extend(new)
-        rows += new
+        rows_for_n(args.shape, N, args, device, dtype, option_sets, on_row=write)
     write()
     if args.blocks_only:
         print(f"\nprefix BlockMask of the grid, {args.shape}, K = {args.K}, r = {args.r}, r_min = {args.r_min}")

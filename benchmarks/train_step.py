@@ -138,6 +138,7 @@ from peagle_train.core.config import TrainConfig
 from peagle_train.core.gc_control import manual_collection  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import (  # noqa: E402
+    FLEX_KINDS,
     dense_attention_with_lse,
     device_capability,
     prefix_breaks_layer_graph,
@@ -247,7 +248,7 @@ def divisible_hint_ran(flag: bool, attention: str, device) -> bool:
     ``peagle_train.kernels.attention.DIVISIBLE_HINT``) where FlexAttention ran on a CUDA device (``attention`` ``flex``
     or ``flex_joint``; :func:`peagle_train.kernels.attention.divisible_options` gives the option there only), else
     False (SDPA, a CPU). The grids' lengths are always multiples of 1,024 here. Raises nothing."""
-    return bool(flag) and attention in ("flex", "flex_joint") and torch.device(device).type == "cuda"
+    return bool(flag) and attention in FLEX_KINDS and torch.device(device).type == "cuda"
 
 
 def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
