@@ -34,25 +34,27 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
     "smollm2_trainer_tokens_per_s_online": ("trainer_throughput_8074df3_mb64_online.json",
                                             ["summary", 0, "tokens_per_s"]),
     # the trainer's own step (Trainer.train_step) at N = 8,192 compiled max-autotune with the prefix attention's
-    # forward block that train.prefix_kernel_options "auto" takes on an H100 or H200, speculators 0.9.0's step of the
-    # same shape and trainable set in the same process (H100, c050930, the last commit measured; 47e0feb's 290.2 ms
-    # against 438.9: train_step_47e0feb_h100_gptoss_8192_kopts_fwd.json; the H200's bf16 matmul rate is the same)
-    "gptoss_8k_ms": ("train_step_c050930_h100_gptoss_8192.json",
+    # forward block that train.prefix_kernel_options "auto" takes on an H100 or H200 and FlexAttention's IS_DIVISIBLE
+    # hint (attention.divisible_options), speculators 0.9.0's step of the same shape and trainable set in the same
+    # process (H100, ceaa944, the last commit measured; without the hint 290.0 ms in the same plan:
+    # train_step_ceaa944_h100_gptoss_8192_nohint.json; c050930's 294.4 ms: train_step_c050930_h100_gptoss_8192.json)
+    "gptoss_8k_ms": ("train_step_ceaa944_h100_gptoss_8192.json",
                      ["rows", {"key": "compile", "is": "max-autotune"}, "step_ms"]),
-    "speculators_8k_ms": ("train_step_c050930_h100_gptoss_8192.json",
+    "speculators_8k_ms": ("train_step_ceaa944_h100_gptoss_8192.json",
                           ["rows", {"key": "compile", "is": "max-autotune"}, "ref_step_ms"]),
     # N = 131,072 on an 80 GB card: S = 2 with activation checkpointing, as the planner chose, with the prefix
-    # attention's forward block that train.prefix_kernel_options' default (auto) gives an H100, the default itself
-    # at c050930, the last commit measured (41.07 s; 40.94 s at 8b83765, 40.86 s with the block given by hand at
-    # 47e0feb; adding the recipe's commented backward block: 38.12 s, train_step_47e0feb_h100_131072_kopts_fwd_bwd.json)
-    "n131072_step_ms": ("train_step_c050930_h100_131072.json",
+    # attention's forward block that train.prefix_kernel_options' default (auto) gives an H100 and FlexAttention's
+    # IS_DIVISIBLE hint, at ceaa944, the last commit measured (33.73 s; the same commit without the hint 41.06 s in
+    # the same plan: train_step_ceaa944_h100_131072_nohint.json; c050930: 41.07 s)
+    "n131072_step_ms": ("train_step_ceaa944_h100_131072.json",
                         ["rows", {"key": "N", "is": 131072}, "step_ms"]),
     "n262144_step_s": (None, "a run at b8c873c (H200, activation checkpointing) was stopped by its time limit "
                              "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt); the "
                              "plans of 7a2a50b, 47e0feb and 8b83765 run it only on an H200 and got H100s "
                              "(plan_7a2a50b_h100_progress.txt, plan_47e0feb_h100_progress.txt, "
-                             "plan_8b83765_h100_progress.txt, plan_c050930_h100_progress.txt; at 8b83765 and "
-                             "c050930 an H200 was asked for alone and none could be started)"),
+                             "plan_8b83765_h100_progress.txt, plan_c050930_h100_progress.txt, "
+                             "plan_ceaa944_h100_progress.txt; at 8b83765, c050930 and ceaa944 an H200 was asked "
+                             "for alone and none could be started)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), each ratio against the
@@ -67,9 +69,9 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                                      ["runs", {"key": "name", "is": "plain"}, "tokens_per_s"]),
     # for gptoss_8k_fraction_of_peak: the step's TFLOP/s (every drafter layer's attention counted, train_step.flops
     # since e77a08a) and the bf16 matmul rate measured in the same run
-    "gptoss_8k_tflops": ("train_step_c050930_h100_gptoss_8192.json",
+    "gptoss_8k_tflops": ("train_step_ceaa944_h100_gptoss_8192.json",
                          ["rows", {"key": "compile", "is": "max-autotune"}, "tflops"]),
-    "gptoss_8k_peak_tflops": ("train_step_c050930_h100_gptoss_8192.json", ["meta", "bf16_matmul_tflops"]),
+    "gptoss_8k_peak_tflops": ("train_step_ceaa944_h100_gptoss_8192.json", ["meta", "bf16_matmul_tflops"]),
     # 64 of 64 identical to generate on the real SmolLM2 (float32); the 92788d0 prepare above made no count
     "regen_identical": ("regen_throughput_f473247_real_smollm2_fp32.json", None),
 }
