@@ -7,8 +7,8 @@
 #                                                           # SPECULATORS=1: also speculators 0.9.0 and its imports)
 #   bash benchmarks/throughput_experiment.sh stage-wheels   # HERE (CPU): only the wheels (SPECULATORS=1: + speculators'),
 #                                                           # enough for `long`, `gptoss`, `plan` (a minute, no setup.sh)
-#   bash benchmarks/throughput_experiment.sh stage-fa4      # HERE (CPU): FlashAttention-4's wheels into .fa4a/, .fa4b/
-#                                                           # (GPU: fa4-part1 with .fa4a, fa4-setup with .fa4b)
+#   bash benchmarks/throughput_experiment.sh stage-fa4      # HERE (CPU): FlashAttention-4's wheels into .fa4a/, .fa4b/,
+#                                                           # .fa4c/ (GPU: fa4-part with each carry, then fa4-setup)
 #   bash benchmarks/throughput_experiment.sh setup          # GPU: wheels into /tmp/site, unpack .gpu/ into $WORK
 #   bash benchmarks/throughput_experiment.sh plan; ... poll SECONDS
 #                                                           # GPU: issue 19's long, prefix-attention and GPT-OSS rows
@@ -197,34 +197,56 @@ PY
     du -sh .gpu ;;
   stage-fa4)  # HERE (CPU): FlashAttention-4's CuTe kernels, which FlexAttention runs with kernel option BACKEND: FLASH
     # (plan step prefix_flash), and their imports for the GPU image's Python (torch excluded): none of them is there.
-    # One carry is limited in size, so the 92 MB CUDA 13 library wheel of the CUTLASS DSL is cut in two with its
-    # sha256 kept: .fa4a/ (the other wheels, 20 MB, and the first 40 MiB) and .fa4b/ (the rest). On the GPU machine:
-    # `fa4-part1` (carry .fa4a), then `fa4-setup` (carry .fa4b)
-    rm -rf .fa4a .fa4b && mkdir -p .fa4a/whl .fa4b
+    # A carry travels with the tracked files under one size limit, so the 92 MB CUDA 13 library wheel of the CUTLASS
+    # DSL is cut in 40 MiB pieces with its sha256 and a list of where each piece went: .fa4a/ (the other wheels, the
+    # last, smallest piece, the sha256 and the list), .fa4b/, .fa4c/, ... (one piece each). Each carry is checked
+    # against the room left beside the tracked files. On the GPU machine: `fa4-part` once per carry (carry .fa4a, then
+    # .fa4b, ...; the last one may be `fa4-setup`'s own carry), then `fa4-setup`
+    rm -rf .fa4? && mkdir -p .fa4a/whl .fa4b
     wheels .fa4a/whl flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
       nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 \
       quack-kernels==0.6.5 einops==0.8.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==7.36.2
     wheels .fa4b nvidia-cutlass-dsl-libs-cu13==4.8.1
     big=$(cd .fa4b && ls nvidia_cutlass_dsl_libs_cu13-*.whl)
-    (cd .fa4b && sha256sum "$big" > "$big.sha256" && split -b 40M "$big" "$big.part" && rm "$big")
-    mv .fa4b/"$big".partaa .fa4a/
-    du -sh .fa4a .fa4b ;;
-  fa4-part1)  # GPU, carry .fa4a: its files into $WORK/fa4 (then fa4-setup)
-    mkdir -p "$WORK/fa4" && cp -r .fa4a/. "$WORK/fa4/" ;;
-  fa4-setup)  # GPU, carry .fa4b (after fa4-part1): the big wheel joined in a temporary file, checked, then put in
-    # place (a failed check keeps the pieces; a second run finds the checked wheel and joins nothing), every wheel
-    # into /tmp/site (where `setup` puts its own), then the imports FlexAttention's FLASH backend makes. A wheel whose
-    # package the image already has at a version the CUTLASS DSL takes (cuda-bindings >= 13, protobuf >= 5) is left
-    # out, so the image's own stays in use
-    [ -d "$WORK/fa4/whl" ] || { echo "fa4-setup: no $WORK/fa4: run fa4-part1 first (carry .fa4a)" >&2; exit 2; }
-    cp .fa4b/* "$WORK/fa4/"
+    (cd .fa4b && sha256sum "$big" > ../.fa4a/"$big.sha256" && split -b 40M "$big" "$big.part" && rm "$big")
+    pieces=(.fa4b/"$big".part*); carries=(b c d e f g h)
+    : > .fa4a/"$big.pieces"
+    for i in "${!pieces[@]}"; do  # the last piece with the small wheels, the others one per carry
+      if [ "$i" = $(( ${#pieces[@]} - 1 )) ]; then dir=.fa4a; else dir=.fa4${carries[$i]}; fi
+      mkdir -p "$dir"; name=$(basename "${pieces[$i]}")
+      if [ "$dir" != .fa4b ] || [ "$i" != 0 ]; then mv "${pieces[$i]}" "$dir/"; fi
+      echo "$name $dir" >> .fa4a/"$big.pieces"
+    done
+    tracked=0  # the tracked files' bytes (none outside a git checkout)
+    if git rev-parse --git-dir > /dev/null 2>&1; then tracked=$(git ls-files -z | xargs -0 cat | wc -c); fi
+    room=$(( 64 * 2**20 - tracked - 2**20 ))
+    for dir in .fa4?; do  # each carry must fit beside the tracked files (1 MiB kept free)
+      size=$(du -sb "$dir" | cut -f1)
+      if [ "$size" -gt "$room" ]; then
+        echo "stage-fa4: $dir is $size bytes, more than the $room a carry has room for beside the tracked files:" \
+          "cut the pieces smaller (split -b)" >&2; exit 1; fi
+    done
+    du -sh .fa4? ;;
+  fa4-part)  # GPU, carry one of .fa4a, .fa4b, ...: the files of every .fa4? here into $WORK/fa4 (then fa4-setup)
+    mkdir -p "$WORK/fa4" && for dir in .fa4?; do if [ -d "$dir" ]; then cp -r "$dir"/. "$WORK/fa4/"; fi; done ;;
+  fa4-setup)  # GPU, after fa4-part for every carry (its own carry, if any, is taken in too): the big wheel joined
+    # in a temporary file, checked, then put in place (a failed check keeps the pieces; a second run finds the
+    # checked wheel and joins nothing), every wheel into /tmp/site (where `setup` puts its own), then the imports
+    # FlexAttention's FLASH backend makes. A wheel whose package the image already has at a version the CUTLASS DSL
+    # takes (cuda-bindings >= 13, protobuf >= 5) is left out, so the image's own stays in use
+    for dir in .fa4?; do if [ -d "$dir" ]; then mkdir -p "$WORK/fa4" && cp -r "$dir"/. "$WORK/fa4/"; fi; done
+    [ -d "$WORK/fa4/whl" ] || { echo "fa4-setup: no $WORK/fa4/whl: run fa4-part first (carry .fa4a)" >&2; exit 2; }
     (cd "$WORK/fa4" && for f in *.sha256; do
        w=${f%.sha256}
        if [ -f "whl/$w" ] && (cd whl && sha256sum -c --quiet "../$f"); then continue; fi
+       missing=$(while read -r piece dir; do [ -f "$piece" ] || echo "$piece (carry $dir)"; done < "$w.pieces")
+       if [ -n "$missing" ]; then
+         echo "fa4-setup: pieces not here yet; run fa4-part with their carries:" $missing >&2; exit 2; fi
        cat "$w".part* > "whl/$w.tmp" && mv "whl/$w.tmp" "whl/$w" && (cd whl && sha256sum -c "../$f") \
-         || { rm -f "whl/$w"; echo "fa4-setup: $w does not match its sha256: carry .fa4a and .fa4b again" >&2; exit 1; }
+         || { rm -f "whl/$w"; echo "fa4-setup: $w does not match its sha256: stage-fa4 and carry .fa4? again" >&2
+              exit 1; }
        rm -f "$w".part*
-     done)
+     done) || exit $?
     has() { python3 -c "import importlib.metadata as m, sys; sys.exit(int(m.version('$1').split('.')[0]) < $2)" \
       2>/dev/null; }  # has PACKAGE MAJOR: installed in the image at that major version or later
     skip=()
@@ -310,7 +332,7 @@ PY
     run prefix 600 "$P" benchmarks/prefix_attention.py --N 131072 --partitions 2 --repeats 2 \
       --options "{$fwd}" "{$fwd, $bwd}" \
       --out "$RES/prefix_attention.json"
-    # FlashAttention-4's kernels through FlexAttention (BACKEND: FLASH, after stage-fa4 / fa4-part1 / fa4-setup) on the
+    # FlashAttention-4's kernels through FlexAttention (BACKEND: FLASH, after stage-fa4 / fa4-part / fa4-setup) on the
     # grid's prefix mask beside Triton's, at N = 65,536 (the kernels alone; the split form's merge differentiates
     # through lse, which the FLASH backward does not take, so every row here is timed without that gradient)
     run prefix_flash 600 "$P" benchmarks/prefix_attention.py --N 65536 --repeats 2 --no-lse-grad \

@@ -277,29 +277,60 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
     assert not (res / "old.json").exists() and not (tmp_path / "out" / "old.json").exists()
 
 
+def test_fa4_stage_refuses_a_carry_that_has_no_room_beside_the_tracked_files(tmp_path):
+    """A carry travels with the tracked files under 64 MiB: with 30 MiB tracked, a 40 MiB piece cannot go, and
+    ``stage-fa4`` says which carry and what to do instead of leaving a carry the GPU machine would refuse."""
+    if shutil.which("bash") is None or shutil.which("git") is None or shutil.which("split") is None:
+        pytest.skip("no bash, git or split")
+    tree, bin_dir = tmp_path / "tree", tmp_path / "bin"
+    shutil.copytree(ROOT / "benchmarks", tree / "benchmarks")
+    (tree / "big.bin").write_bytes(os.urandom(30 * 2**20))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "t"]):
+        subprocess.run(git + cmd, cwd=tree, check=True, capture_output=True)
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f"""#!{sys.executable}
+import os, sys
+args = sys.argv[1:]
+if args[:3] == ["-m", "pip", "download"]:
+    dest, spec = args[args.index("-d") + 1], args[-1]
+    name, ver = spec.split("==")
+    with open(os.path.join(dest, f"{{name.replace('-', '_')}}-{{ver}}-py3-none-any.whl"), "wb") as f:
+        f.write(os.urandom(41 * 2**20 if name.endswith("libs-cu13") else 100))
+""")
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "stage-fa4"], cwd=tree, capture_output=True,
+                       text=True, timeout=120, check=False, env=os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.returncode == 1 and ".fa4b is" in r.stderr and "cut the pieces smaller" in r.stderr, r.stderr
+
+
 def test_fa4_stage_and_setup_carry_the_cut_wheel_check_it_and_install_what_the_image_lacks(tmp_path):
-    """``stage-fa4`` (CPU), ``fa4-part1`` and ``fa4-setup`` (GPU) with ``python3`` faked (pip's downloads and installs
-    recorded, the image's packages named by FAKE_HAS): the largest wheel is cut into pieces over the two carries with
-    its sha256, joined and checked before anything installs; the wheels go to /tmp/site without dependencies, leaving
-    out those the image has at a version the CUTLASS DSL takes; a second fa4-setup joins nothing and installs again; a
-    damaged piece stops it (exit not 0, the pieces kept, nothing installed); fa4-setup without fa4-part1 is refused.
-    The plan's Python finds the CUTLASS DSL's ``cutlass`` package, which its wheel adds by a .pth file (read in site
-    directories only), through PYTHONPATH."""
+    """``stage-fa4`` (CPU), ``fa4-part`` and ``fa4-setup`` (GPU) with ``python3`` faked (pip's downloads and installs
+    recorded, the image's packages named by FAKE_HAS): the largest wheel is cut into 40 MiB pieces over three carries
+    (.fa4a: the small wheels, the last piece, the sha256 and the list of pieces; .fa4b and .fa4c one piece each), each
+    carry carried alone (the others absent, as on the GPU machine); a missing piece is named with its carry; the
+    joined wheel is checked before anything installs; the wheels go to /tmp/site without dependencies, leaving out
+    those the image has at a version the CUTLASS DSL takes; a second fa4-setup joins nothing and installs again; a
+    damaged piece stops it (exit not 0, the pieces kept, nothing installed); fa4-setup with nothing carried before is
+    refused. The plan's Python finds the CUTLASS DSL's ``cutlass`` package, which its wheel adds by a .pth file (read
+    in site directories only), through PYTHONPATH."""
     if shutil.which("bash") is None or shutil.which("sha256sum") is None or shutil.which("split") is None:
         pytest.skip("no bash, sha256sum or split")
-    tree, work, bin_dir = tmp_path / "tree", tmp_path / "work", tmp_path / "bin"
+    tree, work, bin_dir, aside = tmp_path / "tree", tmp_path / "work", tmp_path / "bin", tmp_path / "aside"
     shutil.copytree(ROOT / "benchmarks", tree / "benchmarks")
     bin_dir.mkdir()
+    aside.mkdir()
     log = tmp_path / "py.log"
     fake = bin_dir / "python3"
     fake.write_text(f"""#!{sys.executable}
 import os, sys
 args = sys.argv[1:]
 open({str(log)!r}, "a").write(" ".join(args) + "\\n")
-if args[:3] == ["-m", "pip", "download"]:  # a wheel named after the pinned spec; the CUDA library one over 40 MiB
+if args[:3] == ["-m", "pip", "download"]:  # a wheel named after the pinned spec; the CUDA library one over 80 MiB
     dest, spec = args[args.index("-d") + 1], args[-1]
     name, ver = spec.split("==")
-    size = 41 * 2**20 + 12345 if name.endswith("libs-cu13") else 100
+    size = 81 * 2**20 + 12345 if name.endswith("libs-cu13") else 100
     with open(os.path.join(dest, f"{{name.replace('-', '_')}}-{{ver}}-py3-none-any.whl"), "wb") as f:
         f.write(os.urandom(size))
 elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: the image's packages
@@ -309,7 +340,11 @@ elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: 
     fake.chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work)}
 
-    def step(name, **extra):
+    def step(name, carry=None, **extra):  # carry: the one .fa4? directory present (the others set aside)
+        if carry is not None:
+            for d in list(tree.glob(".fa4?")):
+                d.rename(aside / d.name)
+            (aside / carry).rename(tree / carry)
         return subprocess.run(["bash", "benchmarks/throughput_experiment.sh", name], cwd=tree, env=env | extra,
                               capture_output=True, text=True, timeout=120, check=False)
 
@@ -324,18 +359,30 @@ elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: 
     assert small == {"flash_attn_4", "nvidia_cutlass_dsl", "nvidia_cutlass_dsl_libs_base", "nvidia_cutlass_dsl_libs_core",
                      "apache_tvm_ffi", "torch_c_dlpack_ext", "quack_kernels", "einops", "cuda_bindings",
                      "cuda_pathfinder", "protobuf"}
-    assert [f.name for f in (tree / ".fa4a").glob("*.part*")] == [f"{big}.partaa"]
-    assert sorted(f.name for f in (tree / ".fa4b").iterdir()) == [f"{big}.partab", f"{big}.sha256"]
-    assert (tree / ".fa4a" / f"{big}.partaa").stat().st_size == 40 * 2**20
+    assert sorted(f.name for f in tree.glob(".fa4?")) == [".fa4a", ".fa4b", ".fa4c"]
+    assert sorted(f.name for f in (tree / ".fa4a").iterdir() if f.is_file()) == [
+        f"{big}.partac", f"{big}.pieces", f"{big}.sha256"]
+    assert [f.name for f in (tree / ".fa4b").iterdir()] == [f"{big}.partaa"]
+    assert [f.name for f in (tree / ".fa4c").iterdir()] == [f"{big}.partab"]
+    assert (tree / ".fa4b" / f"{big}.partaa").stat().st_size == 40 * 2**20
+    assert (tree / ".fa4a" / f"{big}.pieces").read_text().split() == [
+        f"{big}.partaa", ".fa4b", f"{big}.partab", ".fa4c", f"{big}.partac", ".fa4a"]
+    for d in list(tree.glob(".fa4?")):
+        d.rename(aside / d.name)
 
-    r = step("fa4-setup")
-    assert r.returncode == 2 and "run fa4-part1 first" in r.stderr
-    assert step("fa4-part1").returncode == 0
+    r = step("fa4-setup", carry=".fa4c")  # nothing carried before
+    assert r.returncode == 2 and "run fa4-part first" in r.stderr
+    shutil.rmtree(work)
+    assert step("fa4-part", carry=".fa4a").returncode == 0
+    r = step("fa4-setup", carry=".fa4c")  # .fa4b's piece not yet carried: named, nothing joined or installed
+    assert r.returncode == 2 and f"{big}.partaa (carry .fa4b)" in r.stderr and f"{big}.partab" not in r.stderr
+    assert not installed()
+    assert step("fa4-part", carry=".fa4b").returncode == 0
     log.write_text("")
-    r = step("fa4-setup", FAKE_HAS="protobuf")
+    r = step("fa4-setup", carry=".fa4c", FAKE_HAS="protobuf")
     assert r.returncode == 0, r.stderr
     joined = work / "fa4" / "whl" / big
-    digest = (tree / ".fa4b" / f"{big}.sha256").read_text().split()[0]
+    digest = (aside / ".fa4a" / f"{big}.sha256").read_text().split()[0]
     assert subprocess.run(["sha256sum", str(joined)], capture_output=True, text=True,
                           check=True).stdout.split()[0] == digest
     assert not list((work / "fa4").glob("*.part*"))
@@ -343,18 +390,19 @@ elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: 
     assert "--no-deps" in log.read_text() and "--target /tmp/site" in log.read_text()
     assert "import cutlass, flash_attn.cute" in log.read_text()
     log.write_text("")  # again (e.g. after a failed import): the checked wheel stays, the image's cuda-bindings too
-    r = step("fa4-setup", FAKE_HAS="protobuf cuda-bindings")
+    r = step("fa4-setup", carry=".fa4c", FAKE_HAS="protobuf cuda-bindings")
     assert r.returncode == 0, r.stderr
     assert installed() == [small - {"protobuf", "cuda_bindings", "cuda_pathfinder"} | {"nvidia_cutlass_dsl_libs_cu13"}]
     # a damaged piece: the joined wheel fails its checksum, the pieces stay for another try, nothing is installed
     shutil.rmtree(work)
     log.write_text("")
-    part = tree / ".fa4b" / f"{big}.partab"
+    part = aside / ".fa4b" / f"{big}.partaa"
     part.write_bytes(b"x" + part.read_bytes()[1:])
-    assert step("fa4-part1").returncode == 0
-    r = step("fa4-setup")
+    assert step("fa4-part", carry=".fa4a").returncode == 0
+    assert step("fa4-part", carry=".fa4b").returncode == 0
+    r = step("fa4-setup", carry=".fa4c")
     assert r.returncode != 0 and "does not match its sha256" in r.stderr
-    assert not installed() and not joined.exists() and len(list((work / "fa4").glob("*.part*"))) == 2
+    assert not installed() and not joined.exists() and len(list((work / "fa4").glob("*.part*"))) == 3
     # the plan's Python: the CUTLASS DSL's packages on the path, the repository's after /tmp/site
     show = ("source <(sed -n '/^export PYTHONUNBUFFERED/,/PYTHONPATH=/p' benchmarks/throughput_experiment.sh); "
             "echo $PYTHONPATH")
