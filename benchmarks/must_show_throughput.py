@@ -50,11 +50,11 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                         ["rows", {"key": "N", "is": 131072}, "step_ms"]),
     "n262144_step_s": (None, "a run at b8c873c (H200, activation checkpointing) was stopped by its time limit "
                              "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt); the "
-                             "plans of 7a2a50b, 47e0feb and 8b83765 run it only on an H200 and got H100s "
+                             "plans of 7a2a50b, 47e0feb, 8b83765 and c050930 run it only on an H200 and got H100s "
                              "(plan_7a2a50b_h100_progress.txt, plan_47e0feb_h100_progress.txt, "
-                             "plan_8b83765_h100_progress.txt, plan_c050930_h100_progress.txt, "
-                             "plan_ceaa944_h100_progress.txt; at 8b83765, c050930 and ceaa944 an H200 was asked "
-                             "for alone and none could be started)"),
+                             "plan_8b83765_h100_progress.txt, plan_c050930_h100_progress.txt); at 8b83765, "
+                             "c050930 and ceaa944 an H200 was asked for alone and none could be started "
+                             "(docs/benchmarks.md)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),
     # ZeRO-2 and FSDP2 against plain at the GPU recipes' scale (micro-batch 64, compiled), each ratio against the

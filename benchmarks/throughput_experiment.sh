@@ -198,18 +198,23 @@ PY
   stage-fa4)  # HERE (CPU): FlashAttention-4's CuTe kernels, which FlexAttention runs with kernel option BACKEND: FLASH
     # (plan step prefix_flash), and their imports for the GPU image's Python (torch excluded): none of them is there.
     # A carry travels with the tracked files under one size limit, so the 92 MB CUDA 13 library wheel of the CUTLASS
-    # DSL is cut in 40 MiB pieces with its sha256 and a list of where each piece went: .fa4a/ (the other wheels, the
-    # last, smallest piece, the sha256 and the list), .fa4b/, .fa4c/, ... (one piece each). Each carry is checked
-    # against the room left beside the tracked files. On the GPU machine: `fa4-part` once per carry (carry .fa4a, then
-    # .fa4b, ...; the last one may be `fa4-setup`'s own carry), then `fa4-setup`
+    # DSL is cut in pieces of FA4_PIECE (default 40M, split -b) with its sha256 and a list of where each piece went:
+    # .fa4a/ (the other wheels, the last, smallest piece, the sha256 and the list), .fa4b/, .fa4c/, ... (one piece
+    # each). Each carry is checked against the room left beside the files that travel with it (tracked, and untracked
+    # ones not ignored); one without room removes them all and asks for smaller pieces. On the GPU machine: `fa4-part`
+    # once per carry (carry .fa4a, then .fa4b, ...; the last one may be `fa4-setup`'s own carry), then `fa4-setup`
     rm -rf .fa4? && mkdir -p .fa4a/whl .fa4b
     wheels .fa4a/whl flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
       nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 \
       quack-kernels==0.6.5 einops==0.8.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==7.36.2
     wheels .fa4b nvidia-cutlass-dsl-libs-cu13==4.8.1
     big=$(cd .fa4b && ls nvidia_cutlass_dsl_libs_cu13-*.whl)
-    (cd .fa4b && sha256sum "$big" > ../.fa4a/"$big.sha256" && split -b 40M "$big" "$big.part" && rm "$big")
+    (cd .fa4b && sha256sum "$big" > ../.fa4a/"$big.sha256" && split -b "${FA4_PIECE:-40M}" "$big" "$big.part" \
+      && rm "$big")
     pieces=(.fa4b/"$big".part*); carries=(b c d e f g h)
+    if [ ${#pieces[@]} -gt $(( ${#carries[@]} + 1 )) ]; then
+      rm -rf .fa4?; echo "stage-fa4: ${#pieces[@]} pieces, more than the $(( ${#carries[@]} + 1 )) carries" \
+        ".fa4a-.fa4h: set FA4_PIECE larger" >&2; exit 1; fi
     : > .fa4a/"$big.pieces"
     for i in "${!pieces[@]}"; do  # the last piece with the small wheels, the others one per carry
       if [ "$i" = $(( ${#pieces[@]} - 1 )) ]; then dir=.fa4a; else dir=.fa4${carries[$i]}; fi
@@ -217,36 +222,54 @@ PY
       if [ "$dir" != .fa4b ] || [ "$i" != 0 ]; then mv "${pieces[$i]}" "$dir/"; fi
       echo "$name $dir" >> .fa4a/"$big.pieces"
     done
-    tracked=0  # the tracked files' bytes (none outside a git checkout)
-    if git rev-parse --git-dir > /dev/null 2>&1; then tracked=$(git ls-files -z | xargs -0 cat | wc -c); fi
-    room=$(( 64 * 2**20 - tracked - 2**20 ))
-    for dir in .fa4?; do  # each carry must fit beside the tracked files (1 MiB kept free)
+    rmdir .fa4b 2> /dev/null || true  # a wheel in one piece: no .fa4b
+    travels=0  # the bytes that travel with any carry (none outside a git checkout): tracked and untracked files
+    if git rev-parse --git-dir > /dev/null 2>&1; then  # not ignored, as they are on the working tree now
+      travels=$(git ls-files -z --cached --others --exclude-standard | { grep -zv '^\.fa4[a-h]/' || true; } \
+        | xargs -0 -r stat -c %s -- 2> /dev/null \
+        | awk '{s += $1} END {print s + 0}' || true); fi
+    room=$(( 64 * 2**20 - ${travels:-0} - 2**20 ))
+    for dir in .fa4?; do  # each carry must fit beside them (1 MiB kept free)
       size=$(du -sb "$dir" | cut -f1)
       if [ "$size" -gt "$room" ]; then
-        echo "stage-fa4: $dir is $size bytes, more than the $room a carry has room for beside the tracked files:" \
-          "cut the pieces smaller (split -b)" >&2; exit 1; fi
+        rm -rf .fa4?
+        echo "stage-fa4: $dir would be $size bytes, more than the $room a carry has room for beside the files that" \
+          "travel with it: run again with smaller pieces (FA4_PIECE=30M)" >&2; exit 1; fi
     done
     du -sh .fa4? ;;
   fa4-part)  # GPU, carry one of .fa4a, .fa4b, ...: the files of every .fa4? here into $WORK/fa4 (then fa4-setup)
-    mkdir -p "$WORK/fa4" && for dir in .fa4?; do if [ -d "$dir" ]; then cp -r "$dir"/. "$WORK/fa4/"; fi; done ;;
+    n=0; mkdir -p "$WORK/fa4"
+    for dir in .fa4?; do if [ -d "$dir" ]; then cp -r "$dir"/. "$WORK/fa4/"; n=$((n + 1)); fi; done
+    [ "$n" -gt 0 ] || { echo "fa4-part: no .fa4? here: carry one of the stage-fa4 folders (.fa4a, ...)" >&2; exit 2; } ;;
   fa4-setup)  # GPU, after fa4-part for every carry (its own carry, if any, is taken in too): the big wheel joined
-    # in a temporary file, checked, then put in place (a failed check keeps the pieces; a second run finds the
-    # checked wheel and joins nothing), every wheel into /tmp/site (where `setup` puts its own), then the imports
-    # FlexAttention's FLASH backend makes. A wheel whose package the image already has at a version the CUTLASS DSL
-    # takes (cuda-bindings >= 13, protobuf >= 5) is left out, so the image's own stays in use
+    # from the pieces its list names, in that order, in a temporary file, checked, then put in place (a failed check
+    # keeps the pieces; a second run finds the checked wheel and joins nothing), every wheel into /tmp/site (where
+    # `setup` puts its own), then the imports FlexAttention's FLASH backend makes. A wheel whose package the image
+    # already has at a version the CUTLASS DSL takes (cuda-bindings >= 13, protobuf >= 5) is left out, so the
+    # image's own stays in use
     for dir in .fa4?; do if [ -d "$dir" ]; then mkdir -p "$WORK/fa4" && cp -r "$dir"/. "$WORK/fa4/"; fi; done
     [ -d "$WORK/fa4/whl" ] || { echo "fa4-setup: no $WORK/fa4/whl: run fa4-part first (carry .fa4a)" >&2; exit 2; }
-    (cd "$WORK/fa4" && for f in *.sha256; do
+    sums=("$WORK"/fa4/*.sha256)
+    [ -f "${sums[0]}" ] || { echo "fa4-setup: no .sha256 in $WORK/fa4: stage-fa4 again and carry .fa4a" >&2; exit 2; }
+    (cd "$WORK/fa4"
+     for f in *.sha256; do
        w=${f%.sha256}
        if [ -f "whl/$w" ] && (cd whl && sha256sum -c --quiet "../$f"); then continue; fi
-       missing=$(while read -r piece dir; do [ -f "$piece" ] || echo "$piece (carry $dir)"; done < "$w.pieces")
-       if [ -n "$missing" ]; then
-         echo "fa4-setup: pieces not here yet; run fa4-part with their carries:" $missing >&2; exit 2; fi
-       cat "$w".part* > "whl/$w.tmp" && mv "whl/$w.tmp" "whl/$w" && (cd whl && sha256sum -c "../$f") \
-         || { rm -f "whl/$w"; echo "fa4-setup: $w does not match its sha256: stage-fa4 and carry .fa4? again" >&2
-              exit 1; }
-       rm -f "$w".part*
-     done) || exit $?
+       [ -f "$w.pieces" ] || { echo "fa4-setup: no $w.pieces (an older stage-fa4): stage-fa4 again," \
+         "rm -rf $WORK/fa4 here and carry every .fa4? again" >&2; exit 2; }
+       listed=(); missing=()
+       while read -r piece dir; do
+         listed+=("$piece"); [ -f "$piece" ] || missing+=("$piece (carry $dir)"); done < "$w.pieces"
+       if [ ${#missing[@]} -gt 0 ]; then
+         echo "fa4-setup: pieces not here yet; run fa4-part with their carries: ${missing[*]}" >&2; exit 2; fi
+       if ! { cat "${listed[@]}" > "whl/$w.tmp" && mv "whl/$w.tmp" "whl/$w" && (cd whl && sha256sum -c "../$f"); }
+       then
+         rm -f "whl/$w" "whl/$w.tmp"
+         echo "fa4-setup: $w does not match its sha256: stage-fa4 again, rm -rf $WORK/fa4 here and carry every" \
+           ".fa4? again" >&2; exit 1
+       fi
+       rm -f "${listed[@]}"
+     done)
     has() { python3 -c "import importlib.metadata as m, sys; sys.exit(int(m.version('$1').split('.')[0]) < $2)" \
       2>/dev/null; }  # has PACKAGE MAJOR: installed in the image at that major version or later
     skip=()
@@ -298,15 +321,19 @@ PY
     if [[ $gpu == *H200* ]]; then  # each step runs under its own time limit (the second argument of run)
       run long262144 900 bash "$0" long "$RES/long262144.json" --seq-len 262144 --steps 2 --warmup 1 --checkpointing
     else  # N = 131,072 needs checkpointing on an 80 GB card (the planner's figures, docs/benchmarks.md)
-      ck=--checkpointing; echo "long262144 not run (not an H200)" >> "$RES/progress.txt"; fi
+      ck=--checkpointing
+      if [ "$steps" = "  " ] || [[ $steps == *" long262144 "* ]]; then
+        echo "long262144 not run (not an H200)" >> "$RES/progress.txt"
+      else echo "long262144 skipped (PLAN_STEPS)" >> "$RES/progress.txt"; fi; fi
     # train.prefix_kernel_options: the forward block (auto's on an H100 / H200) and with the backward block too
     fwd='"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3'
     bwd='"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4, "num_stages": 3'
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
     # the same step without the IS_DIVISIBLE option the trainer gives FlexAttention on its padded grids (under the
     # default dynamic shapes Inductor cannot prove the lengths divisible by 128 and takes the bounds-checked kernels:
-    # a candidate for the prefix kernels' 0.77 of their alone speed in this step), and with one compiled graph per
-    # grid bucket (train.dynamic_shapes: false: static lengths, as prefix_attention.py compiles the kernels alone)
+    # on an H100 at ceaa944 41.06 s against 33.73 s with it: it was the prefix kernels' 0.77 of their alone speed in
+    # this step, docs/benchmarks.md), and with one compiled graph per grid bucket (train.dynamic_shapes: false:
+    # static lengths, as prefix_attention.py compiles the kernels alone)
     run long131072_nohint 600 bash "$0" long "$RES/long131072_nohint.json" $ck --divisible-hint off
     run long131072_static 600 bash "$0" long "$RES/long131072_static.json" $ck --dynamic-shapes off
     # the same step with the backward block too (train.prefix_kernel_options: the default auto has the forward block

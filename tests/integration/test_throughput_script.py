@@ -216,7 +216,9 @@ def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
                        "gptoss", "gptoss_nohint", "prefix", "prefix_flash"]
     r, lines, ran, skipped = plan("NVIDIA H100 80GB HBM3", "long131072_kopts")
     assert ran == ["long131072_kopts"] and "long131072" in skipped
-    assert "long262144 not run (not an H200)" in lines
+    assert "long262144 skipped (PLAN_STEPS)" in lines  # not asked for: no claim that an H200 was missing
+    r, lines, ran, skipped = plan("NVIDIA H100 80GB HBM3", "long262144 long131072_kopts")
+    assert ran == ["long131072_kopts"] and "long262144 not run (not an H200)" in lines
     r, lines, ran, skipped = plan("NVIDIA H200", "long131072 profile_131072")
     assert r.returncode == 2 and "PLAN_STEPS: profile_131072 is not a step of the plan" in r.stderr
     assert ran == [] and not any(x.startswith("done") for x in lines)
@@ -278,8 +280,9 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
 
 
 def test_fa4_stage_refuses_a_carry_that_has_no_room_beside_the_tracked_files(tmp_path):
-    """A carry travels with the tracked files under 64 MiB: with 30 MiB tracked, a 40 MiB piece cannot go, and
-    ``stage-fa4`` says which carry and what to do instead of leaving a carry the GPU machine would refuse."""
+    """A carry travels with the tracked files (and untracked ones not ignored) under one size limit: with 30 MiB
+    tracked and 4 MiB untracked, a 40 MiB piece cannot go; ``stage-fa4`` says which carry and what to do and leaves no
+    carry the GPU machine would refuse; with smaller pieces (FA4_PIECE) it fits."""
     if shutil.which("bash") is None or shutil.which("git") is None or shutil.which("split") is None:
         pytest.skip("no bash, git or split")
     tree, bin_dir = tmp_path / "tree", tmp_path / "bin"
@@ -302,18 +305,30 @@ if args[:3] == ["-m", "pip", "download"]:
     fake.chmod(0o755)
     r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "stage-fa4"], cwd=tree, capture_output=True,
                        text=True, timeout=120, check=False, env=os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"})
-    assert r.returncode == 1 and ".fa4b is" in r.stderr and "cut the pieces smaller" in r.stderr, r.stderr
+    assert r.returncode == 1 and ".fa4b would be" in r.stderr and "FA4_PIECE" in r.stderr, r.stderr
+    assert not list(tree.glob(".fa4?"))
+    (tree / "untracked.bin").write_bytes(os.urandom(4 * 2**20))  # travels too: 30 + 4 MiB leave less than 30 MiB
+    r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "stage-fa4"], cwd=tree, capture_output=True,
+                       text=True, timeout=120, check=False,
+                       env=os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FA4_PIECE": "29M"})
+    assert r.returncode == 1 and ".fa4b would be" in r.stderr, r.stderr
+    r = subprocess.run(["bash", "benchmarks/throughput_experiment.sh", "stage-fa4"], cwd=tree, capture_output=True,
+                       text=True, timeout=120, check=False,
+                       env=os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FA4_PIECE": "20M"})
+    assert r.returncode == 0, r.stderr
+    assert sorted(d.name for d in tree.glob(".fa4?")) == [".fa4a", ".fa4b", ".fa4c"]
 
 
 def test_fa4_stage_and_setup_carry_the_cut_wheel_check_it_and_install_what_the_image_lacks(tmp_path):
     """``stage-fa4`` (CPU), ``fa4-part`` and ``fa4-setup`` (GPU) with ``python3`` faked (pip's downloads and installs
     recorded, the image's packages named by FAKE_HAS): the largest wheel is cut into 40 MiB pieces over three carries
     (.fa4a: the small wheels, the last piece, the sha256 and the list of pieces; .fa4b and .fa4c one piece each), each
-    carry carried alone (the others absent, as on the GPU machine); a missing piece is named with its carry; the
-    joined wheel is checked before anything installs; the wheels go to /tmp/site without dependencies, leaving out
+    call with one carry present (the worst case: a fresh GPU machine keeps only what earlier calls copied into WORK);
+    a missing piece is named with its carry; only the listed pieces are joined, in order (a stale piece left in WORK
+    is not); the joined wheel is checked before anything installs; the wheels go to /tmp/site without dependencies, leaving out
     those the image has at a version the CUTLASS DSL takes; a second fa4-setup joins nothing and installs again; a
-    damaged piece stops it (exit not 0, the pieces kept, nothing installed); fa4-setup with nothing carried before is
-    refused. The plan's Python finds the CUTLASS DSL's ``cutlass`` package, which its wheel adds by a .pth file (read
+    damaged piece stops it (exit not 0, the pieces kept, nothing installed); fa4-setup with nothing carried before, or
+    from a staging without the list, and fa4-part with no carry, are refused. The plan's Python finds the CUTLASS DSL's ``cutlass`` package, which its wheel adds by a .pth file (read
     in site directories only), through PYTHONPATH."""
     if shutil.which("bash") is None or shutil.which("sha256sum") is None or shutil.which("split") is None:
         pytest.skip("no bash, sha256sum or split")
@@ -340,11 +355,12 @@ elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: 
     fake.chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work)}
 
-    def step(name, carry=None, **extra):  # carry: the one .fa4? directory present (the others set aside)
+    def step(name, carry=None, **extra):  # carry: the one .fa4? directory present (the others set aside; "": none)
         if carry is not None:
             for d in list(tree.glob(".fa4?")):
                 d.rename(aside / d.name)
-            (aside / carry).rename(tree / carry)
+            if carry:
+                (aside / carry).rename(tree / carry)
         return subprocess.run(["bash", "benchmarks/throughput_experiment.sh", name], cwd=tree, env=env | extra,
                               capture_output=True, text=True, timeout=120, check=False)
 
@@ -373,7 +389,16 @@ elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: 
     r = step("fa4-setup", carry=".fa4c")  # nothing carried before
     assert r.returncode == 2 and "run fa4-part first" in r.stderr
     shutil.rmtree(work)
+    r = step("fa4-part", carry="")  # no carry at all
+    assert r.returncode == 2 and "no .fa4? here" in r.stderr
     assert step("fa4-part", carry=".fa4a").returncode == 0
+    (work / "fa4" / f"{big}.partzz").write_bytes(b"stale")  # from an earlier staging: not in the list, not joined
+    pieces_list = work / "fa4" / f"{big}.pieces"
+    kept = pieces_list.read_text()
+    pieces_list.unlink()  # a staging before the list: refused with what to do
+    r = step("fa4-setup", carry=".fa4c")
+    assert r.returncode == 2 and f"no {big}.pieces" in r.stderr and "stage-fa4 again" in r.stderr
+    pieces_list.write_text(kept)
     r = step("fa4-setup", carry=".fa4c")  # .fa4b's piece not yet carried: named, nothing joined or installed
     assert r.returncode == 2 and f"{big}.partaa (carry .fa4b)" in r.stderr and f"{big}.partab" not in r.stderr
     assert not installed()
@@ -385,7 +410,7 @@ elif args and args[0] == "-c" and "sys.exit(" in args[1]:  # has PACKAGE MAJOR: 
     digest = (aside / ".fa4a" / f"{big}.sha256").read_text().split()[0]
     assert subprocess.run(["sha256sum", str(joined)], capture_output=True, text=True,
                           check=True).stdout.split()[0] == digest
-    assert not list((work / "fa4").glob("*.part*"))
+    assert [f.name for f in (work / "fa4").glob("*.part*")] == [f"{big}.partzz"]  # the listed pieces are gone
     assert installed() == [small - {"protobuf"} | {"nvidia_cutlass_dsl_libs_cu13"}]
     assert "--no-deps" in log.read_text() and "--target /tmp/site" in log.read_text()
     assert "import cutlass, flash_attn.cute" in log.read_text()
