@@ -793,6 +793,16 @@ def _kernel_options(text: str) -> str | dict | None:
     return value
 
 
+def _checkpointing_mode(value: str) -> bool | str:
+    """``--checkpointing [MODE]``: ``selective``, or ``full`` / ``true`` (the flag alone) -> True.
+    Raises argparse.ArgumentTypeError for anything else."""
+    if value in ("full", "true"):
+        return True
+    if value == "selective":
+        return value
+    raise argparse.ArgumentTypeError(f"--checkpointing takes 'selective' or 'full' (or nothing), not {value!r}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
@@ -807,7 +817,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--partitions", type=str, nargs="+", default=None,
                     help="train.partitions per N: S, or 'auto' (the trainer asks peagle_train.peagle.planner; "
                          "default 1; a single value applies to all N)")
-    ap.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing (decoder layers)")
+    ap.add_argument("--checkpointing", nargs="?", const=True, default=False, type=_checkpointing_mode,
+                    help="train.activation_checkpointing of the decoder layers: --checkpointing (true), "
+                         "--checkpointing selective (the attention kernels' outputs kept, "
+                         "peagle_train.kernels.selective_checkpoint)")
     ap.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16", help="train.mixed_precision")
     ap.add_argument("--lr", type=float, default=1e-4, help="train.lr")
     ap.add_argument("--feature-placement", choices=sorted(PLACEMENTS), default="device",
@@ -996,7 +1009,8 @@ def print_table(args, meta: dict, rows: list[dict]) -> None:
             continue
         pk = f"{r['peak_alloc_gb']:.1f}" if r["peak_alloc_gb"] is not None else "-"
         sp = f"  {r['speedup_vs_joint']:.2f}x vs joint" if "speedup_vs_joint" in r else ""
-        print(f"{r['N']:>7} {r['S']:>2} {'yes' if r['checkpointing'] else 'no':>4} {comp:>7} {attn:>12} "
+        ck = {True: "yes", False: "no"}.get(r["checkpointing"], "sel")
+        print(f"{r['N']:>7} {r['S']:>2} {ck:>4} {comp:>7} {attn:>12} "
               f"{r['positions']:>10} {r['step_ms']:>9.1f} {r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} "
               f"{r['first_step_s']:>8.1f} {r['positions_per_s']:>9.0f} {r['tflops']:>8.1f} {pk:>8}{sp}")
         if r.get("compile_modes"):

@@ -266,7 +266,14 @@ class TrainConfig(Section):
         "or one that is not a plain bias-free nn.Linear always recomputes.",
     )
     mixed_precision: Literal["no", "bf16"] = "no"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["selective"] = Field(
+        False, description="Activation checkpointing of the drafter's decoder layers. true: keep each layer's "
+        "inputs, run the layer again in the backward. 'selective': the same, but keep the attention kernels' "
+        "outputs (FlexAttention's output and log-sum-exp, SDPA's) so the backward does not run attention again "
+        "(torch's selective activation checkpointing; peagle_train.kernels.selective_checkpoint); costs per grid "
+        "element and layer the attention output and log-sum-exp more than true. Same gradients. "
+        "train.partitions: auto plans with the setting as given.",
+    )
     compile: bool | Literal["max-autotune"] = Field(
         False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
         "dynamic=False; one compile per 1024-bucketed grid length); on failure it falls back to graph breaks, "

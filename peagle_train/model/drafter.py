@@ -12,6 +12,8 @@ vocab, ``Vd`` draft vocab, ``nh``/``nkv`` query/KV heads, ``hd`` head dim.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -19,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedd
 
 from peagle_train.core.dtypes import acc_dtype
 from peagle_train.kernels.attention import AttnSpec, attend
+from peagle_train.kernels.selective_checkpoint import check_mode, selective_checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -216,9 +219,10 @@ class Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if Vd == V else torch.zeros(V, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing: bool | str = False  # train.activation_checkpointing: False, True, "selective"
         self._compiled_layers: list | None = None  # set by set_compile (not submodules: state_dict unchanged)
         self._compile_cache: list | None = None
+        self._selective_cache: list | None = None  # the compiled layers under selective checkpointing
         self.reset_parameters()
 
     def set_compile(self, enabled: bool | str = True, fullgraph: bool = True) -> None:
@@ -232,7 +236,8 @@ class Drafter(nn.Module):
         compile failure retries with graph breaks, then falls back to eager with a warning.
         FlexAttention called inside a compiled layer is traced into the layer's graph.
         Parameters and ``state_dict`` keys are untouched; activation checkpointing
-        (``gradient_checkpointing``) wraps the compiled layer. ``fullgraph=False`` compiles with graph breaks
+        (``gradient_checkpointing`` True) wraps the compiled layer; selective checkpointing (``"selective"``) is
+        compiled inside each layer's own compiled call (:meth:`_selective_calls`). ``fullgraph=False`` compiles with graph breaks
         allowed from the first call (``train.prefix_compiled_apart``: the prefix attention is a graph break by
         design, so a ``fullgraph=True`` attempt would only fail and warn first).
         """
@@ -246,6 +251,7 @@ class Drafter(nn.Module):
                 or self._compile_cache[0].inductor_mode != mode or self._compile_cache[0].fullgraph != fullgraph):
             self._compile_cache = [SafeCompiled(layer, f"drafter.layers.{i}", inductor_mode=mode, fullgraph=fullgraph)
                                    for i, layer in enumerate(self.layers)]
+            self._selective_cache = None
         self._compiled_layers = self._compile_cache
 
     @property
@@ -450,14 +456,34 @@ class Drafter(nn.Module):
         h = hidden
         new_kv = []
         calls = self._compiled_layers if self._compiled_layers is not None else self.layers
+        mode = check_mode(self.gradient_checkpointing) if self.training else False
+        if mode == "selective":
+            calls = self._selective_calls()
         for i, layer in enumerate(calls):
             pkv = past_kv[i] if past_kv is not None else None
-            if self.gradient_checkpointing and self.training:
+            if mode is True:
                 h, kv = torch.utils.checkpoint.checkpoint(layer, h, emb, cos, sin, spec, pkv, use_reentrant=False)
-            else:
+            else:  # no checkpointing, or selective (the checkpoint is inside the call)
                 h, kv = layer(h, emb, cos, sin, spec, pkv)
             new_kv.append(kv)
         return h, new_kv
+
+    def _selective_calls(self) -> list:
+        """The layers under selective activation checkpointing (``gradient_checkpointing == "selective"``,
+        :mod:`~peagle_train.kernels.selective_checkpoint`): eager, or each compiled with the checkpoint inside
+        (``torch.compile`` of ``selective_checkpoint(layer, ...)``, as :meth:`set_compile` set the mode), built at
+        the first such call and kept until :meth:`set_compile` changes."""
+        if self._compiled_layers is None:
+            return [functools.partial(selective_checkpoint, layer) for layer in self.layers]
+        if self._selective_cache is None:
+            from peagle_train.kernels.compiling import SafeCompiled
+
+            first = self._compile_cache[0]
+            self._selective_cache = [
+                SafeCompiled(functools.partial(selective_checkpoint, layer), f"drafter.layers.{i} (selective)",
+                             inductor_mode=first.inductor_mode, fullgraph=first.fullgraph)
+                for i, layer in enumerate(self.layers)]
+        return self._selective_cache
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` → draft-vocab logits ``[..., Vd]``."""

@@ -28,6 +28,8 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
     act_bytes_per_element = L * (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd) + 12 H
                                              # saved activations per grid element, no checkpointing
     with checkpointing: L * 2 H + 12 H + one layer's (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd)
+    selective (train.activation_checkpointing: selective): that + L * (2 nh hd + 4 nh)
+                                             # each layer's attention output (bf16) and log-sum-exp (fp32) kept
     kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
                                              # recompute path keeps every chunk's bf16 target logits);
                   with fused_loss and a trainable lm_head, 4 * Vd * H more (its gradient, summed over
@@ -142,11 +144,15 @@ class ShapeParams:
         H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
         return 16 * H + 8 * I + 2 * (self.num_heads + 2 * self.num_kv_heads) * hd + 4 * self.num_heads * hd
 
-    def act_bytes_per_element(self, checkpointing: bool = False) -> int:
-        """Saved activation bytes per grid element for the whole drafter (before ``ALPHA``)."""
+    def act_bytes_per_element(self, checkpointing: bool | str = False) -> int:
+        """Saved activation bytes per grid element for the whole drafter (before ``ALPHA``); ``checkpointing``:
+        ``train.activation_checkpointing`` (False, True or ``"selective"``: full checkpointing plus each layer's
+        attention output in bf16 and log-sum-exp in fp32, :mod:`peagle_train.kernels.selective_checkpoint`)."""
         H, L = self.hidden_size, self.num_layers
         if checkpointing:
-            return L * 2 * H + 12 * H + self.layer_act_bytes()
+            full = L * 2 * H + 12 * H + self.layer_act_bytes()
+            kept = L * (2 * self.num_heads * self.head_dim + 4 * self.num_heads) if checkpointing == "selective" else 0
+            return full + kept
         return L * self.layer_act_bytes() + 12 * H
 
 
@@ -160,7 +166,7 @@ class Plan:
     """
 
     partitions: int
-    checkpointing: bool
+    checkpointing: bool | str
     predicted_peak_bytes: int
     budget_bytes: int
 
@@ -201,7 +207,7 @@ def input_bytes(N: int, shape: ShapeParams) -> int:
 
 
 def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float = 0.7, r_min: float = 0.2, *,
-                       checkpointing: bool = False, chunk: int = 8192, lm_head_trainable: bool = False,
+                       checkpointing: bool | str = False, chunk: int = 8192, lm_head_trainable: bool = False,
                        target_head_bytes: int = 2, max_anchors: int | None = None, fused_loss: bool = True,
                        grads_resident: bool | None = None, compiled_loss: bool = True) -> int:
     """Predicted peak allocated bytes of one step (module docstring model).
@@ -209,7 +215,8 @@ def predict_peak_bytes(N: int, S: int, shape: ShapeParams, K: int = 8, r: float 
     Args:
         N: tokens in the sequence (all loss-valid: the worst case). S: partitions.
         shape: the drafter's :class:`ShapeParams`. K, r, r_min, max_anchors: COD settings.
-        checkpointing: activation checkpointing of the decoder layers. chunk: loss chunk (elements).
+        checkpointing: activation checkpointing of the decoder layers (False, True or ``"selective"``).
+            chunk: loss chunk (elements).
         lm_head_trainable: whether the lm_head gets grads and AdamW state.
         target_head_bytes: bytes per element of the frozen target head rows (2 bf16, 4 fp32).
         fused_loss: ``train.fused_loss`` (False adds the recompute path's kept target logits).
@@ -294,7 +301,7 @@ class OnlineStep:
 
 
 def predict_online_peak_bytes(N: int, S: int, shape: ShapeParams, online: OnlineStep, K: int = 8, r: float = 0.7,
-                              r_min: float = 0.2, *, checkpointing: bool = False, chunk: int = 8192,
+                              r_min: float = 0.2, *, checkpointing: bool | str = False, chunk: int = 8192,
                               lm_head_trainable: bool = False, target_head_bytes: int = 2,
                               max_anchors: int | None = None, fused_loss: bool = True,
                               grads_resident: bool | None = None, compiled_loss: bool = True) -> int:
@@ -351,11 +358,11 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
               max_partitions: int = 8, allow_checkpointing: bool = True, headroom: float = 0.9,
               lm_head_trainable: bool = False, target_head_bytes: int = 2, max_anchors: int | None = None,
               fused_loss: bool = True, grads_resident: bool | None = None, online: OnlineStep | None = None,
-              compiled_loss: bool = True, checkpointing: bool | None = None) -> Plan:
+              compiled_loss: bool = True, checkpointing: bool | str | None = None) -> Plan:
     """The fewest partitions ``S`` whose predicted peak fits ``headroom * gpu_bytes``.
 
     Tries ``S = 1..max_partitions`` without checkpointing first; only if none fits, the same
-    with activation checkpointing (if allowed). ``checkpointing`` True or False instead plans with that setting
+    with activation checkpointing (if allowed). ``checkpointing`` True, False or ``"selective"`` instead plans with that setting
     only (the recipe's ``train.activation_checkpointing`` decided already). With ``online`` (features computed by the target in the
     step) the peak is :func:`predict_online_peak_bytes`, the target's weights included; otherwise
     :func:`predict_peak_bytes`.
@@ -404,7 +411,7 @@ def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, g
                    chunk: int = 8192, max_anchors: int | None = None, headroom: float = 0.9,
                    fused_loss: bool = True, grads_resident: bool | None = None, lm_head_trainable: bool = False,
                    target_head_bytes: int = 2, online: OnlineStep | None = None, compiled_loss: bool = True,
-                   checkpointing: bool = False) -> int:
+                   checkpointing: bool | str = False) -> int:
     """``train.partitions: auto`` for one micro-batch of ``N`` packed tokens: the fewest segments
     :func:`plan_step` predicts to fit ``gpu_bytes`` with activation checkpointing as the recipe sets it
     (``checkpointing``: ``train.activation_checkpointing``; it never turns checkpointing on by itself).

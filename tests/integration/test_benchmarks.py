@@ -101,6 +101,22 @@ def test_train_step_passes_prefix_compiled_apart_to_the_trainer(bench, tmp_path,
         assert bench.prefix_compiled_apart_ran(value, kind, comp) is False, (value, kind, comp)
 
 
+def test_train_step_passes_selective_checkpointing_to_the_trainer(bench, tmp_path, monkeypatch):
+    """``--checkpointing selective``: the recipe's ``train.activation_checkpointing: selective`` (``--checkpointing``
+    alone: true; without it: false), the row records it, the step runs on the CPU; another value is refused."""
+    built = _train_keys_built(monkeypatch, "activation_checkpointing")
+    out = tmp_path / "c.json"
+    common = ["--shape", "tiny", "--seq-len", "128", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    rows = bench.main(common + ["--checkpointing", "selective"])
+    assert built == ["selective"] and "error" not in rows[0] and rows[0]["checkpointing"] == "selective"
+    built.clear()
+    rows = bench.main(common + ["--checkpointing"])
+    assert built == [True] and rows[0]["checkpointing"] is True
+    assert bench.parse_args([]).checkpointing is False
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--checkpointing", "sometimes"])
+
+
 def test_train_step_passes_dynamic_shapes_and_the_divisible_hint(bench, tmp_path, monkeypatch):
     """``--dynamic-shapes``: the recipe's ``train.dynamic_shapes`` (on without the flag, the trainer's default);
     ``--divisible-hint off``: FlexAttention without ``IS_DIVISIBLE`` (``attention.DIVISIBLE_HINT`` off for the run,

@@ -1,0 +1,72 @@
+"""Selective activation checkpointing of a drafter layer (``train.activation_checkpointing: selective``).
+
+Full activation checkpointing (``true``) keeps a layer's inputs only and runs the whole layer again in the
+backward, its attention kernels included. At long contexts the attention kernels are most of the step: at
+N = 131,072 on an H100 the prefix attention's forward, run a second time under checkpointing, is about 5.9 s of a
+33.7 s step (docs/benchmarks.md, "FlexAttention told its grids are divisible"). Selective checkpointing keeps the
+outputs of the attention kernels through the backward and recomputes everything else (projections, norms, RoPE,
+the MLP, the chain part and the log-sum-exp merge): torch's selective activation checkpointing
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``), with a policy that saves the outputs of
+:func:`attention_ops` and prefers recomputing the rest. It works eagerly and inside ``torch.compile`` (the
+checkpoint is then traced into the compiled layer, :meth:`~peagle_train.model.drafter.Drafter.set_compile`).
+
+Memory: per grid element and layer, the attention output (``num_heads * head_dim`` in the compute dtype) and its
+log-sum-exp (``num_heads`` fp32) more than full checkpointing
+(:meth:`peagle_train.peagle.planner.ShapeParams.act_bytes_per_element`). The gradients are those of full
+checkpointing: the saved tensors are the ones the recompute would produce (tests/unit/test_selective_checkpoint.py,
+float64).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+
+@functools.cache
+def attention_ops() -> frozenset:
+    """The attention kernels whose outputs selective checkpointing keeps: FlexAttention (its higher-order op) and
+    the fused SDPA kernels (flash, memory-efficient, cuDNN, the CPU flash kernel), those this torch has.
+
+    Returns:
+        A frozenset of ``torch._ops.OpOverload`` / ``HigherOrderOperator``. Raises nothing.
+    """
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
+    return frozenset(ops)
+
+
+def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Save what the attention kernels return; let everything else be recomputed."""
+    return CheckpointPolicy.MUST_SAVE if func in attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_CONTEXT_FN = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def selective_checkpoint(layer, *args):
+    """``layer(*args)`` under selective activation checkpointing (module docstring).
+
+    Args:
+        layer: a callable module (a drafter decoder layer, or a compiled one), ``args`` its positional inputs.
+
+    Returns:
+        what ``layer(*args)`` returns. Raises what it raises.
+    """
+    return checkpoint(layer, *args, use_reentrant=False, context_fn=_CONTEXT_FN)
+
+
+def check_mode(mode) -> bool | str:
+    """``train.activation_checkpointing`` as the drafter takes it: False, True or ``"selective"``.
+
+    Raises:
+        ValueError: any other value (names the value and the choices).
+    """
+    if mode is False or mode is True or mode == "selective":
+        return mode
+    raise ValueError(f"activation checkpointing must be one of false, true, 'selective'; got {mode!r}")
