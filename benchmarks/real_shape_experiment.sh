@@ -196,9 +196,9 @@ PY
     [ -f "$o/train_metrics.json" ] || cli train "${A[@]}" "output_dir=$o" train.features=online \
       "train.micro_batch_size=$m" train.max_steps=30 "$@"
     drop "$o/drafter"  # the step times are the result
-    read -r k s ckpt <<< "$(recipe "cfg.train.K, cfg.train.partitions, int(cfg.train.activation_checkpointing)" \
+    read -r k s ckpt <<< "$(recipe "cfg.train.K, cfg.train.partitions, str(cfg.train.activation_checkpointing)" \
       "${A[@]}" "$@" | tr -d "(),'")"
-    fl=(); [ "$ckpt" = 1 ] && fl=(--checkpointing)
+    fl=(); [ "$ckpt" = True ] && fl=(--checkpointing); [ "$ckpt" = selective ] && fl=(--checkpointing selective)
     shape="$arch-recipe"; [ "${TINY:-0}" = 1 ] && shape="$arch-tiny-recipe"  # CPU smoke: the tiny drafter
     py benchmarks/train_step.py --shape "$shape" --K "$k" --partitions "$s" "${fl[@]}" \
       --micro-batch "$m" --data-from "$d" --steps 6 --warmup 2 --out "$WORK/bench-$arch-$n.json" 2>&1 | tail -n 3 ;;

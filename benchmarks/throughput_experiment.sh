@@ -302,7 +302,7 @@ PY
     # PLAN_STEPS="NAME ...": only the steps named (in the plan's order; the others are noted as skipped); any
     # whitespace separates names, and a name that is not a step of the plan stops it before anything runs
     steps=" $(echo ${PLAN_STEPS:-}) "
-    ALL_STEPS="long262144 long131072 long131072_sac long131072_nohint long131072_static long131072_kopts"
+    ALL_STEPS="long262144 long131072 long131072_selective long131072_nohint long131072_static long131072_kopts"
     ALL_STEPS+=" long131072_apart"
     ALL_STEPS+=" profile131072 gptoss gptoss_nohint prefix prefix_flash"
     for name in ${PLAN_STEPS:-}; do
@@ -332,8 +332,9 @@ PY
     run long131072 600 bash "$0" long "$RES/long131072.json" $ck
     # selective activation checkpointing (train.activation_checkpointing: selective): the attention kernels'
     # outputs kept through the backward, their forward not run again (~5.9 s of the H100's 33.7 s step at ceaa944);
-    # the planner picks S for the memory it costs (on 80 GB: S = 3, docs/benchmarks.md)
-    run long131072_sac 600 bash "$0" long "$RES/long131072_sac.json" --checkpointing selective
+    # the planner picks S for the memory it costs (on 80 GB: S = 3 against long131072's S = 2 with full
+    # checkpointing; on an H200 S = 1 against S = 4 without checkpointing), so the row changes S with the mode
+    run long131072_selective 600 bash "$0" long "$RES/long131072_selective.json" --checkpointing selective
     # the same step without the IS_DIVISIBLE option the trainer gives FlexAttention on its padded grids (under the
     # default dynamic shapes Inductor cannot prove the lengths divisible by 128 and takes the bounds-checked kernels:
     # on an H100 at ceaa944 41.06 s against 33.73 s with it: it was the prefix kernels' 0.77 of their alone speed in

@@ -514,7 +514,7 @@ def time_steps(trainer: Trainer, N: int, steps: int, warmup: int, on_step=None, 
     if tc.compile:
         from peagle_train.kernels.compiling import inductor_mode
 
-        row["compile_modes"] = {"layers": [c.mode for c in drafter._compiled_layers or []],
+        row["compile_modes"] = {"layers": [c.mode for c in drafter.compiled_calls()],
                                 "loss_chunk": loss_mod.compiled_chunk_loss(
                                     inductor_mode(tc.compile), fused=row["loss_path"] == "fused").mode}
     if sync_debug and cuda:
@@ -794,13 +794,13 @@ def _kernel_options(text: str) -> str | dict | None:
 
 
 def _checkpointing_mode(value: str) -> bool | str:
-    """``--checkpointing [MODE]``: ``selective``, or ``full`` / ``true`` (the flag alone) -> True.
-    Raises argparse.ArgumentTypeError for anything else."""
-    if value in ("full", "true"):
+    """``--checkpointing [MODE]``: the values of ``train.activation_checkpointing`` it can turn on: ``true`` (also
+    the flag alone) -> True, ``selective``. Raises argparse.ArgumentTypeError for anything else."""
+    if value == "true":
         return True
     if value == "selective":
         return value
-    raise argparse.ArgumentTypeError(f"--checkpointing takes 'selective' or 'full' (or nothing), not {value!r}")
+    raise argparse.ArgumentTypeError(f"--checkpointing takes 'selective' or 'true' (or nothing), not {value!r}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -818,8 +818,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="train.partitions per N: S, or 'auto' (the trainer asks peagle_train.peagle.planner; "
                          "default 1; a single value applies to all N)")
     ap.add_argument("--checkpointing", nargs="?", const=True, default=False, type=_checkpointing_mode,
-                    help="train.activation_checkpointing of the decoder layers: --checkpointing (true), "
-                         "--checkpointing selective (the attention kernels' outputs kept, "
+                    help="train.activation_checkpointing of the decoder layers: --checkpointing (or "
+                         "--checkpointing true), --checkpointing selective (the attention kernels' outputs kept, "
                          "peagle_train.kernels.selective_checkpoint)")
     ap.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16", help="train.mixed_precision")
     ap.add_argument("--lr", type=float, default=1e-4, help="train.lr")

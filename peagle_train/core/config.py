@@ -269,10 +269,11 @@ class TrainConfig(Section):
     activation_checkpointing: bool | Literal["selective"] = Field(
         False, description="Activation checkpointing of the drafter's decoder layers. true: keep each layer's "
         "inputs, run the layer again in the backward. 'selective': the same, but keep the attention kernels' "
-        "outputs (FlexAttention's output and log-sum-exp, SDPA's) so the backward does not run attention again "
-        "(torch's selective activation checkpointing; peagle_train.kernels.selective_checkpoint); costs per grid "
-        "element and layer the attention output and log-sum-exp more than true. Same gradients. "
-        "train.partitions: auto plans with the setting as given.",
+        "outputs (SDPA's; FlexAttention's inside train.compile only: without it the prefix attention runs again "
+        "as under true, with a warning) so the backward does not run them again (torch's selective activation "
+        "checkpointing; peagle_train.kernels.selective_checkpoint); costs per grid element and layer the attention "
+        "output and log-sum-exp more than true; not with train.prefix_compiled_apart. Same gradients. Not yet "
+        "run on a GPU. train.partitions: auto plans with the setting as given.",
     )
     compile: bool | Literal["max-autotune"] = Field(
         False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
@@ -365,6 +366,10 @@ class TrainConfig(Section):
                 raise ValueError(f"train.depth_weights {w}: every weight must be finite and >= 0, and one > 0")
         if isinstance(self.partitions, int) and self.partitions < 1:
             raise ValueError(f"train.partitions must be >= 1 or 'auto' (got {self.partitions})")
+        if self.activation_checkpointing == "selective" and self.prefix_compiled_apart and self.compile:
+            raise ValueError("train.activation_checkpointing=selective cannot go with train.prefix_compiled_apart: the "
+                             "graph break at the prefix attention would leave each checkpointed layer uncompiled; "
+                             "turn one of them off")
         if self.target_sharding == "shard" and self.features != "online":
             raise ValueError("train.target_sharding=shard needs train.features=online (a cache run loads no target)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:

@@ -93,6 +93,9 @@ class SafeCompiled:
             whose every dimension changes from call to call (the online target's padded batches).
         fullgraph: the first attempt's ``fullgraph=`` (False: graph breaks allowed from the start, for a function
             that breaks by design; a failure then falls back to eager).
+        graph_breaks: whether a failed ``fullgraph=True`` compile retries with graph breaks allowed (False: straight
+            to eager with the warning; for a function whose graph breaks would leave nothing compiled, such as a
+            ``torch.utils.checkpoint`` region, which Dynamo skips whole when it cannot trace it in one graph).
 
     Attributes:
         mode: ``"pending"`` (not called yet), ``"fullgraph"``, ``"graph-breaks"`` or ``"eager"``.
@@ -103,9 +106,10 @@ class SafeCompiled:
     """
 
     def __init__(self, fn, name: str, inductor_mode: str | None = None, dynamic: bool | None | str = "run",
-                 fullgraph: bool = True):
+                 fullgraph: bool = True, graph_breaks: bool = True):
         self.fn, self.name = fn, name
         self.fullgraph = fullgraph
+        self.graph_breaks = graph_breaks  # False: a failed fullgraph compile goes straight to eager
         self.dynamic = dynamic
         self.mode = "pending"
         self.inductor_mode = inductor_mode
@@ -128,7 +132,7 @@ class SafeCompiled:
             if _passthrough(e):
                 raise
             first = self.mode
-            if self.mode == "fullgraph":
+            if self.mode == "fullgraph" and self.graph_breaks:
                 warnings.warn(f"torch.compile({self.name}, fullgraph=True) failed ({type(e).__name__}: "
                               f"{str(e)[:300]}); retrying with graph breaks allowed", stacklevel=2)
                 self._make(False)

@@ -7,8 +7,14 @@ N = 131,072 on an H100 the prefix attention's forward, run a second time under c
 outputs of the attention kernels through the backward and recomputes everything else (projections, norms, RoPE,
 the MLP, the chain part and the log-sum-exp merge): torch's selective activation checkpointing
 (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), with a policy that saves the outputs of
-:func:`attention_ops` and prefers recomputing the rest. It works eagerly and inside ``torch.compile`` (the
-checkpoint is then traced into the compiled layer, :meth:`~peagle_train.model.drafter.Drafter.set_compile`).
+:func:`attention_ops` and prefers recomputing the rest. Inside ``torch.compile`` (``train.compile``) the checkpoint
+is traced into each layer's compiled graph (:meth:`~peagle_train.model.drafter.Drafter._selective_calls`) and
+AOTAutograd's partitioner keeps what the policy saves. Eagerly it keeps SDPA's outputs; FlexAttention's eager call
+is itself a compiled region the policy cannot see, so without ``train.compile`` its forward runs again as under
+full checkpointing (:func:`warn_flex_not_kept` says so once). Not with ``train.prefix_compiled_apart``, whose
+graph break inside the checkpoint would leave the layer uncompiled. Not yet run on a GPU: whether torch's
+FlexAttention works under the policy inside ``torch.compile`` there is what ``benchmarks/train_step.py
+--checkpointing selective`` will show.
 
 Memory: per grid element and layer, the attention output (``num_heads * head_dim`` in the compute dtype) and its
 log-sum-exp (``num_heads`` fp32) more than full checkpointing
@@ -61,7 +67,23 @@ def selective_checkpoint(layer, *args):
     return checkpoint(layer, *args, use_reentrant=False, context_fn=_CONTEXT_FN)
 
 
-def check_mode(mode) -> bool | str:
+_WARNED = []
+
+
+def warn_flex_not_kept() -> None:
+    """Warn once per process that selective checkpointing without ``train.compile`` recomputes FlexAttention
+    (module docstring). Raises nothing."""
+    if not _WARNED:
+        _WARNED.append(True)
+        import warnings
+
+        warnings.warn("train.activation_checkpointing=selective without train.compile: FlexAttention's eager call is "
+                      "a compiled region the checkpoint policy cannot see, so its forward runs again in the backward "
+                      "as with true, while the planner counts its output as kept; set train.compile: true",
+                      stacklevel=3)
+
+
+def checkpointing_mode(mode) -> bool | str:
     """``train.activation_checkpointing`` as the drafter takes it: False, True or ``"selective"``.
 
     Raises:

@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedd
 
 from peagle_train.core.dtypes import acc_dtype
 from peagle_train.kernels.attention import AttnSpec, attend
-from peagle_train.kernels.selective_checkpoint import check_mode, selective_checkpoint
+from peagle_train.kernels.selective_checkpoint import checkpointing_mode, selective_checkpoint, warn_flex_not_kept
 
 
 class RMSNorm(nn.Module):
@@ -456,8 +456,10 @@ class Drafter(nn.Module):
         h = hidden
         new_kv = []
         calls = self._compiled_layers if self._compiled_layers is not None else self.layers
-        mode = check_mode(self.gradient_checkpointing) if self.training else False
+        mode = checkpointing_mode(self.gradient_checkpointing) if self.training else False
         if mode == "selective":
+            if self._compiled_layers is None and (spec.split is not None or spec.block_mask is not None):
+                warn_flex_not_kept()
             calls = self._selective_calls()
         for i, layer in enumerate(calls):
             pkv = past_kv[i] if past_kv is not None else None
@@ -479,11 +481,24 @@ class Drafter(nn.Module):
             from peagle_train.kernels.compiling import SafeCompiled
 
             first = self._compile_cache[0]
-            self._selective_cache = [
+            if not first.fullgraph:  # a graph break inside the checkpoint region: Dynamo would skip it whole
+                raise ValueError("selective activation checkpointing needs each layer compiled in one graph; "
+                                 "train.prefix_compiled_apart breaks it at the prefix attention: turn one of them off")
+            self._selective_cache = [  # no graph-breaks retry: it would compile nothing (SafeCompiled graph_breaks)
                 SafeCompiled(functools.partial(selective_checkpoint, layer), f"drafter.layers.{i} (selective)",
-                             inductor_mode=first.inductor_mode, fullgraph=first.fullgraph)
+                             inductor_mode=first.inductor_mode, fullgraph=True, graph_breaks=False)
                 for i, layer in enumerate(self.layers)]
         return self._selective_cache
+
+    def compiled_calls(self) -> list:
+        """The compiled per-layer calls a training forward runs (:meth:`set_compile`; those of
+        :meth:`_selective_calls` under selective checkpointing), for reporting their ``mode``; [] when not
+        compiled. Raises nothing."""
+        if self._compiled_layers is None:
+            return []
+        if self.gradient_checkpointing == "selective" and self._selective_cache is not None:
+            return self._selective_cache
+        return self._compiled_layers
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` → draft-vocab logits ``[..., Vd]``."""

@@ -29,7 +29,11 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
                                              # saved activations per grid element, no checkpointing
     with checkpointing: L * 2 H + 12 H + one layer's (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd)
     selective (train.activation_checkpointing: selective): that + L * (2 nh hd + 4 nh)
-                                             # each layer's attention output (bf16) and log-sum-exp (fp32) kept
+                                             # each layer's attention output (bf16) and log-sum-exp (fp32) kept;
+                                             # scaled by ALPHA with the rest (it under-counts them by 1 - ALPHA)
+                                             # while the recomputed layer's term counts its attention output
+                                             # again: the two nearly cancel (about 1.4 and 1.6 GB at N = 131,072,
+                                             # S = 3, GPT-OSS-20B shape); not yet checked against a measured peak
     kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
                                              # recompute path keeps every chunk's bf16 target logits);
                   with fused_loss and a trainable lm_head, 4 * Vd * H more (its gradient, summed over
@@ -149,7 +153,10 @@ class ShapeParams:
         ``train.activation_checkpointing`` (False, True or ``"selective"``: full checkpointing plus each layer's
         attention output in bf16 and log-sum-exp in fp32, :mod:`peagle_train.kernels.selective_checkpoint`)."""
         H, L = self.hidden_size, self.num_layers
-        if checkpointing:
+        if checkpointing not in (False, True, "selective"):
+            raise ValueError(f"checkpointing must be False, True or 'selective', got {checkpointing!r}")
+        if checkpointing:  # selective: the kept bytes go through ALPHA too, and the one layer being recomputed
+            # already counts its own attention output: the two nearly cancel (module docstring)
             full = L * 2 * H + 12 * H + self.layer_act_bytes()
             kept = L * (2 * self.num_heads * self.head_dim + 4 * self.num_heads) if checkpointing == "selective" else 0
             return full + kept
@@ -399,12 +406,15 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
             if peak <= budget:
                 return Plan(S, ckpt, peak, budget)
             best = peak if best is None else min(best, peak)
-    tried_ckpt = True in modes
+    tried_full = True in modes
+    tried = "checkpointing" if tried_full else ("selective checkpointing" if "selective" in modes else
+                                                "no checkpointing")
+    advice = ("" if tried_full else "set train.activation_checkpointing: true (less memory than selective), "
+              if "selective" in modes else "turn on activation checkpointing, ")
     raise ValueError(
-        f"no plan fits N={N}: the smallest predicted peak ({best / GIB:.1f} GiB with S <= {s_max}"
-        f"{', checkpointing' if tried_ckpt else ', no checkpointing'}) exceeds the budget {budget / GIB:.1f} GiB "
-        f"({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise max_partitions, "
-        f"{'' if tried_ckpt else 'turn on activation checkpointing, '}shorten the sequence or use more memory")
+        f"no plan fits N={N}: the smallest predicted peak ({best / GIB:.1f} GiB with S <= {s_max}, {tried}) "
+        f"exceeds the budget {budget / GIB:.1f} GiB ({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise "
+        f"max_partitions, {advice}shorten the sequence or use more memory")
 
 
 def partitions_for(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_bytes: int | None, *,

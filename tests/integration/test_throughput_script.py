@@ -162,7 +162,7 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     steps = {x.split(":")[0]: x for x in lines[1:-1] if ":" in x}
     h200 = "H200" in gpu
     assert ("long262144 not run (not an H200)" in lines) is not h200
-    assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "long131072_sac", "long131072_nohint",
+    assert list(steps) == (["long262144"] if h200 else []) + ["long131072", "long131072_selective", "long131072_nohint",
                                                                "long131072_static",
                                                                "long131072_kopts", "long131072_apart",
                                                                "profile131072", "gptoss", "gptoss_nohint", "prefix",
@@ -176,7 +176,7 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     assert "--prefix-compiled-apart" in steps["long131072_apart"]
     assert "--prefix-compiled-apart" not in steps["long131072"]
     assert ("--checkpointing" in steps["long131072_apart"]) is not h200
-    assert "--checkpointing selective" in steps["long131072_sac"]  # on every card: its own plan picks S
+    assert "--checkpointing selective" in steps["long131072_selective"]  # on every card: its own plan picks S
     assert "--autotune" not in steps["prefix"] and "fwd_BLOCK_N" in steps["prefix"] and "BLOCK_M1" in steps["prefix"]
     assert "--partitions 2" in steps["prefix"] and "--N 131072" in steps["prefix"]  # the step's own segments
     assert "--compile on+autotune" in steps["gptoss"]
@@ -214,7 +214,7 @@ def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
     r, lines, ran, skipped = plan("NVIDIA H200", "profile131072\tlong262144\n")
     assert r.returncode == 0, r.stderr
     assert lines[-1].startswith("done") and ran == ["long262144", "profile131072"]
-    assert skipped == ["long131072", "long131072_sac", "long131072_nohint", "long131072_static", "long131072_kopts",
+    assert skipped == ["long131072", "long131072_selective", "long131072_nohint", "long131072_static", "long131072_kopts",
                        "long131072_apart",
                        "gptoss", "gptoss_nohint", "prefix", "prefix_flash"]
     r, lines, ran, skipped = plan("NVIDIA H100 80GB HBM3", "long131072_kopts")
@@ -243,7 +243,7 @@ def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_
     assert r.returncode == 0, r.stderr
     lines = [x for x in (tmp_path / "res" / "progress.txt").read_text().splitlines()
              if x != "long262144 not run (not an H200)"]
-    assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "long131072_sac", "long131072_nohint",
+    assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "long131072_selective", "long131072_nohint",
                                                           "long131072_static",
                                                           "long131072_kopts", "long131072_apart", "profile131072",
                                                           "gptoss", "gptoss_nohint", "prefix", "prefix_flash"]
@@ -276,7 +276,7 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = (res / "progress.txt").read_text().splitlines()
     assert lines[0].startswith("start") and "earlier" not in lines[0] and lines[-1].startswith("done")
-    assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "long131072_sac", "long131072_nohint",
+    assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "long131072_selective", "long131072_nohint",
                                                        "long131072_static", "long131072_kopts", "long131072_apart",
                                                        "profile131072", "gptoss", "gptoss_nohint", "prefix",
                                                        "prefix_flash"]

@@ -10,7 +10,7 @@ from conftest import needs_cc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from peagle_train.core.config import TrainConfig
-from peagle_train.kernels.selective_checkpoint import attention_ops, check_mode
+from peagle_train.kernels.selective_checkpoint import attention_ops, checkpointing_mode
 from peagle_train.methods.peagle import PEagleObjective
 from peagle_train.peagle.planner import ShapeParams, predict_peak_bytes
 
@@ -19,15 +19,20 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
 class _CountAttention(TorchDispatchMode):
-    """Counts the CPU SDPA kernel's calls (what runs, not what a checkpoint replays from its cache)."""
+    """Counts the CPU SDPA kernel's calls and the matrix multiplies (what runs, not what a checkpoint replays from
+    its cache)."""
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls = self.matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += func is SDPA_CPU
+        self.matmuls += func in MATMULS
         return func(*args, **(kwargs or {}))
 
 
@@ -44,6 +49,7 @@ def _run(tiny_drafter, objective_problem, mode, compile=False, dtype=torch.float
     with _CountAttention() as count:
         loss, _ = obj(P["grid"], P["aux"], P["last"], P["argmax"], P["norm"])
         grads = torch.autograd.grad(loss, params, allow_unused=True)
+    d.matmuls_run = count.matmuls
     return loss.detach(), grads, count.calls, d
 
 
@@ -65,6 +71,8 @@ def test_selective_checkpointing_gives_the_same_gradients_and_runs_attention_onc
     assert none[2] == layers  # the forward only
     assert full[2] == 2 * layers  # the forward again in the backward
     assert sel[2] == layers  # kept from the forward
+    # the rest is recomputed (projections, MLP): as many matmuls as under full checkpointing, more than without
+    assert sel[3].matmuls_run == full[3].matmuls_run > none[3].matmuls_run
     _assert_same(none[:2], full[:2], 1e-12)
     _assert_same(none[:2], sel[:2], 1e-12)
 
@@ -76,6 +84,7 @@ def test_selective_checkpointing_compiled_matches_eager(tiny_drafter, objective_
     d = comp[3]
     assert d._selective_cache is not None and all(c.mode == "fullgraph" for c in d._selective_cache), \
         [c.mode for c in d._selective_cache]
+    assert d.compiled_calls() is d._selective_cache  # what a benchmark row reports: the calls that ran
     _assert_same(eager[:2], comp[:2], 1e-4)
     d.set_compile(True)  # the same mode: the compiled calls are kept
     assert d._selective_cache is not None
@@ -97,9 +106,14 @@ def test_other_values_are_refused():
     assert TrainConfig(activation_checkpointing=True).activation_checkpointing is True
     with pytest.raises(ValueError, match="activation_checkpointing"):
         TrainConfig(activation_checkpointing="sometimes")
-    assert check_mode("selective") == "selective" and check_mode(False) is False
+    assert checkpointing_mode("selective") == "selective" and checkpointing_mode(False) is False
     with pytest.raises(ValueError, match="one of false, true, 'selective'"):
-        check_mode("full")
+        checkpointing_mode("full")
+    with pytest.raises(ValueError, match="prefix_compiled_apart"):  # its graph break would leave layers uncompiled
+        TrainConfig(activation_checkpointing="selective", prefix_compiled_apart=True, compile=True)
+    assert TrainConfig(activation_checkpointing="selective", prefix_compiled_apart=True).compile is False
+    with pytest.raises(ValueError, match="False, True or 'selective'"):
+        ShapeParams(2880, 7680, 4, 64, 8, 64, 201088, 32000, 2880).act_bytes_per_element("sometimes")
 
 
 @pytest.mark.parametrize("mode", [True, "selective"])
@@ -145,3 +159,59 @@ def test_compiled_layers_run_attention_again_only_under_full_checkpointing(tiny_
     assert runs["bw_attention_bwd"] == layers
     eager = _run(tiny_drafter, objective_problem, False)
     _assert_same(eager[:2], (loss, grads), 1e-10)
+
+
+def test_selective_without_compile_warns_that_flex_attention_is_recomputed(tiny_drafter, monkeypatch):
+    """FlexAttention's eager call is a compiled region the policy cannot see: without train.compile a split or
+    joint FlexAttention spec gets one warning saying its forward runs again; SDPA's dense spec gets none."""
+    import warnings
+
+    import peagle_train.kernels.selective_checkpoint as sc
+    from peagle_train.kernels.attention import AttnSpec
+
+    monkeypatch.setattr(sc, "_WARNED", [])
+    d = tiny_drafter(seed=5).train()
+    d.gradient_checkpointing = "selective"
+    E = 8
+    ids, hidden, pos = torch.zeros(E, dtype=torch.long), torch.randn(E, d.config.hidden_size), torch.arange(E)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d(ids, hidden, pos, AttnSpec(dense=torch.ones(E, E, dtype=torch.bool).tril()))  # SDPA: no warning
+    flex_like = AttnSpec(dense=torch.ones(E, E, dtype=torch.bool).tril())
+    object.__setattr__(flex_like, "block_mask", object())  # only its kind is read before the layers run
+    monkeypatch.setattr(d, "_selective_calls", lambda: [])  # no layer runs (no FlexAttention backward on CPU)
+    with pytest.warns(UserWarning, match="FlexAttention's eager call"):
+        d(ids, hidden, pos, flex_like)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d(ids, hidden, pos, flex_like)  # once per process
+
+
+def test_selective_layers_never_compile_with_graph_breaks(tiny_drafter, monkeypatch):
+    """A checkpoint region Dynamo cannot trace in one graph is skipped whole, so a graph-breaks retry would run the
+    layer uncompiled under a misleading mode: the selective calls go straight to eager with the warning, and a
+    drafter compiled with graph breaks allowed (train.prefix_compiled_apart) is refused."""
+    from peagle_train.kernels.attention import AttnSpec
+    from peagle_train.kernels.compiling import SafeCompiled
+
+    calls = []
+
+    def broken_compile(fn, **kw):
+        calls.append(kw["fullgraph"])
+
+        def run(*a, **k):
+            raise RuntimeError("simulated Dynamo failure")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    f = SafeCompiled(lambda x: x * 2, "double", graph_breaks=False)
+    with pytest.warns(UserWarning, match="running it eagerly"):
+        assert f(torch.tensor(3.0)).item() == 6.0
+    assert calls == [True] and f.mode == "eager"
+    d = tiny_drafter(seed=5).train()
+    d.gradient_checkpointing = "selective"
+    d.set_compile(True, fullgraph=False)
+    E = 8
+    with pytest.raises(ValueError, match="prefix_compiled_apart"):
+        d(torch.zeros(E, dtype=torch.long), torch.randn(E, d.config.hidden_size), torch.arange(E),
+          AttnSpec(dense=torch.ones(E, E, dtype=torch.bool).tril()))
