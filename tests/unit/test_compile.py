@@ -60,7 +60,10 @@ def test_compiled_objective_matches_eager(tiny_drafter, objective_problem, ckpt,
     assert not d.compiled
 
 
-def test_safe_compiled_falls_back_to_eager(monkeypatch):
+@pytest.mark.parametrize("graph_breaks", [True, False])
+def test_safe_compiled_falls_back_to_eager(monkeypatch, graph_breaks):
+    """A failed compile retries with graph breaks allowed, then runs eagerly; with ``graph_breaks=False`` (the
+    selective-checkpointing layers) it goes straight to eager."""
     calls = []
 
     def broken_compile(fn, **kw):
@@ -71,12 +74,13 @@ def test_safe_compiled_falls_back_to_eager(monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    f = SafeCompiled(lambda x: x * 2, "double")
+    f = SafeCompiled(lambda x: x * 2, "double", graph_breaks=graph_breaks)
+    tried = [True, False] if graph_breaks else [True]
     with pytest.warns(UserWarning, match="running it eagerly"):
         assert f(torch.tensor(3.0)).item() == 6.0
-    assert calls == [True, False] and f.mode == "eager"
+    assert calls == tried and f.mode == "eager"
     assert f(torch.tensor(4.0)).item() == 8.0  # stays eager, no retry
-    assert calls == [True, False]
+    assert calls == tried
 
 
 def test_safe_compiled_does_not_swallow_oom(monkeypatch):
