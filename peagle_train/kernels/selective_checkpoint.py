@@ -67,20 +67,16 @@ def selective_checkpoint(layer, *args):
     return checkpoint(layer, *args, use_reentrant=False, context_fn=_CONTEXT_FN)
 
 
-_WARNED = []
-
-
+@functools.cache
 def warn_flex_not_kept() -> None:
-    """Warn once per process that selective checkpointing without ``train.compile`` recomputes FlexAttention
-    (module docstring). Raises nothing."""
-    if not _WARNED:
-        _WARNED.append(True)
-        import warnings
+    """Warn once per process (the cache) that selective checkpointing without ``train.compile`` recomputes
+    FlexAttention (module docstring). Raises nothing."""
+    import warnings
 
-        warnings.warn("train.activation_checkpointing=selective without train.compile: FlexAttention's eager call is "
-                      "a compiled region the checkpoint policy cannot see, so its forward runs again in the backward "
-                      "as with true, while the planner counts its output as kept; set train.compile: true",
-                      stacklevel=3)
+    warnings.warn("train.activation_checkpointing=selective without train.compile: FlexAttention's eager call is "
+                  "a compiled region the checkpoint policy cannot see, so its forward runs again in the backward "
+                  "as with true, while the planner counts its output as kept; set train.compile: true",
+                  stacklevel=3)
 
 
 def checkpointing_mode(mode) -> bool | str:

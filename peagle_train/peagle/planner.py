@@ -406,11 +406,13 @@ def plan_step(N: int, K: int, r: float, r_min: float, shape: ShapeParams, gpu_by
             if peak <= budget:
                 return Plan(S, ckpt, peak, budget)
             best = peak if best is None else min(best, peak)
-    tried_full = True in modes
-    tried = "checkpointing" if tried_full else ("selective checkpointing" if "selective" in modes else
-                                                "no checkpointing")
-    advice = ("" if tried_full else "set train.activation_checkpointing: true (less memory than selective), "
-              if "selective" in modes else "turn on activation checkpointing, ")
+    if True in modes:
+        tried, advice = "checkpointing", ""
+    elif "selective" in modes:
+        tried = "selective checkpointing"
+        advice = "set train.activation_checkpointing: true (less memory than selective), "
+    else:
+        tried, advice = "no checkpointing", "turn on activation checkpointing, "
     raise ValueError(
         f"no plan fits N={N}: the smallest predicted peak ({best / GIB:.1f} GiB with S <= {s_max}, {tried}) "
         f"exceeds the budget {budget / GIB:.1f} GiB ({headroom:.0%} of {gpu_bytes / GIB:.1f} GiB); raise "

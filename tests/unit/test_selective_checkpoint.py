@@ -169,7 +169,7 @@ def test_selective_without_compile_warns_that_flex_attention_is_recomputed(tiny_
     import peagle_train.kernels.selective_checkpoint as sc
     from peagle_train.kernels.attention import AttnSpec
 
-    monkeypatch.setattr(sc, "_WARNED", [])
+    sc.warn_flex_not_kept.cache_clear()
     d = tiny_drafter(seed=5).train()
     d.gradient_checkpointing = "selective"
     E = 8
