@@ -304,7 +304,7 @@ PY
     steps=" $(echo ${PLAN_STEPS:-}) "
     ALL_STEPS="long262144 long131072 long131072_selective long131072_nohint long131072_static long131072_kopts"
     ALL_STEPS+=" long131072_apart"
-    ALL_STEPS+=" profile131072 gptoss gptoss_nohint prefix prefix_flash"
+    ALL_STEPS+=" profile131072 gptoss gptoss_nohint prefix prefix_flash long131072_flash gptoss_flash"
     for name in ${PLAN_STEPS:-}; do
       case " $ALL_STEPS " in *" $name "*) ;;
         *) echo "PLAN_STEPS: $name is not a step of the plan ($ALL_STEPS)" >&2; exit 2 ;; esac
@@ -370,6 +370,14 @@ PY
     # through lse, which the FLASH backward does not take, so every row here is timed without that gradient)
     run prefix_flash 600 "$P" benchmarks/prefix_attention.py --N 65536 --repeats 2 --no-lse-grad \
       --options "{$fwd}" '{"BACKEND": "FLASH"}' --out "$RES/prefix_flash.json"
+    # the trainer's steps with train.attention: flex_flash (after stage-fa4 / fa4-part / fa4-setup): the whole rule in
+    # one FlexAttention kernel run by FlashAttention-4 (no lse merge to differentiate), compiled for static shapes as
+    # the trainer does for that kind; N = 131,072 with selective checkpointing (against long131072_selective) and the
+    # 8K step beside speculators (against gptoss)
+    run long131072_flash 600 bash "$0" long "$RES/long131072_flash.json" --checkpointing selective \
+      --attention flex_flash --dynamic-shapes off
+    run gptoss_flash 900 bash "$0" gptoss "$RES/gptoss_flash.json" --compile on+autotune --attention flex_flash \
+      --dynamic-shapes off
     echo "done $(date +%T)" >> "$RES/progress.txt" ;;
   poll)  # SECONDS: wait until `plan` is done or SECONDS have passed, then send what it wrote so far to $OUT: the
     # JSON files and progress.txt as they are, the logs in one logs.tar.gz (a device call returns at most 8 files)

@@ -138,7 +138,6 @@ from peagle_train.core.config import TrainConfig
 from peagle_train.core.gc_control import manual_collection  # noqa: E402
 from peagle_train.distributed.layout import requested_layout  # noqa: E402
 from peagle_train.kernels.attention import (  # noqa: E402
-    FLEX_KINDS,
     dense_attention_with_lse,
     device_capability,
     prefix_breaks_layer_graph,
@@ -247,8 +246,8 @@ def divisible_hint_ran(flag: bool, attention: str, device) -> bool:
     """What a row records as ``divisible_hint``: ``flag`` (``--divisible-hint``, i.e.
     ``peagle_train.kernels.attention.DIVISIBLE_HINT``) where FlexAttention ran on a CUDA device (``attention`` ``flex``
     or ``flex_joint``; :func:`peagle_train.kernels.attention.divisible_options` gives the option there only), else
-    False (SDPA, a CPU). The grids' lengths are always multiples of 1,024 here. Raises nothing."""
-    return bool(flag) and attention in FLEX_KINDS and torch.device(device).type == "cuda"
+    False (SDPA, ``flex_flash``'s FlashAttention-4 kernels, a CPU). The grids' lengths are always multiples of 1,024 here. Raises nothing."""
+    return bool(flag) and attention in ("flex", "flex_joint") and torch.device(device).type == "cuda"
 
 
 def train_section(args, *, partitions: int | str, compile: bool | str = False, attention: str = "sdpa",
@@ -829,9 +828,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile", choices=["off", "on", "both", "autotune", "on+autotune"], default="off",
                     help="train.compile variants to time side by side (both = eager then compiled; autotune = "
                          "train.compile: max-autotune; on+autotune = compiled then autotuned)")
-    ap.add_argument("--attention", choices=["flex", "flex_joint", "both"], default="flex",
+    ap.add_argument("--attention", choices=["flex", "flex_joint", "flex_flash", "both"], default="flex",
                     help="train.attention on CUDA: flex = split form (prefix kernel + gathered chain), flex_joint = "
-                         "one kernel of the whole rule, both = each row with both (joint first); CPU runs sdpa")
+                         "one kernel of the whole rule, flex_flash = that kernel run by FlashAttention-4 (BACKEND: "
+                         "FLASH; the flash-attn-4 package), both = each row with flex_joint and flex (joint first); "
+                         "CPU runs sdpa")
     ap.add_argument("--chain-kernel", choices=["auto", "triton", "torch"], nargs="+", default=["auto"],
                     help="train.chain_kernel of the split form; several = one row each, same process "
                          "(--profile and --check-grads use the last)")
@@ -1063,7 +1064,8 @@ def main(argv=None):
         S_list = S_list * len(args.n)
     variants = {"off": [False], "on": [True], "both": [False, True], "autotune": ["max-autotune"],
                 "on+autotune": [True, "max-autotune"]}[args.compile]
-    attentions = {"flex": ["flex"], "flex_joint": ["flex_joint"], "both": ["flex_joint", "flex"]}[args.attention]
+    attentions = {"flex": ["flex"], "flex_joint": ["flex_joint"], "flex_flash": ["flex_flash"],
+                  "both": ["flex_joint", "flex"]}[args.attention]
     if device.type != "cuda" and len(attentions) > 1:  # both kinds would run the same dense SDPA
         print("--attention both on CPU: one sdpa row per N (FlexAttention has no CPU backward)")
         attentions = attentions[-1:]

@@ -151,11 +151,14 @@ class TrainConfig(Section):
         "every supervised element weighs 1 (spec §3: count-normalised, no per-depth decay). The normaliser stays the "
         "supervised count; the in-training eval loss stays unweighted, so it compares across settings.")
     features: Literal["online", "cache"] = "cache"
-    attention: Literal["auto", "flex", "flex_joint", "sdpa"] = Field(
+    attention: Literal["auto", "flex", "flex_joint", "flex_flash", "sdpa"] = Field(
         "auto", description="auto = flex on CUDA, dense-mask SDPA on CPU (flex has no CPU backward). flex: the "
                             "split form (FlexAttention over the depth-0 prefix + a gathered chain of <= K-1 keys, "
                             "merged by log-sum-exp); flex_joint: one FlexAttention kernel over the whole rule "
-                            "(same math, kept for comparison); sdpa: dense mask (small inputs)."
+                            "(same math, kept for comparison); flex_flash: that kernel run by FlashAttention-4's "
+                            "CuTe kernels (FlexAttention's BACKEND: FLASH; needs the flash-attn-4 package and a GPU "
+                            "of compute capability 9 or 10; peagle_train.kernels.attention.FLASH_KERNEL_OPTIONS); "
+                            "sdpa: dense mask (small inputs)."
     )
     chain_kernel: Literal["auto", "triton", "torch"] = Field(
         "auto", description="How the split form's chain part runs: auto = the Triton kernels "

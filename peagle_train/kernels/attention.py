@@ -317,7 +317,8 @@ DIVISIBLE_HINT = True
 def divisible_options(kernel_options: dict | None, q, k) -> dict | None:
     """FlexAttention ``kernel_options`` with ``IS_DIVISIBLE: True`` added for CUDA inputs whose query and key lengths
     (``q.shape[-2]``, ``k.shape[-2]``) are both multiples of 128, unless ``kernel_options`` sets ``IS_DIVISIBLE``
-    itself or :data:`DIVISIBLE_HINT` is off; otherwise ``kernel_options`` unchanged. A new dict: the argument is never
+    itself or asks for ``BACKEND: FLASH`` (FlashAttention-4's kernels, not Inductor's templates) or
+    :data:`DIVISIBLE_HINT` is off; otherwise ``kernel_options`` unchanged. A new dict: the argument is never
     modified.
 
     Why: Inductor lowers FlexAttention with ``IS_DIVISIBLE`` true only where it can prove both lengths multiples of
@@ -330,6 +331,8 @@ def divisible_options(kernel_options: dict | None, q, k) -> dict | None:
     ``FlexKernelOptions``; eager FlexAttention ignores it. ``q``, ``k``: tensors (only ``is_cuda`` and ``shape`` are
     read). Raises nothing."""
     if not DIVISIBLE_HINT or not q.is_cuda or (kernel_options and "IS_DIVISIBLE" in kernel_options):
+        return kernel_options
+    if kernel_options and kernel_options.get("BACKEND") == "FLASH":  # an option of the Triton templates only
         return kernel_options
     if q.shape[-2] % 128 != 0 or k.shape[-2] % 128 != 0:
         return kernel_options
@@ -364,6 +367,9 @@ def _flex(q, k, v, block_mask, return_lse: bool = False, kernel_options: dict | 
 
     from peagle_train.kernels import compiling
 
+    if kernel_options and not q.is_cuda and kernel_options.get("BACKEND") == "FLASH":
+        # eager FlexAttention on a CPU computes the same rule; the FLASH backend is a CUDA kernel choice
+        kernel_options = {n: v for n, v in kernel_options.items() if n != "BACKEND"} or None
     if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
         return _flex_call(flex_attention, q, k, v, block_mask, return_lse, kernel_options)
     if q.is_cuda:
@@ -407,11 +413,17 @@ class AttnSpec:
     block_mask: object | None = None
     dense: torch.Tensor | None = None
     split: SplitMasks | None = None
+    #: FlexAttention ``kernel_options`` of the ``block_mask`` kernel as sorted ``(name, value)`` pairs, or None (its
+    #: own choice): ``(("BACKEND", "FLASH"),)`` for ``train.attention: flex_flash`` (:data:`FLASH_KERNEL_OPTIONS`)
+    kernel_options: tuple | None = None
 
     def __post_init__(self):
         given = [name for name in ("block_mask", "dense", "split") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"AttnSpec needs exactly one of block_mask, dense or split; got {given or 'none'}")
+        if self.kernel_options is not None and self.block_mask is None:
+            raise ValueError("AttnSpec.kernel_options applies to the block_mask kernel only (the split form takes "
+                             "train.prefix_kernel_options through SplitMasks)")
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SplitMasks,
@@ -456,7 +468,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) ->
     if spec.split is not None:
         return split_attention(q, k, v, spec.split)
     if spec.block_mask is not None:
-        return _flex(q, k, v, spec.block_mask)
+        return _flex(q, k, v, spec.block_mask,
+                     kernel_options=dict(spec.kernel_options) if spec.kernel_options else None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense[None, None], enable_gqa=True)
 
 
@@ -467,7 +480,36 @@ def prefix_breaks_layer_graph(attention: str, prefix_compiled_apart: bool) -> bo
     return bool(prefix_compiled_apart) and attention == "flex"
 
 
-FLEX_KINDS = ("flex", "flex_joint")  # FlexAttention kinds: compiled kernels specialise on the length (bucket it)
+FLEX_KINDS = ("flex", "flex_joint", "flex_flash")  # FlexAttention kinds: compiled kernels specialise on the length
+
+#: ``train.attention: flex_flash``: FlexAttention's ``BACKEND: FLASH``, the whole rule in one kernel run by
+#: FlashAttention-4's CuTe DSL kernels (the ``flash-attn-4`` package) instead of Inductor's Triton templates. Those
+#: kernels return no gradient through the log-sum-exp, which the split form's merge needs (:func:`merge_by_lse`), so
+#: FLASH runs the joint rule (``flex_joint``'s ``BlockMask``), where the chain keys are a few extra blocks per query
+#: block. On one H100 (3026d29) FLASH ran the grid's prefix mask at N = 65,536 in 895 ms forward + backward against
+#: 1,359 ms for the best Triton kernel (398.9 against 262.8 TFLOP/s; docs/benchmarks.md, 'FlashAttention-4 through
+#: FlexAttention on the grid's prefix').
+FLASH_KERNEL_OPTIONS = (("BACKEND", "FLASH"),)
+
+
+def flash_unavailable_reason(device: torch.device) -> str | None:
+    """Why ``train.attention: flex_flash`` cannot run on ``device``, or None where it can: it needs a CUDA device of
+    compute capability 9 or 10 (Hopper, Blackwell; FlashAttention-4's CuTe kernels) and the ``flash-attn-4`` package
+    (module ``flash_attn.cute``). Imports nothing heavy (a module spec lookup). Raises nothing."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return f"it runs on CUDA only (device {device})"
+    major = device_capability(device)[0]
+    if major not in (9, 10):
+        return f"FlashAttention-4's kernels need compute capability 9 or 10 (this GPU has {major}.x)"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return "the flash-attn-4 package is not installed (pip install flash-attn-4)"
+    return None
 
 
 def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", min_chain: int = 0,
@@ -482,7 +524,9 @@ def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", 
     ``prefix_kernel_options``: ``train.prefix_kernel_options``, ``"auto"``, a mapping or None, resolved for the
     grid's device by :func:`build_split_masks`; ``prefix_compiled_apart``: ``train.prefix_compiled_apart``);
     ``"flex_joint"``: one ``BlockMask`` of the whole rule (no dense tensor either way);
-    ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference).
+    ``"flex_flash"``: the same ``BlockMask`` run by FlashAttention-4's kernels (:data:`FLASH_KERNEL_OPTIONS`; on a
+    CPU eager FlexAttention computes the same rule, the option dropped by :func:`_flex`);
+    ``"sdpa"``: dense bool mask ``[E_q, E_kv]`` (small inputs / reference). Raises ValueError for another kind.
     """
     if kind == "flex":
         return AttnSpec(split=build_split_masks(q, kv, min_chain=min_chain, max_depth=max_depth,
@@ -491,6 +535,8 @@ def make_attn_spec(q: GridMeta, kv: GridMeta | None = None, kind: str = "flex", 
                                                 prefix_compiled_apart=prefix_compiled_apart))
     if kind == "flex_joint":
         return AttnSpec(block_mask=build_block_mask(q, kv))
+    if kind == "flex_flash":
+        return AttnSpec(block_mask=build_block_mask(q, kv), kernel_options=FLASH_KERNEL_OPTIONS)
     if kind == "sdpa":
         return AttnSpec(dense=dense_mask(q, kv))
     raise ValueError(f"unknown attention kind {kind!r}")

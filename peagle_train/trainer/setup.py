@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from peagle_train.core.config import ConfigError
+from peagle_train.kernels.attention import flash_unavailable_reason
 from peagle_train.methods import get_method
 from peagle_train.model.drafter import Drafter, make_drafter_config
 from peagle_train.recipe import RunConfig
@@ -13,7 +15,18 @@ from peagle_train.recipe import RunConfig
 
 def resolve_attention(kind: str, device: torch.device) -> str:
     """``auto`` → ``flex`` (the split form) on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU
-    backward); ``flex`` / ``flex_joint`` / ``sdpa`` are returned as given."""
+    backward); ``flex`` / ``flex_joint`` / ``flex_flash`` / ``sdpa`` are returned as given.
+
+    Raises:
+        ConfigError: ``flex_flash`` where FlashAttention-4's kernels cannot run on ``device`` (not CUDA, a GPU of
+            another generation, the ``flash-attn-4`` package missing:
+            :func:`~peagle_train.kernels.attention.flash_unavailable_reason`), naming ``train.attention`` and what
+            to do, before anything is compiled."""
+    if kind == "flex_flash":
+        why = flash_unavailable_reason(device)
+        if why is not None:
+            raise ConfigError(f"train.attention: flex_flash cannot run here: {why}. Install flash-attn-4 on a "
+                              "Hopper or Blackwell GPU, or set train.attention: flex (the default on CUDA)")
     if kind != "auto":
         return kind
     return "flex" if device.type == "cuda" else "sdpa"

@@ -131,8 +131,10 @@ class Trainer(InTrainingEval, Checkpoints):
         loaded = getattr(getattr(self.features, "target", None), "model", None)  # online: the target in memory
         drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head, loaded)
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
-        set_dynamic_shapes(self.tc.dynamic_shapes)  # before anything is compiled
         self.attention = resolve_attention(self.tc.attention, self.device)
+        # before anything is compiled; FlashAttention-4's kernels (flex_flash) are compiled for static shapes only
+        # (torch's FLASH backend), so that kind takes one graph per grid bucket whatever train.dynamic_shapes says
+        set_dynamic_shapes(self.tc.dynamic_shapes and self.attention != "flex_flash")
         try:  # once, at set-up: a recipe asking for Triton where it cannot run fails here, not at the first step
             self.chain_kernel = resolve_chain_kernel(self.tc.chain_kernel, self.device)
         except RuntimeError as e:

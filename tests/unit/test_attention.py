@@ -323,3 +323,70 @@ def test_make_attn_spec_kinds():
         AttnSpec()
     mm = make_mask_mod(m, m)
     assert bool(mm(0, 0, torch.tensor(3), torch.tensor(1))) and not bool(mm(0, 0, torch.tensor(1), torch.tensor(3)))
+
+
+# ----------------------------------------------------------------------------- flex_flash (FlashAttention-4)
+
+
+def test_flex_flash_spec_and_cpu_math():
+    """``flex_flash`` is the joint rule's ``BlockMask`` with ``BACKEND: FLASH``; on a CPU eager FlexAttention runs
+    the same rule without the option, so its output equals flex_joint's and SDPA's with the dense mask (float64,
+    a multi-document COD grid with GQA)."""
+    from peagle_train.kernels.attention import FLASH_KERNEL_OPTIONS
+
+    g, _ = make_grid([40, 25], 3, 0.9, 4, 0.7, 0.2, None, 1)
+    m = GridMeta.of(g)
+    spec = make_attn_spec(m, kind="flex_flash")
+    assert spec.block_mask is not None and spec.kernel_options == FLASH_KERNEL_OPTIONS == (("BACKEND", "FLASH"),)
+    assert make_attn_spec(m, kind="flex_joint").kernel_options is None
+    torch.manual_seed(0)
+    E = len(m)
+    q = torch.randn(1, 4, E, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, E, 8, dtype=torch.float64) for _ in range(2))
+    flash = attend(q, k, v, spec)
+    joint = attend(q, k, v, make_attn_spec(m, kind="flex_joint"))
+    ref = manual_attention(q, k, v, ref_dense(m, m))
+    torch.testing.assert_close(flash, joint, atol=0, rtol=0)
+    torch.testing.assert_close(flash, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_flex_flash_options_reach_the_kernel(monkeypatch):
+    """On CUDA inputs ``attend`` hands ``BACKEND: FLASH`` to FlexAttention and adds no ``IS_DIVISIBLE`` (an option
+    of Inductor's Triton templates); the Triton kinds keep the hint. The kernel is a stand-in that records its
+    keywords (no GPU here)."""
+    import peagle_train.kernels.attention as attention_mod
+
+    seen = {}
+
+    def fake_flex(q, k, v, block_mask, return_lse=False, kernel_options=None):
+        seen["before"] = kernel_options
+        seen["after"] = attention_mod.divisible_options(kernel_options, q, k)
+        return q
+
+    monkeypatch.setattr(attention_mod, "_flex", fake_flex)
+
+    class CudaLike:  # what divisible_options reads: is_cuda and the length
+        is_cuda = True
+        shape = (1, 4, 1024, 64)
+
+    m = GridMeta(torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+    attend(CudaLike(), CudaLike(), CudaLike(), make_attn_spec(m, kind="flex_flash"))
+    assert seen["before"] == {"BACKEND": "FLASH"} and seen["after"] == {"BACKEND": "FLASH"}
+    attend(CudaLike(), CudaLike(), CudaLike(), make_attn_spec(m, kind="flex_joint"))
+    assert seen["before"] is None and seen["after"] == {"IS_DIVISIBLE": True}
+    with pytest.raises(ValueError, match="block_mask kernel only"):
+        AttnSpec(dense=torch.ones(2, 2, dtype=torch.bool), kernel_options=(("BACKEND", "FLASH"),))
+
+
+def test_flex_flash_refused_where_it_cannot_run():
+    """``train.attention: flex_flash`` is refused at set-up with what to do where FlashAttention-4 cannot run (a
+    CPU here), before anything compiles; the other kinds resolve as before."""
+    from peagle_train.core.config import ConfigError
+    from peagle_train.kernels.attention import flash_unavailable_reason
+    from peagle_train.trainer.setup import resolve_attention
+
+    cpu = torch.device("cpu")
+    assert "CUDA only" in flash_unavailable_reason(cpu)
+    with pytest.raises(ConfigError, match="train.attention: flex_flash cannot run here.*flash-attn-4"):
+        resolve_attention("flex_flash", cpu)
+    assert resolve_attention("auto", cpu) == "sdpa" and resolve_attention("flex_joint", cpu) == "flex_joint"
