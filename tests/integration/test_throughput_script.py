@@ -166,7 +166,7 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
                                                                "long131072_static",
                                                                "long131072_kopts", "long131072_apart",
                                                                "profile131072", "gptoss", "gptoss_nohint", "prefix",
-                                                               "prefix_flash"]
+                                                               "prefix_flash", "long131072_flash", "gptoss_flash"]
     if h200:
         assert "--seq-len 262144" in steps["long262144"] and "--checkpointing" in steps["long262144"]
     assert ("--checkpointing" in steps["long131072"]) is not h200
@@ -190,6 +190,11 @@ def test_plan_runs_the_long_rows_the_gpu_can_hold_then_the_kernel_and_speculator
     # FlashAttention-4 through FlexAttention beside Triton's kernels, every row without the lse gradient it refuses
     assert '"BACKEND": "FLASH"' in steps["prefix_flash"] and "--no-lse-grad" in steps["prefix_flash"]
     assert "fwd_BLOCK_N" in steps["prefix_flash"] and "--no-lse-grad" not in steps["prefix"]
+    # the trainer's steps with train.attention: flex_flash, static shapes, against long131072_selective and gptoss
+    assert "--attention flex_flash" in steps["long131072_flash"] and "--checkpointing selective" in steps[
+        "long131072_flash"] and "--dynamic-shapes off" in steps["long131072_flash"]
+    assert "--attention flex_flash" in steps["gptoss_flash"] and "--compile on+autotune" in steps["gptoss_flash"]
+    assert "--attention" not in steps["gptoss"] and "--attention" not in steps["long131072_selective"]
 
 
 def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
@@ -216,7 +221,7 @@ def test_plan_steps_runs_only_the_steps_it_names_in_the_plans_order(tmp_path):
     assert lines[-1].startswith("done") and ran == ["long262144", "profile131072"]
     assert skipped == ["long131072", "long131072_selective", "long131072_nohint", "long131072_static", "long131072_kopts",
                        "long131072_apart",
-                       "gptoss", "gptoss_nohint", "prefix", "prefix_flash"]
+                       "gptoss", "gptoss_nohint", "prefix", "prefix_flash", "long131072_flash", "gptoss_flash"]
     r, lines, ran, skipped = plan("NVIDIA H100 80GB HBM3", "long131072_kopts")
     assert ran == ["long131072_kopts"] and "long131072" in skipped
     assert "long262144 skipped (PLAN_STEPS)" in lines  # not asked for: no claim that an H200 was missing
@@ -246,7 +251,8 @@ def test_plan_step_that_fails_is_noted_and_the_next_runs_and_poll_sends_what_is_
     assert [x.split(" rc ")[0] for x in lines[1:-1]] == ["long131072", "long131072_selective", "long131072_nohint",
                                                           "long131072_static",
                                                           "long131072_kopts", "long131072_apart", "profile131072",
-                                                          "gptoss", "gptoss_nohint", "prefix", "prefix_flash"]
+                                                          "gptoss", "gptoss_nohint", "prefix", "prefix_flash",
+                                                          "long131072_flash", "gptoss_flash"]
     assert all(" rc 3 " in x for x in lines[1:-1]) and lines[-1].startswith("done")  # each its own status
     (tmp_path / "res" / "x.json").write_text("{}")
     out = tmp_path / "out"
@@ -279,7 +285,7 @@ def test_plan_starts_in_the_background_afresh_and_poll_waits_for_it(tmp_path):
     assert [x.split(":")[0] for x in lines[1:-1]] == ["long262144", "long131072", "long131072_selective", "long131072_nohint",
                                                        "long131072_static", "long131072_kopts", "long131072_apart",
                                                        "profile131072", "gptoss", "gptoss_nohint", "prefix",
-                                                       "prefix_flash"]
+                                                       "prefix_flash", "long131072_flash", "gptoss_flash"]
     assert not (res / "old.json").exists() and not (tmp_path / "out" / "old.json").exists()
 
 
