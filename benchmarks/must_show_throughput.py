@@ -42,11 +42,12 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                      ["rows", {"key": "compile", "is": "max-autotune"}, "step_ms"]),
     "speculators_8k_ms": ("train_step_ceaa944_h100_gptoss_8192.json",
                           ["rows", {"key": "compile", "is": "max-autotune"}, "ref_step_ms"]),
-    # N = 131,072 on an 80 GB card: S = 2 with activation checkpointing, as the planner chose, with the prefix
-    # attention's forward block that train.prefix_kernel_options' default (auto) gives an H100 and FlexAttention's
-    # IS_DIVISIBLE hint, at ceaa944, the last commit measured (33.73 s; the same commit without the hint 41.06 s in
-    # the same plan: train_step_ceaa944_h100_131072_nohint.json; c050930: 41.07 s)
-    "n131072_step_ms": ("train_step_ceaa944_h100_131072.json",
+    # N = 131,072 on an 80 GB card with train.activation_checkpointing: selective (the attention kernels' outputs
+    # kept through the backward): S = 3 as the planner chose, the prefix attention's forward block of
+    # train.prefix_kernel_options' default (auto) and FlexAttention's IS_DIVISIBLE hint, at 3026d29, the last commit
+    # measured (30.13 s; full checkpointing, S = 2, in the same plan 33.55 s: train_step_3026d29_h100_131072.json;
+    # ceaa944 33.73 s, without the hint 41.06 s: train_step_ceaa944_h100_131072_nohint.json)
+    "n131072_step_ms": ("train_step_3026d29_h100_131072_selective.json",
                         ["rows", {"key": "N", "is": 131072}, "step_ms"]),
     "n262144_step_s": (None, "a run at b8c873c (H200, activation checkpointing) was stopped by its time limit "
                              "after 365 s, before it wrote its row (long_steps_b8c873c_h200_progress.txt); the "

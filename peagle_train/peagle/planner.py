@@ -28,12 +28,14 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
     act_bytes_per_element = L * (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd) + 12 H
                                              # saved activations per grid element, no checkpointing
     with checkpointing: L * 2 H + 12 H + one layer's (16 H + 8 I + 2 (nh + 2 nkv) hd + 4 nh hd)
-    selective (train.activation_checkpointing: selective): that + L * (2 nh hd + 4 nh)
-                                             # each layer's attention output (bf16) and log-sum-exp (fp32) kept;
-                                             # scaled by ALPHA with the rest (it under-counts them by 1 - ALPHA)
-                                             # while the recomputed layer's term counts its attention output
-                                             # again: the two nearly cancel (about 1.4 and 1.6 GB at N = 131,072,
-                                             # S = 3, GPT-OSS-20B shape); not yet checked against a measured peak
+    selective (train.activation_checkpointing: selective): that + L * (2 (2 nh + 2 nkv) hd + 4 nh)
+                                             # each layer's attention backward operands kept: q, k, v and the
+                                             # output (bf16) and log-sum-exp (fp32). Counting the output and
+                                             # log-sum-exp alone predicted 63.7 GiB for N = 131,072, S = 3 on an
+                                             # H100 where 72.0 GiB was measured (3026d29,
+                                             # docs/data/train_step_3026d29_h100_131072_selective.json): the
+                                             # compiled layers keep the attention's inputs as well; with them
+                                             # the model gives 70.9 GiB (-1.5 %)
     kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
                                              # recompute path keeps every chunk's bf16 target logits);
                   with fused_loss and a trainable lm_head, 4 * Vd * H more (its gradient, summed over
@@ -151,14 +153,16 @@ class ShapeParams:
     def act_bytes_per_element(self, checkpointing: bool | str = False) -> int:
         """Saved activation bytes per grid element for the whole drafter (before ``ALPHA``); ``checkpointing``:
         ``train.activation_checkpointing`` (False, True or ``"selective"``: full checkpointing plus each layer's
-        attention output in bf16 and log-sum-exp in fp32, :mod:`peagle_train.kernels.selective_checkpoint`)."""
+        attention backward operands, q, k, v and the output in bf16 and the log-sum-exp in fp32, as measured on an
+        H100 (module docstring); :mod:`peagle_train.kernels.selective_checkpoint`). Raises ValueError for another
+        ``checkpointing``."""
         H, L = self.hidden_size, self.num_layers
         if checkpointing not in (False, True, "selective"):
             raise ValueError(f"checkpointing must be False, True or 'selective', got {checkpointing!r}")
-        if checkpointing:  # selective: the kept bytes go through ALPHA too, and the one layer being recomputed
-            # already counts its own attention output: the two nearly cancel (module docstring)
+        if checkpointing:  # selective: the kept bytes go through ALPHA too (module docstring: measured)
             full = L * 2 * H + 12 * H + self.layer_act_bytes()
-            kept = L * (2 * self.num_heads * self.head_dim + 4 * self.num_heads) if checkpointing == "selective" else 0
+            qkvo = 2 * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            kept = L * (qkvo + 4 * self.num_heads) if checkpointing == "selective" else 0
             return full + kept
         return L * self.layer_act_bytes() + 12 * H
 

@@ -95,7 +95,8 @@ def test_selective_checkpointing_compiled_matches_eager(tiny_drafter, objective_
 def test_planner_counts_the_kept_attention_between_full_checkpointing_and_none():
     shape = ShapeParams(2880, 7680, 4, 64, 8, 64, 201088, 32000, 2880)  # the GPT-OSS-20B-shaped drafter
     full, sel, none = (shape.act_bytes_per_element(c) for c in (True, "selective", False))
-    assert sel - full == 4 * (2 * 64 * 64 + 4 * 64)  # per layer: bf16 output and fp32 log-sum-exp, 4 layers
+    # per layer: bf16 q, k, v (8 KV heads) and output, fp32 log-sum-exp, 4 layers
+    assert sel - full == 4 * (2 * (2 * 64 + 2 * 8) * 64 + 4 * 64)
     assert full < sel < none
     peaks = [predict_peak_bytes(131072, 2, shape, checkpointing=c) for c in (True, "selective", False)]
     assert peaks[0] < peaks[1] < peaks[2]
