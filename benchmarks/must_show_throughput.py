@@ -54,7 +54,7 @@ FIGURES: dict[str, tuple[str | None, list | str]] = {
                              "plans of 7a2a50b, 47e0feb, 8b83765 and c050930 run it only on an H200 and got H100s "
                              "(plan_7a2a50b_h100_progress.txt, plan_47e0feb_h100_progress.txt, "
                              "plan_8b83765_h100_progress.txt, plan_c050930_h100_progress.txt); at 8b83765, "
-                             "c050930 and ceaa944 an H200 was asked for alone and none could be started "
+                             "c050930, ceaa944 and 3026d29 an H200 was asked for alone and none could be started "
                              "(docs/benchmarks.md)"),
     # the steady engine run of an all-turns prepare of the real SmolLM2 with regen.keep_kv (one H100)
     "regen_tokens_per_s": ("regen_prepare_6980de8_h100_keep_kv_shards.json", ["steady_tokens_per_s"]),

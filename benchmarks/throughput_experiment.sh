@@ -289,7 +289,8 @@ PY
     # autotuned: Inductor's benchmarking of FlexAttention's choices alone took 384 s at N = 65,536 on an H100,
     # plan_7a2a50b_h100_logs.tar.gz); the N = 131,072 and 8K steps again without FlexAttention's IS_DIVISIBLE hint
     # (long131072_nohint, gptoss_nohint) and with one graph per grid bucket (long131072_static); FlashAttention-4's
-    # kernels on the prefix (prefix_flash, after stage-fa4). JSON and logs under $RES (default /tmp/res);
+    # kernels on the prefix (prefix_flash, after stage-fa4), and the trainer's steps with train.attention: flex_flash
+    # (long131072_flash, gptoss_flash, after stage-fa4). JSON and logs under $RES (default /tmp/res);
     # $RES/progress.txt gets each step's exit status. Then `poll SECONDS`. Each step has its own time limit (600-900
     # s; the limits add up to about two hours), so PLAN_STEPS="long131072 long131072_nohint" (in plan's
     # environment) runs only the steps it names, for a GPU held for less time than the whole plan takes.

@@ -84,7 +84,8 @@ host syncs of one extra trainer step (CUDA only).
 
 Attention (``train.attention``): ``--attention flex`` (default) is the split form (FlexAttention
 over the depth-0 prefix + a gathered chain of <= K-1 keys, merged by log-sum-exp), ``flex_joint``
-the single-BlockMask kernel of the whole rule, ``both`` times each row with both kinds (joint
+the single-BlockMask kernel of the whole rule, ``flex_flash`` that kernel run by FlashAttention-4 (FlexAttention's
+``BACKEND: FLASH``; the ``flash-attn-4`` package; static shapes, as the trainer compiles it), ``both`` times each row with both kinds (joint
 first) and adds ``speedup_vs_joint = joint step_ms / split step_ms`` to the split row. Every row
 records the ``attention`` it ran: on CPU that is ``sdpa`` whatever was asked (FlexAttention has
 no CPU backward). ``--check-grads`` times nothing: on a small grid of the chosen shape (N =
@@ -151,6 +152,7 @@ from peagle_train.peagle.grid import build_grid, cod_sample, supervised_count  #
 from peagle_train.peagle.planner import ShapeParams, predict_peak_bytes  # noqa: E402
 from peagle_train.trainer.profiling import (  # noqa: E402,F401  (re-exported: tests/integration/test_benchmarks.py)
     KERNEL_CATEGORIES, device_kernels, kernel_category, kernel_table, timeline_summary)
+from peagle_train.trainer.setup import dynamic_shapes_for
 from peagle_train.trainer.trainer import Trainer  # noqa: E402
 
 try:  # the recipe's home (RunConfig, config_from_dict); earlier: peagle_train.core.config
@@ -545,7 +547,7 @@ def bench_case(args, N: int, partitions: int | str, device, *, compile: bool | s
                shape_head_dim(args.shape), torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32),
            "prefix_compiled_apart": prefix_compiled_apart_ran(getattr(args, "prefix_compiled_apart", False), ran,
                                                               compile),
-           "dynamic_shapes": getattr(args, "dynamic_shapes", "on") == "on",
+           "dynamic_shapes": dynamic_shapes_for(ran, getattr(args, "dynamic_shapes", "on") == "on"),
            "divisible_hint": divisible_hint_ran(attention_mod.DIVISIBLE_HINT, ran, device)}
     trainer = None
     try:

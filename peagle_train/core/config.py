@@ -156,8 +156,10 @@ class TrainConfig(Section):
                             "split form (FlexAttention over the depth-0 prefix + a gathered chain of <= K-1 keys, "
                             "merged by log-sum-exp); flex_joint: one FlexAttention kernel over the whole rule "
                             "(same math, kept for comparison); flex_flash: that kernel run by FlashAttention-4's "
-                            "CuTe kernels (FlexAttention's BACKEND: FLASH; needs the flash-attn-4 package and a GPU "
-                            "of compute capability 9 or 10; peagle_train.kernels.attention.FLASH_KERNEL_OPTIONS); "
+                            "CuTe kernels (FlexAttention's BACKEND: FLASH; needs the flash-attn-4 package, a GPU "
+                            "of compute capability 9 or 10 and train.mixed_precision: bf16; compiled for static "
+                            "shapes whatever train.dynamic_shapes says; not yet run in the trainer on a GPU; "
+                            "peagle_train.kernels.attention.FLASH_KERNEL_OPTIONS); "
                             "sdpa: dense mask (small inputs)."
     )
     chain_kernel: Literal["auto", "triton", "torch"] = Field(
@@ -274,9 +276,11 @@ class TrainConfig(Section):
         "inputs, run the layer again in the backward. 'selective': the same, but keep the attention kernels' "
         "outputs (SDPA's; FlexAttention's inside train.compile only: without it the prefix attention runs again "
         "as under true, with a warning) so the backward does not run them again (torch's selective activation "
-        "checkpointing; peagle_train.kernels.selective_checkpoint); costs per grid element and layer the attention "
-        "output and log-sum-exp more than true; not with train.prefix_compiled_apart. Same gradients. Not yet "
-        "run on a GPU. train.partitions: auto plans with the setting as given.",
+        "checkpointing; peagle_train.kernels.selective_checkpoint); costs per grid element and layer the attention's "
+        "q, k, v and output and its log-sum-exp more than true (the planner's count, calibrated to a measured peak); "
+        "not with train.prefix_compiled_apart. Same gradients. GPT-OSS-20B-shaped benchmark drafter, N = 131,072, "
+        "one H100: 30.1 s a step (S = 3) against 33.6 s with true (S = 2) (docs/benchmarks.md). "
+        "train.partitions: auto plans with the setting as given.",
     )
     compile: bool | Literal["max-autotune"] = Field(
         False, description="torch.compile each drafter decoder layer and the loss chunk body (fullgraph, "
@@ -373,6 +377,9 @@ class TrainConfig(Section):
             raise ValueError("train.activation_checkpointing=selective cannot go with train.prefix_compiled_apart: the "
                              "graph break at the prefix attention would leave each checkpointed layer uncompiled; "
                              "turn one of them off")
+        if self.attention == "flex_flash" and self.mixed_precision != "bf16":
+            raise ValueError("train.attention=flex_flash needs train.mixed_precision=bf16: FlashAttention-4's kernels "
+                             "take bf16 or fp16 inputs only; set train.mixed_precision: bf16 or train.attention: flex")
         if self.target_sharding == "shard" and self.features != "online":
             raise ValueError("train.target_sharding=shard needs train.features=online (a cache run loads no target)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:

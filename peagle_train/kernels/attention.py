@@ -358,8 +358,8 @@ def _flex_call(fn, q, k, v, block_mask, return_lse: bool, kernel_options: dict |
 
 
 def _flex(q, k, v, block_mask, return_lse: bool = False, kernel_options: dict | None = None):
-    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU; eager ignores
-    ``kernel_options``, the compiled kernels' block sizes, warps and stages).
+    """FlexAttention, compiled on CUDA (the fused kernel), eager elsewhere (tests / CPU; eager ignores the compiled
+    kernels' block sizes, warps and stages; ``BACKEND: FLASH`` is dropped off CUDA, see the comment in the body).
 
     Returns ``out [1, nh, E_q, hd]``, or ``(out, lse)`` with ``return_lse`` (see :func:`_flex_call`).
     """
@@ -368,7 +368,8 @@ def _flex(q, k, v, block_mask, return_lse: bool = False, kernel_options: dict | 
     from peagle_train.kernels import compiling
 
     if kernel_options and not q.is_cuda and kernel_options.get("BACKEND") == "FLASH":
-        # eager FlexAttention on a CPU computes the same rule; the FLASH backend is a CUDA kernel choice
+        # the FLASH backend is a CUDA kernel choice; eager FlexAttention given it on a CPU returns the same output
+        # but its lse in base 2 (times log2(e)), so it is dropped here and the CPU computes the rule as flex_joint
         kernel_options = {n: v for n, v in kernel_options.items() if n != "BACKEND"} or None
     if torch.compiler.is_compiling():  # inside a compiled layer (train.compile): the layer's graph fuses it
         return _flex_call(flex_attention, q, k, v, block_mask, return_lse, kernel_options)
@@ -404,7 +405,8 @@ def _flex_with_lse(q, k, v, block_mask, kernel_options: dict | None = None):
 class AttnSpec:
     """How queries see keys; exactly one of:
 
-    * ``block_mask``: one FlexAttention ``BlockMask`` of the whole rule (``train.attention: flex_joint``);
+    * ``block_mask``: one FlexAttention ``BlockMask`` of the whole rule (``train.attention: flex_joint``, and
+      ``flex_flash`` with ``kernel_options`` :data:`FLASH_KERNEL_OPTIONS`);
     * ``split``: :class:`~peagle_train.peagle.masks.SplitMasks`, the prefix ``BlockMask`` + the chain
       index (``train.attention: flex``, the default on CUDA);
     * ``dense``: a dense bool mask ``[E_q, E_kv]`` for SDPA (CPU / small inputs / references).
@@ -494,19 +496,24 @@ FLASH_KERNEL_OPTIONS = (("BACKEND", "FLASH"),)
 
 def flash_unavailable_reason(device: torch.device) -> str | None:
     """Why ``train.attention: flex_flash`` cannot run on ``device``, or None where it can: it needs a CUDA device of
-    compute capability 9 or 10 (Hopper, Blackwell; FlashAttention-4's CuTe kernels) and the ``flash-attn-4`` package
-    (module ``flash_attn.cute``). Imports nothing heavy (a module spec lookup). Raises nothing."""
+    compute capability 9 or 10 (Hopper, Blackwell: the generations FlashAttention-4's CuTe kernels are built for;
+    measured on 9.0) and the ``flash-attn-4`` package (module ``flash_attn.cute``; looking it up imports the parent
+    package ``flash_attn``). Raises nothing: a device whose capability cannot be read or a package that fails to
+    import is a reason too."""
     import importlib.util
 
     if device.type != "cuda":
         return f"it runs on CUDA only (device {device})"
-    major = device_capability(device)[0]
+    try:
+        major = device_capability(device)[0]
+    except (RuntimeError, AssertionError) as e:  # a torch without CUDA, no device of that index
+        return f"the GPU's compute capability cannot be read ({e})"
     if major not in (9, 10):
         return f"FlashAttention-4's kernels need compute capability 9 or 10 (this GPU has {major}.x)"
     try:
         found = importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:
-        found = False
+    except ImportError as e:  # ModuleNotFoundError included; a parent package that fails to import
+        return f"flash_attn.cute cannot be imported ({e}); install flash-attn-4"
     if not found:
         return "the flash-attn-4 package is not installed (pip install flash-attn-4)"
     return None

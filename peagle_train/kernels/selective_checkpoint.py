@@ -12,12 +12,13 @@ is traced into each layer's compiled graph (:meth:`~peagle_train.model.drafter.D
 AOTAutograd's partitioner keeps what the policy saves. Eagerly it keeps SDPA's outputs; FlexAttention's eager call
 is itself a compiled region the policy cannot see, so without ``train.compile`` its forward runs again as under
 full checkpointing (:func:`warn_flex_not_kept` says so once). Not with ``train.prefix_compiled_apart``, whose
-graph break inside the checkpoint would leave the layer uncompiled. Not yet run on a GPU: whether torch's
-FlexAttention works under the policy inside ``torch.compile`` there is what ``benchmarks/train_step.py
---checkpointing selective`` will show.
+graph break inside the checkpoint would leave the layer uncompiled. On one H100 (3026d29, GPT-OSS-20B-shaped
+benchmark drafter, N = 131,072, ``benchmarks/train_step.py --checkpointing selective``) every layer compiled as one
+graph with FlexAttention kept, 30.1 s a step at S = 3 against 33.6 s under full checkpointing at S = 2
+(docs/benchmarks.md).
 
-Memory: per grid element and layer, the attention output (``num_heads * head_dim`` in the compute dtype) and its
-log-sum-exp (``num_heads`` fp32) more than full checkpointing
+Memory: per grid element and layer, the attention's q, k, v and output (in the compute dtype) and its log-sum-exp
+(``num_heads`` fp32) more than full checkpointing, as the planner counts it after the measured peak
 (:meth:`peagle_train.peagle.planner.ShapeParams.act_bytes_per_element`). The gradients are those of full
 checkpointing: the saved tensors are the ones the recompute would produce (tests/unit/test_selective_checkpoint.py,
 float64).
@@ -75,7 +76,7 @@ def warn_flex_not_kept() -> None:
 
     warnings.warn("train.activation_checkpointing=selective without train.compile: FlexAttention's eager call is "
                   "a compiled region the checkpoint policy cannot see, so its forward runs again in the backward "
-                  "as with true, while the planner counts its output as kept; set train.compile: true",
+                  "as with true, while the planner counts its tensors as kept; set train.compile: true",
                   stacklevel=3)
 
 

@@ -28,7 +28,8 @@ class PEagleObjective(nn.Module):
         drafter: a :class:`Drafter` with ``parallel_drafting``.
         target_head: ``[Vd, T]`` the target head's draft-vocab rows (frozen buffer).
         loss: ``"kl"`` / ``"ce"``. chunk_size: elements per loss chunk.
-        attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"sdpa"`` (see :func:`make_attn_spec`).
+        attention: ``"flex"`` (split form) / ``"flex_joint"`` / ``"flex_flash"`` / ``"sdpa"`` (see
+            :func:`make_attn_spec`).
         chain_kernel: the split form's chain part, ``"auto"`` (Triton on CUDA) / ``"triton"`` / ``"torch"``.
         fused_loss: gradients of the lm_head + loss computed in the loss forward (``train.fused_loss``,
             :func:`~peagle_train.kernels.loss.chunked_loss`).

@@ -32,6 +32,22 @@ def resolve_attention(kind: str, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "sdpa"
 
 
+def dynamic_shapes_for(attention: str, requested: bool) -> bool:
+    """Whether the run compiles for any grid length: ``train.dynamic_shapes`` (``requested``), except that
+    ``attention`` ``flex_flash`` compiles one graph per grid bucket (static shapes) whatever it says, with a warning
+    where that overrides ``true``: a precaution, since torch's FlashAttention-4 path through FlexAttention
+    (``torch/_inductor/kernel/flex/flex_flash_attention.py``) marks its dynamic-shape support as still to be
+    confirmed and no dynamic-shape run of it has been measured here. Raises nothing."""
+    if attention != "flex_flash" or not requested:
+        return requested
+    import warnings
+
+    warnings.warn("train.attention=flex_flash compiles one graph per 1,024-element grid bucket (static shapes) "
+                  "although train.dynamic_shapes is true: each new bucket length costs a compile; set "
+                  "train.dynamic_shapes: false to silence this", stacklevel=2)
+    return False
+
+
 def build_drafter(cfg: RunConfig, target_config, aux_layer_ids, draft_ids, embed, head, target_model=None) -> Drafter:
     """A drafter of the recipe's shape, initialised from the target's embeddings and head rows, and with
     ``drafter.init_layers: target`` its layers from the target's last ones (:func:`init_layers_from_target`;

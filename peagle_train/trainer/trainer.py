@@ -68,7 +68,14 @@ from peagle_train.recipe import RunConfig, dump_config
 from peagle_train.trainer.checkpoints import Checkpoints
 from peagle_train.trainer.evaluation import InTrainingEval
 from peagle_train.trainer.profiling import StepProfiler
-from peagle_train.trainer.setup import adamw_implementation, build_drafter, epoch_order, resolve_attention, step_generator
+from peagle_train.trainer.setup import (
+    adamw_implementation,
+    build_drafter,
+    dynamic_shapes_for,
+    epoch_order,
+    resolve_attention,
+    step_generator,
+)
 
 
 def ranks_max(acc, device, value: float) -> float:
@@ -91,8 +98,9 @@ class Trainer(InTrainingEval, Checkpoints):
         layout: the launch layout (default: :func:`~peagle_train.distributed.layout.requested_layout`).
 
     Raises:
-        ConfigError: an impossible layout (:func:`~peagle_train.distributed.layout.validate_layout`), or
-            ``train.chain_kernel: triton`` where Triton cannot run.
+        ConfigError: an impossible layout (:func:`~peagle_train.distributed.layout.validate_layout`),
+            ``train.chain_kernel: triton`` where Triton cannot run, or ``train.attention: flex_flash`` where
+            FlashAttention-4 cannot run (:func:`~peagle_train.trainer.setup.resolve_attention`).
         RuntimeError: processes that do not form one group (each rank would train alone).
     """
 
@@ -126,15 +134,16 @@ class Trainer(InTrainingEval, Checkpoints):
         head = self.features.target_head().detach().clone()
         embed = self.features.target_embeddings().detach().clone()
         self.device = self.acc.device
+        try:  # before the target is placed or the drafter built: a kind that cannot run here is refused at once
+            self.attention = resolve_attention(self.tc.attention, self.device)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg.source_file}: {e}") from None
         if self.tc.features == "online":
             self._place_target()
         loaded = getattr(getattr(self.features, "target", None), "model", None)  # online: the target in memory
         drafter = build_drafter(cfg, target_config, aux_layer_ids, self.draft_ids, embed, head, loaded)
         drafter.gradient_checkpointing = self.tc.activation_checkpointing
-        self.attention = resolve_attention(self.tc.attention, self.device)
-        # before anything is compiled; FlashAttention-4's kernels (flex_flash) are compiled for static shapes only
-        # (torch's FLASH backend), so that kind takes one graph per grid bucket whatever train.dynamic_shapes says
-        set_dynamic_shapes(self.tc.dynamic_shapes and self.attention != "flex_flash")
+        set_dynamic_shapes(dynamic_shapes_for(self.attention, self.tc.dynamic_shapes))  # before anything compiles
         try:  # once, at set-up: a recipe asking for Triton where it cannot run fails here, not at the first step
             self.chain_kernel = resolve_chain_kernel(self.tc.chain_kernel, self.device)
         except RuntimeError as e:

@@ -351,31 +351,48 @@ def test_flex_flash_spec_and_cpu_math():
 
 
 def test_flex_flash_options_reach_the_kernel(monkeypatch):
-    """On CUDA inputs ``attend`` hands ``BACKEND: FLASH`` to FlexAttention and adds no ``IS_DIVISIBLE`` (an option
-    of Inductor's Triton templates); the Triton kinds keep the hint. The kernel is a stand-in that records its
-    keywords (no GPU here)."""
+    """On CUDA inputs the real ``attend`` → ``_flex`` → ``_flex_call`` path hands ``BACKEND: FLASH`` to the compiled
+    FlexAttention and adds no ``IS_DIVISIBLE`` (an option of Inductor's Triton templates); the Triton kinds get the
+    hint. The compiled kernel is a stand-in that records its keywords (no GPU here)."""
     import peagle_train.kernels.attention as attention_mod
+    from peagle_train.kernels import compiling
 
     seen = {}
 
-    def fake_flex(q, k, v, block_mask, return_lse=False, kernel_options=None):
-        seen["before"] = kernel_options
-        seen["after"] = attention_mod.divisible_options(kernel_options, q, k)
+    def recorder(q, k, v, **kw):
+        seen.update(kw)
         return q
 
-    monkeypatch.setattr(attention_mod, "_flex", fake_flex)
+    monkeypatch.setitem(attention_mod._FLEX_COMPILED, compiling.DYNAMIC, recorder)
 
-    class CudaLike:  # what divisible_options reads: is_cuda and the length
+    class CudaLike:  # what _flex and divisible_options read: is_cuda and the length
         is_cuda = True
         shape = (1, 4, 1024, 64)
 
     m = GridMeta(torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
     attend(CudaLike(), CudaLike(), CudaLike(), make_attn_spec(m, kind="flex_flash"))
-    assert seen["before"] == {"BACKEND": "FLASH"} and seen["after"] == {"BACKEND": "FLASH"}
+    assert seen["kernel_options"] == {"BACKEND": "FLASH"} and seen["enable_gqa"] is True
+    seen.clear()
     attend(CudaLike(), CudaLike(), CudaLike(), make_attn_spec(m, kind="flex_joint"))
-    assert seen["before"] is None and seen["after"] == {"IS_DIVISIBLE": True}
+    assert seen["kernel_options"] == {"IS_DIVISIBLE": True}
     with pytest.raises(ValueError, match="block_mask kernel only"):
         AttnSpec(dense=torch.ones(2, 2, dtype=torch.bool), kernel_options=(("BACKEND", "FLASH"),))
+
+
+def test_flex_flash_backend_dropped_off_cuda():
+    """Eager FlexAttention given ``BACKEND: FLASH`` on a CPU returns its log-sum-exp in another base; ``_flex`` drops
+    the option off CUDA, so the split form's merge would read the natural-log lse: equal to the call without it."""
+    from peagle_train.kernels.attention import _flex
+
+    g, _ = make_grid([30, 20], 2, 0.9, 3, 0.7, 0.2, None, 2)
+    m = GridMeta.of(g)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, len(m), 8, dtype=torch.float64) for _ in range(3))
+    bm = build_block_mask(m)
+    out_f, lse_f = _flex(q, k, v, bm, return_lse=True, kernel_options={"BACKEND": "FLASH"})
+    out, lse = _flex(q, k, v, bm, return_lse=True)
+    torch.testing.assert_close(out_f, out, atol=0, rtol=0)
+    torch.testing.assert_close(lse_f, lse, atol=0, rtol=0)
 
 
 def test_flex_flash_refused_where_it_cannot_run():
@@ -390,3 +407,49 @@ def test_flex_flash_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="train.attention: flex_flash cannot run here.*flash-attn-4"):
         resolve_attention("flex_flash", cpu)
     assert resolve_attention("auto", cpu) == "sdpa" and resolve_attention("flex_joint", cpu) == "flex_joint"
+
+
+@pytest.mark.parametrize("capability, spec, expect", [
+    ((8, 0), "found", "compute capability 9 or 10 (this GPU has 8.x)"),
+    ((9, 0), None, "not installed (pip install flash-attn-4)"),
+    ((9, 0), ImportError("broken flash_attn"), "cannot be imported (broken flash_attn)"),
+    ((10, 0), "found", None),
+    (RuntimeError("no CUDA"), "found", "cannot be read (no CUDA)"),
+])
+def test_flash_unavailable_reason_on_gpus(monkeypatch, capability, spec, expect):
+    """The GPU checks of ``flex_flash`` without a GPU: the capability and the package lookup stood in for; a broken
+    package or an unreadable capability is a reason, never an exception."""
+    import importlib.util
+
+    import peagle_train.kernels.attention as attention_mod
+
+    def fake_capability(device):
+        if isinstance(capability, Exception):
+            raise capability
+        return capability
+
+    def fake_find_spec(name):
+        assert name == "flash_attn.cute"
+        if isinstance(spec, Exception):
+            raise spec
+        return spec
+
+    monkeypatch.setattr(attention_mod, "device_capability", fake_capability)
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+    why = attention_mod.flash_unavailable_reason(torch.device("cuda", 0))
+    assert why is None if expect is None else expect in why
+
+
+def test_flex_flash_compiles_static_and_needs_bf16():
+    """``flex_flash`` compiles one graph per bucket whatever ``train.dynamic_shapes`` says (warning where it
+    overrides true); the other kinds keep the setting; the recipe is refused without bf16 autocast."""
+    from peagle_train.core.config import TrainConfig
+    from peagle_train.trainer.setup import dynamic_shapes_for
+
+    with pytest.warns(UserWarning, match="flex_flash compiles one graph per 1,024-element grid bucket"):
+        assert dynamic_shapes_for("flex_flash", True) is False
+    assert dynamic_shapes_for("flex_flash", False) is False
+    assert dynamic_shapes_for("flex", True) is True and dynamic_shapes_for("flex_joint", False) is False
+    assert TrainConfig(attention="flex_flash", mixed_precision="bf16").attention == "flex_flash"
+    with pytest.raises(ValueError, match="flex_flash needs train.mixed_precision=bf16"):
+        TrainConfig(attention="flex_flash")
