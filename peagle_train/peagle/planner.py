@@ -35,7 +35,7 @@ Model (bytes; bf16 autocast, fp32 master weights, AdamW, as ``benchmarks/train_s
                                              # H100 where 72.0 GiB was measured (3026d29,
                                              # docs/data/train_step_3026d29_h100_131072_selective.json): the
                                              # compiled layers keep the attention's inputs as well; with them
-                                             # the model gives 70.9 GiB (-1.5 %)
+                                             # the model gives 71.1 GiB (-1.2 %)
     kept_logits = 0 with train.fused_loss (the default); 2 * Vd * E_seg without it (the
                                              # recompute path keeps every chunk's bf16 target logits);
                   with fused_loss and a trainable lm_head, 4 * Vd * H more (its gradient, summed over
